@@ -1,0 +1,51 @@
+"""kvoff: KV-cache offloading for LLM inference engines.
+
+kvoff keeps a large pool of paged KV-cache blocks in (pinned) CPU memory, keyed by prefix block
+hashes, stores newly computed blocks GPU→CPU in the background and loads cached prefixes back
+CPU→GPU so that an engine skips their prefill.
+
+Parts:
+  * ``torch.ops.kvoff.*`` (module ``kvoff._C``): batched multi-layer block copies.
+  * ``kvoff._scheduler`` (pybind11 over the C++ core): the CPU block pool and the
+    offloading manager (``CPUOffloadingManager``).
+  * Python: KV cache specs, the offloading configuration, the worker and the CLI.
+"""
+
+from __future__ import annotations
+
+from kvoff._version_check import check_torch_version as _check_torch_version
+
+_check_torch_version()
+
+# Order matters: the torch ops library must be loaded before the fake kernels register.
+from kvoff import _C  # noqa: E402,F401  (registers torch.ops.kvoff.*)
+from kvoff._scheduler import (  # noqa: E402
+    CPUOffloadingManager,
+    OffloadingEvent,
+    PrepareStoreOutput,
+)
+from kvoff.config import OffloadingConfig  # noqa: E402
+from kvoff.ops import copy_blocks  # noqa: E402
+from kvoff.specs import FullAttentionSpec  # noqa: E402
+from kvoff.worker import (  # noqa: E402
+    CPUBlockSpec,
+    GPUBlockSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUBlockSpec",
+    "CPUOffloadingManager",
+    "FullAttentionSpec",
+    "GPUBlockSpec",
+    "OffloadingConfig",
+    "OffloadingEvent",
+    "OffloadingWorker",
+    "PrepareStoreOutput",
+    "TransferResult",
+    "__version__",
+    "copy_blocks",
+]

@@ -1,0 +1,3 @@
+"""Offloading configuration (placeholder, being written)."""
+class OffloadingConfig:  # placeholder
+    pass

@@ -1,0 +1,3 @@
+"""KV cache specs (placeholder, being written)."""
+class FullAttentionSpec:  # placeholder
+    pass
