@@ -1,9 +1,458 @@
-"""Worker (placeholder, being written)."""
-class CPUBlockSpec:  # placeholder
-    pass
-class GPUBlockSpec:  # placeholder
-    pass
-class OffloadingWorker:  # placeholder
-    pass
-class TransferResult:  # placeholder
-    pass
+"""The worker: owns the CPU pool tensors and moves blocks between them and the GPU KV cache.
+
+One worker runs per tensor-parallel rank. It registers the engine's KV cache tensors as block
+rows, allocates the CPU pool (pinned when CUDA is available), and runs load (CPU→GPU) and store
+(GPU→CPU) jobs through ``torch.ops.kvoff.copy_blocks``.
+
+Row layout (DESIGN.md "Moving bytes"): each registered GPU tensor is viewed as
+``(num_gpu_blocks, page_bytes)`` uint8 rows, using the engine's ``num_gpu_blocks`` (never the
+tensor's leading dimension: DESIGN.md invariant 2). Its CPU twin is a
+``(num_cpu_blocks, page_bytes × block_size_factor)`` uint8 tensor, copied as
+``(num_cpu_blocks × block_size_factor, page_bytes)`` rows, so GPU block ``i`` of offloaded
+block ``j`` lands in CPU row ``cpu_block_id × block_size_factor + (i % block_size_factor)``.
+
+On CPU builds jobs run synchronously inside :meth:`OffloadingWorker.transfer_async`; on CUDA each
+direction has its own stream (FIFO within a direction), every job records an event, and
+:meth:`OffloadingWorker.get_finished` polls events without blocking.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvoff.ops import copy_blocks
+
+__all__ = ["CPUBlockSpec", "GPUBlockSpec", "OffloadingWorker", "TransferResult"]
+
+Direction = Literal["store", "load"]
+
+
+def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(int(v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{name} must be non-negative, got {list(out)}")
+    return out
+
+
+@dataclass(frozen=True)
+class GPUBlockSpec:
+    """The GPU side of a job.
+
+    Attributes:
+        block_ids: GPU block ids of all KV cache groups, concatenated in group order.
+        group_sizes: how many of ``block_ids`` belong to each group (one entry per group,
+            0 allowed); ``sum(group_sizes) == len(block_ids)`` (DESIGN.md invariant 1).
+        block_indices: per group, the logical index (position in the request, in GPU blocks)
+            of the group's first block; ``block_indices[g] % block_size_factor`` is the offset
+            of that block inside its offloaded block (a partial first offloaded block).
+
+    Raises:
+        ValueError: when the sizes disagree or a value is negative.
+    """
+
+    block_ids: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", _int_tuple("block_ids", self.block_ids))
+        object.__setattr__(self, "group_sizes", _int_tuple("group_sizes", self.group_sizes))
+        object.__setattr__(self, "block_indices", _int_tuple("block_indices", self.block_indices))
+        if sum(self.group_sizes) != len(self.block_ids):
+            raise ValueError(
+                f"sum(group_sizes)={sum(self.group_sizes)} != len(block_ids)="
+                f"{len(self.block_ids)}: group_sizes must count every block id once, per group"
+            )
+        if len(self.block_indices) != len(self.group_sizes):
+            raise ValueError(
+                f"block_indices has {len(self.block_indices)} entries but group_sizes has "
+                f"{len(self.group_sizes)}: give one entry per KV cache group"
+            )
+
+    @classmethod
+    def single_group(cls, block_ids: Sequence[int], block_index: int = 0) -> GPUBlockSpec:
+        """A spec for a model with one KV cache group starting at logical ``block_index``."""
+        return cls(tuple(block_ids), (len(block_ids),), (block_index,))
+
+
+@dataclass(frozen=True)
+class CPUBlockSpec:
+    """The CPU side of a job: CPU block ids (slots), for all groups in group order.
+
+    For group ``g`` with ``n`` GPU blocks starting at logical index ``s``, the job uses
+    ``(s + n - 1) // block_size_factor - s // block_size_factor + 1`` CPU blocks (0 if n == 0).
+    """
+
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", _int_tuple("block_ids", self.block_ids))
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What became of one job.
+
+    Attributes:
+        job_id: the id given to :meth:`OffloadingWorker.transfer_async`.
+        direction: ``"store"`` (GPU→CPU) or ``"load"`` (CPU→GPU).
+        success: False when the copy raised (nothing of a failed job may be used as a hit).
+        num_bytes: bytes the job moved (0 when it failed).
+        seconds: wall time of the copy (CPU), or GPU time between the job's events (CUDA).
+        error: the error message when ``success`` is False.
+    """
+
+    job_id: int
+    direction: Direction
+    success: bool
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class _Group:
+    gpu_rows: list[torch.Tensor] = field(default_factory=list)
+    cpu_rows: list[torch.Tensor] = field(default_factory=list)
+    row_bytes: int = 0  # sum of the page bytes of its tensors (bytes per GPU block)
+
+
+@dataclass
+class _InFlight:
+    job_id: int
+    direction: Direction
+    num_bytes: int
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
+class OffloadingWorker:
+    """Moves KV blocks between the registered GPU KV cache and its CPU pool.
+
+    Args:
+        num_gpu_blocks: GPU blocks of the engine's cache (``KVCacheConfig.num_blocks``). It is
+            authoritative: tensors are viewed with this many rows, whatever their shape.
+        num_cpu_blocks: CPU slots (offloaded blocks) to allocate.
+        block_size_factor: GPU blocks per offloaded block.
+        pin_memory: pin the CPU pool (default: when CUDA is available).
+
+    Raises:
+        ValueError: on non-positive sizes.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size_factor: int = 1,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_gpu_blocks", num_gpu_blocks),
+            ("num_cpu_blocks", num_cpu_blocks),
+            ("block_size_factor", block_size_factor),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.block_size_factor = block_size_factor
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._groups: list[_Group] = []
+        self._layer_names: list[str] = []
+        self._device: torch.device | None = None
+        self._finished: list[TransferResult] = []
+        self._in_flight: dict[int, _InFlight] = {}
+        self._streams: dict[Direction, torch.cuda.Stream] = {}
+
+    # ------------------------------------------------------------------ registration
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_to_group: Mapping[str, int] | None = None,
+    ) -> None:
+        """Register the engine's KV cache tensors and allocate the CPU pool.
+
+        Args:
+            kv_caches: layer name → that layer's KV cache tensor, blocks first and contiguous,
+                e.g. ``(num_gpu_blocks, 2, block_size, num_kv_heads, head_size)``, or a leading
+                dimension that is a multiple of ``num_gpu_blocks`` (a block split into smaller
+                kernel blocks). Any dtype; bytes are copied as they are.
+            layer_to_group: layer name → KV cache group index (default: all layers in group 0).
+                Groups must be numbered 0..G-1 without gaps.
+
+        Raises:
+            ValueError: when already registered, when ``kv_caches`` is empty, when a tensor is
+                not contiguous, lives on different devices than the others, or its bytes are not
+                divisible into ``num_gpu_blocks`` rows; when groups have gaps.
+        """
+        if self._groups:
+            raise ValueError("register_kv_caches was already called on this worker")
+        if not kv_caches:
+            raise ValueError("kv_caches is empty: register at least one layer")
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1:
+            raise ValueError(
+                f"all KV cache tensors must be on one device, got {sorted(map(str, devices))}"
+            )
+        mapping = dict(layer_to_group or dict.fromkeys(kv_caches, 0))
+        if set(mapping) != set(kv_caches):
+            raise ValueError(
+                "layer_to_group must name exactly the layers of kv_caches; missing "
+                f"{sorted(set(kv_caches) - set(mapping))}, "
+                f"extra {sorted(set(mapping) - set(kv_caches))}"
+            )
+        num_groups = max(mapping.values()) + 1
+        if sorted(set(mapping.values())) != list(range(num_groups)):
+            raise ValueError(
+                f"KV cache group indices must be 0..{num_groups - 1} without gaps, got "
+                f"{sorted(set(mapping.values()))}"
+            )
+        groups = [_Group() for _ in range(num_groups)]
+        for name, tensor in kv_caches.items():
+            rows = self._block_rows(name, tensor)
+            page = rows.shape[1]
+            cpu = torch.empty(
+                (self.num_cpu_blocks, page * self.block_size_factor),
+                dtype=torch.uint8,
+                pin_memory=self.pin_memory,
+            )
+            g = groups[mapping[name]]
+            g.gpu_rows.append(rows)
+            g.cpu_rows.append(cpu.view(self.num_cpu_blocks * self.block_size_factor, page))
+            g.row_bytes += page
+        self._groups = groups
+        self._layer_names = list(kv_caches)
+        self._device = next(iter(devices))
+        if self._device.type == "cuda":
+            self._streams = {
+                "store": torch.cuda.Stream(self._device),
+                "load": torch.cuda.Stream(self._device),
+            }
+
+    def _block_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"KV cache tensor of layer {name!r} is not contiguous "
+                f"(shape {tuple(tensor.shape)}, strides {tensor.stride()}); "
+                "register a contiguous blocks-first tensor"
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or nbytes % self.num_gpu_blocks:
+            raise ValueError(
+                f"KV cache tensor of layer {name!r} has {nbytes} bytes (shape "
+                f"{tuple(tensor.shape)}, {tensor.dtype}), which is not a positive multiple of "
+                f"num_gpu_blocks={self.num_gpu_blocks}; pass the engine's KVCacheConfig.num_blocks"
+            )
+        return (
+            tensor.view(-1)
+            .view(torch.uint8)
+            .view(self.num_gpu_blocks, nbytes // self.num_gpu_blocks)
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups registered."""
+        return len(self._groups)
+
+    @property
+    def bytes_per_gpu_block(self) -> int:
+        """Bytes of one GPU block over all registered layers of this rank."""
+        return sum(g.row_bytes for g in self._groups)
+
+    @property
+    def cpu_pool_bytes(self) -> int:
+        """Bytes allocated for the CPU pool of this rank."""
+        return self.bytes_per_gpu_block * self.block_size_factor * self.num_cpu_blocks
+
+    def cpu_tensors(self) -> list[torch.Tensor]:
+        """The CPU pool as ``(num_cpu_blocks × block_size_factor, page_bytes)`` uint8 row views,
+        one per registered layer, in group order."""
+        return [t for g in self._groups for t in g.cpu_rows]
+
+    def gpu_tensors(self) -> list[torch.Tensor]:
+        """The registered KV caches as ``(num_gpu_blocks, page_bytes)`` uint8 row views."""
+        return [t for g in self._groups for t in g.gpu_rows]
+
+    # ------------------------------------------------------------------ jobs
+    def _expand(
+        self, gpu: GPUBlockSpec, cpu: CPUBlockSpec
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group: (GPU row ids, CPU row ids) as int64 tensors."""
+        if len(gpu.group_sizes) != len(self._groups):
+            raise ValueError(
+                f"the job has {len(gpu.group_sizes)} group_sizes entries but "
+                f"{len(self._groups)} KV cache groups are registered; give one per group"
+            )
+        f = self.block_size_factor
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        gpu_off = 0
+        cpu_off = 0
+        cpu_ids = torch.tensor(cpu.block_ids, dtype=torch.int64)
+        for n, start in zip(gpu.group_sizes, gpu.block_indices, strict=True):
+            if n == 0:
+                out.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+                continue
+            first = start // f
+            count = (start + n - 1) // f - first + 1
+            if cpu_off + count > len(cpu_ids):
+                raise ValueError(
+                    f"the CPU side has {len(cpu_ids)} block ids, but the GPU side needs at least "
+                    f"{cpu_off + count} (group sizes {list(gpu.group_sizes)}, block indices "
+                    f"{list(gpu.block_indices)}, block_size_factor {f})"
+                )
+            logical = torch.arange(start, start + n, dtype=torch.int64)
+            slots = cpu_ids[cpu_off + logical // f - first]
+            out.append(
+                (
+                    torch.tensor(gpu.block_ids[gpu_off : gpu_off + n], dtype=torch.int64),
+                    slots * f + logical % f,
+                )
+            )
+            gpu_off += n
+            cpu_off += count
+        if cpu_off != len(cpu_ids):
+            raise ValueError(
+                f"the CPU side has {len(cpu_ids)} block ids but the GPU side covers {cpu_off} "
+                f"offloaded blocks (group sizes {list(gpu.group_sizes)}, block indices "
+                f"{list(gpu.block_indices)}, block_size_factor {f})"
+            )
+        return out
+
+    def transfer_async(
+        self, job_id: int, src: GPUBlockSpec | CPUBlockSpec, dst: GPUBlockSpec | CPUBlockSpec
+    ) -> bool:
+        """Submit one job: a store (``GPUBlockSpec`` → ``CPUBlockSpec``) or a load (the reverse).
+
+        On CPU the copy runs before this returns; its result is queued for
+        :meth:`get_finished`. On CUDA the copy is queued on the direction's stream (a store
+        first waits on the current compute stream so it sees the forward pass's writes).
+
+        Returns:
+            True when the job was submitted (CUDA) or ran successfully (CPU); False when the
+            copy failed (for example an out-of-range block id): the failure is also reported as
+            ``TransferResult(success=False)`` and no other job's blocks are touched.
+
+        Raises:
+            ValueError: when nothing is registered, ``job_id`` is already in flight, both sides
+                have the same type, or the two sides do not describe the same blocks.
+        """
+        if not self._groups:
+            raise ValueError("no KV caches registered: call register_kv_caches first")
+        if job_id in self._in_flight:
+            raise ValueError(f"job_id {job_id} is already in flight; use a fresh job id")
+        if isinstance(src, GPUBlockSpec) and isinstance(dst, CPUBlockSpec):
+            direction: Direction = "store"
+            gpu, cpu = src, dst
+        elif isinstance(src, CPUBlockSpec) and isinstance(dst, GPUBlockSpec):
+            direction = "load"
+            gpu, cpu = dst, src
+        else:
+            raise ValueError(
+                f"a job copies GPUBlockSpec→CPUBlockSpec (store) or CPUBlockSpec→GPUBlockSpec "
+                f"(load), got {type(src).__name__}→{type(dst).__name__}"
+            )
+        per_group = self._expand(gpu, cpu)
+        num_bytes = sum(
+            len(gpu_ids) * g.row_bytes
+            for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
+        )
+        if self._streams:
+            return self._submit_cuda(job_id, direction, per_group, num_bytes)
+        t0 = time.perf_counter()
+        try:
+            self._copy(direction, per_group)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            self._finished.append(
+                TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
+            )
+            return False
+        self._finished.append(
+            TransferResult(job_id, direction, True, num_bytes, time.perf_counter() - t0)
+        )
+        return True
+
+    def _copy(
+        self, direction: Direction, per_group: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        for (gpu_ids, cpu_ids), g in zip(per_group, self._groups, strict=True):
+            if len(gpu_ids) == 0:
+                continue
+            if direction == "store":
+                copy_blocks(g.gpu_rows, g.cpu_rows, gpu_ids, cpu_ids)
+            else:
+                copy_blocks(g.cpu_rows, g.gpu_rows, cpu_ids, gpu_ids)
+
+    def _submit_cuda(
+        self,
+        job_id: int,
+        direction: Direction,
+        per_group: list[tuple[torch.Tensor, torch.Tensor]],
+        num_bytes: int,
+    ) -> bool:
+        stream = self._streams[direction]
+        if direction == "store":
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            try:
+                self._copy(direction, per_group)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc)))
+                return False
+            end.record(stream)
+        self._in_flight[job_id] = _InFlight(job_id, direction, num_bytes, start, end)
+        return True
+
+    def _complete(self, job: _InFlight) -> TransferResult:
+        del self._in_flight[job.job_id]
+        seconds = job.start.elapsed_time(job.end) / 1e3
+        return TransferResult(job.job_id, job.direction, True, job.num_bytes, seconds)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call, without blocking (CUDA events are polled)."""
+        done = self._finished
+        self._finished = []
+        for job in list(self._in_flight.values()):
+            if job.end.query():
+                done.append(self._complete(job))
+        return done
+
+    def wait(self, job_ids: Iterable[int]) -> list[TransferResult]:
+        """Block until the given jobs are finished and return their results.
+
+        Results of these jobs are removed from what :meth:`get_finished` will return; results
+        of other jobs stay queued.
+
+        Raises:
+            KeyError: for a job id that was never submitted or whose result was already taken.
+        """
+        wanted = list(job_ids)
+        results: dict[int, TransferResult] = {}
+        for jid in wanted:
+            job = self._in_flight.get(jid)
+            if job is not None:
+                job.end.synchronize()
+                results[jid] = self._complete(job)
+        keep = []
+        for r in self._finished:
+            if r.job_id in wanted and r.job_id not in results:
+                results[r.job_id] = r
+            else:
+                keep.append(r)
+        self._finished = keep
+        missing = [j for j in wanted if j not in results]
+        if missing:
+            raise KeyError(
+                f"unknown job ids {missing}: never submitted, or their results were already taken"
+            )
+        return [results[j] for j in wanted]

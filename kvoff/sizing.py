@@ -1,0 +1,48 @@
+"""CPU pool sizing: the one function that turns CPU bytes into CPU block slots.
+
+DESIGN.md invariant 3: CPU block count = ``cpu_bytes_to_use // (bytes per GPU block over all
+layers of one rank × world_size × block_size_factor)``. The scheduler and every worker call this
+same function so that their pools always agree.
+"""
+
+from __future__ import annotations
+
+__all__ = ["compute_num_cpu_blocks"]
+
+
+def compute_num_cpu_blocks(
+    cpu_bytes_to_use: int,
+    bytes_per_gpu_block: int,
+    block_size_factor: int,
+    world_size: int = 1,
+) -> int:
+    """Number of CPU block slots (offloaded blocks) that fit in ``cpu_bytes_to_use``.
+
+    Args:
+        cpu_bytes_to_use: bytes of CPU memory for the pool, summed over all ranks.
+        bytes_per_gpu_block: bytes of one GPU block over all layers of ONE rank (for a
+            ``KVCacheConfig``: total bytes of its tensors // its ``num_blocks``). 0 when the
+            engine has no GPU blocks.
+        block_size_factor: GPU blocks per offloaded block (``offloaded_block_size //
+            block_size``).
+        world_size: tensor-parallel ranks; each keeps its shard of every slot.
+
+    Returns:
+        ``cpu_bytes_to_use // (bytes_per_gpu_block × world_size × block_size_factor)`` slots, or
+        0 when ``bytes_per_gpu_block`` is 0 (no GPU blocks: nothing to offload).
+
+    Raises:
+        ValueError: when an argument is negative, or ``block_size_factor`` / ``world_size`` is
+            not positive; the message names the value.
+    """
+    if cpu_bytes_to_use < 0:
+        raise ValueError(f"cpu_bytes_to_use must be >= 0 bytes, got {cpu_bytes_to_use}")
+    if bytes_per_gpu_block < 0:
+        raise ValueError(f"bytes_per_gpu_block must be >= 0 bytes, got {bytes_per_gpu_block}")
+    if block_size_factor < 1:
+        raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bytes_per_gpu_block == 0:
+        return 0
+    return cpu_bytes_to_use // (bytes_per_gpu_block * world_size * block_size_factor)

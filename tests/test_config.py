@@ -1,0 +1,93 @@
+"""Specs, the offloading configuration and CPU pool sizing (DESIGN.md invariant 3)."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+import kvoff
+from kvoff.config import EVICTION_POLICIES, OffloadingConfig
+from kvoff.sizing import compute_num_cpu_blocks
+from kvoff.specs import FullAttentionSpec
+
+
+def test_full_attention_page_size_by_hand() -> None:
+    # Llama-3-8B layer, 16-token blocks: 2 (K,V) × 16 × 8 heads × 128 × 2 bytes = 65,536
+    spec = kvoff.FullAttentionSpec(16, 8, 128, torch.bfloat16)
+    assert spec.page_size_bytes == 65_536
+    assert spec.bytes_per_token == 4096
+    # dtype names are accepted and normalised; the spec is frozen
+    assert FullAttentionSpec(16, 8, 128, "bf16") == spec
+    with pytest.raises(AttributeError):
+        spec.block_size = 32  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_kv_heads": -1}, "num_kv_heads"),
+        ({"head_size": 1.5}, "head_size"),
+        ({"dtype": "float13"}, "float13"),
+    ],
+)
+def test_full_attention_rejects_bad_values(kwargs: dict, needle: str) -> None:
+    args = {"block_size": 16, "num_kv_heads": 8, "head_size": 128, "dtype": torch.float16}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        FullAttentionSpec(**args)
+
+
+def test_num_cpu_blocks_formula() -> None:
+    # invariant 3: cpu_bytes // (bytes per GPU block of one rank × world_size × factor)
+    per_block = 32 * 65_536  # 32 Llama layers
+    assert compute_num_cpu_blocks(10 * 2**30, per_block, 4, 2) == (10 * 2**30) // (
+        per_block * 2 * 4
+    )
+    # not page size × number of tensors: the caller passes the total bytes per GPU block, and
+    # world size and factor both divide
+    assert compute_num_cpu_blocks(1000, 10, 1, 1) == 100
+    assert compute_num_cpu_blocks(1000, 10, 2, 1) == 50
+    assert compute_num_cpu_blocks(1000, 10, 2, 5) == 10
+    # zero GPU blocks gives zero CPU blocks, not a division error
+    assert compute_num_cpu_blocks(1000, 0, 4, 2) == 0
+    with pytest.raises(ValueError, match="world_size"):
+        compute_num_cpu_blocks(1000, 10, 1, 0)
+
+
+def test_config_resolves_blocks_from_bytes() -> None:
+    cfg = OffloadingConfig(cpu_bytes_to_use=2**30, offloaded_block_size=64)
+    assert cfg.block_size_factor(16) == 4
+    assert cfg.resolve_num_cpu_blocks(bytes_per_gpu_block=4096, block_size=16) == 2**30 // (
+        4096 * 4
+    )
+    assert cfg.resolve_num_cpu_blocks(4096, 16, world_size=4) == 2**30 // (4096 * 4 * 4)
+    assert OffloadingConfig(num_cpu_blocks=7).resolve_num_cpu_blocks(4096, 16) == 7
+
+
+def test_config_errors_name_value_and_fix() -> None:
+    with pytest.raises(pydantic.ValidationError, match="exactly one"):
+        OffloadingConfig()
+    with pytest.raises(pydantic.ValidationError, match="exactly one"):
+        OffloadingConfig(cpu_bytes_to_use=10, num_cpu_blocks=1)
+    with pytest.raises(pydantic.ValidationError, match="greater than 0"):
+        OffloadingConfig(cpu_bytes_to_use=0)
+    with pytest.raises(pydantic.ValidationError, match=r"'fifo'.*lru"):
+        OffloadingConfig(cpu_bytes_to_use=10, eviction_policy="fifo")
+    with pytest.raises(pydantic.ValidationError, match="cpu_byte_to_use"):
+        OffloadingConfig(cpu_byte_to_use=10)  # type: ignore[call-arg]
+    cfg = OffloadingConfig(cpu_bytes_to_use=100, offloaded_block_size=40)
+    with pytest.raises(ValueError, match=r"offloaded_block_size=40.*block_size=16"):
+        cfg.block_size_factor(16)
+    with pytest.raises(ValueError, match=r"cannot hold one offloaded block \(4096 bytes"):
+        OffloadingConfig(cpu_bytes_to_use=100).resolve_num_cpu_blocks(4096, 16)
+
+
+def test_policy_list_comes_from_the_core() -> None:
+    assert "lru" in EVICTION_POLICIES
+    for name in EVICTION_POLICIES:
+        kvoff.CPUOffloadingManager(4, eviction_policy=name)
+        assert (
+            OffloadingConfig(num_cpu_blocks=4, eviction_policy=name.upper()).eviction_policy == name
+        )

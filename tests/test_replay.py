@@ -1,0 +1,267 @@
+"""Replays of real traces, checked against an independent model of the same definition.
+
+The model below shares no code with kvoff: it parses the trace itself, keys blocks by
+(hash id, position) tuples, and keeps both caches in ``OrderedDict``s (last = most recent).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvoff
+from kvoff import replay as replay_mod
+from kvoff.replay import ReplayConfig, run_replay
+from kvoff.traces import load_trace
+
+TRACES = Path(kvoff.__file__).parent / "data" / "traces"
+N = 300
+
+
+def _read(name: str, n: int) -> list[dict]:
+    with (TRACES / f"{name}_trace.jsonl").open() as fh:
+        return [json.loads(line) for line in islice(fh, n)]
+
+
+def model_replay(reqs: list[dict], bs: int, obs: int, gpu_cap: int, cpu_cap: int):
+    """Per request (GPU hit tokens, kvoff hit tokens) under the replay's definition."""
+    f = obs // bs
+    pool: OrderedDict = OrderedDict()
+    gpu: OrderedDict = OrderedDict()
+    out = []
+
+    def touch(keys):
+        for k in reversed(keys):
+            if k in pool:
+                pool.move_to_end(k)
+
+    for r in reqs:
+        length, hids = r["input_length"], r["hash_ids"]
+
+        def ident(p, length=length, hids=hids):
+            return (hids[(min((p + 1) * bs, length) - 1) // 512], p)
+
+        gkeys = [ident(p) for p in range(length // bs)]
+        okeys = [ident((j + 1) * f - 1) for j in range(length // obs)]
+        g = 0
+        if gpu_cap:
+            while g < len(gkeys) and gkeys[g] in gpu:
+                g += 1
+        h = 0
+        while g // f + h < len(okeys) and okeys[g // f + h] in pool:
+            h += 1
+        hit_end = max(g, (g // f + h) * f)
+        touch(okeys)
+        first_new = hit_end // f
+        if first_new < len(okeys):
+            call = okeys[first_new:]
+            new = [k for k in call if k not in pool]
+            need = len(new) - (cpu_cap - len(pool))
+            victims = []
+            if need > 0:
+                protected = set(call)
+                for k in pool:
+                    if k not in protected:
+                        victims.append(k)
+                        if len(victims) == need:
+                            break
+            if need <= 0 or len(victims) == need:
+                for v in victims:
+                    del pool[v]
+                for k in new:
+                    pool[k] = True
+        touch(okeys)
+        if gpu_cap:
+            for k in reversed(gkeys):
+                gpu[k] = True
+                gpu.move_to_end(k)
+            while len(gpu) > gpu_cap:
+                gpu.popitem(last=False)
+        out.append((g * bs, (hit_end - g) * bs))
+    return out
+
+
+def _max_hit_tokens(reqs: list[dict], obs: int) -> int:
+    """Full-block theoretical maximum: every full block seen in an earlier request is a hit."""
+    seen: set = set()
+    total = 0
+    for r in reqs:
+        full = r["hash_ids"][: r["input_length"] // 512] if obs == 512 else None
+        assert full is not None
+        total += sum(512 for h in full if h in seen)
+        seen.update(full)
+    return total
+
+
+@pytest.mark.parametrize("trace", ["conversation", "synthetic"])
+def test_unbounded_pool_reaches_the_full_block_maximum(trace: str) -> None:
+    reqs = _read(trace, N)
+    res = run_replay(ReplayConfig(trace=trace, cpu_blocks=200_000, limit=N))
+    assert res.requests == N
+    assert res.input_tokens == sum(r["input_length"] for r in reqs)
+    expected = _max_hit_tokens(reqs, 512)
+    assert expected > 0
+    assert res.hit_tokens == res.cpu_hit_tokens == expected
+    assert res.max_hit_rate == pytest.approx(expected / res.input_tokens)
+    assert res.gpu_hit_tokens == 0
+    assert res.corrupted_blocks == 0 and res.failed_transfers == 0
+    assert res.blocks_verified == res.cpu_hit_tokens // 16
+    assert res.evictions == 0 and res.stores_skipped == 0
+    assert res.bytes_loaded == res.blocks_loaded * 2 * 256  # tiny: 2 layers × 256-byte pages
+
+
+@pytest.mark.parametrize(
+    ("trace", "bs", "obs", "gpu_cap", "cpu_cap"),
+    [
+        ("conversation", 16, 512, 0, 64),
+        ("synthetic", 16, 512, 0, 48),
+        ("conversation", 16, 512, 3000, 96),
+        ("conversation", 64, 256, 700, 200),  # factor 4, GPU hits that end mid offloaded block
+        ("synthetic", 32, 128, 900, 150),
+    ],
+)
+def test_bounded_lru_matches_independent_model(trace, bs, obs, gpu_cap, cpu_cap) -> None:
+    reqs = _read(trace, N)
+    res = run_replay(
+        ReplayConfig(
+            trace=trace,
+            block_size=bs,
+            offloaded_block_size=obs,
+            gpu_prefix_blocks=gpu_cap,
+            cpu_blocks=cpu_cap,
+            limit=N,
+        )
+    )
+    want = model_replay(reqs, bs, obs, gpu_cap, cpu_cap)
+    got = list(zip(res.per_request_gpu_hit_tokens, res.per_request_cpu_hit_tokens, strict=True))
+    assert got == want
+    assert res.cpu_hit_tokens > 0 and res.evictions > 0
+    assert res.corrupted_blocks == 0 and res.blocks_verified > 0
+    if gpu_cap:
+        assert res.gpu_hit_tokens > 0
+    if bs * 512 // obs != 512:
+        # partial first offloaded blocks were loaded (GPU hits ending inside one)
+        partial = [i for i, (g, c) in enumerate(want) if c and (g // bs) % (obs // bs)]
+        assert partial
+
+
+def test_corruption_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte-for-byte check can fail: flip one byte of every stored slot's pool rows."""
+    real = replay_mod.OffloadingWorker
+
+    class Corrupting(real):
+        def transfer_async(self, job_id, src, dst):
+            ok = super().transfer_async(job_id, src, dst)
+            if isinstance(dst, kvoff.CPUBlockSpec):
+                rows = self.cpu_tensors()[1]
+                for slot in dst.block_ids:
+                    rows[slot * self.block_size_factor, 5] ^= 0x40
+            return ok
+
+    monkeypatch.setattr(replay_mod, "OffloadingWorker", Corrupting)
+    res = run_replay(ReplayConfig(cpu_blocks=1000, limit=100))
+    assert res.blocks_verified > 0
+    assert 0 < res.corrupted_blocks < res.blocks_verified  # one GPU block per slot is corrupt
+
+
+def test_block_pattern_differs_per_block_and_layer() -> None:
+    import numpy as np
+
+    a = replay_mod.block_pattern(np.array([7, 7, 8]), np.array([0, 1, 0]), 0, 64)
+    b = replay_mod.block_pattern(np.array([7]), np.array([0]), 1, 64)
+    assert a.shape == (3, 64) and a.dtype == torch.uint8
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert not torch.equal(a[0], b[0])
+    assert torch.equal(a[0], replay_mod.block_pattern(np.array([7]), np.array([0]), 0, 64)[0])
+
+
+def test_bad_configuration_errors() -> None:
+    with pytest.raises(ValueError, match="offloaded_block_size=500"):
+        run_replay(ReplayConfig(offloaded_block_size=500, limit=1))
+    with pytest.raises(ValueError, match="unknown model preset 'gpt-9'"):
+        run_replay(ReplayConfig(model="gpt-9", limit=1))
+    with pytest.raises(ValueError, match="lru"):
+        run_replay(ReplayConfig(policy="random", limit=1))
+    with pytest.raises(ValueError, match="more than 85%"):
+        run_replay(ReplayConfig(model="llama-3-8b", cpu_bytes=2**50, limit=1))
+
+
+def test_trace_loader_validates(tmp_path: Path) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}\n'
+    )
+    with pytest.raises(
+        ValueError, match=r"t.jsonl:1: input_length=1025 needs .* 3 hash_ids, got 2"
+    ):
+        load_trace(bad)
+    with pytest.raises(FileNotFoundError, match="conversation, synthetic"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_cli_replay_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvoff",
+            "replay",
+            "--trace",
+            "synthetic",
+            "--limit",
+            "50",
+            "--cpu-blocks",
+            "5000",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "hit rate" in proc.stdout
+    data = json.loads(out.read_text())
+    for key in (
+        "requests",
+        "input_tokens",
+        "gpu_hit_tokens",
+        "cpu_hit_tokens",
+        "hit_tokens",
+        "hit_rate",
+        "bytes_stored",
+        "bytes_loaded",
+        "store_gbps",
+        "load_gbps",
+        "blocks_verified",
+        "corrupted_blocks",
+        "evictions",
+        "wall_s",
+    ):
+        assert key in data, key
+    assert data["requests"] == 50 and data["corrupted_blocks"] == 0
+    assert data["hit_tokens"] == data["gpu_hit_tokens"] + data["cpu_hit_tokens"]
+
+
+def test_cli_bad_arguments() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "replay", "--cpu-bytes", "lots"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2 and "'lots' is not a byte count" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "replay", "--limit", "1", "--offloaded-block-size", "100"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2 and "offloaded_block_size=100" in proc.stderr
