@@ -1,0 +1,106 @@
+// CPU kernel of torch.ops.kvoff.copy_blocks: a parallel memcpy of block rows.
+//
+// The ids are first cut into runs: stretches where both the source and the destination ids
+// go up by one, capped at kRunBytes so one long run still spreads over threads. A work item is
+// one (pair, run); items are ordered pair-major and split over threads by at::parallel_for
+// with a grain of about kGrainBytes, so a small call runs inline on the calling thread. An
+// item is one memcpy when both tensors of the pair store rows back to back
+// (stride(0) == row), and one memcpy per row otherwise.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "checks.h"
+
+namespace kvoff::ops {
+namespace {
+
+// Bytes a thread should copy at least before another thread is woken for the rest.
+constexpr int64_t kGrainBytes = int64_t{256} << 10;
+// Longest run of adjacent blocks (in bytes of the widest pair) that one work item copies.
+constexpr int64_t kRunBytes = int64_t{1} << 20;
+
+struct Run {
+  int64_t src;  // first source block id
+  int64_t dst;  // first destination block id
+  int64_t len;  // blocks
+};
+
+std::vector<Run> make_runs(const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
+                           int64_t max_len) {
+  std::vector<Run> runs;
+  runs.reserve(static_cast<size_t>(n));
+  Run cur{src_ids[0], dst_ids[0], 1};
+  for (int64_t i = 1; i < n; ++i) {
+    if (src_ids[i] == cur.src + cur.len && dst_ids[i] == cur.dst + cur.len && cur.len < max_len) {
+      ++cur.len;
+    } else {
+      runs.push_back(cur);
+      cur = Run{src_ids[i], dst_ids[i], 1};
+    }
+  }
+  runs.push_back(cur);
+  return runs;
+}
+
+inline void copy_run(const PairLayout& p, const Run& r) {
+  const char* s = p.src + r.src * p.src_stride_bytes;
+  char* d = p.dst + r.dst * p.dst_stride_bytes;
+  if (p.src_stride_bytes == p.row_bytes && p.dst_stride_bytes == p.row_bytes) {
+    std::memcpy(d, s, static_cast<size_t>(r.len * p.row_bytes));
+    return;
+  }
+  for (int64_t j = 0; j < r.len; ++j) {
+    std::memcpy(d, s, static_cast<size_t>(p.row_bytes));
+    s += p.src_stride_bytes;
+    d += p.dst_stride_bytes;
+  }
+}
+
+void copy_blocks_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& src_block_ids,
+                     const at::Tensor& dst_block_ids) {
+  const CopyBlocksArgs args =
+      check_copy_blocks_args(src, dst, src_block_ids, dst_block_ids, DeviceRule::kCpu);
+  if (args.num_ids == 0 || args.total_bytes == 0) {
+    return;
+  }
+
+  int64_t max_row_bytes = 1;
+  for (const PairLayout& p : args.pairs) {
+    max_row_bytes = std::max(max_row_bytes, p.row_bytes);
+  }
+  const std::vector<Run> runs = make_runs(args.src_ids, args.dst_ids, args.num_ids,
+                                          std::max<int64_t>(1, kRunBytes / max_row_bytes));
+
+  const auto num_runs = static_cast<int64_t>(runs.size());
+  const auto num_items = static_cast<int64_t>(args.pairs.size()) * num_runs;
+  const int64_t bytes_per_item = std::max<int64_t>(1, args.total_bytes / num_items);
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / bytes_per_item);
+
+  const PairLayout* pairs = args.pairs.data();
+  const Run* run_data = runs.data();
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+    int64_t k = begin / num_runs;
+    int64_t r = begin % num_runs;
+    for (int64_t item = begin; item < end; ++item) {
+      copy_run(pairs[k], run_data[r]);
+      if (++r == num_runs) {
+        r = 0;
+        ++k;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvoff, CPU, m) {
+  m.impl("copy_blocks", &copy_blocks_cpu);
+}
+
+}  // namespace kvoff::ops
