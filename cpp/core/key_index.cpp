@@ -1,0 +1,203 @@
+#include "kvoff/key_index.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kvoff/block_pool.h"
+
+namespace kvoff {
+
+namespace {
+
+std::string slot_range_message(std::uint32_t slot, std::uint32_t num_slots) {
+  return "slot " + std::to_string(slot) + " is out of range for a key index of " +
+         std::to_string(num_slots) + " slots (valid: 0.." + std::to_string(num_slots - 1) + ")";
+}
+
+inline void prefetch(const void* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p);
+#else
+  (void)p;
+#endif
+}
+
+constexpr std::size_t kPipeline = 16;  // keys whose memory accesses are in flight at once
+
+}  // namespace
+
+KeyIndex::KeyIndex(std::uint32_t num_slots) : num_slots_(num_slots), mask_(0) {
+  if (num_slots == 0 || static_cast<std::int64_t>(num_slots) > kMaxNumBlocks) {
+    throw std::invalid_argument("KeyIndex needs 1..2^31-1 slots, got " +
+                                std::to_string(num_slots));
+  }
+  std::uint64_t buckets = 8;
+  while (buckets < 2 * static_cast<std::uint64_t>(num_slots)) {
+    buckets <<= 1;
+  }
+  mask_ = buckets - 1;
+  buckets_.assign(buckets, 0);
+  records_.resize(num_slots);
+  for (Record& r : records_) {
+    r.payload = 0;
+    r.len = 0;
+    r.tag = 0;
+  }
+}
+
+KeyIndex::~KeyIndex() {
+  for (Record& r : records_) {
+    if (r.len > kInlineKeyBytes) {
+      delete[] r.heap;
+    }
+  }
+}
+
+std::uint32_t KeyIndex::probe_from(std::uint64_t i, std::uint32_t tag,
+                                   std::string_view key) const noexcept {
+  for (;; i = (i + 1) & mask_) {
+    const std::uint64_t b = buckets_[i];
+    if (b == 0) {
+      return kNotFound;
+    }
+    if (static_cast<std::uint32_t>(b >> 32) == tag) {
+      const auto slot = static_cast<std::uint32_t>(b) - 1;
+      if (record_equals(slot, key)) {
+        return slot;
+      }
+    }
+  }
+}
+
+std::uint32_t KeyIndex::find(std::string_view key, std::uint64_t hash) const noexcept {
+  const std::uint32_t tag = tag_of(hash);
+  return probe_from(tag & mask_, tag, key);
+}
+
+void KeyIndex::find_many(const std::string_view* keys, std::size_t count, std::uint64_t* hashes,
+                         std::uint32_t* slots) const noexcept {
+  std::uint64_t pos[kPipeline];
+  for (std::size_t base = 0; base < count; base += kPipeline) {
+    const std::size_t n = count - base < kPipeline ? count - base : kPipeline;
+    // Stage 1: hash every key and prefetch its home bucket.
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::uint64_t h = hash_key(keys[base + j]);
+      hashes[base + j] = h;
+      pos[j] = tag_of(h) & mask_;
+      prefetch(&buckets_[pos[j]]);
+    }
+    // Stage 2: find the first bucket whose tag matches (or the end of the run) and prefetch
+    // the candidate's record.
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::uint32_t tag = tag_of(hashes[base + j]);
+      std::uint64_t i = pos[j];
+      std::uint32_t candidate = kNotFound;
+      for (;; i = (i + 1) & mask_) {
+        const std::uint64_t b = buckets_[i];
+        if (b == 0) {
+          break;
+        }
+        if (static_cast<std::uint32_t>(b >> 32) == tag) {
+          candidate = static_cast<std::uint32_t>(b) - 1;
+          prefetch(&records_[candidate]);
+          break;
+        }
+      }
+      pos[j] = i;
+      slots[base + j] = candidate;
+    }
+    // Stage 3: confirm the candidates (a tag collision continues the probe).
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::uint32_t candidate = slots[base + j];
+      if (candidate != kNotFound && !record_equals(candidate, keys[base + j])) {
+        slots[base + j] =
+            probe_from((pos[j] + 1) & mask_, tag_of(hashes[base + j]), keys[base + j]);
+      }
+    }
+  }
+}
+
+void KeyIndex::prefetch_erase(std::uint32_t slot) const noexcept {
+  prefetch(&buckets_[records_[slot].tag & mask_]);
+}
+
+bool KeyIndex::holds(std::uint32_t slot) const {
+  if (slot >= num_slots_) {
+    throw std::out_of_range(slot_range_message(slot, num_slots_));
+  }
+  return records_[slot].len != 0;
+}
+
+void KeyIndex::insert(std::uint32_t slot, std::string_view key, std::uint64_t hash) {
+  if (holds(slot)) {
+    throw std::invalid_argument("slot " + std::to_string(slot) + " already holds key " +
+                                key_to_hex(this->key(slot)) + " (hex); erase it first");
+  }
+  if (key.empty() || key.size() > 0xffffffffu) {
+    throw std::invalid_argument("keys must be 1 to 2^32-1 bytes long, got " +
+                                std::to_string(key.size()) + " bytes");
+  }
+  const std::uint32_t tag = tag_of(hash);
+  std::uint64_t i = tag & mask_;
+  for (;; i = (i + 1) & mask_) {
+    const std::uint64_t b = buckets_[i];
+    if (b == 0) {
+      break;
+    }
+    if (static_cast<std::uint32_t>(b >> 32) == tag &&
+        record_equals(static_cast<std::uint32_t>(b) - 1, key)) {
+      throw std::invalid_argument("key " + key_to_hex(key) +
+                                  " (hex) is already in the index (slot " +
+                                  std::to_string(static_cast<std::uint32_t>(b) - 1) + ")");
+    }
+  }
+  Record& r = records_[slot];
+  if (key.size() > kInlineKeyBytes) {
+    r.heap = new char[key.size()];
+    std::memcpy(r.heap, key.data(), key.size());
+  } else {
+    std::memcpy(r.bytes, key.data(), key.size());
+  }
+  r.len = static_cast<std::uint32_t>(key.size());
+  r.tag = tag;
+  r.payload = 0;
+  buckets_[i] = (static_cast<std::uint64_t>(tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
+  ++size_;
+}
+
+void KeyIndex::erase(std::uint32_t slot) {
+  if (!holds(slot)) {
+    throw std::invalid_argument("slot " + std::to_string(slot) +
+                                " holds no key; erase only slots that were inserted");
+  }
+  Record& r = records_[slot];
+  const std::uint64_t want =
+      (static_cast<std::uint64_t>(r.tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
+  std::uint64_t hole = r.tag & mask_;
+  while (buckets_[hole] != want) {
+    hole = (hole + 1) & mask_;
+  }
+  // Backward-shift deletion: pull later entries of the probe run into the hole when the hole
+  // lies between their home bucket and their position, so no tombstones are needed.
+  for (std::uint64_t j = (hole + 1) & mask_;; j = (j + 1) & mask_) {
+    const std::uint64_t b = buckets_[j];
+    if (b == 0) {
+      break;
+    }
+    const std::uint64_t home = (b >> 32) & mask_;
+    if (((j - home) & mask_) >= ((j - hole) & mask_)) {
+      buckets_[hole] = b;
+      hole = j;
+    }
+  }
+  buckets_[hole] = 0;
+  if (r.len > kInlineKeyBytes) {
+    delete[] r.heap;
+  }
+  r.len = 0;
+  r.payload = 0;
+  --size_;
+}
+
+}  // namespace kvoff

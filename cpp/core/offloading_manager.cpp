@@ -1,0 +1,415 @@
+#include "kvoff/offloading_manager.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
+namespace kvoff {
+
+std::string_view to_string(BlockState state) noexcept {
+  switch (state) {
+    case BlockState::kMissing:
+      return "missing";
+    case BlockState::kPending:
+      return "pending";
+    case BlockState::kReady:
+      return "ready";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr const char* kMedium = "CPU";
+
+// The manager's per-slot payload in the key index: see offloading_manager.h.
+constexpr std::uint64_t kStateBits = 0x3;
+constexpr std::uint64_t kOnePin = 0x4;
+constexpr std::uint64_t kLow32 = 0xffffffffULL;
+
+inline BlockState state_bits(std::uint64_t p) noexcept {
+  return static_cast<BlockState>(p & kStateBits);
+}
+inline std::uint32_t pins_bits(std::uint64_t p) noexcept {
+  return static_cast<std::uint32_t>(p & kLow32) >> 2;
+}
+inline std::uint32_t mark_bits(std::uint64_t p) noexcept {
+  return static_cast<std::uint32_t>(p >> 32);
+}
+inline void set_state(std::uint64_t& p, BlockState s) noexcept {
+  p = (p & ~kStateBits) | static_cast<std::uint64_t>(s);
+}
+inline void set_mark(std::uint64_t& p, std::uint32_t mark) noexcept {
+  p = (p & kLow32) | (static_cast<std::uint64_t>(mark) << 32);
+}
+
+/// Validates the arguments before anything large is allocated; returns num_blocks.
+std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy) {
+  if (num_blocks < 1 || num_blocks > kMaxNumBlocks) {
+    throw std::invalid_argument(
+        "num_blocks must be in [1, 2^31-1] (CPU block ids are 32-bit), got " +
+        std::to_string(num_blocks) + "; size the CPU pool with at least one block");
+  }
+  const auto names = eviction_policy_names();
+  if (std::find(names.begin(), names.end(), policy) == names.end()) {
+    make_eviction_policy(policy, 1);  // throws the "unknown eviction_policy" error
+  }
+  return num_blocks;
+}
+
+void validate_keys(KeySpan keys, const char* op) {
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i].empty()) {
+      throw std::invalid_argument(std::string(op) + ": keys[" + std::to_string(i) +
+                                  "] is empty; keys must be non-empty byte strings");
+    }
+  }
+}
+
+std::string describe_state(BlockState state) {
+  switch (state) {
+    case BlockState::kMissing:
+      return "missing (never stored, evicted, or its store failed)";
+    case BlockState::kPending:
+      return "pending (prepare_store'd, complete_store has not run yet)";
+    case BlockState::kReady:
+      return "ready";
+  }
+  return "unknown";
+}
+
+[[noreturn]] void throw_bad_key(const char* op, std::size_t index, std::string_view key,
+                                const std::string& what, const char* fix) {
+  std::string shown = key_to_hex(key) + " (hex";
+  if (key.size() == 8) {  // probably an int key: show its value too
+    std::uint64_t v = 0;
+    for (std::size_t b = 8; b > 0; --b) {
+      v = (v << 8) | static_cast<unsigned char>(key[b - 1]);
+    }
+    shown += "; int " + std::to_string(v) + " as 8 little-endian bytes";
+  }
+  shown += ")";
+  throw std::invalid_argument(std::string(op) + ": keys[" + std::to_string(index) + "] = " +
+                              shown + " is " + what + "; " + fix + ". Nothing was changed.");
+}
+
+}  // namespace
+
+CPUOffloadingManager::CPUOffloadingManager(std::int64_t num_blocks,
+                                           std::string_view eviction_policy, bool enable_events)
+    : pool_(checked_num_blocks(num_blocks, eviction_policy)),
+      index_(pool_.num_blocks()),
+      policy_(make_eviction_policy(eviction_policy, pool_.num_blocks())),
+      enable_events_(enable_events) {}
+
+CPUOffloadingManager::~CPUOffloadingManager() = default;
+
+std::uint32_t CPUOffloadingManager::next_stamp() noexcept {
+  if (++call_stamp_ == 0) {  // wrapped after 2^32 calls: clear the stale marks once
+    for (std::uint32_t s = 0; s < index_.num_slots(); ++s) {
+      index_.payload(s) &= kLow32;
+    }
+    call_stamp_ = 1;
+  }
+  return call_stamp_;
+}
+
+void CPUOffloadingManager::find_all(KeySpan keys) {
+  scratch_slots_.resize(keys.size());
+  scratch_hashes_.resize(keys.size());
+  index_.find_many(keys.data(), keys.size(), scratch_hashes_.data(), scratch_slots_.data());
+}
+
+void CPUOffloadingManager::record(std::vector<std::string> keys, bool removed) {
+  if (!enable_events_ || keys.empty()) {
+    return;
+  }
+  events_.push_back(OffloadingEvent{std::move(keys), kMedium, removed});
+}
+
+void CPUOffloadingManager::drop_slot(std::uint32_t slot, bool evicted) {
+  policy_->erase(slot, index_.key(slot), evicted);
+  index_.erase(slot);
+  pool_.free(slot);
+}
+
+// ------------------------------------------------------------------------------------ queries
+
+BlockState CPUOffloadingManager::state(std::string_view key) const noexcept {
+  const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
+  return slot == KeyIndex::kNotFound ? BlockState::kMissing : state_bits(index_.payload(slot));
+}
+
+std::uint32_t CPUOffloadingManager::pin_count(std::string_view key) const noexcept {
+  const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
+  return slot == KeyIndex::kNotFound ? 0 : pins_bits(index_.payload(slot));
+}
+
+std::optional<std::uint32_t> CPUOffloadingManager::block_id(std::string_view key) const noexcept {
+  const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
+  if (slot == KeyIndex::kNotFound) {
+    return std::nullopt;
+  }
+  return slot;
+}
+
+std::optional<std::size_t> CPUOffloadingManager::lookup(KeySpan keys) const {
+  validate_keys(keys, "lookup");
+  constexpr std::size_t kChunk = 16;  // bounds the wasted work after the first miss
+  std::uint64_t hashes[kChunk];
+  std::uint32_t slots[kChunk];
+  std::size_t hits = 0;
+  for (std::size_t base = 0; base < keys.size(); base += kChunk) {
+    const std::size_t n = std::min(kChunk, keys.size() - base);
+    index_.find_many(keys.data() + base, n, hashes, slots);
+    for (std::size_t j = 0; j < n; ++j) {
+      if (slots[j] == KeyIndex::kNotFound) {
+        return hits;
+      }
+      if (state_bits(index_.payload(slots[j])) != BlockState::kReady) {
+        return std::nullopt;  // being written: the caller retries later
+      }
+      ++hits;
+    }
+  }
+  return hits;
+}
+
+// -------------------------------------------------------------------------------------- loads
+
+std::vector<std::uint32_t> CPUOffloadingManager::prepare_load(KeySpan keys) {
+  validate_keys(keys, "prepare_load");
+  find_all(keys);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint32_t slot = scratch_slots_[i];
+    const BlockState st =
+        slot == KeyIndex::kNotFound ? BlockState::kMissing : state_bits(index_.payload(slot));
+    if (st != BlockState::kReady) {
+      throw_bad_key("prepare_load", i, keys[i], describe_state(st),
+                    "load only keys that lookup() counted as hits");
+    }
+    if (pins_bits(index_.payload(slot)) > kMaxPins - std::min<std::size_t>(keys.size(), kMaxPins)) {
+      throw_bad_key("prepare_load", i, keys[i],
+                    "pinned by " + std::to_string(pins_bits(index_.payload(slot))) +
+                        " loads in flight, the most this manager counts",
+                    "complete_load finished loads first");
+    }
+  }
+  for (const std::uint32_t slot : scratch_slots_) {
+    std::uint64_t& p = index_.payload(slot);
+    if (pins_bits(p) == 0) {
+      --num_evictable_;
+    }
+    p += kOnePin;
+  }
+  return {scratch_slots_.begin(), scratch_slots_.end()};
+}
+
+void CPUOffloadingManager::complete_load(KeySpan keys) {
+  validate_keys(keys, "complete_load");
+  find_all(keys);
+  std::uint32_t unpinned = 0;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint32_t slot = scratch_slots_[i];
+    const BlockState st =
+        slot == KeyIndex::kNotFound ? BlockState::kMissing : state_bits(index_.payload(slot));
+    if (st != BlockState::kReady || pins_bits(index_.payload(slot)) == 0) {
+      for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
+        index_.payload(scratch_slots_[j]) += kOnePin;
+      }
+      const bool repeated = st == BlockState::kReady &&
+                            std::find(scratch_slots_.begin(), scratch_slots_.begin() + i, slot) !=
+                                scratch_slots_.begin() + i;
+      throw_bad_key("complete_load", i, keys[i],
+                    st != BlockState::kReady ? describe_state(st)
+                    : repeated ? "not being loaded as many times as it occurs in this call"
+                               : "not being loaded (no prepare_load is in flight for it)",
+                    "call complete_load once per prepare_load, with the same keys");
+    }
+    std::uint64_t& p = index_.payload(slot);
+    p -= kOnePin;
+    if (pins_bits(p) == 0) {
+      ++unpinned;
+    }
+  }
+  num_evictable_ += unpinned;
+}
+
+void CPUOffloadingManager::touch(KeySpan keys) {
+  validate_keys(keys, "touch");
+  find_all(keys);
+  for (const std::uint32_t slot : scratch_slots_) {
+    if (slot != KeyIndex::kNotFound) {
+      policy_->prefetch(slot);
+    }
+  }
+  // Last to first: keys[0] ends the most recent, so a prefix's tail is evicted before its head.
+  for (std::size_t i = keys.size(); i-- > 0;) {
+    if (scratch_slots_[i] != KeyIndex::kNotFound) {
+      policy_->touch(scratch_slots_[i]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------- stores
+
+bool CPUOffloadingManager::dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash) {
+  // scratch_set_ holds positions into scratch_new_ (+1; 0 = empty); its size is a power of two.
+  const std::size_t mask = scratch_set_.size() - 1;
+  for (std::size_t b = hash & mask;; b = (b + 1) & mask) {
+    const std::uint32_t entry = scratch_set_[b];
+    if (entry == 0) {
+      scratch_set_[b] = static_cast<std::uint32_t>(scratch_new_.size()) + 1;
+      return true;
+    }
+    const std::uint32_t other = scratch_new_[entry - 1];
+    if (scratch_hashes_[other] == hash && keys[other] == keys[index]) {
+      return false;
+    }
+  }
+}
+
+std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan keys) {
+  validate_keys(keys, "prepare_store");
+  const std::uint32_t stamp = next_stamp();
+  find_all(keys);
+  scratch_new_.clear();
+  if (keys.size() > 1) {
+    std::size_t buckets = 4;
+    while (buckets < 2 * keys.size()) {
+      buckets <<= 1;
+    }
+    scratch_set_.assign(buckets, 0);
+  }
+
+  // Pass 1 (no state change): mark the keys already held (they are protected from eviction)
+  // and collect the distinct new keys.
+  std::uint32_t protected_evictable = 0;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint32_t slot = scratch_slots_[i];
+    if (slot != KeyIndex::kNotFound) {
+      std::uint64_t& p = index_.payload(slot);
+      if (mark_bits(p) != stamp) {
+        set_mark(p, stamp);
+        if (state_bits(p) == BlockState::kReady && pins_bits(p) == 0) {
+          ++protected_evictable;
+        }
+      }
+      continue;
+    }
+    if (keys.size() > 1 && !dedupe_insert(keys, i, scratch_hashes_[i])) {
+      continue;  // repeats an earlier new key of this call
+    }
+    scratch_new_.push_back(static_cast<std::uint32_t>(i));
+  }
+
+  // Pass 2 (no state change): find victims, or give up.
+  const std::size_t need = scratch_new_.size();
+  const std::size_t free = pool_.num_free();
+  scratch_victims_.clear();
+  if (need > free) {
+    const std::size_t to_evict = need - free;
+    if (static_cast<std::size_t>(num_evictable_ - protected_evictable) < to_evict) {
+      return std::nullopt;  // cheap refusal: not enough candidates, nothing scanned
+    }
+    const auto can_evict = [this, stamp](std::uint32_t slot) {
+      const std::uint64_t p = index_.payload(slot);
+      return state_bits(p) == BlockState::kReady && pins_bits(p) == 0 && mark_bits(p) != stamp;
+    };
+    const std::size_t found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
+    if (found != to_evict) {
+      throw std::logic_error("kvoff internal error: eviction policy '" +
+                             std::string(policy_->name()) + "' found " + std::to_string(found) +
+                             " of " + std::to_string(to_evict) +
+                             " victims that the evictable count promised; nothing was changed");
+    }
+  }
+
+  // Pass 3: commit.
+  PrepareStoreResult result;
+  result.keys_to_store.reserve(need);
+  result.block_ids.reserve(need);
+  result.evicted_keys.reserve(scratch_victims_.size());
+  for (const std::uint32_t victim : scratch_victims_) {
+    index_.prefetch_erase(victim);
+    policy_->prefetch(victim);
+  }
+  for (const std::uint32_t victim : scratch_victims_) {
+    result.evicted_keys.emplace_back(index_.key(victim));
+    drop_slot(victim, /*evicted=*/true);
+  }
+  num_ready_ -= static_cast<std::uint32_t>(scratch_victims_.size());
+  num_evictable_ -= static_cast<std::uint32_t>(scratch_victims_.size());
+  if (enable_events_) {
+    record(result.evicted_keys, /*removed=*/true);
+  }
+  for (const std::uint32_t i : scratch_new_) {
+    const std::uint32_t slot = pool_.allocate();
+    index_.insert(slot, keys[i], scratch_hashes_[i]);
+    set_state(index_.payload(slot), BlockState::kPending);
+    result.keys_to_store.emplace_back(keys[i]);
+    result.block_ids.push_back(slot);
+  }
+  // Enter the policy last to first, so keys[0] is the most recent of the new blocks.
+  for (std::size_t j = need; j-- > 0;) {
+    policy_->insert(result.block_ids[j], keys[scratch_new_[j]]);
+  }
+  num_pending_ += static_cast<std::uint32_t>(need);
+  return result;
+}
+
+void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
+  validate_keys(keys, "complete_store");
+  const std::uint32_t stamp = next_stamp();
+  find_all(keys);
+  scratch_new_.clear();  // the distinct slots of the call
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint32_t slot = scratch_slots_[i];
+    const BlockState st =
+        slot == KeyIndex::kNotFound ? BlockState::kMissing : state_bits(index_.payload(slot));
+    if (st != BlockState::kPending) {
+      throw_bad_key("complete_store", i, keys[i],
+                    st == BlockState::kReady
+                        ? std::string("already ready (its store completed earlier), not pending")
+                        : describe_state(st) + ", not pending",
+                    "pass the keys_to_store of a prepare_store whose store has not completed");
+    }
+    std::uint64_t& p = index_.payload(slot);
+    if (mark_bits(p) == stamp) {
+      continue;  // repeated in this call: finish it once
+    }
+    set_mark(p, stamp);
+    scratch_new_.push_back(slot);
+  }
+
+  const auto n = static_cast<std::uint32_t>(scratch_new_.size());
+  if (success) {
+    std::vector<std::string> stored;
+    if (enable_events_) {
+      stored.reserve(n);
+    }
+    for (const std::uint32_t slot : scratch_new_) {
+      set_state(index_.payload(slot), BlockState::kReady);
+      if (enable_events_) {
+        stored.emplace_back(index_.key(slot));
+      }
+    }
+    num_ready_ += n;
+    num_evictable_ += n;
+    record(std::move(stored), /*removed=*/false);
+  } else {
+    for (const std::uint32_t slot : scratch_new_) {
+      index_.prefetch_erase(slot);
+    }
+    for (const std::uint32_t slot : scratch_new_) {
+      drop_slot(slot, /*evicted=*/false);
+    }
+  }
+  num_pending_ -= n;
+}
+
+std::vector<OffloadingEvent> CPUOffloadingManager::take_events() {
+  return std::exchange(events_, {});
+}
+
+}  // namespace kvoff

@@ -1,0 +1,52 @@
+// The CPU block pool: which of the pool's slots (CPU block ids) are free.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace kvoff {
+
+/// Largest pool size, in blocks: CPU block ids must fit in a signed 32-bit integer (they are
+/// passed to copy kernels as int32/int64 tensors), so ids are 0 .. 2^31-2.
+inline constexpr std::int64_t kMaxNumBlocks = 2147483647;  // 2^31 - 1
+
+/// A fixed pool of `num_blocks` CPU block slots with a free-list stack.
+///
+/// Slots are identified by their CPU block id in [0, num_blocks). `allocate` pops the free
+/// stack in O(1); a fresh pool hands out 0, 1, 2, ... in order, and a freed slot is the next one
+/// handed out (LIFO, so recently used memory is reused first). The pool only tracks ownership;
+/// the bytes of each slot live in the worker's CPU tensors.
+///
+/// Not thread-safe.
+class CPUBlockPool {
+ public:
+  /// Creates a pool of `num_blocks` free slots.
+  /// Throws std::invalid_argument when num_blocks < 1 or num_blocks > kMaxNumBlocks
+  /// (2^31-1), naming the value.
+  explicit CPUBlockPool(std::int64_t num_blocks);
+
+  /// Total slots (blocks).
+  std::uint32_t num_blocks() const noexcept { return num_blocks_; }
+  /// Slots currently free (blocks).
+  std::uint32_t num_free() const noexcept { return static_cast<std::uint32_t>(free_.size()); }
+  /// Slots currently allocated (blocks).
+  std::uint32_t num_allocated() const noexcept { return num_blocks_ - num_free(); }
+  /// Whether slot `block_id` is allocated. Throws std::out_of_range for an id >= num_blocks.
+  bool is_allocated(std::uint32_t block_id) const;
+
+  /// Takes one free slot and returns its CPU block id. O(1).
+  /// Throws std::length_error when no slot is free (check num_free() first).
+  std::uint32_t allocate();
+
+  /// Returns slot `block_id` to the free list. O(1).
+  /// Throws std::out_of_range for an id >= num_blocks and std::invalid_argument when the slot
+  /// is already free (double free); the pool is unchanged in both cases.
+  void free(std::uint32_t block_id);
+
+ private:
+  std::uint32_t num_blocks_;
+  std::vector<std::uint32_t> free_;     // stack; back() is handed out next
+  std::vector<std::uint8_t> allocated_;  // per slot: 1 when allocated
+};
+
+}  // namespace kvoff

@@ -1,0 +1,184 @@
+// The CPU offloading manager: which offloaded blocks the CPU pool holds, in which slots, and
+// which to evict (DESIGN.md "manager operations" and invariants 6, 7, 8).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvoff/block_pool.h"
+#include "kvoff/eviction_policy.h"
+#include "kvoff/key_index.h"
+
+namespace kvoff {
+
+/// State of a key in the manager.
+enum class BlockState : std::uint8_t {
+  kMissing = 0,  ///< not held (never stored, evicted, or its store failed)
+  kPending = 1,  ///< has a slot from prepare_store; its bytes are being written (not a hit)
+  kReady = 2,    ///< complete_store(success) ran: a lookup hit, loadable
+};
+
+/// "missing", "pending" or "ready".
+std::string_view to_string(BlockState state) noexcept;
+
+/// What prepare_store decided.
+struct PrepareStoreResult {
+  /// Keys of the call that were not held, deduplicated, in call order: copy these blocks.
+  std::vector<std::string> keys_to_store;
+  /// The CPU block id (slot) allocated for each of keys_to_store, same order.
+  std::vector<std::uint32_t> block_ids;
+  /// Keys evicted to make room, in eviction order (their slots may be among block_ids).
+  std::vector<std::string> evicted_keys;
+};
+
+/// A change of the pool that routers may want to know (KV events).
+struct OffloadingEvent {
+  /// The keys concerned, in operation order.
+  std::vector<std::string> keys;
+  /// Where the blocks live: always "CPU" for this manager.
+  std::string medium;
+  /// false: BlockStored (keys became lookup hits); true: BlockRemoved (keys were evicted).
+  bool removed = false;
+
+  /// "BlockStored" or "BlockRemoved".
+  std::string_view kind() const noexcept { return removed ? "BlockRemoved" : "BlockStored"; }
+};
+
+/// Keys passed to the manager: views of non-empty byte strings, valid during the call.
+using KeySpan = std::span<const std::string_view>;
+
+/// The offloading manager of one CPU pool of `num_blocks` slots.
+///
+/// Every key is in one of three states (BlockState). prepare_store gives missing keys a slot
+/// (pending); complete_store makes them ready (success) or drops them (failure). Ready blocks
+/// are lookup hits and can be loaded: prepare_load pins them (a reference count) and
+/// complete_load unpins them. When prepare_store needs more slots than are free, it evicts
+/// ready, unpinned blocks that are not keys of the same call, in eviction-policy order.
+///
+/// Guarantees (DESIGN.md invariants 6-8):
+///  * prepare_store is all-or-nothing: when it cannot get a slot for every new key it returns
+///    std::nullopt and changes nothing (no eviction, no event, no recency change).
+///  * keys of one prepare_store call are never evicted to make room for each other.
+///  * a key is a lookup hit only after complete_store(success=true); a failed store frees its
+///    slots; pinned (being loaded) and pending blocks are never evicted.
+///  * every operation validates its whole batch before changing anything: on an exception the
+///    manager is unchanged (except after std::bad_alloc).
+///  * touch and prepare_store order keys so that keys[0] ends most recent: among blocks of
+///    equal recency, a prefix's tail is evicted before its head.
+///
+/// All operations are O(1) per key, plus, for prepare_store, the slots the policy skips while
+/// looking for victims (pinned, pending or protected blocks at the evictable end).
+/// Memory: about 90 bytes per slot (a 64-byte record holding the key inline up to 48 bytes,
+/// 16 bytes of hash buckets, 8 bytes of LRU links, 4 bytes of free list), plus the bytes of
+/// keys longer than 48. Not thread-safe: call it from one thread (the scheduler's).
+class CPUOffloadingManager {
+ public:
+  /// Creates a manager for a pool of `num_blocks` slots using the eviction policy registered as
+  /// `eviction_policy` ("lru"); with `enable_events` it records OffloadingEvents.
+  /// Throws std::invalid_argument when num_blocks < 1 or num_blocks > 2^31-1 (naming the
+  /// value) or when the policy name is unknown (listing the choices).
+  explicit CPUOffloadingManager(std::int64_t num_blocks, std::string_view eviction_policy = "lru",
+                                bool enable_events = false);
+  ~CPUOffloadingManager();
+  CPUOffloadingManager(const CPUOffloadingManager&) = delete;
+  CPUOffloadingManager& operator=(const CPUOffloadingManager&) = delete;
+
+  /// How many leading keys are ready: counts keys from keys[0] until the first missing one.
+  /// Returns std::nullopt ("retry later") when a key before the first missing one is pending.
+  /// Changes nothing. Throws std::invalid_argument for an empty key.
+  std::optional<std::size_t> lookup(KeySpan keys) const;
+
+  /// Pins every key (reference count +1 per occurrence) so it cannot be evicted until
+  /// complete_load, and returns their CPU block ids in call order.
+  /// Throws std::invalid_argument, changing nothing, when a key is not ready (naming it in hex
+  /// and its state).
+  std::vector<std::uint32_t> prepare_load(KeySpan keys);
+
+  /// Unpins every key once per occurrence.
+  /// Throws std::invalid_argument, changing nothing, when a key is not ready or not pinned as
+  /// many times as it occurs (naming it in hex).
+  void complete_load(KeySpan keys);
+
+  /// Marks held keys (ready or pending) as used, processing them last to first so that keys[0]
+  /// ends the most recently used. Keys not held are ignored.
+  /// Throws std::invalid_argument, changing nothing, for an empty key.
+  void touch(KeySpan keys);
+
+  /// Gives every key that is not held a slot (pending), evicting if needed; see
+  /// PrepareStoreResult. New keys enter the policy as most recent, keys[0] the most recent of
+  /// them. Keys already held are left as they are (not touched).
+  /// Returns std::nullopt and changes nothing when free slots plus evictable blocks (ready,
+  /// unpinned, not keys of this call) are fewer than the new keys.
+  /// Throws std::invalid_argument, changing nothing, for an empty key.
+  std::optional<PrepareStoreResult> prepare_store(KeySpan keys);
+
+  /// Finishes the stores of pending keys: with `success` they become ready (lookup hits) and a
+  /// BlockStored event lists them; without, they are dropped and their slots freed. A key
+  /// occurring several times is finished once.
+  /// Throws std::invalid_argument, changing nothing, when a key is not pending (naming it in hex
+  /// and its state).
+  void complete_store(KeySpan keys, bool success = true);
+
+  /// Returns the events recorded since the last call, oldest first, and forgets them. Always
+  /// empty when events are disabled.
+  std::vector<OffloadingEvent> take_events();
+
+  /// State of `key` (kMissing for a key never seen, or an empty key).
+  BlockState state(std::string_view key) const noexcept;
+  /// Pin count of `key` (loads in flight); 0 when not ready.
+  std::uint32_t pin_count(std::string_view key) const noexcept;
+  /// CPU block id of a held key, or std::nullopt.
+  std::optional<std::uint32_t> block_id(std::string_view key) const noexcept;
+
+  /// Pool size (blocks).
+  std::uint32_t num_blocks() const noexcept { return pool_.num_blocks(); }
+  /// Free slots (blocks).
+  std::uint32_t num_free_blocks() const noexcept { return pool_.num_free(); }
+  /// Ready blocks (lookup hits).
+  std::uint32_t num_stored_blocks() const noexcept { return num_ready_; }
+  /// Pending blocks (prepare_store'd, not yet complete_store'd).
+  std::uint32_t num_pending_blocks() const noexcept { return num_pending_; }
+  /// Ready blocks that are not pinned (could be evicted now).
+  std::uint32_t num_evictable_blocks() const noexcept { return num_evictable_; }
+  /// The eviction policy's registered name.
+  std::string_view eviction_policy_name() const noexcept { return policy_->name(); }
+  /// Whether events are recorded.
+  bool events_enabled() const noexcept { return enable_events_; }
+
+ private:
+  // Per-slot state lives in the key index's 8-byte payload (same cache line as the key):
+  // bits 0-1 BlockState, bits 2-31 pin count, bits 32-63 the stamp of the last call that
+  // marked the slot (deduplication and protection within one call).
+  static constexpr std::uint32_t kMaxPins = (1u << 30) - 1;
+
+  std::uint32_t next_stamp() noexcept;
+  /// Finds all keys (hashes into scratch_hashes_, slots into scratch_slots_).
+  void find_all(KeySpan keys);
+  bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
+  void drop_slot(std::uint32_t slot, bool evicted);
+  void record(std::vector<std::string> keys, bool removed);
+
+  CPUBlockPool pool_;
+  KeyIndex index_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  bool enable_events_;
+  std::uint32_t num_ready_ = 0;
+  std::uint32_t num_pending_ = 0;
+  std::uint32_t num_evictable_ = 0;  // ready and unpinned
+  std::uint32_t call_stamp_ = 0;
+  std::vector<OffloadingEvent> events_;
+  // Scratch buffers reused across calls (no allocation in steady state).
+  std::vector<std::uint32_t> scratch_slots_;    // per key of the call: its slot or kNotFound
+  std::vector<std::uint64_t> scratch_hashes_;   // per key of the call: hash_key
+  std::vector<std::uint32_t> scratch_victims_;
+  std::vector<std::uint32_t> scratch_new_;      // indices into the call's keys
+  std::vector<std::uint32_t> scratch_set_;      // open-addressing set for deduplication
+};
+
+}  // namespace kvoff

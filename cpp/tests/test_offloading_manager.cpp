@@ -1,0 +1,511 @@
+// CPUOffloadingManager: DESIGN.md invariants 6 (stores), 7 (bad input changes nothing) and 8
+// (prefix order), events, and the policy factory by name.
+#include <gtest/gtest.h>
+
+#include <initializer_list>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "kvoff/offloading_manager.h"
+
+namespace kvoff {
+namespace {
+
+using Keys = std::vector<std::string_view>;
+using Strings = std::vector<std::string>;
+
+Keys K(std::initializer_list<std::string_view> keys) { return Keys(keys); }
+
+Strings S(std::initializer_list<const char*> keys) { return Strings(keys.begin(), keys.end()); }
+
+/// Stores keys and completes the store successfully; asserts it was accepted.
+void store(CPUOffloadingManager& m, const Keys& keys) {
+  auto r = m.prepare_store(keys);
+  ASSERT_TRUE(r.has_value());
+  Keys stored(r->keys_to_store.begin(), r->keys_to_store.end());
+  m.complete_store(stored);
+}
+
+/// Evicts one block at a time by storing fresh keys, returning the eviction order of `n` blocks.
+Strings drain(CPUOffloadingManager& m, std::size_t n) {
+  Strings order;
+  static int fresh = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string key = "fresh" + std::to_string(fresh++);
+    auto r = m.prepare_store(Keys{key});
+    if (!r) {
+      ADD_FAILURE() << "prepare_store refused while draining";
+      return order;
+    }
+    EXPECT_EQ(r->evicted_keys.size(), 1u);
+    order.insert(order.end(), r->evicted_keys.begin(), r->evicted_keys.end());
+    m.complete_store(Keys{key});
+  }
+  return order;
+}
+
+/// Snapshot of everything observable about a set of keys, to compare before and after a call.
+struct Snapshot {
+  std::uint32_t free, stored, pending, evictable;
+  std::vector<int> states;
+  std::vector<std::uint32_t> pins;
+  bool operator==(const Snapshot&) const = default;
+};
+
+Snapshot snap(const CPUOffloadingManager& m, const Keys& keys) {
+  Snapshot s{m.num_free_blocks(), m.num_stored_blocks(), m.num_pending_blocks(),
+             m.num_evictable_blocks(), {}, {}};
+  for (auto k : keys) {
+    s.states.push_back(static_cast<int>(m.state(k)));
+    s.pins.push_back(m.pin_count(k));
+  }
+  return s;
+}
+
+// ------------------------------------------------------------------------ construction
+
+TEST(Manager, ConstructionValidatesArguments) {
+  CPUOffloadingManager m(8);
+  EXPECT_EQ(m.num_blocks(), 8u);
+  EXPECT_EQ(m.num_free_blocks(), 8u);
+  EXPECT_EQ(m.num_stored_blocks(), 0u);
+  EXPECT_EQ(m.eviction_policy_name(), "lru");
+  EXPECT_FALSE(m.events_enabled());
+  for (const std::int64_t bad : {std::int64_t{0}, std::int64_t{-1}, std::int64_t{1} << 31}) {
+    try {
+      CPUOffloadingManager bad_m(bad);
+      FAIL() << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(bad)), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Manager, UnknownPolicyListsChoices) {
+  try {
+    CPUOffloadingManager m(4, "arc-typo");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("arc-typo"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("'lru'"), std::string::npos);
+  }
+}
+
+// ------------------------------------------------------------------------ lookup / pool
+
+TEST(Manager, LookupCountsLeadingReadyKeys) {
+  CPUOffloadingManager m(8);
+  store(m, K({"a", "b", "c"}));
+  EXPECT_EQ(m.lookup(K({"a", "b", "c"})), 3u);
+  EXPECT_EQ(m.lookup(K({"a", "x", "c"})), 1u);  // stops at the first missing key
+  EXPECT_EQ(m.lookup(K({"x", "a"})), 0u);
+  EXPECT_EQ(m.lookup(K({})), 0u);
+  EXPECT_EQ(m.num_stored_blocks(), 3u);
+  EXPECT_EQ(m.num_free_blocks(), 5u);
+}
+
+TEST(Manager, LookupOfPendingKeyIsRetryLater) {
+  CPUOffloadingManager m(8);
+  store(m, K({"a"}));
+  ASSERT_TRUE(m.prepare_store(K({"b"})));
+  EXPECT_EQ(m.lookup(K({"a", "b"})), std::nullopt);
+  EXPECT_EQ(m.lookup(K({"b"})), std::nullopt);
+  EXPECT_EQ(m.lookup(K({"a", "x", "b"})), 1u);  // the pending key is after the first miss
+}
+
+TEST(Manager, BlockIdsAreDistinctSlots) {
+  CPUOffloadingManager m(4);
+  auto r = m.prepare_store(K({"a", "b", "c", "d"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->block_ids, (std::vector<std::uint32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(r->keys_to_store, S({"a", "b", "c", "d"}));
+  EXPECT_TRUE(r->evicted_keys.empty());
+  EXPECT_EQ(m.num_free_blocks(), 0u);
+  EXPECT_EQ(m.num_pending_blocks(), 4u);
+  m.complete_store(K({"a", "b", "c", "d"}));
+  EXPECT_EQ(m.prepare_load(K({"c", "a"})), (std::vector<std::uint32_t>{2, 0}));
+}
+
+// ------------------------------------------------------------------------ invariant 6: stores
+
+// A block is a lookup hit only after complete_store(success=true).
+TEST(Invariant6, HitOnlyAfterSuccessfulCompleteStore) {
+  CPUOffloadingManager m(4);
+  auto r = m.prepare_store(K({"a", "b"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(m.state("a"), BlockState::kPending);
+  EXPECT_EQ(m.lookup(K({"a"})), std::nullopt);
+  EXPECT_THROW(m.prepare_load(K({"a"})), std::invalid_argument);
+  EXPECT_EQ(m.num_stored_blocks(), 0u);
+  m.complete_store(K({"a"}));
+  EXPECT_EQ(m.lookup(K({"a"})), 1u);
+  EXPECT_EQ(m.lookup(K({"a", "b"})), std::nullopt);
+  m.complete_store(K({"b"}));
+  EXPECT_EQ(m.lookup(K({"a", "b"})), 2u);
+}
+
+// A failed store frees its slots and is never a hit.
+TEST(Invariant6, FailedStoreFreesSlots) {
+  CPUOffloadingManager m(2, "lru", true);
+  auto r = m.prepare_store(K({"a", "b"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(m.num_free_blocks(), 0u);
+  m.complete_store(K({"a", "b"}), /*success=*/false);
+  EXPECT_EQ(m.num_free_blocks(), 2u);
+  EXPECT_EQ(m.num_pending_blocks(), 0u);
+  EXPECT_EQ(m.num_stored_blocks(), 0u);
+  EXPECT_EQ(m.state("a"), BlockState::kMissing);
+  EXPECT_EQ(m.lookup(K({"a"})), 0u);
+  EXPECT_TRUE(m.take_events().empty());  // a failed store is never announced
+  // The freed slots are usable (a leak would make this prepare_store return nullopt).
+  auto again = m.prepare_store(K({"c", "d"}));
+  ASSERT_TRUE(again);
+  EXPECT_TRUE(again->evicted_keys.empty());
+}
+
+// prepare_store is all-or-nothing: nullopt changes no state.
+TEST(Invariant6, PrepareStoreAllOrNothing) {
+  CPUOffloadingManager m(4, "lru", true);
+  store(m, K({"d"}));
+  store(m, K({"c"}));
+  store(m, K({"b"}));
+  store(m, K({"a"}));  // LRU order (least recent first): d c b a
+  m.prepare_load(K({"a"}));
+  (void)m.take_events();
+  const Keys all = K({"a", "b", "c", "d", "e", "f", "g", "h"});
+  const Snapshot before = snap(m, all);
+  // Needs 4 slots: 0 free, 3 evictable (a is pinned) -> refused, even though 3 could go.
+  EXPECT_FALSE(m.prepare_store(K({"e", "f", "g", "h"})).has_value());
+  EXPECT_EQ(snap(m, all), before);
+  EXPECT_TRUE(m.take_events().empty());
+  EXPECT_EQ(m.lookup(K({"a", "b", "c", "d"})), 4u);
+  // The recency order is unchanged too: evictions still go d, c, b.
+  EXPECT_EQ(drain(m, 3), S({"d", "c", "b"}));
+}
+
+// The refusal also holds when the blocking blocks are pending or keys of the call itself.
+TEST(Invariant6, PrepareStoreRefusesWhenOnlyProtectedOrPendingBlocksRemain) {
+  CPUOffloadingManager m(3, "lru", true);
+  store(m, K({"a", "b"}));
+  ASSERT_TRUE(m.prepare_store(K({"p"})));  // pending, fills the pool
+  const Keys all = K({"a", "b", "p", "x"});
+  const Snapshot before = snap(m, all);
+  EXPECT_FALSE(m.prepare_store(K({"a", "b", "x"})).has_value());  // a, b protected; p pending
+  EXPECT_EQ(snap(m, all), before);
+  EXPECT_FALSE(m.prepare_store(K({"x", "y", "z"})).has_value());  // needs 3, only 2 evictable
+  EXPECT_EQ(snap(m, all), before);
+  EXPECT_EQ(m.take_events().size(), 1u);  // only the BlockStored of a, b
+}
+
+// Keys of one call are never evicted to make room for each other.
+TEST(Invariant6, KeysOfOneCallAreNotEvictedForEachOther) {
+  CPUOffloadingManager m(3);
+  store(m, K({"a"}));
+  store(m, K({"b"}));
+  store(m, K({"c"}));  // LRU order: a b c
+  auto r = m.prepare_store(K({"a", "d"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->keys_to_store, S({"d"}));
+  EXPECT_EQ(r->evicted_keys, S({"b"}));  // a is the LRU block but belongs to the call
+  EXPECT_EQ(m.state("a"), BlockState::kReady);
+  EXPECT_EQ(m.state("b"), BlockState::kMissing);
+}
+
+// Blocks being loaded cannot be evicted until complete_load.
+TEST(Invariant6, PinnedBlocksAreNotEvictedUntilCompleteLoad) {
+  CPUOffloadingManager m(2);
+  store(m, K({"a"}));
+  store(m, K({"b"}));  // LRU order: a b
+  EXPECT_EQ(m.prepare_load(K({"a"})).size(), 1u);
+  EXPECT_EQ(m.pin_count("a"), 1u);
+  auto r = m.prepare_store(K({"c"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->evicted_keys, S({"b"}));  // a is least recent but pinned
+  EXPECT_FALSE(m.prepare_store(K({"d"})).has_value());  // a pinned, c pending
+  m.complete_store(K({"c"}));
+  m.complete_load(K({"a"}));
+  EXPECT_EQ(m.pin_count("a"), 0u);
+  r = m.prepare_store(K({"d"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->evicted_keys, S({"a"}));
+}
+
+TEST(Invariant6, DoublePinNeedsTwoCompleteLoads) {
+  CPUOffloadingManager m(1);
+  store(m, K({"a"}));
+  m.prepare_load(K({"a"}));
+  m.prepare_load(K({"a"}));
+  m.complete_load(K({"a"}));
+  EXPECT_FALSE(m.prepare_store(K({"b"})).has_value());  // still pinned once
+  m.complete_load(K({"a"}));
+  EXPECT_TRUE(m.prepare_store(K({"b"})).has_value());
+}
+
+TEST(Invariant6, PendingBlocksAreNotEvicted) {
+  CPUOffloadingManager m(1);
+  ASSERT_TRUE(m.prepare_store(K({"a"})));
+  EXPECT_FALSE(m.prepare_store(K({"b"})).has_value());
+  EXPECT_EQ(m.state("a"), BlockState::kPending);
+}
+
+TEST(Invariant6, DuplicateNewKeysNeedOneSlot) {
+  CPUOffloadingManager m(2);
+  auto r = m.prepare_store(K({"a", "b", "a", "b"}));
+  ASSERT_TRUE(r);  // 2 distinct keys fit exactly
+  EXPECT_EQ(r->keys_to_store, S({"a", "b"}));
+  m.complete_store(K({"a", "b", "a"}));  // a repeated key is finished once
+  EXPECT_EQ(m.num_stored_blocks(), 2u);
+}
+
+TEST(Invariant6, HeldKeysAreNotStoredAgain) {
+  CPUOffloadingManager m(4);
+  store(m, K({"a"}));
+  ASSERT_TRUE(m.prepare_store(K({"b"})));
+  auto r = m.prepare_store(K({"a", "b", "c"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->keys_to_store, S({"c"}));
+  EXPECT_EQ(m.num_free_blocks(), 1u);
+}
+
+TEST(Invariant6, EvictionFillsFreedSlots) {
+  CPUOffloadingManager m(3);
+  store(m, K({"a", "b", "c"}));  // eviction order c b a
+  auto r = m.prepare_store(K({"x", "y"}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->evicted_keys, S({"c", "b"}));
+  std::vector<std::uint32_t> ids = r->block_ids;
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(ids, (std::vector<std::uint32_t>{1, 2}));  // the slots of b and c
+  EXPECT_EQ(m.num_free_blocks(), 0u);
+}
+
+// ------------------------------------------------------------------------ invariant 8: order
+
+// touch processes keys last to first: with equal prior recency, touch([a, b, c]) leaves a the
+// most recent, so eviction goes c, b, a (tail of the prefix first).
+TEST(Invariant8, TouchLastToFirstEvictsTailFirst) {
+  CPUOffloadingManager m(3);
+  store(m, K({"c", "b", "a"}));  // eviction order before touch: a b c
+  m.touch(K({"a", "b", "c"}));
+  EXPECT_EQ(drain(m, 3), S({"c", "b", "a"}));
+}
+
+TEST(Invariant8, PrepareStoreMakesFirstKeyMostRecent) {
+  CPUOffloadingManager m(3);
+  store(m, K({"a", "b", "c"}));
+  EXPECT_EQ(drain(m, 3), S({"c", "b", "a"}));
+}
+
+TEST(Invariant8, TouchIgnoresUnknownKeysAndMovesOnlyHeldOnes) {
+  CPUOffloadingManager m(3);
+  store(m, K({"a"}));
+  store(m, K({"b"}));
+  store(m, K({"c"}));  // order: a b c
+  m.touch(K({"zz", "a", "yy"}));
+  EXPECT_EQ(drain(m, 3), S({"b", "c", "a"}));
+}
+
+TEST(Invariant8, PrepareStoreDoesNotTouchHeldKeys) {
+  CPUOffloadingManager m(3);
+  store(m, K({"a"}));
+  store(m, K({"b"}));  // order: a b
+  ASSERT_TRUE(m.prepare_store(K({"a", "c"})));
+  m.complete_store(K({"c"}));
+  EXPECT_EQ(drain(m, 1), S({"a"}));
+}
+
+// ------------------------------------------------------------------------ events
+
+TEST(Events, StoredAndRemovedInOrder) {
+  CPUOffloadingManager m(2, "lru", true);
+  store(m, K({"a", "b"}));
+  ASSERT_TRUE(m.prepare_store(K({"c"})));  // evicts b
+  m.complete_store(K({"c"}));
+  ASSERT_TRUE(m.prepare_store(K({"d"})));  // evicts a
+  m.complete_store(K({"d"}), false);       // a failed store records nothing
+  auto events = m.take_events();
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[0].keys, S({"a", "b"}));
+  EXPECT_FALSE(events[0].removed);
+  EXPECT_EQ(events[0].kind(), "BlockStored");
+  EXPECT_EQ(events[0].medium, "CPU");
+  EXPECT_EQ(events[1].keys, S({"b"}));
+  EXPECT_TRUE(events[1].removed);
+  EXPECT_EQ(events[1].kind(), "BlockRemoved");
+  EXPECT_EQ(events[2].keys, S({"c"}));
+  EXPECT_FALSE(events[2].removed);
+  EXPECT_EQ(events[3].keys, S({"a"}));
+  EXPECT_TRUE(events[3].removed);
+  EXPECT_TRUE(m.take_events().empty());  // taken events are cleared
+}
+
+TEST(Events, DisabledRecordsNothing) {
+  CPUOffloadingManager m(1);
+  store(m, K({"a"}));
+  store(m, K({"b"}));
+  EXPECT_TRUE(m.take_events().empty());
+}
+
+// ------------------------------------------------------------------------ invariant 7: bad input
+
+TEST(BadInput, PrepareLoadOfMissingOrPendingKeyChangesNothing) {
+  CPUOffloadingManager m(4);
+  store(m, K({"a", "b"}));
+  ASSERT_TRUE(m.prepare_store(K({"p"})));
+  const Keys all = K({"a", "b", "p", "x"});
+  const Snapshot before = snap(m, all);
+  try {
+    m.prepare_load(K({"a", "b", "x"}));
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("keys[2]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("78"), std::string::npos) << msg;  // hex of "x"
+    EXPECT_NE(msg.find("missing"), std::string::npos) << msg;
+  }
+  try {
+    m.prepare_load(K({"a", "p"}));
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("pending"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(snap(m, all), before);  // a and b were not pinned
+}
+
+TEST(BadInput, CompleteLoadOfKeyNotBeingLoadedChangesNothing) {
+  CPUOffloadingManager m(4);
+  store(m, K({"a", "b"}));
+  m.prepare_load(K({"a", "b"}));
+  const Keys all = K({"a", "b"});
+  const Snapshot before = snap(m, all);
+  EXPECT_THROW(m.complete_load(K({"a", "x"})), std::invalid_argument);
+  EXPECT_THROW(m.complete_load(K({"a", "b", "a"})), std::invalid_argument);  // a pinned once
+  EXPECT_EQ(snap(m, all), before);
+  m.complete_load(K({"b", "a"}));
+  EXPECT_THROW(m.complete_load(K({"a"})), std::invalid_argument);
+  EXPECT_EQ(m.num_evictable_blocks(), 2u);
+}
+
+TEST(BadInput, CompleteStoreOfKeyNotPendingChangesNothing) {
+  CPUOffloadingManager m(4, "lru", true);
+  store(m, K({"r"}));
+  (void)m.take_events();
+  ASSERT_TRUE(m.prepare_store(K({"a", "b"})));
+  const Keys all = K({"a", "b", "r", "x"});
+  const Snapshot before = snap(m, all);
+  for (const bool success : {true, false}) {
+    EXPECT_THROW(m.complete_store(K({"a", "x"}), success), std::invalid_argument);  // missing
+    EXPECT_THROW(m.complete_store(K({"b", "r"}), success), std::invalid_argument);  // ready
+    EXPECT_EQ(snap(m, all), before);
+  }
+  EXPECT_TRUE(m.take_events().empty());
+  m.complete_store(K({"a", "b"}));
+  EXPECT_THROW(m.complete_store(K({"a"})), std::invalid_argument);  // already completed
+}
+
+TEST(BadInput, EmptyKeyIsRejectedEverywhere) {
+  CPUOffloadingManager m(2);
+  store(m, K({"a"}));
+  const Keys bad = K({"a", ""});
+  const Snapshot before = snap(m, K({"a"}));
+  EXPECT_THROW((void)m.lookup(bad), std::invalid_argument);
+  EXPECT_THROW(m.prepare_load(bad), std::invalid_argument);
+  EXPECT_THROW(m.complete_load(bad), std::invalid_argument);
+  EXPECT_THROW(m.touch(bad), std::invalid_argument);
+  EXPECT_THROW((void)m.prepare_store(bad), std::invalid_argument);
+  EXPECT_THROW(m.complete_store(bad), std::invalid_argument);
+  EXPECT_EQ(snap(m, K({"a"})), before);
+}
+
+// ------------------------------------------------------------------------ scale
+
+// Heavy churn on a small pool: counters, states and block ids stay consistent with a simple
+// reference of which keys are held, and every held key has a distinct slot.
+TEST(Manager, ChurnKeepsBookkeepingConsistent) {
+  constexpr std::uint32_t kBlocks = 64;
+  CPUOffloadingManager m(kBlocks);
+  std::unordered_map<std::string, BlockState> ref;
+  std::vector<Strings> in_flight;
+  std::mt19937 rng(7);
+  for (int step = 0; step < 20000; ++step) {
+    Strings batch;
+    const int n = 1 + static_cast<int>(rng() % 6);
+    for (int i = 0; i < n; ++i) {
+      batch.push_back("k" + std::to_string(rng() % 300));
+    }
+    const Keys keys(batch.begin(), batch.end());
+    switch (rng() % 4) {
+      case 0: {
+        auto r = m.prepare_store(keys);
+        if (r) {
+          for (const auto& k : r->evicted_keys) {
+            ASSERT_EQ(ref.at(k), BlockState::kReady);
+            ref.erase(k);
+          }
+          for (const auto& k : r->keys_to_store) {
+            ASSERT_EQ(ref.count(k), 0u);
+            ref[k] = BlockState::kPending;
+          }
+          in_flight.push_back(r->keys_to_store);
+        }
+        break;
+      }
+      case 1:
+        if (!in_flight.empty()) {
+          const bool ok = rng() % 5 != 0;
+          const Keys done(in_flight.back().begin(), in_flight.back().end());
+          m.complete_store(done, ok);
+          for (auto k : done) {
+            if (ok) {
+              ref[std::string(k)] = BlockState::kReady;
+            } else {
+              ref.erase(std::string(k));
+            }
+          }
+          in_flight.pop_back();
+        }
+        break;
+      case 2:
+        m.touch(keys);
+        break;
+      default: {
+        std::size_t expect = 0;
+        bool retry = false;
+        for (auto k : keys) {
+          auto it = ref.find(std::string(k));
+          if (it == ref.end()) {
+            break;
+          }
+          if (it->second == BlockState::kPending) {
+            retry = true;
+            break;
+          }
+          ++expect;
+        }
+        const auto got = m.lookup(keys);
+        if (retry) {
+          ASSERT_FALSE(got.has_value());
+        } else {
+          ASSERT_EQ(got, expect);
+        }
+      }
+    }
+    ASSERT_EQ(m.num_free_blocks() + m.num_stored_blocks() + m.num_pending_blocks(), kBlocks);
+    ASSERT_EQ(m.num_stored_blocks() + m.num_pending_blocks(), ref.size());
+  }
+  std::unordered_set<std::uint32_t> slots;
+  for (const auto& [k, st] : ref) {
+    ASSERT_EQ(m.state(k), st);
+    auto id = m.block_id(k);
+    ASSERT_TRUE(id.has_value());
+    ASSERT_TRUE(slots.insert(*id).second) << "slot " << *id << " held twice";
+  }
+}
+
+}  // namespace
+}  // namespace kvoff

@@ -1,0 +1,626 @@
+"""CPUOffloadingManager from Python: DESIGN.md invariants 6, 7 and 8, keys, events, and a
+hypothesis state machine that compares the manager with a small pure-Python model."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+)
+
+from kvoff import CPUOffloadingManager, OffloadingEvent, PrepareStoreOutput
+
+
+def store(m: CPUOffloadingManager, keys: list) -> PrepareStoreOutput:
+    """prepare_store + complete_store(success=True); asserts the store was accepted."""
+    out = m.prepare_store(keys)
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+    return out
+
+
+_fresh = iter(range(10**9, 2 * 10**9))
+
+
+def drain(m: CPUOffloadingManager, n: int) -> list[bytes]:
+    """Evicts n blocks one at a time (by storing fresh keys); returns the eviction order."""
+    order = []
+    for _ in range(n):
+        key = next(_fresh)
+        out = m.prepare_store([key])
+        assert out is not None, "prepare_store refused while draining"
+        assert len(out.evicted_keys) == 1
+        order += out.evicted_keys
+        m.complete_store([key])
+    return order
+
+
+def snapshot(m: CPUOffloadingManager, keys: list) -> tuple:
+    """Everything observable about the pool and `keys`, to compare before/after a call."""
+    return (
+        m.num_free_blocks,
+        m.num_stored_blocks,
+        m.num_pending_blocks,
+        len(m),
+        [m.lookup([k]) for k in keys],
+        [k in m for k in keys],
+    )
+
+
+# ---------------------------------------------------------------------------------- basics
+
+
+def test_construction_and_properties():
+    m = CPUOffloadingManager(8)
+    assert (m.num_blocks, m.num_free_blocks, m.num_stored_blocks, m.num_pending_blocks) == (
+        8,
+        8,
+        0,
+        0,
+    )
+    assert m.eviction_policy == "lru"
+    assert m.enable_events is False
+    assert len(m) == 0
+    assert "num_blocks=8" in repr(m)
+    assert "lru" in repr(m)
+    with pytest.raises(AttributeError):
+        m.num_blocks = 3
+    m2 = CPUOffloadingManager(num_blocks=3, eviction_policy="lru", enable_events=True)
+    assert m2.enable_events is True
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**31, 2**70])
+def test_num_blocks_out_of_range_names_the_value(bad):
+    # invariant 7: bad input is rejected with an error naming the value.
+    with pytest.raises(ValueError, match=str(bad)):
+        CPUOffloadingManager(bad)
+
+
+def test_num_blocks_must_be_int():
+    with pytest.raises(TypeError, match="float"):
+        CPUOffloadingManager(4.0)
+
+
+def test_unknown_policy_lists_choices():
+    # invariant 7: an unknown policy names the value and the choices.
+    with pytest.raises(ValueError, match=r"'arc-typo'.*'lru'"):
+        CPUOffloadingManager(4, eviction_policy="arc-typo")
+
+
+def test_eviction_policies_registry():
+    from kvoff import _scheduler
+
+    assert _scheduler.eviction_policies() == ["lru"]
+
+
+def test_docstrings_give_signatures():
+    assert CPUOffloadingManager.lookup.__doc__.startswith(
+        "lookup(self, keys: Sequence[bytes | int]) -> int | None"
+    )
+    assert "PrepareStoreOutput | None" in CPUOffloadingManager.prepare_store.__doc__
+    assert "ValueError" in CPUOffloadingManager.prepare_load.__doc__
+    assert "num_blocks (int)" in CPUOffloadingManager.__doc__
+
+
+def test_lookup_counts_leading_ready_keys():
+    m = CPUOffloadingManager(8)
+    store(m, [b"a", b"b", b"c"])
+    assert m.lookup([b"a", b"b", b"c"]) == 3
+    assert m.lookup([b"a", b"x", b"c"]) == 1  # stops at the first missing key
+    assert m.lookup([b"x", b"a"]) == 0
+    assert m.lookup([]) == 0
+
+
+def test_lookup_of_pending_key_is_retry_later():
+    m = CPUOffloadingManager(8)
+    store(m, [b"a"])
+    assert m.prepare_store([b"b"]) is not None
+    assert m.lookup([b"a", b"b"]) is None
+    assert m.lookup([b"a", b"x", b"b"]) == 1  # the pending key lies after the first miss
+
+
+def test_block_ids_and_prepare_load():
+    m = CPUOffloadingManager(4)
+    out = m.prepare_store([b"a", b"b", b"c", b"d"])
+    assert out == PrepareStoreOutput([b"a", b"b", b"c", b"d"], [0, 1, 2, 3], [])
+    key = b"e" * 40
+    assert m.prepare_store([key, b"a"]) is None  # pool full of pending blocks
+    m.complete_store(out.keys_to_store[2:])
+    assert m.prepare_store([b"a", key]).keys_to_store[0] is key  # the caller's bytes object
+    assert "keys_to_store=" in repr(out)
+    m.complete_store([*out.keys_to_store[:2], key])
+    assert m.prepare_load([b"b", b"a"]) == [1, 0]
+    m.complete_load([b"a", b"b"])
+
+
+# ---------------------------------------------------------------------------------- invariant 6
+
+
+def test_hit_only_after_successful_complete_store():
+    # invariant 6: a block is a lookup hit only after complete_store(success=True). Fails if
+    # prepare_store made blocks ready, or complete_store(success=False) did.
+    m = CPUOffloadingManager(4)
+    m.prepare_store([b"a", b"b"])
+    assert m.lookup([b"a"]) is None
+    assert b"a" in m
+    with pytest.raises(ValueError, match="pending"):
+        m.prepare_load([b"a"])
+    m.complete_store([b"a"])
+    assert m.lookup([b"a", b"b"]) is None
+    m.complete_store([b"b"], success=False)
+    assert m.lookup([b"a", b"b"]) == 1
+    assert m.num_stored_blocks == 1
+
+
+def test_failed_store_frees_its_slots():
+    # invariant 6: a failed store frees its slots (fails if the slots leaked or stayed pending).
+    m = CPUOffloadingManager(2, enable_events=True)
+    m.prepare_store([b"a", b"b"])
+    assert m.num_free_blocks == 0
+    m.complete_store([b"a", b"b"], success=False)
+    assert m.num_free_blocks == 2
+    assert m.num_pending_blocks == 0
+    assert b"a" not in m
+    assert m.lookup([b"a"]) == 0
+    assert m.take_events() == []  # never announced
+    out = m.prepare_store([b"c", b"d"])
+    assert out is not None
+    assert out.evicted_keys == []
+
+
+def test_prepare_store_is_all_or_nothing():
+    # invariant 6: None changes no state: free count, lookups, events and recency order. Fails
+    # if prepare_store evicted what it could before finding it could not fit everything.
+    m = CPUOffloadingManager(4, enable_events=True)
+    for k in [b"d", b"c", b"b", b"a"]:
+        store(m, [k])  # eviction order: d c b a
+    m.prepare_load([b"a"])  # pinned
+    m.take_events()
+    keys = [b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h"]
+    before = snapshot(m, keys)
+    # Needs 4 slots; 0 free and only 3 evictable (a is pinned).
+    assert m.prepare_store([b"e", b"f", b"g", b"h"]) is None
+    assert snapshot(m, keys) == before
+    assert m.take_events() == []
+    assert drain(m, 3) == [b"d", b"c", b"b"]  # order unchanged
+
+
+def test_prepare_store_refuses_when_only_protected_or_pending_blocks_remain():
+    # invariant 6: pending blocks and keys of the call are not eviction candidates.
+    m = CPUOffloadingManager(3)
+    store(m, [b"a", b"b"])
+    m.prepare_store([b"p"])
+    keys = [b"a", b"b", b"p", b"x"]
+    before = snapshot(m, keys)
+    assert m.prepare_store([b"a", b"b", b"x"]) is None
+    assert m.prepare_store([b"x", b"y", b"z"]) is None
+    assert snapshot(m, keys) == before
+
+
+def test_keys_of_one_call_are_not_evicted_for_each_other():
+    # invariant 6: fails if the LRU block `a` is evicted although it is a key of the call.
+    m = CPUOffloadingManager(3)
+    for k in [b"a", b"b", b"c"]:
+        store(m, [k])  # eviction order: a b c
+    out = m.prepare_store([b"a", b"d"])
+    assert out.keys_to_store == [b"d"]
+    assert out.evicted_keys == [b"b"]
+    assert m.lookup([b"a"]) == 1
+
+
+def test_blocks_being_loaded_are_not_evicted_until_complete_load():
+    # invariant 6: fails if a pinned block can be evicted.
+    m = CPUOffloadingManager(2)
+    store(m, [b"a"])
+    store(m, [b"b"])  # eviction order: a b
+    assert m.prepare_load([b"a"]) == [0]
+    assert m.prepare_store([b"c"]).evicted_keys == [b"b"]
+    assert m.prepare_store([b"d"]) is None  # a pinned, c pending
+    m.complete_store([b"c"])
+    m.complete_load([b"a"])
+    assert m.prepare_store([b"d"]).evicted_keys == [b"a"]
+
+
+def test_duplicate_keys_need_one_slot():
+    m = CPUOffloadingManager(2)
+    out = m.prepare_store([b"a", 7, b"a", 7])  # would need 4 slots without deduplication
+    assert out.keys_to_store == [b"a", (7).to_bytes(8, "little")]
+    m.complete_store([b"a", 7, 7])
+    assert m.num_stored_blocks == 2
+
+
+# ---------------------------------------------------------------------------------- invariant 8
+
+
+def test_touch_last_to_first_evicts_tail_first():
+    # invariant 8: after touch([a, b, c]) with equal prior recency, eviction goes c, b, a. Fails
+    # if touch processes keys first to last (then a would be evicted first).
+    m = CPUOffloadingManager(3)
+    store(m, [b"c", b"b", b"a"])  # eviction order before touch: a b c
+    m.touch([b"a", b"b", b"c"])
+    assert drain(m, 3) == [b"c", b"b", b"a"]
+
+
+def test_prepare_store_makes_first_key_most_recent():
+    # invariant 8: a stored prefix is evicted tail first.
+    m = CPUOffloadingManager(3)
+    store(m, [b"a", b"b", b"c"])
+    assert drain(m, 3) == [b"c", b"b", b"a"]
+
+
+def test_touch_ignores_unknown_keys():
+    m = CPUOffloadingManager(3)
+    for k in [b"a", b"b", b"c"]:
+        store(m, [k])
+    m.touch([b"zz", b"a", b"yy"])
+    assert drain(m, 3) == [b"b", b"c", b"a"]
+
+
+# ---------------------------------------------------------------------------------- events
+
+
+def test_events():
+    m = CPUOffloadingManager(2, enable_events=True)
+    store(m, [b"a", b"b"])
+    store(m, [b"c"])  # evicts b
+    m.prepare_store([b"d"])  # evicts a
+    m.complete_store([b"d"], success=False)
+    events = m.take_events()
+    assert events == [
+        OffloadingEvent([b"a", b"b"], "CPU", False),
+        OffloadingEvent([b"b"], "CPU", True),
+        OffloadingEvent([b"c"]),
+        OffloadingEvent([b"a"], medium="CPU", removed=True),
+    ]
+    assert [e.kind for e in events] == [
+        "BlockStored",
+        "BlockRemoved",
+        "BlockStored",
+        "BlockRemoved",
+    ]
+    assert events[1].medium == "CPU"
+    assert events[1].keys == [b"b"]
+    assert events[1].removed is True
+    assert "removed=True" in repr(events[1])
+    assert m.take_events() == []
+
+
+def test_events_disabled_records_nothing():
+    m = CPUOffloadingManager(1)
+    store(m, [b"a"])
+    store(m, [b"b"])
+    assert m.take_events() == []
+
+
+# ---------------------------------------------------------------------------------- keys
+
+
+def test_int_keys_are_8_little_endian_bytes():
+    m = CPUOffloadingManager(8)
+    out = m.prepare_store([1, -1, 2**63, -(2**63), 2**64 - 1])
+    # -1 and 2**64-1 are the same 8 bytes (two's complement); 2**63 and -2**63 too.
+    assert out.keys_to_store == [
+        (1).to_bytes(8, "little"),
+        b"\xff" * 8,
+        (2**63).to_bytes(8, "little"),
+    ]
+    m.complete_store(out.keys_to_store)
+    assert m.lookup([(1).to_bytes(8, "little"), 2**64 - 1, -(2**63)]) == 3
+    assert 1 in m
+    assert b"\x01" not in m  # a different (1-byte) key
+
+
+def test_any_sequence_of_keys():
+    m = CPUOffloadingManager(8)
+    store(m, (b"a", 2))
+    assert m.lookup((b"a", 2)) == 2
+    assert m.lookup(range(2, 3)) == 1
+    assert m.lookup(k for k in [b"a"]) == 1
+    assert m.lookup([b"a", bytearray(b"x")][:1]) == 1
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "match"),
+    [
+        (b"", ValueError, "empty"),
+        (2**64, ValueError, "18446744073709551616"),
+        (-(2**63) - 1, ValueError, "-9223372036854775809"),
+        ("abc", TypeError, "str"),
+        (1.5, TypeError, "float"),
+        (True, TypeError, "bool"),
+        (None, TypeError, "NoneType"),
+        (bytearray(b"a"), TypeError, "bytearray"),
+    ],
+)
+def test_bad_keys_raise_and_change_nothing(bad, exc, match):
+    # invariant 7: a batch with a bad key raises, naming it, before changing anything.
+    m = CPUOffloadingManager(2, enable_events=True)
+    store(m, [b"a"])
+    m.take_events()
+    before = snapshot(m, [b"a", b"b"])
+    for op in (m.prepare_store, m.lookup, m.touch, m.prepare_load, m.complete_load):
+        with pytest.raises(exc, match=match):
+            op([b"b", bad])
+    with pytest.raises(exc, match=match):
+        m.complete_store([b"b", bad], success=False)
+    assert snapshot(m, [b"a", b"b"]) == before
+    assert m.take_events() == []
+
+
+@pytest.mark.parametrize("bad", [b"ab", "ab", 5, {b"a"}, None])
+def test_keys_argument_must_be_an_ordered_sequence(bad):
+    m = CPUOffloadingManager(2)
+    with pytest.raises(TypeError, match="keys"):
+        m.lookup(bad)
+
+
+def test_contains_rejects_bad_key():
+    m = CPUOffloadingManager(2)
+    with pytest.raises(TypeError, match="str"):
+        _ = "a" in m
+
+
+def test_bad_state_errors_name_key_and_change_nothing():
+    # invariant 7: the error names the key (hex) and its state; nothing changes.
+    m = CPUOffloadingManager(4, enable_events=True)
+    store(m, [b"a", b"b"])
+    m.prepare_store([b"p"])
+    m.take_events()
+    keys = [b"a", b"b", b"p", b"x"]
+    before = snapshot(m, keys)
+    with pytest.raises(ValueError, match=r"keys\[2\] = 78 \(hex\) is missing"):
+        m.prepare_load([b"a", b"b", b"x"])
+    with pytest.raises(ValueError, match="pending"):
+        m.prepare_load([b"a", b"p"])
+    with pytest.raises(ValueError, match="not being loaded"):
+        m.complete_load([b"a"])
+    with pytest.raises(ValueError, match=r"keys\[1\] = 61 \(hex\) is already ready"):
+        m.complete_store([b"p", b"a"])
+    with pytest.raises(ValueError, match="missing"):
+        m.complete_store([b"p", b"x"], success=False)
+    with pytest.raises(ValueError, match=r"int 7 as 8 little-endian bytes"):
+        m.prepare_load([7])
+    assert snapshot(m, keys) == before
+    # a and b were not pinned by the failed prepare_load: both can still be evicted.
+    m.complete_store([b"p"])
+    assert sorted(m.prepare_store([b"x", b"y", b"z"]).evicted_keys) == [b"a", b"b"]
+    assert m.take_events()[0].kind == "BlockStored"
+
+
+def test_complete_load_with_more_occurrences_than_pins_changes_nothing():
+    m = CPUOffloadingManager(2)
+    store(m, [b"a", b"b"])
+    m.prepare_load([b"a", b"b"])
+    with pytest.raises(ValueError, match="as many times"):
+        m.complete_load([b"a", b"b", b"a"])
+    # Still pinned once each: nothing can be evicted.
+    assert m.prepare_store([b"c"]) is None
+    m.complete_load([b"a", b"b"])
+    assert m.prepare_store([b"c"]) is not None
+
+
+# ---------------------------------------------------------------------------------- model
+
+READY, PENDING = "ready", "pending"
+
+
+@dataclass
+class _Block:
+    state: str
+    block_id: int
+    pins: int = 0
+
+
+def _key_bytes(k: int | bytes) -> bytes:
+    if isinstance(k, bytes):
+        return k
+    return (k % 2**64).to_bytes(8, "little")
+
+
+class Model:
+    """The manager's semantics in plain Python: an OrderedDict from least to most recent."""
+
+    def __init__(self, num_blocks: int, enable_events: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_events = enable_events
+        self.blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self.events: list[OffloadingEvent] = []
+
+    def num(self, state: str) -> int:
+        return sum(b.state == state for b in self.blocks.values())
+
+    def lookup(self, keys: list[bytes]) -> int | None:
+        hits = 0
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None:
+                break
+            if b.state != READY:
+                return None
+            hits += 1
+        return hits
+
+    def can_load(self, keys: list[bytes]) -> bool:
+        return all(k in self.blocks and self.blocks[k].state == READY for k in keys)
+
+    def can_unload(self, keys: list[bytes]) -> bool:
+        return self.can_load(keys) and all(
+            self.blocks[k].pins >= n for k, n in Counter(keys).items()
+        )
+
+    def can_complete_store(self, keys: list[bytes]) -> bool:
+        return all(k in self.blocks and self.blocks[k].state == PENDING for k in keys)
+
+    def touch(self, keys: list[bytes]) -> None:
+        for k in reversed(keys):
+            if k in self.blocks:
+                self.blocks.move_to_end(k)
+
+    def prepare_store(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]] | None:
+        new = list(dict.fromkeys(k for k in keys if k not in self.blocks))
+        free = self.num_blocks - len(self.blocks)
+        evicted: list[bytes] = []
+        if len(new) > free:
+            candidates = [
+                k
+                for k, b in self.blocks.items()
+                if b.state == READY and b.pins == 0 and k not in set(keys)
+            ]
+            if len(candidates) < len(new) - free:
+                return None
+            evicted = candidates[: len(new) - free]
+        for k in evicted:
+            del self.blocks[k]
+        if evicted and self.enable_events:
+            self.events.append(OffloadingEvent(evicted, "CPU", True))
+        return new, evicted
+
+    def add_pending(self, keys: list[bytes], block_ids: list[int]) -> None:
+        for k, bid in reversed(list(zip(keys, block_ids, strict=True))):
+            self.blocks[k] = _Block(PENDING, bid)  # appended: keys[0] ends most recent
+
+    def complete_store(self, keys: list[bytes], success: bool) -> None:
+        done = list(dict.fromkeys(keys))
+        for k in done:
+            if success:
+                self.blocks[k].state = READY
+            else:
+                del self.blocks[k]
+        if success and done and self.enable_events:
+            self.events.append(OffloadingEvent(done, "CPU", False))
+
+
+KEY_UNIVERSE = [b"k0", b"k1", b"k2", b"\x00", 3, 4, -1, 2**64 - 2, b"k8", b"k9", 10, b"long" * 10]
+key_st = st.sampled_from(KEY_UNIVERSE)
+keys_st = st.lists(key_st, max_size=6)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random operation sequences on CPUOffloadingManager and Model give the same results."""
+
+    @initialize(num_blocks=st.integers(1, 6), enable_events=st.booleans())
+    def setup(self, num_blocks: int, enable_events: bool) -> None:
+        self.m = CPUOffloadingManager(num_blocks, "lru", enable_events)
+        self.model = Model(num_blocks, enable_events)
+        self.loads: list[list[bytes]] = []  # in-flight prepare_load batches
+        self.stores: list[list[bytes]] = []  # in-flight prepare_store batches
+
+    # -- queries
+    @rule(keys=keys_st)
+    def lookup(self, keys):
+        assert self.m.lookup(keys) == self.model.lookup([_key_bytes(k) for k in keys])
+
+    @rule(keys=keys_st)
+    def touch(self, keys):
+        self.m.touch(keys)
+        self.model.touch([_key_bytes(k) for k in keys])
+
+    # -- loads
+    @rule(keys=keys_st, hits_only=st.booleans())
+    def prepare_load(self, keys, hits_only):
+        kb = [_key_bytes(k) for k in keys]
+        if hits_only:  # load what lookup reports, as a scheduler does
+            n = self.model.lookup(kb) or 0
+            keys, kb = keys[:n], kb[:n]
+        if self.model.can_load(kb):
+            ids = self.m.prepare_load(keys)
+            assert ids == [self.model.blocks[k].block_id for k in kb]
+            for k in kb:
+                self.model.blocks[k].pins += 1
+            self.loads.append(kb)
+        else:
+            with pytest.raises(ValueError):
+                self.m.prepare_load(keys)
+
+    @rule(i=st.integers(0, 100))
+    def complete_load(self, i):
+        if not self.loads:
+            return
+        kb = self.loads.pop(i % len(self.loads))
+        self.m.complete_load(kb)
+        for k in kb:
+            self.model.blocks[k].pins -= 1
+
+    @rule(keys=keys_st)
+    def complete_load_arbitrary(self, keys):
+        kb = [_key_bytes(k) for k in keys]
+        if self.model.can_unload(kb) and kb:
+            return  # would be valid; in-flight loads are finished by complete_load
+        if not kb:
+            self.m.complete_load([])
+            return
+        with pytest.raises(ValueError):
+            self.m.complete_load(keys)
+
+    # -- stores
+    @rule(keys=keys_st)
+    def prepare_store(self, keys):
+        kb = [_key_bytes(k) for k in keys]
+        out = self.m.prepare_store(keys)
+        expected = self.model.prepare_store(kb)
+        if expected is None:
+            assert out is None
+            return
+        assert out is not None
+        new, evicted = expected
+        assert out.keys_to_store == new
+        assert out.evicted_keys == evicted
+        assert len(out.block_ids) == len(new)
+        assert len(set(out.block_ids)) == len(new)
+        held = {b.block_id for b in self.model.blocks.values()}
+        assert all(0 <= b < self.model.num_blocks and b not in held for b in out.block_ids)
+        self.model.add_pending(new, out.block_ids)
+        if new:
+            self.stores.append(new)
+
+    @rule(i=st.integers(0, 100), success=st.booleans(), repeat=st.booleans())
+    def complete_store(self, i, success, repeat):
+        if not self.stores:
+            return
+        kb = self.stores.pop(i % len(self.stores))
+        call = kb + kb[:1] if repeat else kb  # a repeated key is finished once
+        self.m.complete_store(call, success=success)
+        self.model.complete_store(call, success)
+
+    @rule(keys=keys_st.filter(bool), success=st.booleans())
+    def complete_store_arbitrary(self, keys, success):
+        kb = [_key_bytes(k) for k in keys]
+        if self.model.can_complete_store(kb):
+            return  # valid: stores are finished by complete_store
+        with pytest.raises(ValueError):
+            self.m.complete_store(keys, success=success)
+
+    @rule()
+    def take_events(self):
+        assert self.m.take_events() == self.model.events
+        self.model.events = []
+
+    # -- after every step
+    @invariant()
+    def counters_and_states_agree(self):
+        model = self.model
+        assert self.m.num_free_blocks == model.num_blocks - len(model.blocks)
+        assert self.m.num_stored_blocks == model.num(READY)
+        assert self.m.num_pending_blocks == model.num(PENDING)
+        assert len(self.m) == len(model.blocks)
+        for k in KEY_UNIVERSE:
+            kb = _key_bytes(k)
+            assert (k in self.m) == (kb in model.blocks)
+            assert self.m.lookup([k]) == model.lookup([kb])
+
+
+ManagerMachine.TestCase.settings = settings(
+    max_examples=500,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_manager_matches_model = ManagerMachine.TestCase
