@@ -144,6 +144,31 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_info() -> dict[str, object]:
+    """Where and how a result was produced: command, date, machine, versions."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    import kvoff
+
+    return {
+        "command": " ".join(["kvoff", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "kvoff_version": kvoff.__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+    }
+
+
 def _replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -202,7 +227,8 @@ def _replay(args: argparse.Namespace) -> int:
         f"  wall             {s['wall_s']:>14.1f} s"
     )
     if args.json is not None:
-        args.json.write_text(json.dumps(s, indent=2) + "\n")
+        record = {"run": _run_info(), "result": s}
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"  JSON written to {args.json}")
     return 1 if s["corrupted_blocks"] or s["failed_transfers"] else 0
 

@@ -229,7 +229,9 @@ def test_cli_replay_json(tmp_path: Path) -> None:
         check=True,
     )
     assert "hit rate" in proc.stdout
-    data = json.loads(out.read_text())
+    record = json.loads(out.read_text())
+    assert "kvoff replay" in record["run"]["command"] and record["run"]["date"]
+    data = record["result"]
     for key in (
         "requests",
         "input_tokens",
