@@ -26,19 +26,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int8,
 DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
 
-def _cuda_skip_reason() -> str | None:
-    import kvoff._build_info as info
-
-    if not info.WITH_CUDA:
-        return "kvoff was built without CUDA kernels (CPU torch or KVOFF_ENABLE_CUDA=OFF)"
-    if not torch.cuda.is_available():
-        return "no CUDA device is available"
-    return None
-
-
-requires_cuda = pytest.mark.skipif(
-    _cuda_skip_reason() is not None, reason=_cuda_skip_reason() or ""
-)
+# CUDA tests carry the `cuda` marker; tests/conftest.py skips them, with the reason, on
+# builds without CUDA kernels or machines without a GPU.
+requires_cuda = pytest.mark.cuda
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +605,6 @@ DIRECTIONS = [("pinned", "gpu"), ("gpu", "pinned"), ("gpu", "gpu")]
 
 
 @requires_cuda
-@pytest.mark.cuda
 @pytest.mark.parametrize(("src_side", "dst_side"), DIRECTIONS, ids=lambda s: s)
 @pytest.mark.parametrize(
     ("pattern", "layout"),
@@ -663,7 +652,6 @@ def test_cuda_matches_reference(
 
 
 @requires_cuda
-@pytest.mark.cuda
 def test_cuda_unpinned_cpu_is_rejected_and_nothing_copied() -> None:
     gen = torch.Generator().manual_seed(0)
     src = [block_tensor(8, (64,), torch.float16, gen, device="cuda") for _ in range(2)]
@@ -679,7 +667,6 @@ def test_cuda_unpinned_cpu_is_rejected_and_nothing_copied() -> None:
 
 
 @requires_cuda
-@pytest.mark.cuda
 def test_cuda_mixed_devices_in_one_list_are_rejected() -> None:
     gen = torch.Generator().manual_seed(0)
     src = [block_tensor(8, (64,), torch.float16, gen, device="cuda") for _ in range(2)]
@@ -697,7 +684,6 @@ def test_cuda_mixed_devices_in_one_list_are_rejected() -> None:
 
 
 @requires_cuda
-@pytest.mark.cuda
 def test_cuda_errors_copy_nothing() -> None:
     gen = torch.Generator().manual_seed(0)
     src = [block_tensor(8, (64,), torch.float16, gen, device="cuda") for _ in range(2)]
@@ -712,7 +698,6 @@ def test_cuda_errors_copy_nothing() -> None:
 
 
 @requires_cuda
-@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_gpu_to_other_gpu_is_rejected() -> None:
     src = [torch.zeros(4, 8, device="cuda:0")]
@@ -722,7 +707,6 @@ def test_cuda_gpu_to_other_gpu_is_rejected() -> None:
 
 
 @requires_cuda
-@pytest.mark.cuda
 def test_opcheck_cuda() -> None:
     """GPU to GPU: opcheck clones its inputs, and clones of pinned tensors are not pinned."""
     for args in _opcheck_samples("cuda"):

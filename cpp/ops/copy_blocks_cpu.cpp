@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "kvoff/block_runs.h"
 
 namespace kvoff::ops {
 namespace {
@@ -25,30 +26,7 @@ constexpr int64_t kGrainBytes = int64_t{256} << 10;
 // Longest run of adjacent blocks (in bytes of the widest pair) that one work item copies.
 constexpr int64_t kRunBytes = int64_t{1} << 20;
 
-struct Run {
-  int64_t src;  // first source block id
-  int64_t dst;  // first destination block id
-  int64_t len;  // blocks
-};
-
-std::vector<Run> make_runs(const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
-                           int64_t max_len) {
-  std::vector<Run> runs;
-  runs.reserve(static_cast<size_t>(n));
-  Run cur{src_ids[0], dst_ids[0], 1};
-  for (int64_t i = 1; i < n; ++i) {
-    if (src_ids[i] == cur.src + cur.len && dst_ids[i] == cur.dst + cur.len && cur.len < max_len) {
-      ++cur.len;
-    } else {
-      runs.push_back(cur);
-      cur = Run{src_ids[i], dst_ids[i], 1};
-    }
-  }
-  runs.push_back(cur);
-  return runs;
-}
-
-inline void copy_run(const PairLayout& p, const Run& r) {
+inline void copy_run(const PairLayout& p, const BlockRun& r) {
   const char* s = p.src + r.src * p.src_stride_bytes;
   char* d = p.dst + r.dst * p.dst_stride_bytes;
   if (p.src_stride_bytes == p.row_bytes && p.dst_stride_bytes == p.row_bytes) {
@@ -74,7 +52,7 @@ void copy_blocks_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& s
   for (const PairLayout& p : args.pairs) {
     max_row_bytes = std::max(max_row_bytes, p.row_bytes);
   }
-  const std::vector<Run> runs = make_runs(args.src_ids, args.dst_ids, args.num_ids,
+  const std::vector<BlockRun> runs = make_block_runs(args.src_ids, args.dst_ids, args.num_ids,
                                           std::max<int64_t>(1, kRunBytes / max_row_bytes));
 
   const auto num_runs = static_cast<int64_t>(runs.size());
@@ -83,7 +61,7 @@ void copy_blocks_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& s
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / bytes_per_item);
 
   const PairLayout* pairs = args.pairs.data();
-  const Run* run_data = runs.data();
+  const BlockRun* run_data = runs.data();
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     int64_t k = begin / num_runs;
     int64_t r = begin % num_runs;

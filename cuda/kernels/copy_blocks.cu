@@ -6,35 +6,11 @@
 #include <vector>
 
 #include "copy_blocks.h"
+#include "kvoff/block_runs.h"
 #include "cuda_check.h"
 
 namespace kvoff::kernels {
 namespace {
-
-// A run of blocks whose source and destination ids both go up by one.
-struct Run {
-  int64_t src;
-  int64_t dst;
-  int64_t len;
-};
-
-std::vector<Run> make_runs(const int64_t* src_ids, const int64_t* dst_ids, int64_t n) {
-  std::vector<Run> runs;
-  if (n == 0) {
-    return runs;
-  }
-  Run cur{src_ids[0], dst_ids[0], 1};
-  for (int64_t i = 1; i < n; ++i) {
-    if (src_ids[i] == cur.src + cur.len && dst_ids[i] == cur.dst + cur.len) {
-      ++cur.len;
-    } else {
-      runs.push_back(cur);
-      cur = Run{src_ids[i], dst_ids[i], 1};
-    }
-  }
-  runs.push_back(cur);
-  return runs;
-}
 
 int64_t count_runs(const int64_t* src_ids, const int64_t* dst_ids, int64_t n) {
   int64_t runs = n > 0 ? 1 : 0;
@@ -74,7 +50,7 @@ void check_params(const CopyBlocksParams& p) {
 constexpr int64_t kMaxPitch = INT_MAX;
 
 void copy_with_memcpy(const CopyBlocksParams& p, cudaStream_t stream) {
-  const std::vector<Run> runs = make_runs(p.src_ids, p.dst_ids, p.num_ids);
+  const std::vector<BlockRun> runs = make_block_runs(p.src_ids, p.dst_ids, p.num_ids);
   for (int64_t k = 0; k < p.num_pairs; ++k) {
     const CopyPair& pair = p.pairs[k];
     if (pair.row_bytes == 0) {
@@ -86,7 +62,7 @@ void copy_with_memcpy(const CopyBlocksParams& p, cudaStream_t stream) {
     const bool dense = pair.src_stride_bytes == pair.row_bytes &&
                        pair.dst_stride_bytes == pair.row_bytes;
     const bool pitch_ok = pair.src_stride_bytes <= kMaxPitch && pair.dst_stride_bytes <= kMaxPitch;
-    for (const Run& r : runs) {
+    for (const BlockRun& r : runs) {
       const char* s = src + r.src * pair.src_stride_bytes;
       char* d = dst + r.dst * pair.dst_stride_bytes;
       if (r.len == 1 || dense) {
