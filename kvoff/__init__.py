@@ -25,8 +25,19 @@ from kvoff._scheduler import (  # noqa: E402
     PrepareStoreOutput,
 )
 from kvoff.config import OffloadingConfig  # noqa: E402
+from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block  # noqa: E402
+from kvoff.offloading_spec import CPUOffloadingSpec  # noqa: E402
 from kvoff.ops import copy_blocks  # noqa: E402
-from kvoff.specs import FullAttentionSpec  # noqa: E402
+from kvoff.specs import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 from kvoff.worker import (  # noqa: E402
     CPUBlockSpec,
     GPUBlockSpec,
@@ -39,13 +50,23 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUBlockSpec",
     "CPUOffloadingManager",
+    "CPUOffloadingSpec",
     "FullAttentionSpec",
     "GPUBlockSpec",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheTensor",
+    "MLAAttentionSpec",
+    "MambaSpec",
     "OffloadingConfig",
     "OffloadingEvent",
     "OffloadingWorker",
     "PrepareStoreOutput",
+    "SlidingWindowSpec",
     "TransferResult",
+    "UniformTypeKVCacheSpecs",
     "__version__",
     "copy_blocks",
+    "get_kv_cache_config",
+    "pool_bytes_per_block",
 ]

@@ -1,49 +1,29 @@
-"""The ``kvoff`` command line: ``kvoff replay`` (also ``python -m kvoff replay``)."""
+"""The ``kvoff`` command line: ``kvoff replay`` and ``kvoff plan`` (also ``python -m kvoff``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["main", "parse_bytes"]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
 
 def parse_bytes(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``512MiB``, ``2GiB`` or ``1.5GB`` (SI or IEC units).
+    """Parse a byte count such as ``4096``, ``512MiB``, ``2GiB`` or ``1.5GB`` (SI or IEC units);
+    :func:`kvoff.config.parse_byte_size` for argparse.
 
     Raises:
         argparse.ArgumentTypeError: for text that is not a positive byte count.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a byte count; write e.g. 4096, 512MiB, 2GiB or 1.5GB"
-        )
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the byte count must be positive")
-    return value
+    from kvoff.config import parse_byte_size
+
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -101,7 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--offloaded-block-size",
         type=_positive_int,
-        default=512,
+        default=None,
         help="tokens per offloaded (CPU) block; a multiple of --block-size (default: 512)",
     )
     rp.add_argument(
@@ -123,9 +103,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--policy",
-        default="lru",
+        default=None,
         choices=list(EVICTION_POLICIES),
         help="eviction policy (default: lru)",
+    )
+    rp.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a JSON/YAML kvoff configuration file for the pool settings (also KVOFF_CONFIG_FILE "
+        "and KVOFF_* variables); the flags above override it",
     )
     rp.add_argument(
         "--limit", type=_positive_int, default=None, help="replay only the first N requests"
@@ -140,7 +128,93 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", type=Path, default=None, metavar="FILE", help="write the totals as JSON to FILE"
     )
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``plan`` subcommand's arguments."""
+    from kvoff.config import EVICTION_POLICIES
+    from kvoff.plan import PLAN_PRESETS
+    from kvoff.plan import __doc__ as plan_doc
+
+    specs_format = plan_doc[plan_doc.index("Specs file format") :] if plan_doc else ""
+    pp = sub.add_parser(
+        "plan",
+        help="what fits: GPU blocks, CPU blocks and the max model length of a model",
+        description=(
+            "Plan the KV cache of one model: groups and page sizes, GPU blocks and tokens (per "
+            "rank), CPU blocks and tokens (pool over all ranks), the max model length. Shapes "
+            "are per rank (--world-size does not reshard them).\n\n" + specs_format
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = pp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=sorted(PLAN_PRESETS), help="model preset")
+    src.add_argument("--specs", type=Path, metavar="FILE.json", help="JSON file of layer specs")
+    pp.add_argument(
+        "--gpu-memory",
+        type=parse_bytes,
+        required=True,
+        help="GPU memory for the KV cache on one rank, e.g. 40GiB",
+    )
+    pp.add_argument(
+        "--cpu-bytes",
+        type=parse_bytes,
+        required=True,
+        help="CPU pool size over all ranks, e.g. 256GiB",
+    )
+    pp.add_argument(
+        "--world-size", type=_positive_int, default=1, help="tensor-parallel ranks (default: 1)"
+    )
+    pp.add_argument(
+        "--num-gpu-blocks-override",
+        type=_positive_int,
+        default=None,
+        help="fixed GPU block count (replaces --gpu-memory for capacity)",
+    )
+    pp.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="required max model length in tokens (default: the largest that fits)",
+    )
+    pp.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=None,
+        help="tokens per offloaded (CPU) block; a multiple of the GPU block size "
+        "(default: the GPU block size)",
+    )
+    pp.add_argument(
+        "--policy",
+        default="lru",
+        choices=list(EVICTION_POLICIES),
+        help="eviction policy (default: lru)",
+    )
+    pp.add_argument("--json", action="store_true", help="print the plan as a JSON object")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvoff.plan import PLAN_PRESETS, compute_plan, load_specs_file
+
+    if args.model is not None:
+        specs, source = PLAN_PRESETS[args.model].layer_specs(), args.model
+    else:
+        specs, source = load_specs_file(args.specs), str(args.specs)
+    plan = compute_plan(
+        specs,
+        args.gpu_memory,
+        args.cpu_bytes,
+        world_size=args.world_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_model_len=args.max_model_len,
+        offloaded_block_size=args.block_size,
+        eviction_policy=args.policy,
+        source=source,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.format())
+    return 0
 
 
 def _run_info() -> dict[str, object]:
@@ -171,18 +245,31 @@ def _run_info() -> dict[str, object]:
 def _replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvoff.replay import ReplayConfig, run_replay
+    from kvoff.config import OffloadingConfig
+    from kvoff.replay import DEFAULT_CPU_BYTES, ReplayConfig, run_replay
     from kvoff.traces import load_trace
 
+    # pool settings: flags > KVOFF_* environment > --config file > replay defaults
+    flags = {
+        "num_cpu_blocks": args.cpu_blocks,
+        "cpu_bytes_to_use": args.cpu_bytes,
+        "offloaded_block_size": args.offloaded_block_size,
+        "eviction_policy": args.policy,
+    }
+    pool = OffloadingConfig.load(
+        args.config,
+        defaults={"cpu_bytes_to_use": DEFAULT_CPU_BYTES, "offloaded_block_size": 512},
+        **{k: v for k, v in flags.items() if v is not None},
+    )
     config = ReplayConfig(
         trace=args.trace,
         model=args.model,
         block_size=args.block_size,
-        offloaded_block_size=args.offloaded_block_size,
+        offloaded_block_size=pool.offloaded_block_size or 512,
         gpu_prefix_blocks=args.gpu_prefix_blocks,
-        cpu_blocks=args.cpu_blocks,
-        cpu_bytes=args.cpu_bytes,
-        policy=args.policy,
+        cpu_blocks=pool.num_cpu_blocks,
+        cpu_bytes=pool.cpu_bytes_to_use,
+        policy=pool.eviction_policy,
         limit=args.limit,
         trace_block_size=args.trace_block_size,
     )
@@ -240,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "replay":
             return _replay(args)
+        if args.command == "plan":
+            return _plan(args)
     except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"kvoff {args.command}: error: {exc}\n")
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover

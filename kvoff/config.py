@@ -1,14 +1,63 @@
-"""The offloading configuration: how big the CPU pool is, how big an offloaded block is, and
-which eviction policy runs it. Validated by pydantic; the spec issue grows it into the single
-configuration object of the library (files, environment, CLI)."""
+"""The offloading configuration: the one configuration object of the library.
+
+:class:`OffloadingConfig` says how big the CPU pool is, how big an offloaded block is, which
+eviction policy runs it and how the pool is used (ranks, hashing, events, pinning). It is a
+frozen pydantic model: ``OffloadingConfig(**kwargs)`` validates the given values and reads
+nothing else. :meth:`OffloadingConfig.load` builds one from layered sources with
+pydantic-settings, highest precedence first::
+
+    explicit overrides (the CLI, a dict)  >  KVOFF_* environment variables  >  a JSON/YAML file
+    >  defaults
+
+Every path (constructor, :meth:`~OffloadingConfig.from_dict`, :meth:`~OffloadingConfig.load`)
+runs the same field definitions and validators.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, field_validator, model_validator
+import contextvars
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+import pydantic
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from kvoff.sizing import compute_num_cpu_blocks
 
-__all__ = ["EVICTION_POLICIES", "OffloadingConfig"]
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "ENV_PREFIX",
+    "EVICTION_POLICIES",
+    "ConfigError",
+    "OffloadingConfig",
+    "parse_byte_size",
+]
+
+ENV_PREFIX = "KVOFF_"
+"""Prefix of the environment variables read by :meth:`OffloadingConfig.load`."""
+
+CONFIG_FILE_ENV = "KVOFF_CONFIG_FILE"
+"""Environment variable naming a configuration file when :meth:`OffloadingConfig.load` gets none."""
 
 
 def _eviction_policies() -> tuple[str, ...]:
@@ -21,19 +70,82 @@ EVICTION_POLICIES: tuple[str, ...] = _eviction_policies()
 """Names accepted by ``eviction_policy`` (from the C++ policy registry)."""
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded: an unknown key, a bad file or a bad value. The
+    message says where the offending value came from (argument, environment variable, file)."""
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_byte_size(text: str) -> int:
+    """Parse a byte count such as ``4096``, ``512MiB``, ``2GiB`` or ``1.5GB`` (SI or IEC units,
+    case-insensitive).
+
+    Raises:
+        ValueError: for text that is not a positive byte count.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"{text!r} is not a byte count; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
+    value = int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"{text!r}: the byte count must be positive")
+    return value
+
+
+def _bytes_before(value: Any) -> Any:
+    return parse_byte_size(value) if isinstance(value, str) else value
+
+
+def _auto_before(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null", ""):
+        return None
+    return value
+
+
+ByteCount = Annotated[PositiveInt, BeforeValidator(_bytes_before)]
+"""A positive number of bytes: an int, or a string with an optional unit (``"40GiB"``)."""
+
+
 class OffloadingConfig(BaseModel):
     """Configuration of one kvoff CPU pool (frozen; unknown keys are rejected).
 
     Exactly one of ``cpu_bytes_to_use`` and ``num_cpu_blocks`` sizes the pool.
 
+    The constructor validates its arguments only; :meth:`load` also reads a JSON/YAML file and
+    ``KVOFF_*`` environment variables, :meth:`from_dict` a mapping with helpful key errors.
+
     Attributes:
         cpu_bytes_to_use: bytes of CPU memory for the pool, summed over all tensor-parallel
-            ranks. The slot count is derived by :func:`kvoff.sizing.compute_num_cpu_blocks`.
+            ranks: an int or a string with a unit (``"40GiB"``, ``"512MiB"``, ``"1.5GB"``). The
+            slot count is derived by :func:`kvoff.sizing.compute_num_cpu_blocks`.
         num_cpu_blocks: the pool size in offloaded blocks (slots), when given directly.
         offloaded_block_size: tokens per offloaded block (the CPU-side unit). ``None`` means
             the GPU block size (``block_size_factor == 1``). Must be a multiple of the GPU
-            ``block_size``.
-        eviction_policy: one of :data:`EVICTION_POLICIES`.
+            ``block_size`` (and of ``hash_block_size`` when that is given).
+        eviction_policy: one of :data:`EVICTION_POLICIES` (case-insensitive).
+        world_size: tensor-parallel ranks sharing ``cpu_bytes_to_use`` (default 1).
+        hash_block_size: tokens per block hash of the engine's prefix hashing; ``None`` means
+            the GPU block size.
+        enable_events: whether the manager records block stored/removed events (default off).
+        pin_memory: whether the CPU pool uses pinned (page-locked) memory; ``None`` (also
+            ``"auto"`` in files and the environment) pins when CUDA is available.
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -42,10 +154,16 @@ class OffloadingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    cpu_bytes_to_use: PositiveInt | None = None
+    cpu_bytes_to_use: ByteCount | None = None
     num_cpu_blocks: PositiveInt | None = None
     offloaded_block_size: PositiveInt | None = None
     eviction_policy: str = "lru"
+    world_size: PositiveInt = 1
+    hash_block_size: PositiveInt | None = None
+    enable_events: bool = False
+    pin_memory: Annotated[bool | None, BeforeValidator(_auto_before)] = None
+
+    _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
     @field_validator("eviction_policy")
     @classmethod
@@ -67,6 +185,97 @@ class OffloadingConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _whole_hash_blocks(self) -> OffloadingConfig:
+        obs, hbs = self.offloaded_block_size, self.hash_block_size
+        if obs is not None and hbs is not None and obs % hbs:
+            raise ValueError(
+                f"offloaded_block_size={obs} tokens is not a multiple of hash_block_size={hbs} "
+                f"tokens; use a multiple such as {max(1, obs // hbs) * hbs}"
+            )
+        return self
+
+    # ----------------------------------------------------------------------------- loading
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OffloadingConfig:
+        """Validate a mapping of field names to values (values as in a file: ``"40GiB"``...).
+
+        Raises:
+            ConfigError: for an unknown key; the message names it and the closest valid key.
+            pydantic.ValidationError: for a bad value.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"a kvoff configuration is a mapping of keys to values, got {type(data).__name__}"
+            )
+        _check_keys(data, "the configuration dict")
+        return cls.model_validate(dict(data))
+
+    @classmethod
+    def load(
+        cls,
+        file: str | os.PathLike[str] | None = None,
+        *,
+        env: bool = True,
+        defaults: Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> OffloadingConfig:
+        """Build the configuration from layered sources, highest precedence first:
+
+        1. ``overrides`` (keyword arguments: the CLI, a dict);
+        2. ``KVOFF_<FIELD>`` environment variables (e.g. ``KVOFF_CPU_BYTES_TO_USE=8GiB``),
+           unless ``env`` is false;
+        3. ``file``, or the file named by ``KVOFF_CONFIG_FILE`` (when ``env``): JSON for
+           ``.json``, YAML for ``.yaml``/``.yml``;
+        4. ``defaults`` (a caller's fallbacks, e.g. the CLI's default pool size), then the field
+           defaults.
+
+        The pool is sized by the highest level that sets ``cpu_bytes_to_use`` or
+        ``num_cpu_blocks``: a level that sets one of them hides both in the levels below it.
+        An explicit ``None`` override unsets a key.
+
+        Raises:
+            ConfigError: for an unknown key (naming it, where it came from and the closest valid
+                key), an unreadable or unsupported file, or a bad value (naming the argument,
+                ``KVOFF_*`` variable or file it came from).
+            FileNotFoundError: when the named file does not exist.
+        """
+        _check_keys(overrides, "the arguments")
+        if defaults is not None:
+            _check_keys(defaults, "the defaults")
+        path: Path | None = None
+        if file is not None:
+            path = Path(file).expanduser()
+        elif env and os.environ.get(CONFIG_FILE_ENV):
+            path = Path(os.environ[CONFIG_FILE_ENV]).expanduser()
+        if path is not None:
+            if path.suffix.lower() not in (".json", ".yaml", ".yml"):
+                raise ConfigError(
+                    f"configuration file {str(path)!r}: unsupported suffix {path.suffix!r}; "
+                    "use .json, .yaml or .yml"
+                )
+            if not path.is_file():
+                raise FileNotFoundError(f"configuration file {str(path)!r} does not exist")
+        token = _LOAD_OPTIONS.set(_LoadOptions(path, env, dict(defaults or {})))
+        try:
+            settings = _OffloadingSettings(**overrides)
+        except pydantic.ValidationError as exc:
+            raise ConfigError(_explain(exc)) from exc
+        finally:
+            _LOAD_OPTIONS.reset(token)
+        return cls.model_validate({k: getattr(settings, k) for k in settings.model_fields_set})
+
+    # ------------------------------------------------------------------------------ sizing
+
+    def resolve_pin_memory(self) -> bool:
+        """``pin_memory``, with ``None`` (auto) meaning: pin when CUDA is available."""
+        if self.pin_memory is not None:
+            return self.pin_memory
+        import torch
+
+        return bool(torch.cuda.is_available())
+
     def block_size_factor(self, block_size: int) -> int:
         """GPU blocks per offloaded block for GPU blocks of ``block_size`` tokens.
 
@@ -85,20 +294,22 @@ class OffloadingConfig(BaseModel):
         return obs // block_size
 
     def resolve_num_cpu_blocks(
-        self, bytes_per_gpu_block: int, block_size: int, world_size: int = 1
+        self, bytes_per_gpu_block: int, block_size: int, world_size: int | None = None
     ) -> int:
         """Slots of the CPU pool: ``num_cpu_blocks``, or derived from ``cpu_bytes_to_use``.
 
         Args:
             bytes_per_gpu_block: bytes of one GPU block over all layers of one rank.
             block_size: GPU tokens per block.
-            world_size: tensor-parallel ranks.
+            world_size: tensor-parallel ranks (default: ``self.world_size``).
 
         Raises:
             ValueError: when ``cpu_bytes_to_use`` cannot hold even one offloaded block; the
                 message gives the bytes one offloaded block needs.
         """
         factor = self.block_size_factor(block_size)
+        if world_size is None:
+            world_size = self.world_size
         if self.num_cpu_blocks is not None:
             return self.num_cpu_blocks
         assert self.cpu_bytes_to_use is not None
@@ -111,3 +322,171 @@ class OffloadingConfig(BaseModel):
                 f"{factor} × world_size {world_size}); raise cpu_bytes_to_use to at least {need}"
             )
         return n
+
+
+# --------------------------------------------------------------------------------- loading
+# OffloadingConfig.load() runs pydantic-settings over a private BaseSettings subclass of
+# OffloadingConfig: the same fields and validators, plus the sources. The plain model never
+# reads the environment.
+
+_FIELDS: tuple[str, ...] = tuple(OffloadingConfig.model_fields)
+
+
+def _check_keys(data: Mapping[Any, Any], where: str) -> None:
+    """Raise :class:`ConfigError` for the first key of ``data`` that is not a field."""
+    for key in data:
+        if key in OffloadingConfig.model_fields:
+            continue
+        close = difflib.get_close_matches(str(key), _FIELDS, n=1, cutoff=0.5) or [
+            f for f in _FIELDS if str(key) and (f.startswith(str(key)) or str(key).startswith(f))
+        ]
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown key {key!r} in {where}; {hint}valid keys: {', '.join(_FIELDS)}")
+
+
+class _LoadOptions:
+    """What one :meth:`OffloadingConfig.load` call reads, and where each value came from."""
+
+    def __init__(self, path: Path | None, env: bool, defaults: dict[str, Any]) -> None:
+        self.path = path
+        self.env = env
+        self.defaults = defaults
+        self.origin: dict[str, str] = {}
+
+
+_LOAD_OPTIONS: contextvars.ContextVar[_LoadOptions | None] = contextvars.ContextVar(
+    "kvoff_config_load_options", default=None
+)
+
+
+def _options() -> _LoadOptions:
+    opts = _LOAD_OPTIONS.get()
+    if opts is None:  # the settings class used outside load(): arguments only
+        opts = _LoadOptions(None, False, {})
+        _LOAD_OPTIONS.set(opts)
+    return opts
+
+
+def _env_var_name(field: str) -> str:
+    """The environment variable that sets ``field`` (as spelled in the environment)."""
+    want = f"{ENV_PREFIX}{field}".upper()
+    return next((name for name in os.environ if name.upper() == want), want)
+
+
+class _Level(PydanticBaseSettingsSource):
+    """One precedence level of :meth:`OffloadingConfig.load`: the values of ``inner``, minus the
+    pool size when a higher level already sized the pool; records where each value came from."""
+
+    def __init__(self, settings_cls: type[BaseSettings], inner: Any, origin: str) -> None:
+        super().__init__(settings_cls)
+        self.inner = inner
+        self.origin = origin
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # pragma: no cover - __call__ does the work
+
+    def __call__(self) -> dict[str, Any]:
+        data = dict(self.inner())
+        higher = self.current_state
+        if any(higher.get(k) is not None for k in OffloadingConfig._POOL_SIZE_KEYS):
+            for key in OffloadingConfig._POOL_SIZE_KEYS:
+                data.pop(key, None)
+        origins = _options().origin
+        for key in data:
+            if key not in higher:
+                origins[key] = (
+                    f"environment variable {_env_var_name(key)}"
+                    if self.origin == "env"
+                    else self.origin
+                )
+        return data
+
+
+class _FileMixin:
+    """Reads a configuration file with errors that name it; rejects unknown keys."""
+
+    def _check(self, data: Any, path: Path) -> dict[str, Any]:
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"configuration file {str(path)!r} must hold a mapping of keys to values, "
+                f"not {type(data).__name__}"
+            )
+        _check_keys(data, f"configuration file {str(path)!r}")
+        return data
+
+
+class _JsonFile(_FileMixin, JsonConfigSettingsSource):
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        try:
+            data = json.loads(file_path.read_text(encoding=self.json_file_encoding))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"configuration file {str(file_path)!r} is not JSON: {exc}") from exc
+        return self._check(data, file_path)
+
+
+class _YamlFile(_FileMixin, YamlConfigSettingsSource):
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        import yaml
+
+        try:
+            data = yaml.safe_load(file_path.read_text(encoding=self.yaml_file_encoding))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"configuration file {str(file_path)!r} is not YAML: {exc}") from exc
+        return self._check(data, file_path)
+
+
+class _OffloadingSettings(BaseSettings, OffloadingConfig):
+    """The sources of :meth:`OffloadingConfig.load`; the fields and validators are inherited."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix=ENV_PREFIX,
+        case_sensitive=False,
+        title="OffloadingConfig",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        opts = _options()
+        levels: list[PydanticBaseSettingsSource] = [
+            _Level(settings_cls, init_settings, "the arguments")
+        ]
+        if opts.env:
+            levels.append(_Level(settings_cls, env_settings, "env"))
+        if opts.path is not None:
+            file_source = (
+                _JsonFile(settings_cls, json_file=opts.path)
+                if opts.path.suffix.lower() == ".json"
+                else _YamlFile(settings_cls, yaml_file=opts.path)
+            )
+            levels.append(_Level(settings_cls, file_source, f"file {str(opts.path)!r}"))
+        if opts.defaults:
+            defaults = InitSettingsSource(settings_cls, init_kwargs=opts.defaults)
+            levels.append(_Level(settings_cls, defaults, "the defaults"))
+        return tuple(levels)
+
+
+def _explain(exc: pydantic.ValidationError) -> str:
+    """The errors of ``exc``, each with the argument, variable or file its value came from."""
+    origins = _options().origin
+    lines = [f"invalid kvoff configuration ({exc.error_count()} error(s)):"]
+    for err in exc.errors():
+        loc = err["loc"]
+        if loc:
+            field = str(loc[0])
+            where = origins.get(field, "the defaults")
+            lines.append(f"  {field}={err['input']!r} (from {where}): {err['msg']}")
+        else:
+            given = ", ".join(f"{k} from {v}" for k, v in origins.items())
+            lines.append(f"  {err['msg']} ({given or 'nothing given'})")
+    return "\n".join(lines)

@@ -21,11 +21,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from kvoff.ops import copy_blocks
+from kvoff.registration import KVLayout, block_row_views
+
+if TYPE_CHECKING:
+    from kvoff.offloading_spec import CPUOffloadingSpec
+    from kvoff.specs import KVCacheConfig
 
 __all__ = ["CPUBlockSpec", "GPUBlockSpec", "OffloadingWorker", "TransferResult"]
 
@@ -139,6 +144,8 @@ class OffloadingWorker:
             authoritative: tensors are viewed with this many rows, whatever their shape.
         num_cpu_blocks: CPU slots (offloaded blocks) to allocate.
         block_size_factor: GPU blocks per offloaded block.
+        kv_cache_config: the engine's GPU cache plan; when given, layers are grouped and checked
+            against its specs at registration (see :meth:`from_spec`).
         pin_memory: pin the CPU pool (default: when CUDA is available).
 
     Raises:
@@ -151,6 +158,7 @@ class OffloadingWorker:
         num_cpu_blocks: int,
         block_size_factor: int = 1,
         *,
+        kv_cache_config: KVCacheConfig | None = None,
         pin_memory: bool | None = None,
     ) -> None:
         for name, value in (
@@ -163,50 +171,109 @@ class OffloadingWorker:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size_factor = block_size_factor
+        if kv_cache_config is not None and kv_cache_config.num_blocks != num_gpu_blocks:
+            raise ValueError(
+                f"num_gpu_blocks={num_gpu_blocks} differs from kv_cache_config.num_blocks="
+                f"{kv_cache_config.num_blocks}; the config's count is authoritative"
+            )
+        self.kv_cache_config = kv_cache_config
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._groups: list[_Group] = []
         self._layer_names: list[str] = []
+        self._cpu_tensors: list[torch.Tensor] = []
+        self._canonical_row_bytes: list[int] = []
         self._device: torch.device | None = None
         self._finished: list[TransferResult] = []
         self._in_flight: dict[int, _InFlight] = {}
         self._streams: dict[Direction, torch.cuda.Stream] = {}
 
+    @classmethod
+    def from_spec(
+        cls, spec: CPUOffloadingSpec, *, pin_memory: bool | None = None
+    ) -> OffloadingWorker:
+        """A worker for one rank of the plan ``spec`` (a :class:`kvoff.CPUOffloadingSpec`): GPU
+        blocks from its ``KVCacheConfig.num_blocks``, CPU slots and block_size_factor from the
+        same spec the scheduler uses, so every rank's pool matches the scheduler's count."""
+        return cls(
+            spec.kv_cache_config.num_blocks,
+            spec.num_blocks,
+            spec.block_size_factor,
+            kv_cache_config=spec.kv_cache_config,
+            pin_memory=pin_memory,
+        )
+
     # ------------------------------------------------------------------ registration
+    def _layer_plan(
+        self, kv_caches: Mapping[str, object], layer_to_group: Mapping[str, int] | None
+    ) -> tuple[dict[str, int], dict[str, object | None]]:
+        """Layer → group and layer → spec, from the KVCacheConfig when there is one."""
+        config = self.kv_cache_config
+        if config is None:
+            mapping = dict(layer_to_group or dict.fromkeys(kv_caches, 0))
+            return mapping, dict.fromkeys(mapping)
+        mapping: dict[str, int] = {}
+        specs: dict[str, object | None] = {}
+        for g, group in enumerate(config.kv_cache_groups):
+            group_spec = group.kv_cache_spec
+            per_layer = getattr(group_spec, "kv_cache_specs", None)
+            for name in group.layer_names:
+                mapping[name] = g
+                specs[name] = dict(per_layer)[name] if per_layer is not None else group_spec
+        if layer_to_group is not None and dict(layer_to_group) != mapping:
+            raise ValueError(
+                "layer_to_group disagrees with the KVCacheConfig's groups; leave it out when "
+                "the worker has a kv_cache_config"
+            )
+        return mapping, specs
+
     def register_kv_caches(
         self,
-        kv_caches: Mapping[str, torch.Tensor],
+        kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
         layer_to_group: Mapping[str, int] | None = None,
+        *,
+        kv_layout: KVLayout = "auto",
     ) -> None:
         """Register the engine's KV cache tensors and allocate the CPU pool.
 
+        Each layer's tensor becomes one or more ``(num_gpu_blocks, row_bytes)`` block-row views
+        (see :func:`kvoff.registration.block_row_views` for the layouts: blocks first, K/V
+        first, kernel blocks, tensors shared across groups, padded Mamba pages), always using
+        ``num_gpu_blocks`` (``KVCacheConfig.num_blocks``), never the tensor's leading dimension
+        (DESIGN.md invariant 2). Every view gets a CPU twin of
+        ``(num_cpu_blocks, row_bytes × block_size_factor)`` bytes.
+
         Args:
-            kv_caches: layer name → that layer's KV cache tensor, blocks first and contiguous,
-                e.g. ``(num_gpu_blocks, 2, block_size, num_kv_heads, head_size)``, or a leading
-                dimension that is a multiple of ``num_gpu_blocks`` (a block split into smaller
-                kernel blocks). Any dtype; bytes are copied as they are.
-            layer_to_group: layer name → KV cache group index (default: all layers in group 0).
-                Groups must be numbered 0..G-1 without gaps.
+            kv_caches: layer name → that layer's KV cache tensor (any dtype; bytes are copied as
+                they are), or for a Mamba layer a list of its state tensors.
+            layer_to_group: layer name → KV cache group index (default: from the worker's
+                ``kv_cache_config``, else all layers in group 0). Groups are numbered 0..G-1.
+            kv_layout: ``"auto"``, ``"blocks_first"`` or ``"kv_first"`` for attention tensors.
 
         Raises:
-            ValueError: when already registered, when ``kv_caches`` is empty, when a tensor is
-                not contiguous, lives on different devices than the others, or its bytes are not
-                divisible into ``num_gpu_blocks`` rows; when groups have gaps.
+            ValueError: when already registered, when ``kv_caches`` is empty or does not name
+                exactly the config's layers, when tensors are on different devices, when a
+                tensor's bytes do not fit ``num_gpu_blocks`` blocks of its spec's page, or when
+                groups have gaps.
         """
         if self._groups:
             raise ValueError("register_kv_caches was already called on this worker")
         if not kv_caches:
             raise ValueError("kv_caches is empty: register at least one layer")
-        devices = {t.device for t in kv_caches.values()}
+        devices = {
+            t.device
+            for v in kv_caches.values()
+            for t in ([v] if isinstance(v, torch.Tensor) else v)
+        }
         if len(devices) != 1:
             raise ValueError(
                 f"all KV cache tensors must be on one device, got {sorted(map(str, devices))}"
             )
-        mapping = dict(layer_to_group or dict.fromkeys(kv_caches, 0))
+        mapping, specs = self._layer_plan(kv_caches, layer_to_group)
         if set(mapping) != set(kv_caches):
             raise ValueError(
-                "layer_to_group must name exactly the layers of kv_caches; missing "
-                f"{sorted(set(kv_caches) - set(mapping))}, "
-                f"extra {sorted(set(mapping) - set(kv_caches))}"
+                "the registered layers must be exactly the planned ones; missing "
+                f"{sorted(set(mapping) - set(kv_caches))}, "
+                f"unknown {sorted(set(kv_caches) - set(mapping))}"
             )
         num_groups = max(mapping.values()) + 1
         if sorted(set(mapping.values())) != list(range(num_groups)):
@@ -214,19 +281,42 @@ class OffloadingWorker:
                 f"KV cache group indices must be 0..{num_groups - 1} without gaps, got "
                 f"{sorted(set(mapping.values()))}"
             )
-        groups = [_Group() for _ in range(num_groups)]
-        for name, tensor in kv_caches.items():
-            rows = self._block_rows(name, tensor)
-            page = rows.shape[1]
-            cpu = torch.empty(
-                (self.num_cpu_blocks, page * self.block_size_factor),
-                dtype=torch.uint8,
-                pin_memory=self.pin_memory,
+        # Block rows over the same bytes (one tensor shared by layers of several groups, or
+        # by several layers of one group) form ONE canonical tensor with ONE CPU twin: a CPU
+        # slot holds one offloaded block of one group, so a slot's bytes are the bytes one GPU
+        # block id costs in the shared pool (invariant 3), not page × number of layers.
+        canon: dict[tuple[int, int], int] = {}  # (address of row 0, row stride) -> index
+        canon_rows: list[int] = []  # widest row any layer copies from that canonical tensor
+        per_group: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(num_groups)]
+        seen: set[tuple[int, int, int]] = set()  # (group, canonical, row bytes)
+        for name, kv in kv_caches.items():
+            g = mapping[name]
+            for rows in block_row_views(name, kv, self.num_gpu_blocks, specs[name], kv_layout):
+                key = (rows.data_ptr(), rows.stride(0))
+                c = canon.setdefault(key, len(canon))
+                if c == len(canon_rows):
+                    canon_rows.append(0)
+                canon_rows[c] = max(canon_rows[c], rows.shape[1])
+                if (g, c, rows.shape[1]) not in seen:
+                    seen.add((g, c, rows.shape[1]))
+                    per_group[g].append((c, rows))
+        f = self.block_size_factor
+        cpu_tensors = [
+            torch.empty(
+                (self.num_cpu_blocks, row * f), dtype=torch.uint8, pin_memory=self.pin_memory
             )
-            g = groups[mapping[name]]
-            g.gpu_rows.append(rows)
-            g.cpu_rows.append(cpu.view(self.num_cpu_blocks * self.block_size_factor, page))
-            g.row_bytes += page
+            for row in canon_rows
+        ]
+        groups = [_Group() for _ in range(num_groups)]
+        for g, views in enumerate(per_group):
+            for c, rows in views:
+                row = rows.shape[1]
+                cpu = cpu_tensors[c].as_strided((self.num_cpu_blocks * f, row), (canon_rows[c], 1))
+                groups[g].gpu_rows.append(rows)
+                groups[g].cpu_rows.append(cpu)
+                groups[g].row_bytes += row
+        self._cpu_tensors = cpu_tensors
+        self._canonical_row_bytes = canon_rows
         self._groups = groups
         self._layer_names = list(kv_caches)
         self._device = next(iter(devices))
@@ -236,26 +326,6 @@ class OffloadingWorker:
                 "load": torch.cuda.Stream(self._device),
             }
 
-    def _block_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"KV cache tensor of layer {name!r} is not contiguous "
-                f"(shape {tuple(tensor.shape)}, strides {tensor.stride()}); "
-                "register a contiguous blocks-first tensor"
-            )
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0 or nbytes % self.num_gpu_blocks:
-            raise ValueError(
-                f"KV cache tensor of layer {name!r} has {nbytes} bytes (shape "
-                f"{tuple(tensor.shape)}, {tensor.dtype}), which is not a positive multiple of "
-                f"num_gpu_blocks={self.num_gpu_blocks}; pass the engine's KVCacheConfig.num_blocks"
-            )
-        return (
-            tensor.view(-1)
-            .view(torch.uint8)
-            .view(self.num_gpu_blocks, nbytes // self.num_gpu_blocks)
-        )
-
     # ------------------------------------------------------------------ properties
     @property
     def num_groups(self) -> int:
@@ -264,8 +334,10 @@ class OffloadingWorker:
 
     @property
     def bytes_per_gpu_block(self) -> int:
-        """Bytes of one GPU block over all registered layers of this rank."""
-        return sum(g.row_bytes for g in self._groups)
+        """Bytes one GPU block id costs over the registered tensors of this rank (each
+        canonical tensor counted once, however many layers or groups share it; Mamba padding
+        not counted). Equals ``CPUOffloadingSpec.kv_bytes_per_block`` without padding."""
+        return sum(self._canonical_row_bytes)
 
     @property
     def cpu_pool_bytes(self) -> int:
@@ -273,12 +345,13 @@ class OffloadingWorker:
         return self.bytes_per_gpu_block * self.block_size_factor * self.num_cpu_blocks
 
     def cpu_tensors(self) -> list[torch.Tensor]:
-        """The CPU pool as ``(num_cpu_blocks × block_size_factor, page_bytes)`` uint8 row views,
-        one per registered layer, in group order."""
+        """The CPU pool as ``(num_cpu_blocks × block_size_factor, row_bytes)`` uint8 row views,
+        one per block-row view of :meth:`gpu_tensors`, in the same order."""
         return [t for g in self._groups for t in g.cpu_rows]
 
     def gpu_tensors(self) -> list[torch.Tensor]:
-        """The registered KV caches as ``(num_gpu_blocks, page_bytes)`` uint8 row views."""
+        """The registered KV caches as ``(num_gpu_blocks, row_bytes)`` uint8 block-row views, in
+        group order (a tensor shared by several groups appears once per group)."""
         return [t for g in self._groups for t in g.gpu_rows]
 
     # ------------------------------------------------------------------ jobs

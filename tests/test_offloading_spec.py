@@ -1,0 +1,155 @@
+"""The CPU plan: offloaded block size, bytes per GPU block and CPU slots (DESIGN.md
+invariant 3), and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvoff
+from kvoff import offloading_spec
+from kvoff.config import EVICTION_POLICIES
+from kvoff.offloading_spec import CPUOffloadingSpec
+from kvoff.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+
+BF16 = torch.bfloat16
+FULL = FullAttentionSpec(16, 8, 128, BF16)  # page 65,536 bytes
+
+
+def _llama_like(num_blocks: int = 100, layers: int = 2) -> KVCacheConfig:
+    specs = {f"l{i}": FULL for i in range(layers)}
+    return kvoff.get_kv_cache_config(specs, 1, num_gpu_blocks_override=num_blocks)
+
+
+def test_public_name() -> None:
+    assert kvoff.CPUOffloadingSpec is CPUOffloadingSpec
+
+
+def test_derived_values_by_hand() -> None:
+    config = _llama_like()
+    spec = CPUOffloadingSpec(config, cpu_bytes_to_use=2**30, block_size=64, world_size=2)
+    assert spec.gpu_block_size == (16,)
+    assert spec.block_size_factor == 4
+    assert spec.offloaded_block_size == 64
+    # 2 layers × 65,536 = 131,072 bytes per GPU block
+    assert spec.kv_bytes_per_block == 131_072
+    # 2^30 // (131,072 × 2 ranks × 4) = 1,024 slots
+    assert spec.num_blocks == 1024
+    assert spec.num_tokens == 1024 * 64
+    assert spec.bytes_per_offloaded_block == 524_288
+    default = CPUOffloadingSpec(config, cpu_bytes_to_use=2**30)
+    assert default.offloaded_block_size == 16
+    assert default.block_size_factor == 1
+    assert default.num_blocks == 2**30 // 131_072 == 8192
+    hash(default)
+
+
+def test_per_layer_pages_cpu_count_by_hand() -> None:
+    """Invariant 3 with a UniformTypeKVCacheSpecs group: bytes per GPU block is the sum of the
+    layers' pages (65,536 + 16,384 = 81,920), not its page × number of tensors (which would
+    count the group page twice, giving half the slots)."""
+    small = FullAttentionSpec(16, 2, 128, BF16)  # 16,384 bytes
+    config = kvoff.get_kv_cache_config({"a": FULL, "b": small}, 1, num_gpu_blocks_override=50)
+    assert isinstance(config.kv_cache_groups[0].kv_cache_spec, kvoff.UniformTypeKVCacheSpecs)
+    assert config.kv_cache_groups[0].kv_cache_spec.page_size_bytes == 81_920
+    spec = CPUOffloadingSpec(config, cpu_bytes_to_use=81_920 * 10)
+    assert spec.kv_bytes_per_block == 81_920
+    assert spec.num_blocks == 10  # 819,200 // 81,920; page × 2 tensors would give 5
+
+
+def test_hybrid_bytes_per_block_is_shared_tensor_bytes() -> None:
+    swa = SlidingWindowSpec(16, 8, 128, BF16, 256)
+    specs = {"s0": swa, "s1": swa, "s2": swa, "f0": FULL}
+    config = kvoff.get_kv_cache_config(specs, 1, num_gpu_blocks_override=100)
+    # group_size 1 → one tensor shared by all four layers: 65,536 bytes per block
+    assert len(config.kv_cache_tensors) == 1
+    spec = CPUOffloadingSpec(config, cpu_bytes_to_use=65_536 * 33)
+    assert spec.kv_bytes_per_block == 65_536
+    assert spec.gpu_block_size == (16, 16, 16, 16)
+    assert spec.num_blocks == 33
+
+
+def test_zero_gpu_blocks_gives_zero_cpu_blocks() -> None:
+    config = KVCacheConfig(0, [KVCacheTensor(0, ["a"])], [KVCacheGroupSpec(["a"], FULL)])
+    spec = CPUOffloadingSpec(config, cpu_bytes_to_use=2**30)
+    assert spec.kv_bytes_per_block == 0
+    assert spec.num_blocks == 0
+
+
+def test_count_comes_from_the_one_sizing_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def spy(*args: int) -> int:
+        calls.append(args)
+        return 7
+
+    monkeypatch.setattr(offloading_spec, "compute_num_cpu_blocks", spy)
+    spec = CPUOffloadingSpec(_llama_like(), cpu_bytes_to_use=10**9, block_size=32, world_size=3)
+    assert spec.num_blocks == 7
+    assert calls == [(10**9, 131_072, 2, 3)]
+
+
+def _mixed_block_sizes() -> KVCacheConfig:
+    a = FullAttentionSpec(16, 8, 128, BF16)
+    b = SlidingWindowSpec(32, 4, 128, BF16, 512)  # same page: 2 × 32 × 4 × 128 × 2 = 65,536
+    return kvoff.get_kv_cache_config({"a": a, "b": b}, 1, num_gpu_blocks_override=10)
+
+
+@pytest.mark.parametrize(
+    ("config", "kwargs", "needle"),
+    [
+        (_llama_like, {}, "cpu_bytes_to_use is missing"),
+        (_llama_like, {"cpu_bytes_to_use": 0}, "positive number of bytes, got 0"),
+        (_llama_like, {"cpu_bytes_to_use": -1}, "got -1"),
+        (
+            _llama_like,
+            {"cpu_bytes_to_use": 1000, "block_size": 32, "world_size": 2},
+            "cannot hold one offloaded block: one needs 524288 bytes",
+        ),
+        (_llama_like, {"cpu_bytes_to_use": 2**30, "block_size": 40}, "40 .* multiple .* 32 or 48"),
+        (_llama_like, {"cpu_bytes_to_use": 2**30, "block_size": 0}, "positive"),
+        (_mixed_block_sizes, {"cpu_bytes_to_use": 2**30, "block_size": 64}, r"\[16, 32\]"),
+        (_mixed_block_sizes, {"cpu_bytes_to_use": 2**30}, "must use one block size"),
+        (
+            _llama_like,
+            {"cpu_bytes_to_use": 2**30, "hash_block_size": 12},
+            "hash_block_size=12.*aligned to the prefix-cache hash size",
+        ),
+        (_llama_like, {"cpu_bytes_to_use": 2**30, "eviction_policy": "fifo"}, "'fifo'.*lru"),
+        (_llama_like, {"cpu_bytes_to_use": 2**30, "world_size": 0}, "world_size"),
+    ],
+)
+def test_errors(config, kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        CPUOffloadingSpec(config(), **kwargs)
+
+
+def test_hash_block_size_and_policy_accepted() -> None:
+    spec = CPUOffloadingSpec(
+        _llama_like(), cpu_bytes_to_use=2**30, hash_block_size=8, eviction_policy=" LRU "
+    )
+    assert spec.eviction_policy == "lru" == EVICTION_POLICIES[0]
+
+
+def test_from_dict() -> None:
+    config = _llama_like()
+    spec = CPUOffloadingSpec.from_dict(
+        config,
+        {"cpu_bytes_to_use": 2**30, "block_size": 64, "hash_block_size": 16},
+        world_size=2,
+    )
+    assert spec == CPUOffloadingSpec(
+        config, cpu_bytes_to_use=2**30, block_size=64, hash_block_size=16, world_size=2
+    )
+    with pytest.raises(ValueError, match=r"'cpu_byte_to_use'.*did you mean 'cpu_bytes_to_use'"):
+        CPUOffloadingSpec.from_dict(config, {"cpu_byte_to_use": 2**30})
+    with pytest.raises(ValueError, match=r"'blocksize'.*did you mean 'block_size'"):
+        CPUOffloadingSpec.from_dict(config, {"cpu_bytes_to_use": 2**30, "blocksize": 64})
+    with pytest.raises(ValueError, match="cpu_bytes_to_use is missing"):
+        CPUOffloadingSpec.from_dict(config, {})
