@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from kvoff.config import EVICTION_POLICIES
+from kvoff.config import EVICTION_POLICIES, OffloadingConfig
 from kvoff.sizing import compute_num_cpu_blocks
 from kvoff.specs import KVCacheConfig
 
@@ -201,3 +201,33 @@ class CPUOffloadingSpec:
                     f"{list(_EXTRA_CONFIG_KEYS)}"
                 )
         return cls(kv_cache_config, world_size=world_size, **dict(extra_config))
+
+    @classmethod
+    def from_config(
+        cls, kv_cache_config: KVCacheConfig, config: OffloadingConfig
+    ) -> CPUOffloadingSpec:
+        """Build the plan from the library's configuration object (see
+        :meth:`kvoff.OffloadingConfig.load`: dict, file, ``KVOFF_*`` environment, CLI).
+
+        Uses ``cpu_bytes_to_use``, ``offloaded_block_size``, ``hash_block_size``,
+        ``world_size`` and ``eviction_policy``.
+
+        Raises:
+            ValueError: when the config sizes the pool by ``num_cpu_blocks`` instead of
+                ``cpu_bytes_to_use`` (a plan derives the slot count from bytes, DESIGN.md
+                invariant 3), and everything the constructor raises.
+        """
+        if config.cpu_bytes_to_use is None:
+            raise ValueError(
+                f"the configuration sizes the pool as num_cpu_blocks={config.num_cpu_blocks}; a "
+                "CPUOffloadingSpec derives the slot count from bytes: set cpu_bytes_to_use "
+                "instead (e.g. KVOFF_CPU_BYTES_TO_USE=64GiB)"
+            )
+        return cls(
+            kv_cache_config,
+            cpu_bytes_to_use=config.cpu_bytes_to_use,
+            block_size=config.offloaded_block_size,
+            hash_block_size=config.hash_block_size,
+            world_size=config.world_size,
+            eviction_policy=config.eviction_policy,
+        )

@@ -153,3 +153,20 @@ def test_from_dict() -> None:
         CPUOffloadingSpec.from_dict(config, {"cpu_bytes_to_use": 2**30, "blocksize": 64})
     with pytest.raises(ValueError, match="cpu_bytes_to_use is missing"):
         CPUOffloadingSpec.from_dict(config, {})
+
+
+def test_from_config_uses_the_one_configuration_object(tmp_path, monkeypatch) -> None:
+    """The plan reads the library's configuration object, file and environment included."""
+    from kvoff import OffloadingConfig
+    from kvoff.kv_cache_config import get_kv_cache_config
+
+    layer = FullAttentionSpec(16, 8, 128, torch.bfloat16)  # 65,536-byte page
+    kv = get_kv_cache_config({f"l{i}": layer for i in range(4)}, 2**30)
+    path = tmp_path / "kvoff.yaml"
+    path.write_text("cpu_bytes_to_use: 1GiB\noffloaded_block_size: 64\n")
+    monkeypatch.setenv("KVOFF_WORLD_SIZE", "2")
+    spec = CPUOffloadingSpec.from_config(kv, OffloadingConfig.load(path))
+    # 2^30 // (4 layers × 65,536 bytes × factor 4 × world size 2) = 512 slots
+    assert (spec.block_size_factor, spec.num_blocks) == (4, 512)
+    with pytest.raises(ValueError, match=r"num_cpu_blocks=7.*set cpu_bytes_to_use"):
+        CPUOffloadingSpec.from_config(kv, OffloadingConfig(num_cpu_blocks=7))
