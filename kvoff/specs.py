@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -90,22 +91,15 @@ def _check_model_len(max_model_len: object) -> int:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """One full-attention layer's KV cache block.
+class _AttentionSpec:
+    """Shared fields and page arithmetic of the attention specs (not public).
 
-    A GPU block of this layer holds K and V for ``block_size`` tokens:
-    a ``(2, block_size, num_kv_heads, head_size)`` array of ``dtype``.
-
-    Attributes:
-        block_size: tokens per GPU block.
-        num_kv_heads: KV heads of the layer on one tensor-parallel rank.
-        head_size: elements per head.
-        dtype: element type of the KV cache (a ``torch.dtype``; names such as ``"bf16"`` are
-            accepted and converted).
-
-    Raises:
-        ValueError: when a size is not a positive int or the dtype name is unknown.
+    page_size_bytes = ``_KV_FACTOR`` × block_size × num_kv_heads × head_size × dtype size
+    (DESIGN.md, "page_size_bytes": 2 for K and V, 1 for MLA's single latent).
     """
+
+    _KV_FACTOR: ClassVar[int] = 2
+    _POSITIVE: ClassVar[tuple[str, ...]] = ("block_size", "num_kv_heads", "head_size")
 
     block_size: int
     num_kv_heads: int
@@ -113,15 +107,18 @@ class FullAttentionSpec:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "head_size"):
-            _check_positive_int("FullAttentionSpec", name, getattr(self, name))
+        for name in self._POSITIVE:
+            _check_positive_int(type(self).__name__, name, getattr(self, name))
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one GPU block of this layer: 2 (K and V) × block_size × num_kv_heads ×
-        head_size × dtype size (DESIGN.md, "page_size_bytes")."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        """Bytes of one GPU block of this layer: 2 (K and V; 1 for MLA) × block_size ×
+        num_kv_heads × head_size × dtype size."""
+        return (
+            self._KV_FACTOR * self.block_size * self.num_kv_heads * self.head_size
+            * self.dtype.itemsize
+        )  # fmt: skip
 
     @property
     def bytes_per_token(self) -> int:
@@ -139,7 +136,26 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec:
+class FullAttentionSpec(_AttentionSpec):
+    """One full-attention layer's KV cache block.
+
+    A GPU block of this layer holds K and V for ``block_size`` tokens:
+    a ``(2, block_size, num_kv_heads, head_size)`` array of ``dtype``.
+
+    Attributes:
+        block_size: tokens per GPU block.
+        num_kv_heads: KV heads of the layer on one tensor-parallel rank.
+        head_size: elements per head.
+        dtype: element type of the KV cache (a ``torch.dtype``; names such as ``"bf16"`` are
+            accepted and converted).
+
+    Raises:
+        ValueError: when a size is not a positive int or the dtype name is unknown.
+    """
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(_AttentionSpec):
     """One sliding-window attention layer's KV cache block.
 
     The block holds K and V for ``block_size`` tokens like :class:`FullAttentionSpec`, but the
@@ -157,27 +173,11 @@ class SlidingWindowSpec:
         ValueError: when a size is not a positive int or the dtype name is unknown.
     """
 
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
+    _POSITIVE: ClassVar[tuple[str, ...]] = (
+        "block_size", "num_kv_heads", "head_size", "sliding_window"
+    )  # fmt: skip
+
     sliding_window: int
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "head_size", "sliding_window"):
-            _check_positive_int("SlidingWindowSpec", name, getattr(self, name))
-        object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
-
-    @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one GPU block of this layer: 2 (K and V) × block_size × num_kv_heads ×
-        head_size × dtype size (the same page as full attention)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """KV bytes one token costs in this layer (``page_size_bytes / block_size``)."""
-        return self.page_size_bytes // self.block_size
 
     def max_num_blocks(self, max_model_len: int) -> int:
         """GPU blocks one request of ``max_model_len`` tokens needs at most in this group.
@@ -202,7 +202,7 @@ class SlidingWindowSpec:
 
 
 @dataclass(frozen=True)
-class MLAAttentionSpec:
+class MLAAttentionSpec(_AttentionSpec):
     """One multi-head latent attention (MLA) layer's KV cache block.
 
     MLA keeps one compressed latent vector per token (no separate K and V), e.g. DeepSeek-V3's
@@ -218,35 +218,7 @@ class MLAAttentionSpec:
         ValueError: when a size is not a positive int or the dtype name is unknown.
     """
 
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "head_size"):
-            _check_positive_int("MLAAttentionSpec", name, getattr(self, name))
-        object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
-
-    @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one GPU block of this layer: 1 (one latent, no K/V pair) × block_size ×
-        num_kv_heads × head_size × dtype size."""
-        return self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token costs in this layer (``page_size_bytes / block_size``)."""
-        return self.page_size_bytes // self.block_size
-
-    def max_num_blocks(self, max_model_len: int) -> int:
-        """GPU blocks one request of ``max_model_len`` tokens needs: ``cdiv(max_model_len,
-        block_size)``.
-
-        Raises:
-            ValueError: when ``max_model_len`` is not a positive int.
-        """
-        return cdiv(_check_model_len(max_model_len), self.block_size)
+    _KV_FACTOR: ClassVar[int] = 1
 
 
 @dataclass(frozen=True)
