@@ -6,8 +6,9 @@ CPU→GPU so that an engine skips their prefill.
 
 Parts:
   * ``torch.ops.kvoff.*`` (module ``kvoff._C``): batched multi-layer block copies.
-  * ``kvoff._scheduler`` (pybind11 over the C++ core): the CPU block pool and the
-    offloading manager (``CPUOffloadingManager``).
+  * ``kvoff._scheduler`` (pybind11 over the C++ core): the CPU block pool, the
+    offloading manager (``CPUOffloadingManager``) and the per-step scheduler behind
+    ``OffloadingScheduler`` (the engine-facing hooks).
   * Python: KV cache specs, the offloading configuration, the worker and the CLI.
 """
 
@@ -28,6 +29,16 @@ from kvoff.config import OffloadingConfig  # noqa: E402
 from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block  # noqa: E402
 from kvoff.offloading_spec import CPUOffloadingSpec  # noqa: E402
 from kvoff.ops import copy_blocks  # noqa: E402
+from kvoff.scheduler import (  # noqa: E402
+    ConnectorMetadata,
+    ConnectorOutput,
+    JobReport,
+    OffloadingScheduler,
+    Request,
+    ScheduledRequest,
+    SchedulerStep,
+    TransferJob,
+)
 from kvoff.specs import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -51,8 +62,11 @@ __all__ = [
     "CPUBlockSpec",
     "CPUOffloadingManager",
     "CPUOffloadingSpec",
+    "ConnectorMetadata",
+    "ConnectorOutput",
     "FullAttentionSpec",
     "GPUBlockSpec",
+    "JobReport",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheTensor",
@@ -60,9 +74,14 @@ __all__ = [
     "MambaSpec",
     "OffloadingConfig",
     "OffloadingEvent",
+    "OffloadingScheduler",
     "OffloadingWorker",
     "PrepareStoreOutput",
+    "Request",
+    "ScheduledRequest",
+    "SchedulerStep",
     "SlidingWindowSpec",
+    "TransferJob",
     "TransferResult",
     "UniformTypeKVCacheSpecs",
     "__version__",

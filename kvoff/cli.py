@@ -1,4 +1,5 @@
-"""The ``kvoff`` command line: ``kvoff replay`` and ``kvoff plan`` (also ``python -m kvoff``)."""
+"""The ``kvoff`` command line: ``kvoff replay``, ``kvoff plan`` and ``kvoff bench scheduler``
+(also ``python -m kvoff``)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,104 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_plan_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``bench`` subcommand and its ``scheduler`` benchmark."""
+    from kvoff import _scheduler
+    from kvoff.bench import DEFAULT_POOL_SIZES, LARGE_POOL_SIZE
+
+    bp = sub.add_parser("bench", help="benchmarks", description="kvoff benchmarks")
+    bench_sub = bp.add_subparsers(dest="bench_command", required=True)
+    sp = bench_sub.add_parser(
+        "scheduler",
+        help="offloading manager: lookups and stores per second, C++ vs a pure-Python baseline",
+        description=(
+            "Time the CPU offloading manager's lookup, prepare_store (with eviction) and "
+            "complete_store on large pools three ways, on the same workload: in C++ with keys "
+            "made in C++ (the scheduler's path), through the Python binding, and a pure-Python "
+            "OrderedDict baseline of the same semantics. Prints a table; --json writes all "
+            "numbers with the machine and versions."
+        ),
+    )
+    sp.add_argument(
+        "--pool-sizes",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="pool sizes in slots (default: "
+        + " ".join(str(n) for n in DEFAULT_POOL_SIZES)
+        + f"; with --large also {LARGE_POOL_SIZE})",
+    )
+    sp.add_argument(
+        "--large", action="store_true", help=f"also measure a pool of {LARGE_POOL_SIZE:,} slots"
+    )
+    sp.add_argument("--batch", type=_positive_int, default=256, help="keys per call (default: 256)")
+    sp.add_argument(
+        "--calls",
+        type=_positive_int,
+        default=1024,
+        help="calls per timed round, for lookup and for stores (default: 1024)",
+    )
+    sp.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=5,
+        help="timed rounds per operation; the median is reported (default: 5)",
+    )
+    sp.add_argument(
+        "--key-bytes",
+        type=_int_at_least(2),
+        default=9,
+        help="key length: hash bytes + 1 group byte (default: 9; 33 for 32-byte digests)",
+    )
+    sp.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=list(_scheduler.eviction_policies()),
+        help="the manager's eviction policy (default: lru; the Python baseline is LRU and "
+        "runs only with lru)",
+    )
+    sp.add_argument("--seed", type=_non_negative_int, default=0, help="workload seed (default: 0)")
+    sp.add_argument(
+        "--no-baseline", action="store_true", help="skip the (slow) pure-Python baseline"
+    )
+    sp.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
+    )
+
+
+def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from kvoff.bench import (
+        DEFAULT_POOL_SIZES,
+        LARGE_POOL_SIZE,
+        ManagerBenchParams,
+        run_scheduler_bench,
+    )
+
+    sizes = list(args.pool_sizes or DEFAULT_POOL_SIZES)
+    if args.large and LARGE_POOL_SIZE not in sizes:
+        sizes.append(LARGE_POOL_SIZE)
+    params = ManagerBenchParams(
+        pool_sizes=tuple(sizes),
+        eviction_policy=args.eviction_policy,
+        key_bytes=args.key_bytes,
+        batch=args.batch,
+        batches_per_round=args.calls,
+        repeat=args.repeat,
+        seed=args.seed,
+        baseline=not args.no_baseline,
+    )
+    run_scheduler_bench(
+        params,
+        json_path=args.json,
+        argv=argv,
+        log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
+    return 0
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -329,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "bench":
+            return _bench(args, argv)
     except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"kvoff {args.command}: error: {exc}\n")
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover

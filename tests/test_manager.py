@@ -1,9 +1,12 @@
-"""CPUOffloadingManager from Python: DESIGN.md invariants 6, 7 and 8, keys, events, and a
-hypothesis state machine that compares the manager with a small pure-Python model."""
+"""CPUOffloadingManager from Python: DESIGN.md invariants 6, 7 and 8 (under the LRU and ARC
+eviction policies), keys, events, and hypothesis state machines that compare the manager with a
+small pure-Python model of the manager and of each policy."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -98,7 +101,23 @@ def test_unknown_policy_lists_choices():
 def test_eviction_policies_registry():
     from kvoff import _scheduler
 
-    assert _scheduler.eviction_policies() == ["lru"]
+    assert _scheduler.eviction_policies() == ["lru", "arc"]
+
+
+def test_unknown_policy_lists_both_policies():
+    # invariant 7: the core's error and the configuration's both list every registered policy.
+    import pydantic
+
+    from kvoff.config import EVICTION_POLICIES, OffloadingConfig
+
+    assert EVICTION_POLICIES == ("lru", "arc")
+    with pytest.raises(ValueError, match=r"'nope'; choose one of: 'lru', 'arc'"):
+        CPUOffloadingManager(4, eviction_policy="nope")
+    with pytest.raises(pydantic.ValidationError, match=r"'nope'.*'lru', 'arc'"):
+        OffloadingConfig(num_cpu_blocks=4, eviction_policy="nope")
+    m = CPUOffloadingManager(4, eviction_policy="arc")
+    assert m.eviction_policy == "arc"
+    assert "arc" in repr(m)
 
 
 def test_docstrings_give_signatures():
@@ -264,6 +283,123 @@ def test_touch_ignores_unknown_keys():
     assert drain(m, 3) == [b"b", b"c", b"a"]
 
 
+# ---------------------------------------------------------------------------------- ARC
+# Invariants 6 and 8 under eviction_policy="arc". ARC keeps blocks seen once (T1) apart from
+# blocks seen at least twice (T2) and evicts from T1 while |T1| exceeds its adaptive target p
+# (0 until a ghost hit). Eviction order is read from one prepare_store of several fresh keys:
+# drain() would put fresh keys into T1 between evictions.
+
+
+def arc(num_blocks: int, enable_events: bool = False) -> CPUOffloadingManager:
+    return CPUOffloadingManager(num_blocks, eviction_policy="arc", enable_events=enable_events)
+
+
+def evict_order(m: CPUOffloadingManager, n: int) -> list[bytes]:
+    """Stores n fresh keys in one call, which must evict exactly n blocks; returns them."""
+    keys = [next(_fresh) for _ in range(n)]
+    out = m.prepare_store(keys)
+    assert out is not None
+    assert len(out.evicted_keys) == n
+    m.complete_store(keys)
+    return out.evicted_keys
+
+
+def test_arc_prepare_store_is_all_or_nothing():
+    # invariant 6: a refused prepare_store changes nothing, neither the pool nor ARC's lists and
+    # ghosts. Fails if it evicted c and d before finding that it could not fit four keys: then
+    # the later call would evict different blocks (and c, d would be ghosts).
+    m = arc(4, enable_events=True)
+    for k in [b"d", b"c", b"b", b"a"]:
+        store(m, [k])  # T1 (least recent first): d c b a
+    m.touch([b"b"])  # T2: b
+    m.prepare_load([b"a"])  # pinned
+    m.take_events()
+    keys = [b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h"]
+    before = snapshot(m, keys)
+    assert m.prepare_store([b"e", b"f", b"g", b"h"]) is None  # 3 evictable < 4
+    assert snapshot(m, keys) == before
+    assert m.take_events() == []
+    # |T1| = 3 > p = 0: d, c; then a (T1) is pinned, so T2's b.
+    assert evict_order(m, 3) == [b"d", b"c", b"b"]
+
+
+def test_arc_keys_of_one_call_are_not_evicted_for_each_other():
+    # invariant 6: fails if T1's least recent block a is evicted although it is a key of the
+    # call, or if the T2 block is taken while T1 still has an evictable block.
+    m = arc(3)
+    for k in [b"a", b"b", b"c"]:
+        store(m, [k])  # T1: a b c
+    m.touch([b"c"])  # T2: c
+    out = m.prepare_store([b"a", b"d"])
+    assert out.keys_to_store == [b"d"]
+    assert out.evicted_keys == [b"b"]
+    assert m.lookup([b"a", b"c"]) == 2
+
+
+def test_arc_pinned_and_pending_blocks_are_not_evicted():
+    # invariant 6: fails if a pinned (being loaded) or pending block can be evicted under ARC:
+    # in each case the block that must survive is the least recent of T1.
+    m = arc(3)
+    store(m, [b"a"])
+    store(m, [b"b"])  # T1: a b
+    assert m.prepare_store([b"p"]) is not None  # pending; T1: a b p
+    assert m.prepare_load([b"a"]) == [0]
+    assert m.prepare_store([b"x"]).evicted_keys == [b"b"]  # a is least recent but pinned
+    assert m.prepare_store([b"y"]) is None  # a pinned; p and x pending
+    assert m.lookup([b"a"]) == 1
+    m.complete_load([b"a"])
+    assert m.prepare_store([b"y"]).evicted_keys == [b"a"]
+    m.complete_store([b"p"], success=False)  # frees p's slot, leaves no ghost
+    assert m.prepare_store([b"z"]).evicted_keys == []
+
+    m = arc(2)
+    assert m.prepare_store([b"p"]) is not None  # pending; T1: p
+    store(m, [b"a"])  # T1: p a
+    assert m.prepare_store([b"x"]).evicted_keys == [b"a"]  # p is least recent but pending
+    assert b"p" in m
+    assert m.lookup([b"p"]) is None  # still pending
+
+
+def test_arc_touch_last_to_first_evicts_tail_first():
+    # invariant 8: touch([a, b, c]) moves c, then b, then a to T2's most recent end, so
+    # eviction goes c, b, a. Fails if touch processes keys first to last.
+    m = arc(3)
+    store(m, [b"c", b"b", b"a"])  # T1: a b c
+    m.touch([b"a", b"b", b"c"])
+    assert evict_order(m, 3) == [b"c", b"b", b"a"]
+
+
+def test_arc_prepare_store_makes_first_key_most_recent():
+    # invariant 8: new keys enter T1 last to first. Fails if prepare_store inserted them in
+    # call order.
+    m = arc(3)
+    store(m, [b"a", b"b", b"c"])
+    assert evict_order(m, 3) == [b"c", b"b", b"a"]
+
+
+def test_arc_ghost_hits_enter_t2_in_prefix_order():
+    # invariant 8 for keys coming back from the ghost list B1: they enter T2, still tail first.
+    m = arc(3)
+    store(m, [b"a", b"b", b"c"])
+    assert evict_order(m, 3) == [b"c", b"b", b"a"]  # ghosts in B1
+    out = m.prepare_store([b"a", b"b", b"c"])
+    assert len(out.evicted_keys) == 3
+    m.complete_store(out.keys_to_store)
+    # T1 is empty, T2 holds c b a (a most recent): T2 goes tail first.
+    assert evict_order(m, 3) == [b"c", b"b", b"a"]
+
+
+def test_arc_scan_does_not_flush_blocks_used_twice():
+    # ARC, not LRU, is in use: a scan of one-time keys evicts only T1 blocks.
+    for policy, kept in [("lru", 0), ("arc", 2)]:
+        m = CPUOffloadingManager(4, eviction_policy=policy)
+        store(m, [b"a", b"b"])
+        m.touch([b"a", b"b"])
+        for i in range(10):
+            store(m, [b"scan%d" % i])
+        assert m.lookup([b"a", b"b"]) == kept, policy
+
+
 # ---------------------------------------------------------------------------------- events
 
 
@@ -425,13 +561,99 @@ def _key_bytes(k: int | bytes) -> bytes:
     return (k % 2**64).to_bytes(8, "little")
 
 
-class Model:
-    """The manager's semantics in plain Python: an OrderedDict from least to most recent."""
+class LRUModel:
+    """LRU: one OrderedDict from least to most recent."""
 
-    def __init__(self, num_blocks: int, enable_events: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        self.order: OrderedDict[bytes, None] = OrderedDict()
+
+    def insert(self, k: bytes) -> None:
+        self.order[k] = None
+
+    def touch(self, k: bytes) -> None:
+        self.order.move_to_end(k)
+
+    def erase(self, k: bytes, evicted: bool) -> None:
+        del self.order[k]
+
+    def victims(self, count: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+        return [k for k in self.order if can_evict(k)][:count]
+
+
+class ARCModel:
+    """ARC as eviction_policy.h specifies it: T1/T2 resident and B1/B2 ghost OrderedDicts (least
+    recent first; ghosts by key, where the core stores 64-bit key hashes) and the target p."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.c = num_blocks
+        self.p = 0
+        self.t1: OrderedDict[bytes, None] = OrderedDict()
+        self.t2: OrderedDict[bytes, None] = OrderedDict()
+        self.b1: OrderedDict[bytes, None] = OrderedDict()
+        self.b2: OrderedDict[bytes, None] = OrderedDict()
+
+    def insert(self, k: bytes) -> None:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        if k in b1:
+            self.p = min(self.c, self.p + max(1, len(b2) // len(b1)))
+            del b1[k]
+            t2[k] = None
+        elif k in b2:
+            self.p = max(0, self.p - max(1, len(b1) // len(b2)))
+            del b2[k]
+            t2[k] = None
+        else:
+            while len(t1) + len(b1) >= self.c and b1:
+                b1.popitem(last=False)
+            while len(t1) + len(t2) + len(b1) + len(b2) >= 2 * self.c and (b1 or b2):
+                (b2 if b2 else b1).popitem(last=False)
+            t1[k] = None
+        self.check_bounds()
+
+    def touch(self, k: bytes) -> None:
+        (self.t1 if k in self.t1 else self.t2).pop(k)
+        self.t2[k] = None
+
+    def erase(self, k: bytes, evicted: bool) -> None:
+        from_t1 = k in self.t1
+        (self.t1 if from_t1 else self.t2).pop(k)
+        if evicted:
+            self.b1.pop(k, None)
+            self.b2.pop(k, None)
+            (self.b1 if from_t1 else self.b2)[k] = None
+        self.check_bounds()
+
+    def victims(self, count: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+        """By definition: what erase(victim, evicted=True) calls one after another evict."""
+        sim = copy.deepcopy(self)
+        out: list[bytes] = []
+        while len(out) < count:
+            lists = (sim.t1, sim.t2) if len(sim.t1) > sim.p else (sim.t2, sim.t1)
+            victim = next((k for lst in lists for k in lst if can_evict(k)), None)
+            if victim is None:
+                break
+            sim.erase(victim, True)
+            out.append(victim)
+        return out
+
+    def check_bounds(self) -> None:
+        assert 0 <= self.p <= self.c
+        assert len(self.t1) + len(self.t2) <= self.c
+        assert len(self.t1) + len(self.b1) <= self.c
+        assert len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) <= 2 * self.c
+
+
+POLICY_MODELS = {"lru": LRUModel, "arc": ARCModel}
+
+
+class Model:
+    """The manager's semantics in plain Python, with a model of its eviction policy."""
+
+    def __init__(self, num_blocks: int, enable_events: bool, policy: str = "lru") -> None:
         self.num_blocks = num_blocks
         self.enable_events = enable_events
-        self.blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self.blocks: dict[bytes, _Block] = {}
+        self.policy = POLICY_MODELS[policy](num_blocks)
         self.events: list[OffloadingEvent] = []
 
     def num(self, state: str) -> int:
@@ -462,30 +684,33 @@ class Model:
     def touch(self, keys: list[bytes]) -> None:
         for k in reversed(keys):
             if k in self.blocks:
-                self.blocks.move_to_end(k)
+                self.policy.touch(k)
 
     def prepare_store(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]] | None:
         new = list(dict.fromkeys(k for k in keys if k not in self.blocks))
         free = self.num_blocks - len(self.blocks)
         evicted: list[bytes] = []
         if len(new) > free:
-            candidates = [
-                k
-                for k, b in self.blocks.items()
-                if b.state == READY and b.pins == 0 and k not in set(keys)
-            ]
-            if len(candidates) < len(new) - free:
+            call = set(keys)
+
+            def can_evict(k: bytes) -> bool:
+                b = self.blocks[k]
+                return b.state == READY and b.pins == 0 and k not in call
+
+            evicted = self.policy.victims(len(new) - free, can_evict)
+            if len(evicted) < len(new) - free:
                 return None
-            evicted = candidates[: len(new) - free]
         for k in evicted:
             del self.blocks[k]
+            self.policy.erase(k, True)
         if evicted and self.enable_events:
             self.events.append(OffloadingEvent(evicted, "CPU", True))
         return new, evicted
 
     def add_pending(self, keys: list[bytes], block_ids: list[int]) -> None:
         for k, bid in reversed(list(zip(keys, block_ids, strict=True))):
-            self.blocks[k] = _Block(PENDING, bid)  # appended: keys[0] ends most recent
+            self.blocks[k] = _Block(PENDING, bid)
+            self.policy.insert(k)  # last to first: keys[0] ends most recent
 
     def complete_store(self, keys: list[bytes], success: bool) -> None:
         done = list(dict.fromkeys(keys))
@@ -494,6 +719,7 @@ class Model:
                 self.blocks[k].state = READY
             else:
                 del self.blocks[k]
+                self.policy.erase(k, False)
         if success and done and self.enable_events:
             self.events.append(OffloadingEvent(done, "CPU", False))
 
@@ -504,12 +730,17 @@ keys_st = st.lists(key_st, max_size=6)
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """Random operation sequences on CPUOffloadingManager and Model give the same results."""
+    """Random operation sequences on CPUOffloadingManager and Model give the same results:
+    lookups, keys to store, block ids, eviction order (evicted_keys), events, states and
+    counters, checked after every step."""
+
+    POLICY = "lru"
 
     @initialize(num_blocks=st.integers(1, 6), enable_events=st.booleans())
     def setup(self, num_blocks: int, enable_events: bool) -> None:
-        self.m = CPUOffloadingManager(num_blocks, "lru", enable_events)
-        self.model = Model(num_blocks, enable_events)
+        self.m = CPUOffloadingManager(num_blocks, self.POLICY, enable_events)
+        assert self.m.eviction_policy == self.POLICY
+        self.model = Model(num_blocks, enable_events, self.POLICY)
         self.loads: list[list[bytes]] = []  # in-flight prepare_load batches
         self.stores: list[list[bytes]] = []  # in-flight prepare_store batches
 
@@ -520,6 +751,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(keys=keys_st)
     def touch(self, keys):
+        self.m.touch(keys)
+        self.model.touch([_key_bytes(k) for k in keys])
+
+    @rule(perm=st.permutations(KEY_UNIVERSE))
+    def touch_held(self, perm):
+        # Touches every held key at once (for ARC: empties T1, so the next evictions come from
+        # T2 in this call's order).
+        keys = [k for k in perm if _key_bytes(k) in self.model.blocks]
         self.m.touch(keys)
         self.model.touch([_key_bytes(k) for k in keys])
 
@@ -617,10 +856,26 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.m.lookup([k]) == model.lookup([kb])
 
 
-ManagerMachine.TestCase.settings = settings(
+class ARCManagerMachine(ManagerMachine):
+    """The same state machine with eviction_policy="arc" and ARCModel. The key universe is
+    larger than the pool, so evicted keys come back as ghost hits and move p both ways."""
+
+    POLICY = "arc"
+
+    @invariant()
+    def arc_model_bounds(self):
+        policy = self.model.policy
+        policy.check_bounds()
+        assert set(policy.t1) | set(policy.t2) == set(self.model.blocks)
+
+
+_machine_settings = settings(
     max_examples=500,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+ManagerMachine.TestCase.settings = _machine_settings
+ARCManagerMachine.TestCase.settings = _machine_settings
 test_manager_matches_model = ManagerMachine.TestCase
+test_arc_manager_matches_model = ARCManagerMachine.TestCase

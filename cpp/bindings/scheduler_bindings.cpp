@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "kvoff/eviction_policy.h"
+#include "kvoff/manager_bench.h"  // _bench_manager (section at the end of the module)
 #include "kvoff/offloading_manager.h"
+#include "kvoff/offloading_scheduler.h"
 
 namespace py = pybind11;
 
@@ -295,6 +297,293 @@ std::string doc(const char* head, const char* tail = "") {
   return std::string(head) + "\n\nArgs:" + kKeysNote + tail;
 }
 
+// ------------------------------------------------------------------------- scheduler
+// kvoff._scheduler._OffloadingScheduler: the C++ OffloadingScheduler behind the Python facade
+// kvoff.scheduler.OffloadingScheduler (which owns the argument types and their docstrings).
+namespace sched {
+
+std::int64_t to_int64(PyObject* item, const std::string& what) {
+  if (PyBool_Check(item) || !PyLong_Check(item)) {
+    throw py::type_error(what + " must be an int, got " + Py_TYPE(item)->tp_name + " (" +
+                         short_repr(item) + ")");
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+  if (v == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  if (overflow != 0) {
+    throw py::value_error(what + " = " + short_repr(item) + " does not fit in 64 bits");
+  }
+  return v;
+}
+
+std::vector<std::int64_t> to_ints(py::handle obj, const std::string& what) {
+  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+  if (seq == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(what + " must be a sequence of ints, got " + Py_TYPE(obj.ptr())->tp_name);
+  }
+  py::object keep = py::reinterpret_steal<py::object>(seq);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[static_cast<std::size_t>(i)] = to_int64(items[i], what + "[" + std::to_string(i) + "]");
+  }
+  return out;
+}
+
+std::vector<std::vector<std::int64_t>> to_int_lists(py::handle obj, const std::string& what) {
+  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+  if (seq == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(what + " must be a sequence (one per KV cache group) of sequences of "
+                         "ints, got " + Py_TYPE(obj.ptr())->tp_name);
+  }
+  py::object keep = py::reinterpret_steal<py::object>(seq);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<std::vector<std::int64_t>> out(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[static_cast<std::size_t>(i)] =
+        to_ints(items[i], what + "[" + std::to_string(i) + "]");
+  }
+  return out;
+}
+
+std::vector<std::string> to_strs(py::handle obj, const char* what) {
+  std::vector<std::string> out;
+  for (py::handle item : obj) {
+    if (!PyUnicode_Check(item.ptr())) {
+      throw py::type_error(std::string(what) + " must hold str request ids, got " +
+                           Py_TYPE(item.ptr())->tp_name);
+    }
+    out.push_back(item.cast<std::string>());
+  }
+  return out;
+}
+
+py::list int64_list(const std::vector<std::int64_t>& v) {
+  py::list out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    PyObject* x = PyLong_FromLongLong(v[i]);
+    if (x == nullptr) {
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), x);
+  }
+  return out;
+}
+
+py::tuple job_tuple(const kvoff::TransferJob& j) {
+  return py::make_tuple(j.job_id, j.request_id, j.is_store, int64_list(j.gpu_block_ids),
+                        int64_list(j.group_sizes), int64_list(j.block_indices),
+                        to_int_list(j.cpu_block_ids), to_bytes_list(j.keys));
+}
+
+py::list job_list(const std::vector<kvoff::TransferJob>& jobs) {
+  py::list out(jobs.size());
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    out[i] = job_tuple(jobs[i]);
+  }
+  return out;
+}
+
+py::list str_list(const std::vector<std::string>& v) {
+  py::list out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    out[i] = py::str(v[i]);
+  }
+  return out;
+}
+
+kvoff::GroupKind to_kind(const std::string& name) {
+  if (name == "full_attention") return kvoff::GroupKind::kFullAttention;
+  if (name == "sliding_window") return kvoff::GroupKind::kSlidingWindow;
+  if (name == "mamba") return kvoff::GroupKind::kMamba;
+  throw py::value_error("unknown KV cache group kind '" + name +
+                        "'; use 'full_attention', 'sliding_window' or 'mamba'");
+}
+
+void bind(py::module_& m) {
+  using kvoff::OffloadingScheduler;
+  py::class_<OffloadingScheduler>(
+      m, "_OffloadingScheduler",
+      "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
+      "block_size_factor, hash_block_size, world_size, num_gpu_blocks, groups)\n\n"
+      "The C++ per-step offloading scheduler. Private: use kvoff.OffloadingScheduler, which "
+      "documents every hook (shapes, units, errors).")
+      .def(py::init([](std::int64_t num_cpu_blocks, const std::string& eviction_policy,
+                       bool enable_events, std::int64_t gpu_block_size,
+                       std::int64_t block_size_factor, std::int64_t hash_block_size,
+                       std::int64_t world_size, std::int64_t num_gpu_blocks,
+                       py::handle groups) {
+             kvoff::SchedulerConfig c;
+             c.num_cpu_blocks = num_cpu_blocks;
+             c.eviction_policy = eviction_policy;
+             c.enable_events = enable_events;
+             c.gpu_block_size = gpu_block_size;
+             c.block_size_factor = block_size_factor;
+             c.hash_block_size = hash_block_size;
+             c.world_size = world_size;
+             c.num_gpu_blocks = num_gpu_blocks;
+             for (py::handle g : groups) {
+               if (!PyTuple_Check(g.ptr()) || PyTuple_GET_SIZE(g.ptr()) != 2) {
+                 throw py::type_error("groups must be (kind, sliding_window) tuples");
+               }
+               py::tuple t = py::reinterpret_borrow<py::tuple>(g);
+               c.groups.push_back(kvoff::SchedulerGroup{to_kind(t[0].cast<std::string>()),
+                                                        to_int64(t[1].ptr(), "sliding_window")});
+             }
+             return std::make_unique<OffloadingScheduler>(std::move(c));
+           }),
+           py::arg("num_cpu_blocks"), py::arg("eviction_policy"), py::arg("enable_events"),
+           py::arg("gpu_block_size"), py::arg("block_size_factor"), py::arg("hash_block_size"),
+           py::arg("world_size"), py::arg("num_gpu_blocks"), py::arg("groups"))
+      .def(
+          "update_request",
+          [](OffloadingScheduler& self, const std::string& request_id, std::size_t start,
+             py::handle hashes, std::int64_t num_tokens) {
+            KeyBatch batch(hashes);
+            self.update_request(request_id, start, batch.span(), num_tokens);
+          },
+          py::arg("request_id"), py::arg("start"), py::arg("hashes"), py::arg("num_tokens"))
+      .def(
+          "get_num_new_matched_tokens",
+          [](OffloadingScheduler& self, const std::string& request_id, std::int64_t computed) {
+            const auto r = self.get_num_new_matched_tokens(request_id, computed);
+            py::object n = r.num_tokens ? py::object(py::int_(*r.num_tokens)) : py::none();
+            return py::make_tuple(n, r.load_async);
+          },
+          py::arg("request_id"), py::arg("num_computed_tokens"))
+      .def(
+          "update_state_after_alloc",
+          [](OffloadingScheduler& self, const std::string& request_id, py::handle block_ids,
+             std::int64_t num_external_tokens) {
+            const auto ids = to_int_lists(block_ids, "block_ids");
+            self.update_state_after_alloc(request_id, ids, num_external_tokens);
+          },
+          py::arg("request_id"), py::arg("block_ids"), py::arg("num_external_tokens"))
+      .def(
+          "build_connector_meta",
+          [](OffloadingScheduler& self, py::handle scheduled, py::handle finished,
+             py::handle preempted) {
+            std::vector<kvoff::ScheduledRequest> reqs;
+            for (py::handle item : scheduled) {
+              py::tuple t = py::reinterpret_borrow<py::tuple>(item);
+              if (!PyTuple_Check(item.ptr()) || t.size() != 5) {
+                throw py::type_error(
+                    "scheduled entries must be (request_id, new_block_ids, "
+                    "num_computed_tokens, num_scheduled_tokens, resumed_from_preemption)");
+              }
+              kvoff::ScheduledRequest s;
+              s.request_id = t[0].cast<std::string>();
+              s.new_block_ids = to_int_lists(t[1], "new_block_ids");
+              s.num_computed_tokens = to_int64(t[2].ptr(), "num_computed_tokens");
+              s.num_scheduled_tokens = to_int64(t[3].ptr(), "num_scheduled_tokens");
+              s.resumed_from_preemption = t[4].cast<bool>();
+              reqs.push_back(std::move(s));
+            }
+            const auto fin = to_strs(finished, "finished_request_ids");
+            const auto pre = to_strs(preempted, "preempted_request_ids");
+            auto meta = self.build_connector_meta(reqs, fin, pre);
+            py::list flush(meta.jobs_to_flush.size());
+            for (std::size_t i = 0; i < meta.jobs_to_flush.size(); ++i) {
+              flush[i] = py::int_(meta.jobs_to_flush[i]);
+            }
+            return py::make_tuple(job_list(meta.load_jobs), job_list(meta.store_jobs), flush);
+          },
+          py::arg("scheduled"), py::arg("finished_request_ids"), py::arg("preempted_request_ids"))
+      .def(
+          "update_connector_output",
+          [](OffloadingScheduler& self, py::handle reports) {
+            std::vector<kvoff::JobReport> reps;
+            for (py::handle item : reports) {
+              py::tuple t = py::reinterpret_borrow<py::tuple>(item);
+              if (!PyTuple_Check(item.ptr()) || t.size() != 2) {
+                throw py::type_error("reports must be (job_id, success) tuples");
+              }
+              const std::int64_t id = to_int64(t[0].ptr(), "job_id");
+              if (id < 0) {
+                throw py::value_error("job_id must be >= 0, got " + std::to_string(id));
+              }
+              reps.push_back(
+                  kvoff::JobReport{static_cast<kvoff::JobId>(id), t[1].cast<bool>()});
+            }
+            auto out = self.update_connector_output(reps);
+            py::list done(out.completed_jobs.size());
+            for (std::size_t i = 0; i < out.completed_jobs.size(); ++i) {
+              done[i] = py::int_(out.completed_jobs[i]);
+            }
+            py::list failed(out.failed_jobs.size());
+            for (std::size_t i = 0; i < out.failed_jobs.size(); ++i) {
+              failed[i] = py::int_(out.failed_jobs[i]);
+            }
+            return py::make_tuple(str_list(out.finished_loading), str_list(out.failed_loading),
+                                  str_list(out.finished_storing), done, failed);
+          },
+          py::arg("reports"))
+      .def("request_finished", &OffloadingScheduler::request_finished, py::arg("request_id"))
+      .def("take_events",
+           [](OffloadingScheduler& self) {
+             auto events = self.take_events();
+             py::list out(events.size());
+             for (std::size_t i = 0; i < events.size(); ++i) {
+               out[i] = py::cast(OffloadingEvent{to_bytes_list(events[i].keys),
+                                                 std::move(events[i].medium), events[i].removed});
+             }
+             return out;
+           })
+      .def("stats",
+           [](const OffloadingScheduler& self) {
+             const auto& s = self.stats();
+             py::dict d;
+             d["lookups"] = s.lookups;
+             d["lookup_retries"] = s.lookup_retries;
+             d["hit_tokens"] = s.hit_tokens;
+             d["load_jobs"] = s.load_jobs;
+             d["store_jobs"] = s.store_jobs;
+             d["blocks_loaded"] = s.blocks_loaded;
+             d["blocks_stored"] = s.blocks_stored;
+             d["store_refusals"] = s.store_refusals;
+             d["stale_blocks_skipped"] = s.stale_blocks_skipped;
+             d["jobs_flushed"] = s.jobs_flushed;
+             d["failed_jobs"] = s.failed_jobs;
+             d["num_requests"] = self.num_requests();
+             d["num_jobs_in_flight"] = self.num_jobs_in_flight();
+             const auto& mgr = self.manager();
+             d["num_cpu_blocks"] = mgr.num_blocks();
+             d["num_free_blocks"] = mgr.num_free_blocks();
+             d["num_stored_blocks"] = mgr.num_stored_blocks();
+             d["num_pending_blocks"] = mgr.num_pending_blocks();
+             return d;
+           })
+      .def("block_state",
+           [](const OffloadingScheduler& self, py::handle key) {
+             std::array<char, 8> buf{};
+             return std::string(
+                 kvoff::to_string(self.manager().state(to_key(key.ptr(), "key", -1, buf))));
+           },
+           py::arg("key"))
+      .def("block_id",
+           [](const OffloadingScheduler& self, py::handle key) -> py::object {
+             std::array<char, 8> buf{};
+             const auto id = self.manager().block_id(to_key(key.ptr(), "key", -1, buf));
+             return id ? py::object(py::int_(*id)) : py::none();
+           },
+           py::arg("key"))
+      .def("pin_count",
+           [](const OffloadingScheduler& self, py::handle key) {
+             std::array<char, 8> buf{};
+             return self.manager().pin_count(to_key(key.ptr(), "key", -1, buf));
+           },
+           py::arg("key"))
+      .def("next_store_block", &OffloadingScheduler::next_store_block, py::arg("request_id"));
+}
+
+}  // namespace sched
+
 }  // namespace
 
 PYBIND11_MODULE(_scheduler, m) {
@@ -563,4 +852,64 @@ PYBIND11_MODULE(_scheduler, m) {
                " pending=" + std::to_string(self.num_pending_blocks()) +
                " free=" + std::to_string(self.num_free_blocks()) + ">";
       });
+
+  sched::bind(m);  // _OffloadingScheduler
+
+  // ===================================================================== benchmark driver
+  // `kvoff bench scheduler` (kvoff/bench.py): the manager's in-core path, timed in C++ with
+  // keys generated in C++ (kvoff/manager_bench.h). Private (underscore): not a stable API.
+  m.def(
+      "_bench_manager",
+      [](std::int64_t num_blocks, const std::string& eviction_policy, std::size_t key_bytes,
+         std::size_t batch, std::size_t batches_per_round, std::size_t repeat,
+         std::uint64_t seed) {
+        kvoff::ManagerBenchConfig config;
+        config.num_blocks = num_blocks;
+        config.eviction_policy = eviction_policy;
+        config.key_bytes = key_bytes;
+        config.batch = batch;
+        config.batches_per_round = batches_per_round;
+        config.repeat = repeat;
+        config.seed = seed;
+        kvoff::ManagerBenchResult r;
+        {
+          py::gil_scoped_release release;
+          r = kvoff::run_manager_bench(config);
+        }
+        const auto timing = [](const kvoff::ManagerBenchTiming& t) {
+          py::dict d;
+          d["keys"] = t.keys;
+          d["calls"] = t.calls;
+          d["seconds"] = t.seconds;
+          d["best_seconds"] = t.best_seconds;
+          d["ns_per_key"] = t.ns_per_key;
+          d["keys_per_s"] = t.keys_per_s;
+          d["calls_per_s"] = t.calls_per_s;
+          return d;
+        };
+        py::dict out;
+        out["lookup"] = timing(r.lookup);
+        out["prepare_store"] = timing(r.prepare_store);
+        out["complete_store"] = timing(r.complete_store);
+        out["lookup_hits"] = r.lookup_hits;
+        out["evicted"] = r.evicted;
+        out["setup_seconds"] = r.setup_seconds;
+        return out;
+      },
+      py::arg("num_blocks"), py::arg("eviction_policy") = "lru", py::arg("key_bytes") = 9,
+      py::arg("batch") = 256, py::arg("batches_per_round") = 1024, py::arg("repeat") = 5,
+      py::arg("seed") = 0,
+      py::doc("_bench_manager(num_blocks: int, eviction_policy: str = \"lru\", key_bytes: int = "
+              "9, batch: int = 256, batches_per_round: int = 1024, repeat: int = 5, seed: int = "
+              "0) -> dict\n\n"
+              "Benchmarks CPUOffloadingManager in C++ (keys generated and passed in C++, the GIL "
+              "released): fills a pool of num_blocks slots, then times lookup, prepare_store "
+              "(with eviction) and complete_store calls of `batch` keys; see "
+              "kvoff/manager_bench.h for the exact workload. Returns {op: {keys, calls, seconds "
+              "(median round), best_seconds, ns_per_key, keys_per_s, calls_per_s}} for op in "
+              "lookup, prepare_store, complete_store, plus lookup_hits and evicted (workload "
+              "totals of one round) and setup_seconds.\n\n"
+              "Raises:\n    ValueError: a parameter out of range or an unknown eviction policy "
+              "(naming it)."));
+  // =================================================================== end benchmark driver
 }

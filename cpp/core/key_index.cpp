@@ -15,16 +15,6 @@ std::string slot_range_message(std::uint32_t slot, std::uint32_t num_slots) {
          std::to_string(num_slots) + " slots (valid: 0.." + std::to_string(num_slots - 1) + ")";
 }
 
-inline void prefetch(const void* p) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p);
-#else
-  (void)p;
-#endif
-}
-
-constexpr std::size_t kPipeline = 16;  // keys whose memory accesses are in flight at once
-
 }  // namespace
 
 KeyIndex::KeyIndex(std::uint32_t num_slots) : num_slots_(num_slots), mask_(0) {
@@ -77,45 +67,11 @@ std::uint32_t KeyIndex::find(std::string_view key, std::uint64_t hash) const noe
 
 void KeyIndex::find_many(const std::string_view* keys, std::size_t count, std::uint64_t* hashes,
                          std::uint32_t* slots) const noexcept {
-  std::uint64_t pos[kPipeline];
-  for (std::size_t base = 0; base < count; base += kPipeline) {
-    const std::size_t n = count - base < kPipeline ? count - base : kPipeline;
-    // Stage 1: hash every key and prefetch its home bucket.
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::uint64_t h = hash_key(keys[base + j]);
-      hashes[base + j] = h;
-      pos[j] = tag_of(h) & mask_;
-      prefetch(&buckets_[pos[j]]);
-    }
-    // Stage 2: find the first bucket whose tag matches (or the end of the run) and prefetch
-    // the candidate's record.
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::uint32_t tag = tag_of(hashes[base + j]);
-      std::uint64_t i = pos[j];
-      std::uint32_t candidate = kNotFound;
-      for (;; i = (i + 1) & mask_) {
-        const std::uint64_t b = buckets_[i];
-        if (b == 0) {
-          break;
-        }
-        if (static_cast<std::uint32_t>(b >> 32) == tag) {
-          candidate = static_cast<std::uint32_t>(b) - 1;
-          prefetch(&records_[candidate]);
-          break;
-        }
-      }
-      pos[j] = i;
-      slots[base + j] = candidate;
-    }
-    // Stage 3: confirm the candidates (a tag collision continues the probe).
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::uint32_t candidate = slots[base + j];
-      if (candidate != kNotFound && !record_equals(candidate, keys[base + j])) {
-        slots[base + j] =
-            probe_from((pos[j] + 1) & mask_, tag_of(hashes[base + j]), keys[base + j]);
-      }
-    }
-  }
+  find_each(keys, count, [hashes, slots](std::size_t i, std::uint32_t slot, std::uint64_t hash) {
+    hashes[i] = hash;
+    slots[i] = slot;
+    return true;
+  });
 }
 
 void KeyIndex::prefetch_erase(std::uint32_t slot) const noexcept {

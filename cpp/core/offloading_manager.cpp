@@ -22,6 +22,14 @@ namespace {
 
 constexpr const char* kMedium = "CPU";
 
+inline void prefetch_byte(const void* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p);
+#else
+  (void)p;
+#endif
+}
+
 // The manager's per-slot payload in the key index: see offloading_manager.h.
 constexpr std::uint64_t kStateBits = 0x3;
 constexpr std::uint64_t kOnePin = 0x4;
@@ -100,7 +108,39 @@ CPUOffloadingManager::CPUOffloadingManager(std::int64_t num_blocks,
     : pool_(checked_num_blocks(num_blocks, eviction_policy)),
       index_(pool_.num_blocks()),
       policy_(make_eviction_policy(eviction_policy, pool_.num_blocks())),
-      enable_events_(enable_events) {}
+      enable_events_(enable_events),
+      evictable_(pool_.num_blocks(), 0),
+      recent_pos_(pool_.num_blocks(), 0) {
+  std::uint64_t ring = 1024;
+  while (ring < 2 * static_cast<std::uint64_t>(pool_.num_blocks()) && ring < kMaxRecentLog) {
+    ring <<= 1;
+  }
+  recent_.assign(ring, 0);
+}
+
+void CPUOffloadingManager::note_recent(std::uint32_t slot) noexcept {
+  recent_[recent_head_ & (recent_.size() - 1)] = slot;
+  recent_pos_[slot] = recent_head_;
+  ++recent_head_;
+}
+
+void CPUOffloadingManager::prefetch_victims(std::size_t count) const noexcept {
+  const auto ring = static_cast<std::uint32_t>(recent_.size());
+  std::uint32_t tail = recent_tail_;
+  if (recent_head_ - tail > ring) {  // overwritten: start at the oldest entry still logged
+    tail = recent_head_ - ring;
+  }
+  const std::uint32_t ahead = static_cast<std::uint32_t>(std::min<std::size_t>(count, ring / 4));
+  const std::uint32_t logged = recent_head_ - tail;
+  const std::uint32_t n = std::min<std::uint32_t>(logged, 2 * ahead + 16);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const std::uint32_t slot = recent_[(tail + i) & (ring - 1)];
+    policy_->prefetch(slot);
+    prefetch_byte(&evictable_[slot]);
+    index_.prefetch_record(slot);  // erased next (and reused by a new key)
+    prefetch_byte(&recent_pos_[slot]);
+  }
+}
 
 CPUOffloadingManager::~CPUOffloadingManager() = default;
 
@@ -128,6 +168,7 @@ void CPUOffloadingManager::record(std::vector<std::string> keys, bool removed) {
 }
 
 void CPUOffloadingManager::drop_slot(std::uint32_t slot, bool evicted) {
+  evictable_[slot] = 0;
   policy_->erase(slot, index_.key(slot), evicted);
   index_.erase(slot);
   pool_.free(slot);
@@ -155,22 +196,22 @@ std::optional<std::uint32_t> CPUOffloadingManager::block_id(std::string_view key
 
 std::optional<std::size_t> CPUOffloadingManager::lookup(KeySpan keys) const {
   validate_keys(keys, "lookup");
-  constexpr std::size_t kChunk = 16;  // bounds the wasted work after the first miss
-  std::uint64_t hashes[kChunk];
-  std::uint32_t slots[kChunk];
   std::size_t hits = 0;
-  for (std::size_t base = 0; base < keys.size(); base += kChunk) {
-    const std::size_t n = std::min(kChunk, keys.size() - base);
-    index_.find_many(keys.data() + base, n, hashes, slots);
-    for (std::size_t j = 0; j < n; ++j) {
-      if (slots[j] == KeyIndex::kNotFound) {
-        return hits;
-      }
-      if (state_bits(index_.payload(slots[j])) != BlockState::kReady) {
-        return std::nullopt;  // being written: the caller retries later
-      }
-      ++hits;
-    }
+  bool pending = false;
+  index_.find_each(keys.data(), keys.size(),
+                   [&](std::size_t /*i*/, std::uint32_t slot, std::uint64_t /*hash*/) {
+                     if (slot == KeyIndex::kNotFound) {
+                       return false;
+                     }
+                     if (state_bits(index_.payload(slot)) != BlockState::kReady) {
+                       pending = true;  // being written: the caller retries later
+                       return false;
+                     }
+                     ++hits;
+                     return true;
+                   });
+  if (pending) {
+    return std::nullopt;
   }
   return hits;
 }
@@ -199,6 +240,7 @@ std::vector<std::uint32_t> CPUOffloadingManager::prepare_load(KeySpan keys) {
     std::uint64_t& p = index_.payload(slot);
     if (pins_bits(p) == 0) {
       --num_evictable_;
+      evictable_[slot] = 0;
     }
     p += kOnePin;
   }
@@ -232,6 +274,11 @@ void CPUOffloadingManager::complete_load(KeySpan keys) {
       ++unpinned;
     }
   }
+  for (const std::uint32_t slot : scratch_slots_) {  // validated: now commit the flags
+    if (pins_bits(index_.payload(slot)) == 0) {
+      evictable_[slot] = 1;
+    }
+  }
   num_evictable_ += unpinned;
 }
 
@@ -247,6 +294,7 @@ void CPUOffloadingManager::touch(KeySpan keys) {
   for (std::size_t i = keys.size(); i-- > 0;) {
     if (scratch_slots_[i] != KeyIndex::kNotFound) {
       policy_->touch(scratch_slots_[i]);
+      note_recent(scratch_slots_[i]);
     }
   }
 }
@@ -284,15 +332,16 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
 
   // Pass 1 (no state change): mark the keys already held (they are protected from eviction)
   // and collect the distinct new keys.
-  std::uint32_t protected_evictable = 0;
+  // Protected keys get evictable_ = 0 until the victims are chosen (restored below).
+  scratch_protected_.clear();
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
     if (slot != KeyIndex::kNotFound) {
       std::uint64_t& p = index_.payload(slot);
       if (mark_bits(p) != stamp) {
         set_mark(p, stamp);
-        if (state_bits(p) == BlockState::kReady && pins_bits(p) == 0) {
-          ++protected_evictable;
+        if (evictable_[slot] != 0) {
+          scratch_protected_.push_back(slot);
         }
       }
       continue;
@@ -309,20 +358,44 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   scratch_victims_.clear();
   if (need > free) {
     const std::size_t to_evict = need - free;
-    if (static_cast<std::size_t>(num_evictable_ - protected_evictable) < to_evict) {
+    if (static_cast<std::size_t>(num_evictable_) - scratch_protected_.size() < to_evict) {
       return std::nullopt;  // cheap refusal: not enough candidates, nothing scanned
     }
-    const auto can_evict = [this, stamp](std::uint32_t slot) {
-      const std::uint64_t p = index_.payload(slot);
-      return state_bits(p) == BlockState::kReady && pins_bits(p) == 0 && mark_bits(p) != stamp;
+    // The policy asks about each slot it walks past: one byte of a dense array (ready,
+    // unpinned, not protected) instead of the slot's 64-byte record. The records of the victims
+    // are prefetched as they are found, so their misses overlap the policy's walk (a chain of
+    // dependent loads) instead of following it.
+    for (const std::uint32_t slot : scratch_protected_) {
+      evictable_[slot] = 0;
+    }
+    const auto can_evict = [this](std::uint32_t slot) {
+      if (evictable_[slot] == 0) {
+        return false;
+      }
+      index_.prefetch_record(slot);
+      return true;
     };
-    const std::size_t found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
+    std::size_t found = 0;
+    prefetch_victims(to_evict);
+    try {
+      found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
+    } catch (...) {
+      for (const std::uint32_t slot : scratch_protected_) {
+        evictable_[slot] = 1;
+      }
+      throw;
+    }
+    for (const std::uint32_t slot : scratch_protected_) {
+      evictable_[slot] = 1;
+    }
     if (found != to_evict) {
       throw std::logic_error("kvoff internal error: eviction policy '" +
                              std::string(policy_->name()) + "' found " + std::to_string(found) +
                              " of " + std::to_string(to_evict) +
                              " victims that the evictable count promised; nothing was changed");
     }
+    // The next victims were probably used right after the last one (a hint only).
+    recent_tail_ = recent_pos_[scratch_victims_.back()] + 1;
   }
 
   // Pass 3: commit.
@@ -333,6 +406,11 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   for (const std::uint32_t victim : scratch_victims_) {
     index_.prefetch_erase(victim);
     policy_->prefetch(victim);
+    pool_.prefetch(victim);
+    prefetch_byte(&recent_pos_[victim]);
+  }
+  for (const std::uint32_t i : scratch_new_) {
+    index_.prefetch_insert(scratch_hashes_[i]);
   }
   for (const std::uint32_t victim : scratch_victims_) {
     result.evicted_keys.emplace_back(index_.key(victim));
@@ -353,6 +431,7 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   // Enter the policy last to first, so keys[0] is the most recent of the new blocks.
   for (std::size_t j = need; j-- > 0;) {
     policy_->insert(result.block_ids[j], keys[scratch_new_[j]]);
+    note_recent(result.block_ids[j]);
   }
   num_pending_ += static_cast<std::uint32_t>(need);
   return result;
@@ -390,6 +469,7 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
     }
     for (const std::uint32_t slot : scratch_new_) {
       set_state(index_.payload(slot), BlockState::kReady);
+      evictable_[slot] = 1;
       if (enable_events_) {
         stored.emplace_back(index_.key(slot));
       }

@@ -64,5 +64,19 @@ TEST(CPUBlockPool, RejectsBadSizesNamingTheValue) {
   }
 }
 
+TEST(CPUBlockPool, LargePoolOnHugePagesHandsOutEveryIdOnce) {
+  // 4M slots: the free list and flags take LargePageAllocator's huge-page path.
+  const std::uint32_t n = 1u << 22;
+  CPUBlockPool pool(n);
+  EXPECT_EQ(pool.allocate(), 0u);
+  EXPECT_EQ(pool.allocate(), 1u);
+  pool.prefetch(n - 1);  // a hint: changes nothing
+  pool.free(0);
+  EXPECT_EQ(pool.allocate(), 0u);
+  EXPECT_EQ(pool.num_free(), n - 2);
+  EXPECT_TRUE(pool.is_allocated(1));
+  EXPECT_FALSE(pool.is_allocated(n - 1));
+}
+
 }  // namespace
 }  // namespace kvoff

@@ -140,5 +140,84 @@ TEST(KeyIndex, MatchesReferenceMapUnderChurn) {
   }
 }
 
+TEST(KeyIndex, KeysOfEveryLengthAreComparedExactly) {
+  // Keys that differ in a single byte at any position, for lengths around the 8-byte word
+  // compare (< 8, 8, 9, 16, 33), the inline limit (48) and beyond (heap, 49+).
+  for (const std::size_t len : {1u, 2u, 7u, 8u, 9u, 15u, 16u, 17u, 33u, 47u, 48u, 49u, 64u}) {
+    KeyIndex index(static_cast<std::uint32_t>(len + 1));
+    const std::string base(len, 'k');
+    index.insert(0, base, hash_key(base));
+    for (std::size_t i = 0; i < len; ++i) {
+      std::string other = base;
+      other[i] = 'x';
+      index.insert(static_cast<std::uint32_t>(i + 1), other, hash_key(other));
+    }
+    EXPECT_EQ(index.find(base), 0u) << len;
+    for (std::size_t i = 0; i < len; ++i) {
+      std::string other = base;
+      other[i] = 'x';
+      EXPECT_EQ(index.find(other), i + 1) << len << " " << i;
+      other[i] = 'y';
+      EXPECT_EQ(index.find(other), KeyIndex::kNotFound) << len << " " << i;
+    }
+    EXPECT_EQ(index.find(base + "k"), KeyIndex::kNotFound);
+    EXPECT_EQ(index.find(base.substr(1)), KeyIndex::kNotFound);
+  }
+}
+
+TEST(KeyIndex, FindEachVisitsInOrderAndStopsEarly) {
+  // More keys than the pipeline depth (2 * kFindAhead), so every stage runs.
+  const std::uint32_t n = 500;
+  KeyIndex index(n);
+  std::vector<std::string> keys;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    keys.push_back(int_key(i * 7919));
+    if (i % 3 != 0) {
+      index.insert(i, keys.back(), hash_key(keys.back()));
+    }
+  }
+  std::vector<std::string_view> views(keys.begin(), keys.end());
+  std::vector<std::size_t> seen;
+  const std::size_t all = index.find_each(
+      views.data(), views.size(), [&](std::size_t i, std::uint32_t slot, std::uint64_t hash) {
+        EXPECT_EQ(hash, hash_key(views[i]));
+        EXPECT_EQ(slot, i % 3 != 0 ? i : KeyIndex::kNotFound);
+        seen.push_back(i);
+        return true;
+      });
+  EXPECT_EQ(all, n);
+  ASSERT_EQ(seen.size(), n);
+  for (std::size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(seen[i], i);
+  }
+  // Stop at the 100th key: visit returns false there, and nothing after it is visited.
+  std::size_t last = 0;
+  const std::size_t visited = index.find_each(
+      views.data(), views.size(), [&](std::size_t i, std::uint32_t, std::uint64_t) {
+        last = i;
+        return i < 99;
+      });
+  EXPECT_EQ(visited, 100u);
+  EXPECT_EQ(last, 99u);
+  EXPECT_EQ(index.find_each(views.data(), 0, [](std::size_t, std::uint32_t, std::uint64_t) {
+    return true;
+  }),
+            0u);
+}
+
+TEST(KeyIndex, LargeIndexOnHugePagesWorks) {
+  // 1M slots: the bucket and record arrays take the huge-page path of LargePageAllocator.
+  const std::uint32_t n = 1u << 20;
+  KeyIndex index(n);
+  for (std::uint32_t i = 0; i < n; i += 4099) {
+    const std::string k = int_key(i);
+    index.insert(i, k, hash_key(k));
+  }
+  for (std::uint32_t i = 0; i < n; i += 4099) {
+    EXPECT_EQ(index.find(int_key(i)), i);
+  }
+  EXPECT_EQ(index.find(int_key(1)), KeyIndex::kNotFound);
+}
+
 }  // namespace
 }  // namespace kvoff

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvoff/large_page_allocator.h"
+
 namespace kvoff {
 
 /// Largest pool size, in blocks: CPU block ids must fit in a signed 32-bit integer (they are
@@ -34,6 +36,16 @@ class CPUBlockPool {
   /// Whether slot `block_id` is allocated. Throws std::out_of_range for an id >= num_blocks.
   bool is_allocated(std::uint32_t block_id) const;
 
+  /// Hint that slot `block_id` is about to be freed or allocated (prefetches its flag).
+  /// Unchecked: block_id < num_blocks.
+  void prefetch(std::uint32_t block_id) const noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&allocated_[block_id]);
+#else
+    (void)block_id;
+#endif
+  }
+
   /// Takes one free slot and returns its CPU block id. O(1).
   /// Throws std::length_error when no slot is free (check num_free() first).
   std::uint32_t allocate();
@@ -45,8 +57,9 @@ class CPUBlockPool {
 
  private:
   std::uint32_t num_blocks_;
-  std::vector<std::uint32_t> free_;     // stack; back() is handed out next
-  std::vector<std::uint8_t> allocated_;  // per slot: 1 when allocated
+  // Huge-page backed (LargePageAllocator): indexed at random on large pools.
+  std::vector<std::uint32_t, LargePageAllocator<std::uint32_t>> free_;  // stack; back() is next
+  std::vector<std::uint8_t, LargePageAllocator<std::uint8_t>> allocated_;  // 1 when allocated
 };
 
 }  // namespace kvoff

@@ -2,7 +2,7 @@
 //
 // A policy tracks a set of slots (CPU block ids) in its own order and proposes victims; the
 // offloading manager decides which slots may be evicted (ready, not pinned by a load, not part
-// of the current store) and commits the evictions. New policies (ARC next) implement
+// of the current store) and commits the evictions. Policies: LRU and ARC. New policies implement
 // EvictionPolicy and register a factory in make_eviction_policy.
 #pragma once
 
@@ -64,7 +64,8 @@ class EvictionPolicy {
 
   /// Starts tracking `slot`, whose block has key `key`, as the most recently used slot.
   virtual void insert(std::uint32_t slot, std::string_view key) = 0;
-  /// Records a use of tracked `slot` (for LRU: makes it the most recently used).
+  /// Records a use of tracked `slot` (for LRU: makes it the most recently used; for ARC: moves
+  /// it to the most recent end of T2).
   virtual void touch(std::uint32_t slot) = 0;
   /// Stops tracking `slot` (key `key`). `evicted` is true when the slot was chosen by
   /// select_victims and is being evicted, false when its block is dropped for another reason
@@ -120,7 +121,130 @@ class LRUEvictionPolicy final : public EvictionPolicy {
   std::vector<Node> nodes_;  // capacity_ + 1 entries
 };
 
-/// Names accepted by make_eviction_policy, in registration order (currently {"lru"}).
+/// Adaptive Replacement Cache (Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement
+/// Cache", FAST 2003) over slots [0, capacity), c = capacity.
+///
+/// Resident slots are in one of two lists, each ordered from least to most recently used:
+///  * T1: keys seen once recently (inserted without a ghost hit, never touched since);
+///  * T2: keys seen at least twice (touched, or re-inserted after a ghost hit).
+/// Ghost lists remember the 64-bit hash_key() of evicted keys (never the key bytes):
+///  * B1: keys evicted from T1; B2: keys evicted from T2.
+/// The adaptive target p in [0, c] is the size T1 should have; it starts at 0.
+///
+/// Operations (all O(1); no allocation after construction):
+///  * insert(slot, key): when hash(key) is in B1, p = min(c, p + max(1, |B2| / |B1|)); when
+///    it is in B2, p = max(0, p - max(1, |B1| / |B2|)) (sizes before the ghost is removed,
+///    integer division); either way the ghost is removed and the slot enters T2 as most recent.
+///    Otherwise (the paper's case IV) the slot enters T1 as most recent, after trimming ghosts:
+///    the least recent ghost of B1 is dropped while |T1| + |B1| >= c, then the least recent ghost
+///    of B2 (of B1 when B2 is empty) while |T1| + |T2| + |B1| + |B2| >= 2c. So always
+///    |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
+///  * touch(slot): a T1 or T2 slot becomes the most recent of T2.
+///  * erase(slot, key, evicted=true): the slot leaves its list and hash(key) becomes the most
+///    recent ghost of B1 (from T1) or B2 (from T2); a ghost with the same hash is replaced.
+///    erase(slot, key, evicted=false) (a failed store) drops the slot without a ghost.
+///    Neither changes p; both keep the bounds above.
+///  * select_victims(count, can_evict, out) (the REPLACE step, one victim at a time): with t1 =
+///    |T1| minus the T1 victims already chosen in this call, the next victim is the least
+///    recent slot of T1 for which can_evict is true when t1 > p, else that of T2; when the
+///    chosen list has no such slot, the least recent evictable slot of the other list; when
+///    neither has one, selection stops. Non-evictable slots are skipped (the walk goes on
+///    towards the most recent end). This is exactly what erase(victim, key, true) calls in that
+///    order would evict, since eviction changes |T1| but not p. (Unlike the paper, the incoming
+///    key is not known here, so its "x in B2 and |T1| == p" tie rule is not applied.)
+///
+/// Prefix order (DESIGN.md invariant 8): within T1 and within T2 the order is recency, so keys
+/// inserted or touched last to first are evicted tail first among blocks of the same list.
+///
+/// Memory: 9 bytes per slot for the resident lists (two 4-byte links, 1-byte list tag), plus a
+/// ghost store sized for the 2c-ghost bound: 2c ghost nodes of 17 bytes (hash, two links, tag)
+/// and 3c+1 4-byte hash buckets, about 55 bytes per slot in all, allocated at construction.
+class ARCEvictionPolicy final : public EvictionPolicy {
+ public:
+  /// Which list a slot or ghost is in.
+  enum class List : std::uint8_t { kNone = 0, kT1 = 1, kT2 = 2, kB1 = 3, kB2 = 4 };
+
+  /// Creates an empty policy for slots [0, capacity) with p = 0.
+  /// Throws std::invalid_argument when capacity is 0 or above 2^31-1.
+  explicit ARCEvictionPolicy(std::uint32_t capacity);
+
+  std::string_view name() const noexcept override { return "arc"; }
+  std::uint32_t capacity() const noexcept override { return capacity_; }
+  std::size_t size() const noexcept override { return t1_size_ + t2_size_; }
+  bool contains(std::uint32_t slot) const noexcept override {
+    return slot < capacity_ && where_[slot] != List::kNone;
+  }
+  void insert(std::uint32_t slot, std::string_view key) override;
+  void touch(std::uint32_t slot) override;
+  void erase(std::uint32_t slot, std::string_view key, bool evicted) override;
+  void prefetch(std::uint32_t slot) const noexcept override;
+  std::size_t select_victims(std::size_t count, SlotPredicate can_evict,
+                             std::vector<std::uint32_t>& out) const override;
+
+  // Introspection (tests, debugging).
+  /// The adaptive target size p of T1, in [0, capacity].
+  std::uint32_t target() const noexcept { return p_; }
+  std::size_t t1_size() const noexcept { return t1_size_; }
+  std::size_t t2_size() const noexcept { return t2_size_; }
+  std::size_t b1_size() const noexcept { return b1_size_; }
+  std::size_t b2_size() const noexcept { return b2_size_; }
+  /// kT1, kT2 or kNone (also for slot >= capacity).
+  List list_of(std::uint32_t slot) const noexcept {
+    return slot < capacity_ ? where_[slot] : List::kNone;
+  }
+  /// kB1, kB2 or kNone: the ghost list holding hash_key(key).
+  List ghost_of(std::string_view key) const noexcept;
+  /// The slots of kT1 or kT2, least recent first. O(size of the list).
+  std::vector<std::uint32_t> slots(List list) const;
+  /// The ghost hashes of kB1 or kB2, least recent first. O(size of the list).
+  std::vector<std::uint64_t> ghosts(List list) const;
+
+ private:
+  struct Link {
+    std::uint32_t prev;
+    std::uint32_t next;
+  };
+  struct Ghost {
+    std::uint64_t hash;
+    std::uint32_t prev;
+    std::uint32_t next;  // also the free-list link of unused nodes
+  };
+
+  void check_slot(std::uint32_t slot, const char* op) const;
+  void check_tracked(std::uint32_t slot, const char* op) const;
+  // Resident lists: sentinels t1_head_ / t2_head_ (next = least recent, prev = most recent).
+  void link_most_recent(std::uint32_t slot, List list) noexcept;
+  void unlink(std::uint32_t slot) noexcept;
+  // Ghost store.
+  std::size_t home_bucket(std::uint64_t hash) const noexcept;
+  std::uint32_t find_ghost(std::uint64_t hash) const noexcept;  // node index or b1_head_
+  void add_ghost(std::uint64_t hash, List list) noexcept;        // as most recent of list
+  void remove_ghost(std::uint32_t node) noexcept;
+  void drop_least_recent_ghost(List list) noexcept;
+
+  std::uint32_t capacity_;
+  std::uint32_t p_ = 0;
+  std::uint32_t t1_head_;  // == capacity_
+  std::uint32_t t2_head_;  // == capacity_ + 1
+  std::size_t t1_size_ = 0;
+  std::size_t t2_size_ = 0;
+  std::vector<Link> links_;   // capacity_ + 2 entries (two sentinels)
+  std::vector<List> where_;   // capacity_ entries: kNone, kT1 or kT2
+
+  // Ghost node indices: [0, 2c) entries, 2c and 2c+1 the B1 and B2 sentinels. The B1
+  // sentinel's index also marks an empty bucket and the end of the free list (it never appears
+  // in either), so no index needs a reserved value even at capacity 2^31-1.
+  std::uint32_t b1_head_;     // == 2 * capacity_
+  std::uint32_t b2_head_;     // == 2 * capacity_ + 1
+  std::uint32_t ghost_free_;  // first unused ghost node, b1_head_ when none
+  std::size_t b1_size_ = 0;
+  std::size_t b2_size_ = 0;
+  std::vector<Ghost> ghost_nodes_;  // 2 * capacity_ + 2 entries (two sentinels)
+  std::vector<List> ghost_list_;    // per ghost node: kB1, kB2 or kNone (unused)
+  std::vector<std::uint32_t> buckets_;  // 3c+1, linear probing: node index or b1_head_ (empty)
+};
+
+/// Names accepted by make_eviction_policy, in registration order ({"lru", "arc"}).
 std::vector<std::string> eviction_policy_names();
 
 /// Creates the policy registered under `name` for slots [0, capacity).

@@ -14,6 +14,7 @@
 #include "kvoff/block_pool.h"
 #include "kvoff/eviction_policy.h"
 #include "kvoff/key_index.h"
+#include "kvoff/large_page_allocator.h"
 
 namespace kvoff {
 
@@ -74,9 +75,20 @@ using KeySpan = std::span<const std::string_view>;
 ///
 /// All operations are O(1) per key, plus, for prepare_store, the slots the policy skips while
 /// looking for victims (pinned, pending or protected blocks at the evictable end).
-/// Memory: about 90 bytes per slot (a 64-byte record holding the key inline up to 48 bytes,
-/// 16 bytes of hash buckets, 8 bytes of LRU links, 4 bytes of free list), plus the bytes of
-/// keys longer than 48. Not thread-safe: call it from one thread (the scheduler's).
+/// Memory: about 105 bytes per slot (a 64-byte record holding the key inline up to 48 bytes,
+/// 16 bytes of hash buckets, 8 bytes of LRU links, 5 bytes of free list and flags, 1 byte of
+/// evictable flag, 4 + 8..16 bytes of recency log), plus the bytes of keys longer than 48.
+/// Not thread-safe: call it from one thread (the scheduler's).
+///
+/// Speed on large pools (the per-slot arrays are far larger than the CPU caches, so a key costs
+/// cache misses, not instructions): each batch operation hashes its keys and probes the index
+/// as a software pipeline (KeyIndex::find_each), so the misses of many keys overlap; the big
+/// arrays sit on huge pages (LargePageAllocator), so they rarely miss the TLB; prepare_store
+/// prefetches the policy nodes of the blocks a recency log predicts to be the next victims
+/// (turning the policy's pointer-chasing walk into cache hits), tests evictability in a dense
+/// byte array, and prefetches the victims' records and buckets before erasing them. No
+/// allocation per call beyond the returned vectors (and key strings longer than the small-string
+/// buffer, 15 bytes in libstdc++). `kvoff bench scheduler` measures it (manager_bench.h).
 class CPUOffloadingManager {
  public:
   /// Creates a manager for a pool of `num_blocks` slots using the eviction policy registered as
@@ -163,6 +175,11 @@ class CPUOffloadingManager {
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
   void drop_slot(std::uint32_t slot, bool evicted);
   void record(std::vector<std::string> keys, bool removed);
+  /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
+  void note_recent(std::uint32_t slot) noexcept;
+  /// Prefetches the policy state of the slots the recency log predicts to be the next `count`
+  /// victims (a hint: the eviction order is the policy's alone).
+  void prefetch_victims(std::size_t count) const noexcept;
 
   CPUBlockPool pool_;
   KeyIndex index_;
@@ -173,12 +190,28 @@ class CPUOffloadingManager {
   std::uint32_t num_evictable_ = 0;  // ready and unpinned
   std::uint32_t call_stamp_ = 0;
   std::vector<OffloadingEvent> events_;
+  // Per slot: 1 when the slot's block is ready and unpinned (an eviction candidate), else 0.
+  // Dense (1 byte per slot, huge pages) so that the policy's victim walk reads one byte per
+  // slot instead of the slot's 64-byte record.
+  std::vector<std::uint8_t, LargePageAllocator<std::uint8_t>> evictable_;
+  // Recency log, for prefetching only: the slots in the order the manager inserted or touched
+  // them in the policy (a ring of >= 2 x num_blocks entries, capped at kMaxRecentLog), and per
+  // slot the position of its latest entry. A policy's victims walk (LRU: a chain of dependent
+  // loads through its list) mostly follows this order, so prepare_store prefetches the policy
+  // nodes of the entries after the last victim's before asking the policy for victims.
+  // Positions are 32-bit and wrap (differences are taken modulo 2^32).
+  static constexpr std::uint64_t kMaxRecentLog = std::uint64_t{1} << 28;
+  std::vector<std::uint32_t, LargePageAllocator<std::uint32_t>> recent_;
+  std::vector<std::uint32_t, LargePageAllocator<std::uint32_t>> recent_pos_;
+  std::uint32_t recent_head_ = 0;  // position of the next entry
+  std::uint32_t recent_tail_ = 0;  // predicted position of the next victim
   // Scratch buffers reused across calls (no allocation in steady state).
   std::vector<std::uint32_t> scratch_slots_;    // per key of the call: its slot or kNotFound
   std::vector<std::uint64_t> scratch_hashes_;   // per key of the call: hash_key
   std::vector<std::uint32_t> scratch_victims_;
   std::vector<std::uint32_t> scratch_new_;      // indices into the call's keys
   std::vector<std::uint32_t> scratch_set_;      // open-addressing set for deduplication
+  std::vector<std::uint32_t> scratch_protected_;  // held evictable slots of a prepare_store
 };
 
 }  // namespace kvoff

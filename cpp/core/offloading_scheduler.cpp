@@ -1,0 +1,751 @@
+#include "kvoff/offloading_scheduler.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <unordered_set>
+#include <utility>
+
+#include "kvoff/key.h"
+
+namespace kvoff {
+
+namespace {
+
+constexpr std::int64_t kAllTokens = std::numeric_limits<std::int64_t>::max();
+constexpr std::size_t kMaxGroups = 256;  // the group index is one byte of the offload key
+constexpr std::int64_t kMaxGpuBlocks = std::int64_t{1} << 31;
+
+std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+std::string hook_error(const char* hook, std::string_view request_id, const std::string& what) {
+  return std::string(hook) + "(request " + quoted(request_id) + "): " + what;
+}
+
+SchedulerConfig validated(SchedulerConfig c) {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument("OffloadingScheduler: " + msg);
+  };
+  need(c.gpu_block_size >= 1,
+       "gpu_block_size must be >= 1 token, got " + std::to_string(c.gpu_block_size));
+  need(c.block_size_factor >= 1 && c.block_size_factor <= (1 << 20),
+       "block_size_factor must be in [1, 2^20], got " + std::to_string(c.block_size_factor));
+  if (c.hash_block_size == 0) c.hash_block_size = c.gpu_block_size;
+  need(c.hash_block_size >= 1 && c.gpu_block_size % c.hash_block_size == 0,
+       "gpu_block_size (" + std::to_string(c.gpu_block_size) +
+           ") must be a multiple of hash_block_size (" + std::to_string(c.hash_block_size) +
+           "); use a hash block size that divides the block size");
+  need(c.world_size >= 1, "world_size must be >= 1, got " + std::to_string(c.world_size));
+  need(c.num_gpu_blocks >= 1 && c.num_gpu_blocks <= kMaxGpuBlocks,
+       "num_gpu_blocks must be in [1, 2^31], got " + std::to_string(c.num_gpu_blocks) +
+           "; pass KVCacheConfig.num_blocks");
+  need(!c.groups.empty() && c.groups.size() <= kMaxGroups,
+       "there must be 1 to 256 KV cache groups, got " + std::to_string(c.groups.size()));
+  for (std::size_t g = 0; g < c.groups.size(); ++g) {
+    const auto& grp = c.groups[g];
+    need(grp.kind == GroupKind::kFullAttention || grp.kind == GroupKind::kSlidingWindow ||
+             grp.kind == GroupKind::kMamba,
+         "group " + std::to_string(g) + " has an unknown kind");
+    if (grp.kind == GroupKind::kSlidingWindow) {
+      need(grp.sliding_window >= 1, "group " + std::to_string(g) +
+                                        " is a sliding-window group with sliding_window " +
+                                        std::to_string(grp.sliding_window) + "; it must be >= 1");
+    }
+  }
+  return c;
+}
+
+std::vector<std::string_view> views_of(const std::vector<std::string>& keys) {
+  return {keys.begin(), keys.end()};
+}
+
+}  // namespace
+
+OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
+    : config_(validated(std::move(config))),
+      offloaded_block_size_(config_.gpu_block_size * config_.block_size_factor),
+      hashes_per_block_(offloaded_block_size_ / config_.hash_block_size),
+      any_partial_group_(std::any_of(config_.groups.begin(), config_.groups.end(),
+                                     [](const SchedulerGroup& g) {
+                                       return g.kind != GroupKind::kFullAttention;
+                                     })),
+      manager_(config_.num_cpu_blocks, config_.eviction_policy, config_.enable_events),
+      alloc_step_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
+      store_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
+      load_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0) {}
+
+OffloadingScheduler::~OffloadingScheduler() = default;
+
+// ------------------------------------------------------------------------------ helpers
+
+OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
+  auto it = requests_.find(std::string(request_id));
+  return it == requests_.end() ? nullptr : &it->second;
+}
+
+const OffloadingScheduler::Request* OffloadingScheduler::find(
+    std::string_view request_id) const noexcept {
+  auto it = requests_.find(std::string(request_id));
+  return it == requests_.end() ? nullptr : &it->second;
+}
+
+OffloadingScheduler::Request& OffloadingScheduler::get(std::string_view request_id,
+                                                       const char* hook) {
+  Request* r = find(request_id);
+  if (r == nullptr) {
+    throw std::invalid_argument(hook_error(
+        hook, request_id,
+        "unknown request; pass the request (its block hashes and token count) first"));
+  }
+  if (r->finished) {
+    throw std::invalid_argument(hook_error(
+        hook, request_id, "the request was finished; a new request needs a new id"));
+  }
+  return *r;
+}
+
+std::int64_t OffloadingScheduler::needed_tokens(std::size_t g) const noexcept {
+  const auto& grp = config_.groups[g];
+  switch (grp.kind) {
+    case GroupKind::kFullAttention:
+      return kAllTokens;
+    case GroupKind::kSlidingWindow:
+      return grp.sliding_window - 1;
+    case GroupKind::kMamba:
+      return 1;
+  }
+  return kAllTokens;
+}
+
+std::int64_t OffloadingScheduler::first_needed_sub_block(std::size_t g) const noexcept {
+  const std::int64_t needed = needed_tokens(g);
+  if (needed >= offloaded_block_size_) return 0;
+  return (offloaded_block_size_ - needed) / config_.gpu_block_size;
+}
+
+std::string OffloadingScheduler::make_key(const Request& r, std::int64_t j,
+                                          std::size_t g) const {
+  const std::string& h = r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)];
+  std::string key;
+  key.reserve(h.size() + 1);
+  key.append(h);
+  key.push_back(static_cast<char>(static_cast<unsigned char>(g)));
+  return key;
+}
+
+std::int64_t OffloadingScheduler::known_blocks(const Request& r,
+                                               std::int64_t tokens) const noexcept {
+  const std::int64_t hashed =
+      static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size;
+  return std::max<std::int64_t>(0, std::min(tokens, hashed)) / offloaded_block_size_;
+}
+
+void OffloadingScheduler::validate_block_ids(std::span<const std::vector<std::int64_t>> ids,
+                                             const char* what,
+                                             std::string_view request_id) const {
+  if (ids.size() != config_.groups.size()) {
+    throw std::invalid_argument(hook_error(
+        what, request_id,
+        "got block ids for " + std::to_string(ids.size()) + " KV cache groups, the model has " +
+            std::to_string(config_.groups.size()) + "; give one list per group (may be empty)"));
+  }
+  for (std::size_t g = 0; g < ids.size(); ++g) {
+    for (std::size_t i = 0; i < ids[g].size(); ++i) {
+      const std::int64_t id = ids[g][i];
+      if (id < 0 || id >= config_.num_gpu_blocks) {
+        throw std::invalid_argument(hook_error(
+            what, request_id,
+            "block id " + std::to_string(id) + " (group " + std::to_string(g) + ", index " +
+                std::to_string(i) + ") is outside [0, num_gpu_blocks=" +
+                std::to_string(config_.num_gpu_blocks) + ")"));
+      }
+    }
+  }
+}
+
+std::int64_t OffloadingScheduler::next_store_block(std::string_view request_id) const {
+  const Request* r = find(request_id);
+  return r == nullptr ? -1 : r->next_store;
+}
+
+// ------------------------------------------------------------------------------- requests
+
+void OffloadingScheduler::update_request(std::string_view request_id, std::size_t start,
+                                         std::span<const std::string_view> new_hashes,
+                                         std::int64_t num_tokens) {
+  constexpr const char* kHook = "update_request";
+  Request* r = find(request_id);
+  if (r != nullptr && r->finished) {
+    throw std::invalid_argument(hook_error(
+        kHook, request_id, "the request was finished; a new request needs a new id"));
+  }
+  const std::size_t known = r == nullptr ? 0 : r->hashes.size();
+  if (start > known) {
+    throw std::invalid_argument(hook_error(
+        kHook, request_id,
+        "block hashes start at index " + std::to_string(start) + " but only " +
+            std::to_string(known) + " are known; pass the hashes from index " +
+            std::to_string(known)));
+  }
+  for (std::size_t i = 0; i < new_hashes.size(); ++i) {
+    if (new_hashes[i].empty()) {
+      throw std::invalid_argument(hook_error(
+          kHook, request_id,
+          "block hash " + std::to_string(start + i) + " is empty; hashes are bytes or ints"));
+    }
+  }
+  const std::size_t total = std::max(known, start + new_hashes.size());
+  if (num_tokens < 0 ||
+      static_cast<std::int64_t>(total) * config_.hash_block_size > num_tokens) {
+    throw std::invalid_argument(hook_error(
+        kHook, request_id,
+        "num_tokens " + std::to_string(num_tokens) + " is negative or smaller than the " +
+            std::to_string(total) + " block hashes cover (" +
+            std::to_string(static_cast<std::int64_t>(total) * config_.hash_block_size) +
+            " tokens at hash_block_size " + std::to_string(config_.hash_block_size) + ")"));
+  }
+  if (r == nullptr) {
+    r = &requests_[std::string(request_id)];
+    r->id = std::string(request_id);
+    r->table.resize(config_.groups.size());
+  }
+  r->hashes.reserve(total);
+  for (std::size_t i = known - start; i < new_hashes.size(); ++i) {
+    r->hashes.emplace_back(new_hashes[i]);
+  }
+  r->num_tokens = num_tokens;
+}
+
+MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view request_id,
+                                                            std::int64_t num_computed_tokens) {
+  constexpr const char* kHook = "get_num_new_matched_tokens";
+  Request& r = get(request_id, kHook);
+  const std::int64_t c = num_computed_tokens;
+  if (c < 0 || c % config_.gpu_block_size != 0 || c > r.num_tokens) {
+    throw std::invalid_argument(hook_error(
+        kHook, request_id,
+        "num_computed_tokens " + std::to_string(c) +
+            " must be a multiple of the block size " + std::to_string(config_.gpu_block_size) +
+            " in [0, num_tokens=" + std::to_string(r.num_tokens) + "]"));
+  }
+  ++stats_.lookups;
+  r.match.reset();
+  r.last_computed_tokens = c;
+  if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return {0, false};
+  // Invariant 7: no load while the request's own stores are in flight (e.g. it was preempted
+  // mid-store and resumes): retry once they complete.
+  if (r.stores_in_flight > 0) {
+    ++stats_.lookup_retries;
+    return {std::nullopt, false};
+  }
+
+  // With a sliding-window or Mamba group the last prompt token is always recomputed, so the
+  // cached window/state ends exactly where the engine resumes.
+  const std::int64_t limit = r.num_tokens - (any_partial_group_ ? 1 : 0);
+  const std::int64_t n_max = known_blocks(r, limit);
+  const std::int64_t c0 = c / offloaded_block_size_;
+  if (n_max <= c0) return {0, false};
+
+  const std::size_t num_groups = config_.groups.size();
+  const auto width = static_cast<std::size_t>(n_max - c0);
+  // status[g][j - c0]: -1 unknown, 0 missing, 1 ready, 2 busy (pending, or loading elsewhere).
+  std::vector<std::vector<std::int8_t>> status(num_groups, std::vector<std::int8_t>(width, -1));
+  auto status_of = [&](std::size_t g, std::int64_t j) -> std::int8_t {
+    std::int8_t& s = status[g][static_cast<std::size_t>(j - c0)];
+    if (s < 0) {
+      const std::string key = make_key(r, j, g);
+      const BlockState st = manager_.state(key);
+      if (st == BlockState::kMissing) {
+        s = 0;
+      } else if (st == BlockState::kPending || loading_keys_.contains(key)) {
+        s = 2;
+      } else {
+        s = 1;
+      }
+    }
+    return s;
+  };
+  // First offloaded block group g needs for a prefix of n offloaded blocks.
+  auto first_needed = [&](std::size_t g, std::int64_t n) {
+    const std::int64_t needed = needed_tokens(g);
+    const std::int64_t end_tok = n * offloaded_block_size_;
+    const std::int64_t first_tok = needed >= end_tok ? 0 : end_tok - needed;
+    return std::max(c0, first_tok / offloaded_block_size_);
+  };
+
+  // Full-attention groups: the longest prefix of present blocks bounds the hit.
+  std::int64_t n = n_max;
+  for (std::size_t g = 0; g < num_groups; ++g) {
+    if (config_.groups[g].kind != GroupKind::kFullAttention) continue;
+    std::int64_t j = c0;
+    while (j < n && status_of(g, j) != 0) ++j;
+    n = j;
+  }
+  // Other groups: the window before n must be present; a missing block at j forces n <= j.
+  bool changed = true;
+  while (n > c0 && changed) {
+    changed = false;
+    for (std::size_t g = 0; g < num_groups && !changed; ++g) {
+      if (config_.groups[g].kind == GroupKind::kFullAttention) continue;
+      for (std::int64_t j = n - 1; j >= first_needed(g, n); --j) {
+        if (status_of(g, j) == 0) {
+          n = j;
+          changed = true;
+          break;
+        }
+      }
+    }
+  }
+  if (n <= c0) return {0, false};
+  for (std::size_t g = 0; g < num_groups; ++g) {
+    for (std::int64_t j = first_needed(g, n); j < n; ++j) {
+      if (status_of(g, j) == 2) {
+        ++stats_.lookup_retries;
+        return {std::nullopt, false};
+      }
+    }
+  }
+  r.match = Match{c, n};
+  return {n * offloaded_block_size_ - c, true};
+}
+
+// ---------------------------------------------------------------------------------- jobs
+
+std::vector<TransferJob> OffloadingScheduler::make_jobs(std::string_view request_id,
+                                                        bool is_store,
+                                                        std::vector<Segment>& segments) {
+  // Job i takes the i-th segment of every group, so each group is one contiguous run per job.
+  const std::size_t num_groups = config_.groups.size();
+  std::vector<std::vector<Segment*>> per_group(num_groups);
+  for (auto& s : segments) per_group[s.group].push_back(&s);
+  std::size_t num_jobs = 0;
+  for (const auto& v : per_group) num_jobs = std::max(num_jobs, v.size());
+  std::vector<TransferJob> jobs(num_jobs);
+  for (std::size_t i = 0; i < num_jobs; ++i) {
+    TransferJob& job = jobs[i];
+    job.request_id = std::string(request_id);
+    job.is_store = is_store;
+    job.group_sizes.assign(num_groups, 0);
+    job.block_indices.assign(num_groups, 0);
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      if (i >= per_group[g].size()) continue;
+      Segment& s = *per_group[g][i];
+      job.group_sizes[g] = static_cast<std::int64_t>(s.gpu_ids.size());
+      job.block_indices[g] = s.first_logical;
+      job.gpu_block_ids.insert(job.gpu_block_ids.end(), s.gpu_ids.begin(), s.gpu_ids.end());
+      for (auto& key : s.keys) {
+        job.cpu_block_ids.push_back(manager_.block_id(key).value());
+        job.keys.push_back(std::move(key));
+      }
+    }
+  }
+  return jobs;
+}
+
+JobId OffloadingScheduler::add_job(TransferJob job) {
+  const JobId id = next_job_id_++;
+  job.job_id = id;
+  Job& j = jobs_[id];
+  j.job = std::move(job);
+  return id;
+}
+
+void OffloadingScheduler::register_fences(const TransferJob& job) {
+  auto& fence = job.is_store ? store_fence_ : load_fence_;
+  for (const std::int64_t id : job.gpu_block_ids) fence[static_cast<std::size_t>(id)] = job.job_id;
+}
+
+void OffloadingScheduler::clear_fences(const TransferJob& job) {
+  auto& fence = job.is_store ? store_fence_ : load_fence_;
+  for (const std::int64_t id : job.gpu_block_ids) {
+    auto& f = fence[static_cast<std::size_t>(id)];
+    if (f == job.job_id) f = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------- loads
+
+void OffloadingScheduler::update_state_after_alloc(
+    std::string_view request_id, std::span<const std::vector<std::int64_t>> block_ids_per_group,
+    std::int64_t num_external_tokens) {
+  constexpr const char* kHook = "update_state_after_alloc";
+  Request& r = get(request_id, kHook);
+  validate_block_ids(block_ids_per_group, kHook, request_id);
+  if (num_external_tokens == 0) {
+    r.match.reset();
+    r.gpu_hit_tokens = r.last_computed_tokens;
+    return;
+  }
+  if (!r.match || num_external_tokens != r.match->end_block * offloaded_block_size_ -
+                                            r.match->computed_tokens) {
+    const std::string expected =
+        r.match ? std::to_string(r.match->end_block * offloaded_block_size_ -
+                                 r.match->computed_tokens)
+                : std::string("0 (no hit is pending)");
+    throw std::invalid_argument(hook_error(
+        kHook, request_id,
+        "num_external_tokens " + std::to_string(num_external_tokens) +
+            " does not match the last get_num_new_matched_tokens answer, " + expected +
+            "; pass that value, or 0 to load nothing"));
+  }
+  const Match m = *r.match;
+  const std::int64_t f = config_.block_size_factor;
+  const std::int64_t bs = config_.gpu_block_size;
+  std::vector<Segment> segments;
+  std::vector<std::pair<std::int64_t, std::size_t>> touched;  // (offloaded block, group)
+  for (std::size_t g = 0; g < config_.groups.size(); ++g) {
+    const std::int64_t needed = needed_tokens(g);
+    const std::int64_t end_tok = m.end_block * offloaded_block_size_;
+    const std::int64_t first_tok =
+        std::max(m.computed_tokens, needed >= end_tok ? 0 : end_tok - needed);
+    const std::int64_t first = first_tok / bs;
+    const std::int64_t last = m.end_block * f;  // exclusive
+    const auto& ids = block_ids_per_group[g];
+    if (static_cast<std::int64_t>(ids.size()) < last && first < last) {
+      throw std::invalid_argument(hook_error(
+          kHook, request_id,
+          "group " + std::to_string(g) + " has " + std::to_string(ids.size()) +
+              " block ids but the load needs positions up to " + std::to_string(last - 1) +
+              "; pass the request's whole block table per group"));
+    }
+    Segment* cur = nullptr;
+    for (std::int64_t l = first; l < last; ++l) {
+      const std::int64_t id = ids[static_cast<std::size_t>(l)];
+      if (id == 0) {  // null block: not kept by this layer type, never loaded
+        cur = nullptr;
+        continue;
+      }
+      if (cur == nullptr) {
+        segments.push_back(Segment{g, l, {}, {}, {}});
+        cur = &segments.back();
+      }
+      const std::int64_t j = l / f;
+      if (cur->gpu_ids.empty() || (l - 1) / f != j) {
+        cur->keys.push_back(make_key(r, j, g));
+        touched.emplace_back(j, g);
+      }
+      cur->gpu_ids.push_back(id);
+    }
+  }
+  if (segments.empty()) {  // every needed block is null: nothing to load
+    r.match.reset();
+    r.gpu_hit_tokens = r.last_computed_tokens;
+    return;
+  }
+  std::vector<std::string> keys;
+  for (const auto& s : segments) keys.insert(keys.end(), s.keys.begin(), s.keys.end());
+  manager_.prepare_load(views_of(keys));  // throws (changing nothing) if a key is not ready
+  // -- no exception below this line except std::bad_alloc --
+  std::sort(touched.begin(), touched.end());
+  std::vector<std::string> touch_keys;
+  touch_keys.reserve(touched.size());
+  for (const auto& [j, g] : touched) touch_keys.push_back(make_key(r, j, g));
+  manager_.touch(views_of(touch_keys));
+  for (const auto& k : keys) ++loading_keys_[k];
+  for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
+    r.unemitted_loads.push_back(add_job(std::move(job)));
+    pending_loads_.push_back(r.unemitted_loads.back());
+  }
+  stats_.hit_tokens += static_cast<std::uint64_t>(num_external_tokens);
+  r.next_store = std::max(r.next_store, m.end_block);
+  r.gpu_hit_tokens = m.computed_tokens;
+  r.match.reset();
+}
+
+void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
+  for (const JobId id : r.unemitted_loads) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    const auto keys = views_of(it->second.job.keys);
+    manager_.complete_load(keys);
+    for (const auto& k : it->second.job.keys) {
+      auto lk = loading_keys_.find(k);
+      if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
+    }
+    jobs_.erase(it);
+    std::erase(pending_loads_, id);
+  }
+  r.unemitted_loads.clear();
+}
+
+// --------------------------------------------------------------------------------- stores
+
+void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
+                                       std::vector<TransferJob>& out) {
+  if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return;  // invariant 7
+  const std::int64_t full = known_blocks(r, tokens_after);
+  if (full <= r.next_store) return;
+  const std::int64_t f = config_.block_size_factor;
+  const std::size_t num_groups = config_.groups.size();
+
+  struct Item {
+    std::int64_t j;
+    std::size_t g;
+    std::int64_t first_sub;
+  };
+  std::vector<Item> items;
+  std::vector<std::string> keys;
+  for (std::int64_t j = r.next_store; j < full; ++j) {
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      const std::int64_t k0 = first_needed_sub_block(g);
+      if (k0 >= f) continue;  // this group never needs cached blocks
+      const auto& table = r.table[g];
+      bool live = true;
+      for (std::int64_t k = k0; k < f && live; ++k) {
+        const auto l = static_cast<std::size_t>(j * f + k);
+        if (l >= table.size() || table[l].block_id == 0) {
+          live = false;
+        } else if (alloc_step_[table[l].block_id] > table[l].step) {
+          live = false;  // reallocated since we saw it: stale (invariant 4)
+          ++stats_.stale_blocks_skipped;
+        }
+      }
+      if (!live) continue;
+      items.push_back(Item{j, g, k0});
+      keys.push_back(make_key(r, j, g));
+    }
+  }
+  if (items.empty()) {
+    r.next_store = full;
+    return;
+  }
+  const auto key_views = views_of(keys);
+  auto result = manager_.prepare_store(key_views);
+  if (!result) {  // no room: nothing changed, retry next step (invariant 6)
+    ++stats_.store_refusals;
+    return;
+  }
+  r.next_store = full;
+  manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
+  if (result->keys_to_store.empty()) return;
+  std::unordered_set<std::string_view> to_store(result->keys_to_store.begin(),
+                                                result->keys_to_store.end());
+  std::vector<Segment> segments;
+  std::vector<std::ptrdiff_t> open(num_groups, -1);  // index of the group's open run
+  std::vector<std::int64_t> open_end(num_groups, -1);
+  // Items are ordered by j, then g: build per-group contiguous runs.
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (!to_store.contains(keys[i])) {
+      open[it.g] = -1;
+      continue;
+    }
+    const std::int64_t first_l = it.j * f + it.first_sub;
+    if (open[it.g] < 0 || open_end[it.g] != first_l) {
+      segments.push_back(Segment{it.g, first_l, {}, {}, {}});
+      open[it.g] = static_cast<std::ptrdiff_t>(segments.size()) - 1;
+    }
+    Segment& s = segments[static_cast<std::size_t>(open[it.g])];
+    const auto& table = r.table[it.g];
+    for (std::int64_t k = it.first_sub; k < f; ++k) {
+      s.gpu_ids.push_back(table[static_cast<std::size_t>(it.j * f + k)].block_id);
+    }
+    s.keys.push_back(keys[i]);
+    open_end[it.g] = (it.j + 1) * f;
+  }
+  for (auto& job : make_jobs(r.id, /*is_store=*/true, segments)) {
+    stats_.blocks_stored += job.gpu_block_ids.size();
+    ++stats_.store_jobs;
+    const JobId id = add_job(std::move(job));
+    Job& j = jobs_.at(id);
+    j.emitted = true;
+    register_fences(j.job);
+    ++r.stores_in_flight;
+    out.push_back(j.job);
+  }
+}
+
+// ----------------------------------------------------------------------------------- step
+
+void OffloadingScheduler::mark_allocated(std::int64_t block_id, ConnectorMeta& meta) {
+  const auto id = static_cast<std::size_t>(block_id);
+  alloc_step_[id] = step_;
+  for (JobId* fence : {&store_fence_[id], &load_fence_[id]}) {
+    if (*fence != 0) {
+      meta.jobs_to_flush.push_back(*fence);
+      *fence = 0;
+    }
+  }
+}
+
+ConnectorMeta OffloadingScheduler::build_connector_meta(
+    std::span<const ScheduledRequest> scheduled, std::span<const std::string> finished_request_ids,
+    std::span<const std::string> preempted_request_ids) {
+  constexpr const char* kHook = "build_connector_meta";
+  // Validate everything first: a bad step changes nothing.
+  {
+    ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
+    for (const auto& s : scheduled) {
+      Request& r = get(s.request_id, kHook);
+      if (r.validation_stamp == validation_stamp_) {
+        throw std::invalid_argument(
+            hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
+      }
+      r.validation_stamp = validation_stamp_;
+      if (!s.new_block_ids.empty()) {
+        validate_block_ids(s.new_block_ids, kHook, s.request_id);
+      }
+      if (s.num_computed_tokens < 0 || s.num_scheduled_tokens < 0) {
+        throw std::invalid_argument(hook_error(
+            kHook, s.request_id,
+            "num_computed_tokens (" + std::to_string(s.num_computed_tokens) +
+                ") and num_scheduled_tokens (" + std::to_string(s.num_scheduled_tokens) +
+                ") must be >= 0"));
+      }
+    }
+  }
+  ++step_;
+  ConnectorMeta meta;
+  for (const auto& id : preempted_request_ids) {
+    if (Request* r = find(id)) {
+      for (auto& t : r->table) t.clear();
+      r->scheduled_before = false;
+    }
+  }
+  // New block tables and allocations; fences for reallocated blocks.
+  for (const auto& s : scheduled) {
+    Request& r = *find(s.request_id);
+    const bool whole_table = s.resumed_from_preemption || !r.scheduled_before;
+    const std::int64_t cached_blocks = whole_table ? r.gpu_hit_tokens / config_.gpu_block_size : 0;
+    for (std::size_t g = 0; g < s.new_block_ids.size(); ++g) {
+      auto& table = r.table[g];
+      if (whole_table) table.clear();
+      for (const std::int64_t id64 : s.new_block_ids[g]) {
+        const auto id = static_cast<std::uint32_t>(id64);
+        const auto l = static_cast<std::int64_t>(table.size());
+        table.push_back(TableEntry{id, step_});
+        if (id == 0 || l < cached_blocks) continue;  // null, or a block the engine had cached
+        mark_allocated(id, meta);
+      }
+    }
+    r.scheduled_before = true;
+    r.gpu_hit_tokens = 0;
+  }
+  for (const auto& id : finished_request_ids) {
+    if (Request* r = find(id)) release(*r);
+  }
+  // Loads prepared by update_state_after_alloc. Their destinations were allocated by the
+  // engine for a request that is usually not scheduled until the load completes: they are new
+  // allocations now (fences and staleness), since the load writes them now.
+  for (const JobId id : pending_loads_) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;  // cancelled
+    Job& j = it->second;
+    for (const std::int64_t id64 : j.job.gpu_block_ids) mark_allocated(id64, meta);
+  }
+  for (const JobId id : pending_loads_) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    Job& j = it->second;
+    j.emitted = true;
+    register_fences(j.job);
+    Request& r = requests_.at(j.job.request_id);
+    std::erase(r.unemitted_loads, id);
+    ++r.loads_in_flight;
+    ++stats_.load_jobs;
+    stats_.blocks_loaded += j.job.gpu_block_ids.size();
+    meta.load_jobs.push_back(j.job);
+  }
+  pending_loads_.clear();
+  std::sort(meta.jobs_to_flush.begin(), meta.jobs_to_flush.end());
+  meta.jobs_to_flush.erase(std::unique(meta.jobs_to_flush.begin(), meta.jobs_to_flush.end()),
+                           meta.jobs_to_flush.end());
+  stats_.jobs_flushed += meta.jobs_to_flush.size();
+  for (const auto& s : scheduled) {
+    Request* r = find(s.request_id);
+    if (r == nullptr || r->finished) continue;
+    build_stores(*r, s.num_computed_tokens + s.num_scheduled_tokens, meta.store_jobs);
+  }
+  for (const auto& id : finished_request_ids) erase_if_done(id);
+  return meta;
+}
+
+// ------------------------------------------------------------------------------ completion
+
+ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const JobReport> reports) {
+  {
+    std::unordered_map<JobId, std::uint32_t> counts;
+    for (const auto& rep : reports) {
+      auto it = jobs_.find(rep.job_id);
+      if (it == jobs_.end() || !it->second.emitted) {
+        throw std::invalid_argument(
+            "update_connector_output: job " + std::to_string(rep.job_id) +
+            " is not in flight (never emitted, already completed, or cancelled); report only "
+            "jobs from build_connector_meta, once per rank");
+      }
+      const std::uint32_t n = ++counts[rep.job_id] + it->second.reports;
+      if (n > static_cast<std::uint64_t>(config_.world_size)) {
+        throw std::invalid_argument(
+            "update_connector_output: job " + std::to_string(rep.job_id) + " reported " +
+            std::to_string(n) + " times but world_size is " +
+            std::to_string(config_.world_size) + "; each rank reports a job once");
+      }
+    }
+  }
+  ConnectorOutput out;
+  for (const auto& rep : reports) {
+    Job& j = jobs_.at(rep.job_id);
+    ++j.reports;
+    j.failed = j.failed || !rep.success;
+    if (j.reports < static_cast<std::uint64_t>(config_.world_size)) continue;
+    const TransferJob& job = j.job;
+    clear_fences(job);
+    Request& r = requests_.at(job.request_id);
+    const auto keys = views_of(job.keys);
+    if (job.is_store) {
+      manager_.complete_store(keys, !j.failed);  // a failed store frees its slots
+      --r.stores_in_flight;
+    } else {
+      manager_.complete_load(keys);
+      for (const auto& k : job.keys) {
+        auto lk = loading_keys_.find(k);
+        if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
+      }
+      --r.loads_in_flight;
+      r.load_failed = r.load_failed || j.failed;
+      if (r.loads_in_flight == 0 && !r.finished) {
+        (r.load_failed ? out.failed_loading : out.finished_loading).push_back(r.id);
+        r.load_failed = false;
+      }
+    }
+    out.completed_jobs.push_back(job.job_id);
+    if (j.failed) {
+      out.failed_jobs.push_back(job.job_id);
+      ++stats_.failed_jobs;
+    }
+    const std::string request_id = job.request_id;
+    jobs_.erase(rep.job_id);
+    if (r.finished && r.loads_in_flight == 0 && r.stores_in_flight == 0) {
+      out.finished_storing.push_back(request_id);  // request_finished returned true for it
+      requests_.erase(request_id);
+    }
+  }
+  return out;
+}
+
+// --------------------------------------------------------------------------------- finish
+
+void OffloadingScheduler::release(Request& r) {
+  if (r.finished) return;
+  r.finished = true;
+  cancel_unemitted_loads(r);
+  r.match.reset();
+  for (auto& t : r.table) t.clear();
+}
+
+void OffloadingScheduler::erase_if_done(std::string_view request_id) {
+  Request* r = find(request_id);
+  if (r != nullptr && r->finished && r->loads_in_flight == 0 && r->stores_in_flight == 0) {
+    requests_.erase(std::string(request_id));
+  }
+}
+
+bool OffloadingScheduler::request_finished(std::string_view request_id) {
+  Request* r = find(request_id);
+  if (r == nullptr) return false;
+  release(*r);
+  const bool in_flight = r->loads_in_flight > 0 || r->stores_in_flight > 0;
+  erase_if_done(request_id);
+  return in_flight;
+}
+
+}  // namespace kvoff

@@ -1,0 +1,330 @@
+// The offloading scheduler: per engine step, which blocks of which request are loaded from and
+// stored to the CPU pool, for every KV cache group (DESIGN.md "One engine step", invariants 1,
+// 4, 6, 7 and 8).
+//
+// The scheduler owns a CPUOffloadingManager and the engine-facing hooks:
+//   get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta
+//   -> (worker runs jobs) -> update_connector_output -> request_finished / take_events.
+// It knows nothing of torch or Python: requests are ids, block hashes are byte strings, block
+// ids are integers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "kvoff/offloading_manager.h"
+
+namespace kvoff {
+
+/// The attention type of a KV cache group, as far as the scheduler cares: which cached tokens
+/// a request needs before position N to compute from N on.
+enum class GroupKind : std::uint8_t {
+  kFullAttention = 0,  ///< every token before N (also MLA)
+  kSlidingWindow = 1,  ///< the last sliding_window - 1 tokens before N
+  kMamba = 2,          ///< the state after token N - 1: the block holding token N - 1
+};
+
+/// One KV cache group of the engine.
+struct SchedulerGroup {
+  GroupKind kind = GroupKind::kFullAttention;
+  /// Tokens of the attention window (kSlidingWindow only; >= 1).
+  std::int64_t sliding_window = 0;
+};
+
+/// Everything the scheduler needs to know about the engine and the CPU pool.
+struct SchedulerConfig {
+  /// CPU pool slots (offloaded blocks), >= 1.
+  std::int64_t num_cpu_blocks = 0;
+  /// Eviction policy name (see eviction_policy_names()).
+  std::string eviction_policy = "lru";
+  /// Record BlockStored / BlockRemoved events.
+  bool enable_events = false;
+  /// Tokens per GPU block (every group), >= 1.
+  std::int64_t gpu_block_size = 0;
+  /// GPU blocks per offloaded block, >= 1.
+  std::int64_t block_size_factor = 1;
+  /// Tokens per block hash; gpu_block_size must be a multiple of it. 0 means gpu_block_size.
+  std::int64_t hash_block_size = 0;
+  /// Tensor-parallel ranks that each report every job, >= 1.
+  std::int64_t world_size = 1;
+  /// GPU blocks of the engine's cache (block ids in [0, num_gpu_blocks); 0 is the null block).
+  std::int64_t num_gpu_blocks = 0;
+  /// The KV cache groups, in the engine's group order (>= 1, at most 256).
+  std::vector<SchedulerGroup> groups;
+};
+
+/// Identifier of a job, unique for the scheduler's lifetime (starts at 1).
+using JobId = std::uint64_t;
+
+/// One load (CPU -> GPU) or store (GPU -> CPU) job.
+///
+/// GPU side (DESIGN.md "job", invariant 1): gpu_block_ids holds the GPU block ids of all
+/// groups concatenated in group order, group_sizes[g] how many belong to group g (0 allowed),
+/// block_indices[g] the logical index (position in the request, in GPU blocks) of group g's
+/// first block; within a group the logical indices are consecutive. CPU side: cpu_block_ids
+/// holds, group by group, the CPU slot of every offloaded block the group's blocks fall in, and
+/// keys the offload key of each of those slots (same order).
+struct TransferJob {
+  JobId job_id = 0;
+  std::string request_id;
+  bool is_store = false;
+  std::vector<std::int64_t> gpu_block_ids;
+  std::vector<std::int64_t> group_sizes;
+  std::vector<std::int64_t> block_indices;
+  std::vector<std::uint32_t> cpu_block_ids;
+  std::vector<std::string> keys;
+};
+
+/// What a step's scheduling output says about one scheduled request.
+struct ScheduledRequest {
+  std::string request_id;
+  /// Per group: block ids newly allocated to the request this step, appended to its block
+  /// table — or, for a request scheduled for the first time or resumed from preemption, its
+  /// whole block table.
+  std::vector<std::vector<std::int64_t>> new_block_ids;
+  /// Tokens computed before this step (>= 0).
+  std::int64_t num_computed_tokens = 0;
+  /// Tokens scheduled in this step (>= 0); with async scheduling some may not be known yet.
+  std::int64_t num_scheduled_tokens = 0;
+  /// The request was preempted earlier and new_block_ids is its new, whole block table.
+  bool resumed_from_preemption = false;
+};
+
+/// The output of build_connector_meta for the worker(s).
+struct ConnectorMeta {
+  std::vector<TransferJob> load_jobs;
+  std::vector<TransferJob> store_jobs;
+  /// In-flight jobs whose GPU blocks are reallocated this step: the worker must wait for them
+  /// before the new owners write (fences, invariant 4).
+  std::vector<JobId> jobs_to_flush;
+};
+
+/// One rank's report on one job.
+struct JobReport {
+  JobId job_id = 0;
+  bool success = true;
+};
+
+/// What update_connector_output concluded.
+struct ConnectorOutput {
+  /// Requests whose loads all completed successfully: they may be scheduled now.
+  std::vector<std::string> finished_loading;
+  /// Requests with a failed load: their loaded tokens must be recomputed.
+  std::vector<std::string> failed_loading;
+  /// Finished requests whose last in-flight job (load or store) completed: their GPU blocks
+  /// may be freed now (exactly the requests for which request_finished returned true).
+  std::vector<std::string> finished_storing;
+  /// Jobs completed by this call (reported by all ranks), successful or not.
+  std::vector<JobId> completed_jobs;
+  /// The subset of completed_jobs that failed on at least one rank.
+  std::vector<JobId> failed_jobs;
+};
+
+/// get_num_new_matched_tokens's answer: num_tokens == nullopt means "retry later".
+struct MatchResult {
+  std::optional<std::int64_t> num_tokens;
+  bool load_async = false;
+};
+
+/// Counters for operators (monotonic since construction).
+struct SchedulerStats {
+  std::uint64_t lookups = 0;             ///< get_num_new_matched_tokens calls
+  std::uint64_t lookup_retries = 0;      ///< of which answered "retry later"
+  std::uint64_t hit_tokens = 0;          ///< tokens promised to loads
+  std::uint64_t load_jobs = 0;
+  std::uint64_t store_jobs = 0;
+  std::uint64_t blocks_loaded = 0;       ///< GPU blocks in load jobs
+  std::uint64_t blocks_stored = 0;       ///< GPU blocks in store jobs
+  std::uint64_t store_refusals = 0;      ///< prepare_store found no room (retried later)
+  std::uint64_t stale_blocks_skipped = 0;  ///< remembered block ids found reallocated (inv. 4)
+  std::uint64_t jobs_flushed = 0;        ///< jobs put in jobs_to_flush
+  std::uint64_t failed_jobs = 0;
+};
+
+/// The per-step offloading scheduler of one engine (DESIGN.md "Scheduler hooks").
+///
+/// Offload keys: offloaded block j of group g has the key block_hashes[(j + 1) * H - 1] + one
+/// byte g, H = offloaded block size / hash_block_size (the hash of the last hash block inside
+/// it, plus the group index).
+///
+/// Guarantees:
+///  * every GPU side has one group_sizes and one block_indices entry per group and
+///    sum(group_sizes) == gpu_block_ids.size(); null blocks (id 0) are never copied; within a
+///    group the logical indices of a job are consecutive (a job is split when they would not
+///    be) (invariant 1).
+///  * a remembered block id at a position not yet stored is used only if the block was not
+///    reallocated since the scheduler saw it; an in-flight job whose GPU block is reallocated
+///    is put in jobs_to_flush (invariant 4).
+///  * a job completes only when world_size ranks reported it; a store is a hit only after all
+///    ranks succeeded; a failed store frees its slots; a request never has a load and a store
+///    in flight at once (stores wait for its loads) (invariants 6, 7).
+///  * every hook validates its whole input before changing anything and throws
+///    std::invalid_argument naming the bad value; the scheduler is then unchanged.
+/// Not thread-safe: call it from the engine's scheduler thread.
+class OffloadingScheduler {
+ public:
+  /// Throws std::invalid_argument (naming the value) for a config out of range: sizes < 1,
+  /// gpu_block_size not a multiple of hash_block_size, no group or more than 256, a sliding
+  /// window < 1, an unknown eviction policy.
+  explicit OffloadingScheduler(SchedulerConfig config);
+  ~OffloadingScheduler();
+  OffloadingScheduler(const OffloadingScheduler&) = delete;
+  OffloadingScheduler& operator=(const OffloadingScheduler&) = delete;
+
+  /// Adds block hashes to request `request_id` (creating the request on first use) and sets its
+  /// token count. `start` is the index of new_hashes[0] in the request's hash list; hashes
+  /// already known (index < current count) are ignored. Throws std::invalid_argument when
+  /// start is past the known count (a gap), a hash is empty, num_tokens < 0, the request is
+  /// finished, or num_tokens is smaller than the hashes cover (hashes * hash_block_size).
+  void update_request(std::string_view request_id, std::size_t start,
+                      std::span<const std::string_view> new_hashes, std::int64_t num_tokens);
+
+  /// How many tokens beyond `num_computed_tokens` (the engine's own GPU prefix hit, a multiple
+  /// of gpu_block_size) can be loaded from the CPU pool for a known request; see the class
+  /// notes. {nullopt, false}: retry later (a needed block is being stored, or being loaded for
+  /// another request); {0, false}: no hit; {n, true}: n tokens, loaded asynchronously.
+  /// Throws std::invalid_argument for an unknown request or a bad num_computed_tokens.
+  MatchResult get_num_new_matched_tokens(std::string_view request_id,
+                                         std::int64_t num_computed_tokens);
+
+  /// After the engine allocated the request's blocks: builds its load job(s) (emitted by the
+  /// next build_connector_meta) for `num_external_tokens`, which must be 0 or the value the
+  /// last get_num_new_matched_tokens returned. block_ids_per_group: the request's whole block
+  /// table per group. Pins the loaded CPU blocks (prepare_load) and touches their keys.
+  /// Throws std::invalid_argument (changing nothing) for an unknown request, a token count
+  /// that does not match, a table too short or with out-of-range ids, a wrong group count.
+  void update_state_after_alloc(std::string_view request_id,
+                                std::span<const std::vector<std::int64_t>> block_ids_per_group,
+                                std::int64_t num_external_tokens);
+
+  /// End of a scheduling step: records new block tables, computes fences, emits pending loads
+  /// and builds store jobs for offloaded blocks that became full (at most the tokens whose
+  /// hashes are known). Preempted requests lose their block table; finished requests are
+  /// released as by request_finished. Throws std::invalid_argument (changing nothing) for an
+  /// unknown or repeated request id, a wrong group count, out-of-range block ids or negative
+  /// token counts.
+  ConnectorMeta build_connector_meta(std::span<const ScheduledRequest> scheduled,
+                                     std::span<const std::string> finished_request_ids = {},
+                                     std::span<const std::string> preempted_request_ids = {});
+
+  /// Counts reports from ranks; a job completes when world_size reports arrived. Completed
+  /// stores run complete_store (success only if every rank succeeded), loads complete_load.
+  /// Throws std::invalid_argument (changing nothing) for a job id that is not in flight or
+  /// reported more than world_size times.
+  ConnectorOutput update_connector_output(std::span<const JobReport> reports);
+
+  /// The request is finished (or aborted): a pending, unemitted load is cancelled (its blocks
+  /// unpinned), the request is forgotten once its in-flight jobs complete. Returns true when
+  /// jobs of the request are still in flight: the engine should keep its GPU blocks until the
+  /// request appears in ConnectorOutput::finished_storing (if it frees them earlier, the fences
+  /// flush the jobs). Unknown ids return false.
+  bool request_finished(std::string_view request_id);
+
+  /// The manager's events since the last call (BlockStored / BlockRemoved, medium "CPU").
+  std::vector<OffloadingEvent> take_events() { return manager_.take_events(); }
+
+  /// The CPU pool manager (read access for tests and metrics).
+  const CPUOffloadingManager& manager() const noexcept { return manager_; }
+  const SchedulerConfig& config() const noexcept { return config_; }
+  const SchedulerStats& stats() const noexcept { return stats_; }
+  /// Requests the scheduler currently tracks.
+  std::size_t num_requests() const noexcept { return requests_.size(); }
+  /// Jobs emitted and not yet completed.
+  std::size_t num_jobs_in_flight() const noexcept { return jobs_.size() - pending_loads_.size(); }
+  /// Index of the next offloaded block to consider for storing (tests, debugging); -1 if the
+  /// request is unknown.
+  std::int64_t next_store_block(std::string_view request_id) const;
+
+ private:
+  struct TableEntry {
+    std::uint32_t block_id;
+    std::uint32_t step;  // step at which the scheduler saw this entry
+  };
+  struct Match {
+    std::int64_t computed_tokens;  // the engine's own hit
+    std::int64_t end_block;        // N: offloaded blocks covered after the load
+  };
+  struct Request {
+    std::string id;
+    std::vector<std::string> hashes;
+    std::int64_t num_tokens = 0;
+    std::vector<std::vector<TableEntry>> table;  // per group
+    std::int64_t next_store = 0;                 // offloaded block index
+    std::optional<Match> match;                  // from get_num_new_matched_tokens
+    std::int64_t last_computed_tokens = 0;       // its num_computed_tokens
+    std::int64_t gpu_hit_tokens = 0;  // engine-cached prefix of the table set this step
+    std::vector<JobId> unemitted_loads;
+    std::uint32_t loads_in_flight = 0;
+    std::uint32_t stores_in_flight = 0;
+    bool load_failed = false;
+    std::uint64_t validation_stamp = 0;  // build_connector_meta call that last listed it
+    bool scheduled_before = false;  // a block table was recorded (since the last preemption)
+    bool finished = false;
+  };
+  struct Job {
+    TransferJob job;
+    std::uint32_t reports = 0;
+    bool failed = false;
+    bool emitted = false;
+  };
+  // One contiguous run of logical GPU blocks of one group, and the offloaded blocks it covers.
+  struct Segment {
+    std::size_t group;
+    std::int64_t first_logical;
+    std::vector<std::int64_t> gpu_ids;
+    std::vector<std::uint32_t> cpu_ids;
+    std::vector<std::string> keys;
+  };
+
+  Request* find(std::string_view request_id) noexcept;
+  const Request* find(std::string_view request_id) const noexcept;
+  Request& get(std::string_view request_id, const char* hook);
+  /// Tokens after which no cached token is needed for group g (INT64_MAX for full attention).
+  std::int64_t needed_tokens(std::size_t g) const noexcept;
+  /// First sub-block (0..factor) of an offloaded block that lookups of group g can need.
+  std::int64_t first_needed_sub_block(std::size_t g) const noexcept;
+  /// The offload key of offloaded block j of group g (hash bytes + one group byte).
+  std::string make_key(const Request& r, std::int64_t j, std::size_t g) const;
+  std::int64_t known_blocks(const Request& r, std::int64_t tokens) const noexcept;
+  void validate_block_ids(std::span<const std::vector<std::int64_t>> ids, const char* what,
+                          std::string_view request_id) const;
+  std::vector<TransferJob> make_jobs(std::string_view request_id, bool is_store,
+                                     std::vector<Segment>& segments);
+  JobId add_job(TransferJob job);
+  /// Records that the engine (re)allocated GPU block `block_id` this step: later remembered
+  /// uses of it are stale, and in-flight jobs on it go to meta.jobs_to_flush.
+  void mark_allocated(std::int64_t block_id, ConnectorMeta& meta);
+  void register_fences(const TransferJob& job);
+  void clear_fences(const TransferJob& job);
+  void build_stores(Request& r, std::int64_t tokens_after, std::vector<TransferJob>& out);
+  void cancel_unemitted_loads(Request& r);
+  void release(Request& r);
+  void erase_if_done(std::string_view request_id);
+
+  SchedulerConfig config_;
+  std::int64_t offloaded_block_size_;
+  std::int64_t hashes_per_block_;  // hash blocks per offloaded block
+  bool any_partial_group_;         // a sliding-window or Mamba group exists
+  CPUOffloadingManager manager_;
+  std::unordered_map<std::string, Request> requests_;
+  std::unordered_map<JobId, Job> jobs_;
+  std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
+  std::unordered_map<std::string, std::uint32_t> loading_keys_;  // key -> loads in flight
+  std::vector<std::uint32_t> alloc_step_;  // per GPU block: step of its last allocation
+  std::vector<JobId> store_fence_;         // per GPU block: newest in-flight store reading it
+  std::vector<JobId> load_fence_;          // per GPU block: newest in-flight load writing it
+  std::uint32_t step_ = 0;
+  std::uint64_t validation_stamp_ = 0;
+  JobId next_job_id_ = 1;
+  SchedulerStats stats_;
+};
+
+}  // namespace kvoff

@@ -1,0 +1,992 @@
+// OffloadingScheduler: the engine-facing hooks, independent of Python. DESIGN.md "One engine
+// step" and invariants 1 (group sizes), 4 (stale blocks, fences), 6 (stores), 7 (correctness)
+// and 8 (prefix order). Every job is checked field by field.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <numeric>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvoff/offloading_scheduler.h"
+
+namespace kvoff {
+namespace {
+
+using I = std::vector<std::int64_t>;
+using U = std::vector<std::uint32_t>;
+using Strs = std::vector<std::string>;
+using Table = std::vector<std::vector<std::int64_t>>;
+using Ids = std::vector<JobId>;
+
+SchedulerGroup Full() { return SchedulerGroup{GroupKind::kFullAttention, 0}; }
+SchedulerGroup SW(std::int64_t window) { return SchedulerGroup{GroupKind::kSlidingWindow, window}; }
+SchedulerGroup Mamba() { return SchedulerGroup{GroupKind::kMamba, 0}; }
+
+SchedulerConfig make_config(std::vector<SchedulerGroup> groups, std::int64_t block_size = 4,
+                            std::int64_t factor = 1, std::int64_t hash_block_size = 0,
+                            std::int64_t world_size = 1, std::int64_t cpu_blocks = 64,
+                            std::int64_t gpu_blocks = 64) {
+  SchedulerConfig c;
+  c.num_cpu_blocks = cpu_blocks;
+  c.gpu_block_size = block_size;
+  c.block_size_factor = factor;
+  c.hash_block_size = hash_block_size;
+  c.world_size = world_size;
+  c.num_gpu_blocks = gpu_blocks;
+  c.groups = std::move(groups);
+  return c;
+}
+
+/// "p0", "p1", ... "p{n-1}".
+Strs hashes(const std::string& prefix, int n) {
+  Strs out;
+  for (int i = 0; i < n; ++i) out.push_back(prefix + std::to_string(i));
+  return out;
+}
+
+/// Offload key: hash bytes + one group byte.
+std::string key(std::string_view hash, int group) {
+  std::string k(hash);
+  k.push_back(static_cast<char>(static_cast<unsigned char>(group)));
+  return k;
+}
+
+void add(OffloadingScheduler& s, std::string_view id, const Strs& hs, std::int64_t num_tokens,
+         std::size_t start = 0) {
+  std::vector<std::string_view> views(hs.begin(), hs.end());
+  s.update_request(id, start, views, num_tokens);
+}
+
+ScheduledRequest sched(std::string id, Table new_ids, std::int64_t computed,
+                       std::int64_t scheduled, bool resumed = false) {
+  ScheduledRequest r;
+  r.request_id = std::move(id);
+  r.new_block_ids = std::move(new_ids);
+  r.num_computed_tokens = computed;
+  r.num_scheduled_tokens = scheduled;
+  r.resumed_from_preemption = resumed;
+  return r;
+}
+
+ConnectorMeta step(OffloadingScheduler& s, std::vector<ScheduledRequest> scheduled,
+                   Strs finished = {}, Strs preempted = {}) {
+  return s.build_connector_meta(scheduled, finished, preempted);
+}
+
+/// One report per id (one rank).
+ConnectorOutput report(OffloadingScheduler& s, Ids ids, bool success = true) {
+  std::vector<JobReport> reps;
+  for (JobId id : ids) reps.push_back(JobReport{id, success});
+  return s.update_connector_output(reps);
+}
+
+Ids ids_of(const std::vector<TransferJob>& jobs) {
+  Ids out;
+  for (const auto& j : jobs) out.push_back(j.job_id);
+  return out;
+}
+
+/// Invariant 1 on every GPU side, and the CPU side matches the manager's slots.
+void check_job(const OffloadingScheduler& s, const TransferJob& j) {
+  const std::size_t groups = s.config().groups.size();
+  ASSERT_EQ(j.group_sizes.size(), groups);
+  ASSERT_EQ(j.block_indices.size(), groups);
+  EXPECT_EQ(std::accumulate(j.group_sizes.begin(), j.group_sizes.end(), std::int64_t{0}),
+            static_cast<std::int64_t>(j.gpu_block_ids.size()));
+  for (auto id : j.gpu_block_ids) EXPECT_NE(id, 0) << "null block in job " << j.job_id;
+  ASSERT_EQ(j.keys.size(), j.cpu_block_ids.size());
+  for (std::size_t i = 0; i < j.keys.size(); ++i) {
+    auto slot = s.manager().block_id(j.keys[i]);
+    ASSERT_TRUE(slot.has_value()) << "job key " << i << " has no slot";
+    EXPECT_EQ(j.cpu_block_ids[i], *slot) << "job key " << i;
+  }
+}
+
+void expect_job(const OffloadingScheduler& s, const TransferJob& j, bool is_store,
+                std::string_view request_id, const I& gpu, const I& group_sizes,
+                const I& block_indices, const Strs& keys) {
+  check_job(s, j);
+  EXPECT_NE(j.job_id, 0u);
+  EXPECT_EQ(j.is_store, is_store);
+  EXPECT_EQ(j.request_id, request_id);
+  EXPECT_EQ(j.gpu_block_ids, gpu);
+  EXPECT_EQ(j.group_sizes, group_sizes);
+  EXPECT_EQ(j.block_indices, block_indices);
+  EXPECT_EQ(j.keys, keys);
+}
+
+/// Stores `hs` for the table through a throwaway request and completes every store.
+void seed(OffloadingScheduler& s, const std::string& id, const Strs& hs, Table table) {
+  const auto tokens = static_cast<std::int64_t>(hs.size()) * s.config().hash_block_size;
+  add(s, id, hs, tokens);
+  auto meta = step(s, {sched(id, std::move(table), 0, tokens)});
+  ASSERT_TRUE(meta.load_jobs.empty());
+  ASSERT_FALSE(meta.store_jobs.empty());
+  for (const auto& j : meta.store_jobs) check_job(s, j);
+  auto out = report(s, ids_of(meta.store_jobs));
+  ASSERT_EQ(out.completed_jobs.size(), meta.store_jobs.size());
+  ASSERT_TRUE(out.failed_jobs.empty());
+  EXPECT_FALSE(s.request_finished(id));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected std::invalid_argument";
+  return "";
+}
+
+void expect_names(const std::string& msg, std::initializer_list<std::string_view> parts) {
+  for (auto p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+}
+
+MatchResult hit(std::int64_t n) { return MatchResult{n, true}; }
+MatchResult miss() { return MatchResult{0, false}; }
+MatchResult retry() { return MatchResult{std::nullopt, false}; }
+
+void expect_match(const MatchResult& got, const MatchResult& want) {
+  EXPECT_EQ(got.num_tokens, want.num_tokens);
+  EXPECT_EQ(got.load_async, want.load_async);
+}
+
+// ----------------------------------------------------------------------------- config
+
+TEST(OffloadingSchedulerConfig, RejectsBadValuesNamingThem) {
+  OffloadingScheduler ok(make_config({Full()}));
+  EXPECT_EQ(ok.config().hash_block_size, 4);  // 0 means gpu_block_size
+  auto bad = [](SchedulerConfig c) {
+    return error_of([&] { OffloadingScheduler s(std::move(c)); });
+  };
+  expect_names(bad(make_config({Full()}, 0)), {"gpu_block_size", "got 0"});
+  expect_names(bad(make_config({Full()}, -3)), {"gpu_block_size", "got -3"});
+  expect_names(bad(make_config({Full()}, 4, 0)), {"block_size_factor", "got 0"});
+  expect_names(bad(make_config({Full()}, 4, 1, 3)),
+               {"gpu_block_size (4)", "hash_block_size (3)"});
+  expect_names(bad(make_config({Full()}, 4, 1, -2)), {"hash_block_size (-2)"});
+  expect_names(bad(make_config({Full()}, 4, 1, 0, 0)), {"world_size", "got 0"});
+  expect_names(bad(make_config({Full()}, 4, 1, 0, 1, 64, 0)), {"num_gpu_blocks", "got 0"});
+  expect_names(bad(make_config({Full()}, 4, 1, 0, 1, 0)), {"num_blocks", "got 0"});
+  expect_names(bad(make_config({})), {"groups", "got 0"});
+  expect_names(bad(make_config(std::vector<SchedulerGroup>(257, Full()))), {"got 257"});
+  expect_names(bad(make_config({Full(), SW(0)})), {"group 1", "sliding_window 0"});
+  auto c = make_config({Full()});
+  c.eviction_policy = "nosuchpolicy";
+  expect_names(bad(c), {"nosuchpolicy", "lru"});
+  // 256 groups is the limit, not an error.
+  OffloadingScheduler many(make_config(std::vector<SchedulerGroup>(256, Full())));
+  EXPECT_EQ(many.config().groups.size(), 256u);
+}
+
+// ------------------------------------------------------------------------ offload keys
+
+TEST(OffloadingSchedulerKeys, LastHashOfOffloadedBlockPlusGroupByte) {
+  // block 4 tokens, factor 2 -> offloaded block 8 tokens; hash every 2 tokens -> 4 hashes each.
+  OffloadingScheduler s(make_config({Full(), Full()}, 4, 2, 2));
+  const Strs h = hashes("h", 8);
+  add(s, "r", h, 16);
+  auto meta = step(s, {sched("r", {{1, 2, 3, 4}, {5, 6, 7, 8}}, 0, 16)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  const auto& j = meta.store_jobs[0];
+  expect_job(s, j, true, "r", {1, 2, 3, 4, 5, 6, 7, 8}, {4, 4}, {0, 0},
+             {key("h3", 0), key("h7", 0), key("h3", 1), key("h7", 1)});
+  // prepare_store ran on (block, group) order: h3/0, h3/1, h7/0, h7/1 -> slots 0, 1, 2, 3.
+  EXPECT_EQ(j.cpu_block_ids, (U{0, 2, 1, 3}));
+  EXPECT_EQ(s.manager().state(key("h3", 0)), BlockState::kPending);
+  report(s, {j.job_id});
+  for (const char* hh : {"h3", "h7"}) {
+    for (int g : {0, 1}) EXPECT_EQ(s.manager().state(key(hh, g)), BlockState::kReady) << hh << g;
+  }
+  for (const char* hh : {"h0", "h1", "h2", "h4", "h5", "h6"}) {
+    EXPECT_EQ(s.manager().state(key(hh, 0)), BlockState::kMissing) << hh;
+  }
+  EXPECT_EQ(s.manager().state("h3"), BlockState::kMissing);  // the group byte is part of it
+}
+
+// ------------------------------------------------------------------------------ lookups
+
+TEST(OffloadingSchedulerLookup, FullAttentionLongestPrefix) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", hashes("a", 4), {{1, 2, 3, 4}});
+  add(s, "r", {"a0", "a1", "x2", "a3"}, 16);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));  // a3 is present but after a gap
+  expect_match(s.get_num_new_matched_tokens("r", 4), hit(4));
+  expect_match(s.get_num_new_matched_tokens("r", 8), miss());
+  add(s, "all", hashes("a", 4), 20);
+  expect_match(s.get_num_new_matched_tokens("all", 0), hit(16));
+  expect_match(s.get_num_new_matched_tokens("all", 12), hit(4));
+  add(s, "none", {"x0", "a1"}, 8);
+  expect_match(s.get_num_new_matched_tokens("none", 0), miss());
+  EXPECT_EQ(s.stats().lookups, 6u);
+  // Bad arguments name the value.
+  expect_names(error_of([&] { s.get_num_new_matched_tokens("r", 3); }),
+               {"num_computed_tokens 3", "block size 4"});
+  expect_names(error_of([&] { s.get_num_new_matched_tokens("r", 20); }),
+               {"num_computed_tokens 20", "num_tokens=16"});
+  expect_names(error_of([&] { s.get_num_new_matched_tokens("ghost", 0); }),
+               {"'ghost'", "unknown request"});
+}
+
+TEST(OffloadingSchedulerLookup, SlidingWindowRightmostRunOfEnoughHits) {
+  // window 9 tokens -> the last 8 tokens (2 blocks) before the resume point are needed.
+  OffloadingScheduler s(make_config({SW(9)}));
+  // present: 1 2 4 5 6 (0, 3 and 7 missing)
+  seed(s, "s1", hashes("a", 8), {{0, 11, 12, 0, 14, 15, 16, 0}});
+  add(s, "r", hashes("a", 8), 33);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(28));  // 5, 6 end at block 7
+  // present: 0 1 2 4 (3, 5 missing): the run at 4 is too short -> 3 blocks.
+  seed(s, "s2", hashes("b", 6), {{21, 22, 23, 0, 25, 0}});
+  add(s, "r2", hashes("b", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r2", 0), hit(12));
+}
+
+TEST(OffloadingSchedulerLookup, SlidingWindowFallsBackToLeadingRun) {
+  OffloadingScheduler s(make_config({SW(9)}));
+  seed(s, "s", hashes("t", 4), {{10, 0, 12, 0}});  // present: 0, 2
+  add(s, "r", hashes("t", 4), 17);
+  // No two consecutive hits: only the leading block 0 (shorter than the window) is usable.
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(4));
+  // The engine already has block 0: nothing beyond it qualifies.
+  expect_match(s.get_num_new_matched_tokens("r", 4), miss());
+}
+
+TEST(OffloadingSchedulerLookup, MambaNeedsOnlyTheLastBlock) {
+  OffloadingScheduler s(make_config({Mamba()}));
+  seed(s, "s", hashes("m", 4), {{0, 0, 13, 0}});  // only block 2's state is stored
+  add(s, "r", hashes("m", 4), 17);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(12));
+  add(s, "r3", hashes("m", 3), 13);
+  expect_match(s.get_num_new_matched_tokens("r3", 0), hit(12));
+  // 12 tokens: the last token is recomputed -> only 1 block could be loaded, and it is missing.
+  add(s, "r12", hashes("m", 3), 12);
+  expect_match(s.get_num_new_matched_tokens("r12", 0), miss());
+}
+
+TEST(OffloadingSchedulerLookup, HybridGroupsAgreeOnOnePrefix) {
+  OffloadingScheduler s(make_config({Full(), SW(9)}));
+  // SW group misses block 4: the window before 6 blocks is incomplete -> 4 blocks.
+  seed(s, "s1", hashes("a", 6), {{1, 2, 3, 4, 5, 6}, {11, 12, 13, 14, 0, 16}});
+  add(s, "r1", hashes("a", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r1", 0), hit(16));
+  // Full group misses block 3 -> 3 blocks, and the SW window (1, 2) before it is present.
+  seed(s, "s2", hashes("b", 6), {{21, 22, 23, 0, 25, 26}, {31, 32, 33, 34, 35, 36}});
+  add(s, "r2", hashes("b", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r2", 0), hit(12));
+  // SW group misses block 1, outside the window before 6 blocks: irrelevant.
+  seed(s, "s3", hashes("c", 6), {{41, 42, 43, 44, 45, 46}, {51, 0, 53, 54, 55, 56}});
+  add(s, "r3", hashes("c", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r3", 0), hit(24));
+}
+
+TEST(OffloadingSchedulerLookup, LastTokenIsRecomputedWithSlidingWindowGroup) {
+  OffloadingScheduler s(make_config({Full(), SW(5)}));
+  seed(s, "s", hashes("a", 4), {{1, 2, 3, 4}, {5, 6, 7, 8}});
+  add(s, "r16", hashes("a", 4), 16);
+  expect_match(s.get_num_new_matched_tokens("r16", 0), hit(12));
+  add(s, "r17", hashes("a", 4), 17);
+  expect_match(s.get_num_new_matched_tokens("r17", 0), hit(16));
+}
+
+TEST(OffloadingSchedulerLookup, RetryLaterWhileNeededBlockIsBeingStored) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto meta = step(s, {sched("A", {{1, 2}}, 0, 8)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  add(s, "B", {"a0", "a1"}, 12);
+  expect_match(s.get_num_new_matched_tokens("B", 0), retry());
+  EXPECT_EQ(s.stats().lookup_retries, 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  expect_match(s.get_num_new_matched_tokens("B", 0), hit(8));
+}
+
+TEST(OffloadingSchedulerLookup, RetryLaterWhileNeededBlockIsLoadedForAnotherRequest) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "A", {"a0", "a1"}, 12);
+  add(s, "B", {"a0", "a1"}, 12);
+  expect_match(s.get_num_new_matched_tokens("A", 0), hit(8));
+  s.update_state_after_alloc("A", Table{{5, 6, 7}}, 8);
+  EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 1u);
+  expect_match(s.get_num_new_matched_tokens("B", 0), retry());  // load built, not emitted
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_match(s.get_num_new_matched_tokens("B", 0), retry());  // load in flight
+  auto out = report(s, {meta.load_jobs[0].job_id});
+  EXPECT_EQ(out.finished_loading, Strs{"A"});
+  EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
+  expect_match(s.get_num_new_matched_tokens("B", 0), hit(8));
+}
+
+TEST(OffloadingSchedulerLookup, BusyBlockOutsideTheWindowIsNotWaitedFor) {
+  OffloadingScheduler s(make_config({SW(5)}));  // needs 1 block before the resume point
+  seed(s, "seed", hashes("s", 4), {{0, 2, 3, 4}});
+  add(s, "P", {"s0"}, 4);
+  auto meta = step(s, {sched("P", {{5}}, 0, 4)});  // s0 now pending
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  EXPECT_EQ(s.manager().state(key("s0", 0)), BlockState::kPending);
+  add(s, "r", hashes("s", 4), 17);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(16));
+  add(s, "r1", {"s0"}, 5);
+  expect_match(s.get_num_new_matched_tokens("r1", 0), retry());
+}
+
+// ------------------------------------------------------------------------------- loads
+
+TEST(OffloadingSchedulerLoad, FullAttentionJobAfterEngineHit) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", hashes("a", 4), {{1, 2, 3, 4}});
+  add(s, "r", hashes("a", 4), 20);
+  expect_match(s.get_num_new_matched_tokens("r", 4), hit(12));
+  s.update_state_after_alloc("r", Table{{7, 8, 9, 10, 11}}, 12);
+  EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
+  for (const char* h : {"a1", "a2", "a3"}) EXPECT_EQ(s.manager().pin_count(key(h, 0)), 1u) << h;
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  EXPECT_TRUE(meta.store_jobs.empty());
+  const auto& j = meta.load_jobs[0];
+  expect_job(s, j, false, "r", {8, 9, 10}, {3}, {1}, {key("a1", 0), key("a2", 0), key("a3", 0)});
+  EXPECT_EQ(j.cpu_block_ids, (U{1, 2, 3}));  // the seed stored a0..a3 in slots 0..3
+  EXPECT_EQ(s.next_store_block("r"), 4);     // loaded blocks are not stored again
+  EXPECT_EQ(s.stats().hit_tokens, 12u);
+  EXPECT_EQ(s.stats().blocks_loaded, 3u);
+  auto out = report(s, {j.job_id});
+  EXPECT_EQ(out.finished_loading, Strs{"r"});
+  EXPECT_EQ(out.completed_jobs, Ids{j.job_id});
+  for (const char* h : {"a1", "a2", "a3"}) EXPECT_EQ(s.manager().pin_count(key(h, 0)), 0u) << h;
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+}
+
+TEST(OffloadingSchedulerLoad, NumJobsInFlightCountsOnlyEmittedJobs) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", hashes("a", 2), {{1, 2}});
+  add(s, "r", hashes("a", 2), 12);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{7, 8, 9}}, 8);
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);  // header: "Jobs emitted and not yet completed"
+  step(s, {});
+  EXPECT_EQ(s.num_jobs_in_flight(), 1u);
+}
+
+TEST(OffloadingSchedulerLoad, HybridSkipsNullBlocksAndGroupSizesSum) {
+  OffloadingScheduler s(make_config({Full(), SW(9)}));
+  seed(s, "seed", hashes("a", 6), {{1, 2, 3, 4, 5, 6}, {11, 12, 13, 14, 15, 16}});
+  add(s, "r", hashes("a", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(24));
+  // Too short a table is rejected, naming the group.
+  expect_names(error_of([&] {
+                 s.update_state_after_alloc("r", Table{{21, 22, 23, 24, 25}, {0, 0, 0, 0, 35, 36}},
+                                            24);
+               }),
+               {"group 0", "5 block ids"});
+  expect_names(error_of([&] { s.update_state_after_alloc("r", Table{{21, 22}}, 24); }),
+               {"1 KV cache groups", "the model has 2"});
+  expect_names(error_of([&] {
+                 s.update_state_after_alloc("r", Table{{21, 22, 23, 24, 25, 64}, {0, 0, 0, 0, 35, 36}},
+                                            24);
+               }),
+               {"block id 64", "num_gpu_blocks=64"});
+  EXPECT_EQ(s.manager().pin_count(key("a5", 0)), 0u);
+  s.update_state_after_alloc("r", Table{{21, 22, 23, 24, 25, 26, 27}, {0, 0, 0, 0, 35, 36, 37}}, 24);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "r", {21, 22, 23, 24, 25, 26, 35, 36}, {6, 2}, {0, 4},
+             {key("a0", 0), key("a1", 0), key("a2", 0), key("a3", 0), key("a4", 0), key("a5", 0),
+              key("a4", 1), key("a5", 1)});
+  // The seed stored (block j, group g) in slot 2j + g.
+  EXPECT_EQ(meta.load_jobs[0].cpu_block_ids, (U{0, 2, 4, 6, 8, 10, 9, 11}));
+  EXPECT_EQ(s.manager().pin_count(key("a3", 1)), 0u);  // outside the window: not loaded
+}
+
+TEST(OffloadingSchedulerLoad, NullBlockInsideNeededRangeIsSkippedAndSplitsTheJob) {
+  OffloadingScheduler s(make_config({SW(13)}));  // needs the last 3 blocks
+  seed(s, "seed", hashes("a", 6), {{1, 2, 3, 4, 5, 6}});
+  add(s, "r", hashes("a", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(24));
+  s.update_state_after_alloc("r", Table{{0, 0, 0, 14, 0, 16}}, 24);
+  EXPECT_EQ(s.manager().pin_count(key("a3", 0)), 1u);
+  EXPECT_EQ(s.manager().pin_count(key("a4", 0)), 0u);
+  EXPECT_EQ(s.manager().pin_count(key("a5", 0)), 1u);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 2u);
+  expect_job(s, meta.load_jobs[0], false, "r", {14}, {1}, {3}, {key("a3", 0)});
+  expect_job(s, meta.load_jobs[1], false, "r", {16}, {1}, {5}, {key("a5", 0)});
+  EXPECT_EQ(meta.load_jobs[0].cpu_block_ids, U{3});
+  EXPECT_EQ(meta.load_jobs[1].cpu_block_ids, U{5});
+  auto out = report(s, {meta.load_jobs[0].job_id});
+  EXPECT_TRUE(out.finished_loading.empty());  // one of two loads done
+  out = report(s, {meta.load_jobs[1].job_id});
+  EXPECT_EQ(out.finished_loading, Strs{"r"});
+}
+
+TEST(OffloadingSchedulerLoad, PartialFirstOffloadedBlockAfterEngineHitWithFactor2) {
+  OffloadingScheduler s(make_config({Full()}, 4, 2));  // offloaded block = 8 tokens
+  seed(s, "seed", hashes("a", 4), {{1, 2, 3, 4}});     // keys a1 (block 0), a3 (block 1)
+  EXPECT_EQ(s.manager().state(key("a1", 0)), BlockState::kReady);
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);
+  add(s, "r", hashes("a", 4), 20);
+  expect_match(s.get_num_new_matched_tokens("r", 4), hit(12));  // engine has 1 GPU block
+  s.update_state_after_alloc("r", Table{{9, 10, 11, 12, 13}}, 12);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  // GPU block 1 is the second half of offloaded block 0: block_indices 1 -> offset 1 % 2.
+  expect_job(s, meta.load_jobs[0], false, "r", {10, 11, 12}, {3}, {1}, {key("a1", 0), key("a3", 0)});
+  EXPECT_EQ(meta.load_jobs[0].cpu_block_ids, (U{0, 1}));
+}
+
+TEST(OffloadingSchedulerLoad, SlidingWindowEdgeStraddlesOffloadedBlock) {
+  OffloadingScheduler s(make_config({SW(5)}, 4, 2));  // needs 4 tokens = half a block
+  seed(s, "seed", hashes("a", 6), {{1, 2, 3, 4, 5, 6}});
+  add(s, "r", hashes("a", 6), 25);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(24));
+  s.update_state_after_alloc("r", Table{{0, 0, 0, 0, 0, 16}}, 24);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "r", {16}, {1}, {5}, {key("a5", 0)});
+}
+
+TEST(OffloadingSchedulerLoad, MismatchedExternalTokensIsRejectedAndChangesNothing) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", hashes("a", 4), {{1, 2, 3, 4}});
+  add(s, "r", hashes("a", 4), 20);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(16));
+  expect_names(error_of([&] { s.update_state_after_alloc("r", Table{{5, 6, 7, 8, 9}}, 8); }),
+               {"num_external_tokens 8", "16"});
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(s.manager().pin_count(key("a" + std::to_string(i), 0)), 0u);
+  auto meta = step(s, {});
+  EXPECT_TRUE(meta.load_jobs.empty());
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+  EXPECT_EQ(s.stats().hit_tokens, 0u);
+  // The match survives the bad call: the right value still works.
+  s.update_state_after_alloc("r", Table{{5, 6, 7, 8, 9}}, 16);
+  meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "r", {5, 6, 7, 8}, {1 * 4}, {0},
+             {key("a0", 0), key("a1", 0), key("a2", 0), key("a3", 0)});
+  // Without a pending hit only 0 is accepted.
+  add(s, "q", hashes("a", 4), 20);
+  expect_names(error_of([&] { s.update_state_after_alloc("q", Table{{10, 11, 12, 13, 14}}, 4); }),
+               {"num_external_tokens 4", "no hit is pending"});
+}
+
+// ------------------------------------------------------------------------------ stores
+
+TEST(OffloadingSchedulerStore, OnlyFullBlocksAreStoredAcrossSteps) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "r", {"a0"}, 6);
+  auto meta = step(s, {sched("r", {{5, 6}}, 0, 6)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {5}, {1}, {0}, {key("a0", 0)});
+  EXPECT_EQ(meta.store_jobs[0].cpu_block_ids, U{0});
+  EXPECT_EQ(s.next_store_block("r"), 1);
+  report(s, {meta.store_jobs[0].job_id});
+  // Nothing new is full: no job.
+  meta = step(s, {sched("r", Table{{}}, 6, 0)});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  add(s, "r", {"a0", "a1"}, 8);  // hashes already known are ignored
+  meta = step(s, {sched("r", Table{{}}, 6, 2)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {6}, {1}, {1}, {key("a1", 0)});
+  EXPECT_EQ(meta.store_jobs[0].cpu_block_ids, U{1});
+  EXPECT_EQ(s.next_store_block("r"), 2);
+  EXPECT_EQ(s.stats().store_jobs, 2u);
+  EXPECT_EQ(s.stats().blocks_stored, 2u);
+}
+
+TEST(OffloadingSchedulerStore, CappedByKnownHashes) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "r", {"a0", "a1"}, 17);
+  auto meta = step(s, {sched("r", {{1, 2, 3, 4, 5}}, 0, 16)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {1, 2}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  EXPECT_EQ(s.next_store_block("r"), 2);
+  add(s, "r", {"a2", "a3"}, 17, 2);
+  meta = step(s, {sched("r", Table{{}}, 16, 1)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {3, 4}, {2}, {2}, {key("a2", 0), key("a3", 0)});
+  EXPECT_EQ(meta.store_jobs[0].cpu_block_ids, (U{2, 3}));
+  EXPECT_EQ(s.next_store_block("r"), 4);
+}
+
+TEST(OffloadingSchedulerStore, RefusedStoreIsRetriedNextStepWithoutAdvancing) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/2));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{1, 2}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);  // both slots pending
+  add(s, "B", {"b0", "b1"}, 9);
+  auto meta = step(s, {sched("B", {{3, 4, 5}}, 0, 8)});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  EXPECT_EQ(s.next_store_block("B"), 0);
+  EXPECT_EQ(s.stats().store_refusals, 1u);
+  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kPending);
+  report(s, {a.store_jobs[0].job_id});  // A's blocks become ready, hence evictable
+  meta = step(s, {sched("B", Table{{}}, 8, 1)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "B", {3, 4}, {2}, {0}, {key("b0", 0), key("b1", 0)});
+  U cpu = meta.store_jobs[0].cpu_block_ids;
+  std::sort(cpu.begin(), cpu.end());
+  EXPECT_EQ(cpu, (U{0, 1}));
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.next_store_block("B"), 2);
+}
+
+TEST(OffloadingSchedulerStore, StaleBlockReallocatedToAnotherRequestIsSkipped) {
+  OffloadingScheduler s(make_config({SW(5)}, 4, 1, 0, 1, /*cpu_blocks=*/2));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{1, 2}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  add(s, "B", {"b0", "b1"}, 9);
+  EXPECT_TRUE(step(s, {sched("B", {{5, 6, 7}}, 0, 8)}).store_jobs.empty());  // refused
+  report(s, {a.store_jobs[0].job_id});
+  // B's block 0 left the window, was freed, and now belongs to C.
+  add(s, "C", {}, 8);
+  auto meta = step(s, {sched("C", {{5, 9}}, 0, 8), sched("B", Table{{}}, 8, 1)});
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "B", {6}, {1}, {1}, {key("b1", 0)});
+  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 1u);
+  EXPECT_EQ(s.next_store_block("B"), 2);
+}
+
+TEST(OffloadingSchedulerStore, StaleBlockReallocatedToTheSameRequestIsSkipped) {
+  OffloadingScheduler s(make_config({SW(5)}, 4, 1, 0, 1, /*cpu_blocks=*/2));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{1, 2}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  add(s, "B", {"b0", "b1"}, 8);
+  EXPECT_TRUE(step(s, {sched("B", {{5, 6}}, 0, 8)}).store_jobs.empty());  // refused
+  report(s, {a.store_jobs[0].job_id});
+  add(s, "B", {"b2"}, 13, 2);
+  // Block 5 (B's position 0, out of the window) comes back to B at position 2.
+  auto meta = step(s, {sched("B", {{5}}, 8, 5)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "B", {6, 5}, {2}, {1}, {key("b1", 0), key("b2", 0)});
+  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 1u);
+}
+
+TEST(OffloadingSchedulerStore, HeldKeyInTheMiddleSplitsJobsPerGroupRun) {
+  OffloadingScheduler s(make_config({Full(), Full()}));
+  seed(s, "seed", {"s0", "b1"}, {{20, 21}, {0, 0}});  // holds s0/0 (slot 0) and b1/0 (slot 1)
+  ASSERT_EQ(s.manager().block_id(key("b1", 0)), std::optional<std::uint32_t>(1));
+  add(s, "B", hashes("b", 4), 16);
+  auto meta = step(s, {sched("B", {{1, 2, 3, 4}, {5, 6, 7, 8}}, 0, 16)});
+  ASSERT_EQ(meta.store_jobs.size(), 2u);
+  expect_job(s, meta.store_jobs[0], true, "B", {1, 5, 6, 7, 8}, {1, 4}, {0, 0},
+             {key("b0", 0), key("b0", 1), key("b1", 1), key("b2", 1), key("b3", 1)});
+  EXPECT_EQ(meta.store_jobs[0].cpu_block_ids, (U{2, 3, 4, 6, 8}));
+  expect_job(s, meta.store_jobs[1], true, "B", {3, 4}, {2, 0}, {2, 0},
+             {key("b2", 0), key("b3", 0)});
+  EXPECT_EQ(meta.store_jobs[1].cpu_block_ids, (U{5, 7}));
+  EXPECT_NE(meta.store_jobs[0].job_id, meta.store_jobs[1].job_id);
+}
+
+TEST(OffloadingSchedulerStore, SlidingWindowSubBlocksSplitJobsWithFactor2) {
+  // SW(5) needs 4 tokens: only the second GPU block of each offloaded block is stored.
+  OffloadingScheduler s(make_config({Full(), SW(5)}, 4, 2));
+  add(s, "r", hashes("a", 6), 24);
+  auto meta = step(s, {sched("r", {{1, 2, 3, 4, 5, 6}, {11, 12, 13, 14, 15, 16}}, 0, 24)});
+  ASSERT_EQ(meta.store_jobs.size(), 3u);
+  expect_job(s, meta.store_jobs[0], true, "r", {1, 2, 3, 4, 5, 6, 12}, {6, 1}, {0, 1},
+             {key("a1", 0), key("a3", 0), key("a5", 0), key("a1", 1)});
+  EXPECT_EQ(meta.store_jobs[0].cpu_block_ids, (U{0, 2, 4, 1}));
+  expect_job(s, meta.store_jobs[1], true, "r", {14}, {0, 1}, {0, 3}, {key("a3", 1)});
+  EXPECT_EQ(meta.store_jobs[1].cpu_block_ids, U{3});
+  expect_job(s, meta.store_jobs[2], true, "r", {16}, {0, 1}, {0, 5}, {key("a5", 1)});
+  EXPECT_EQ(meta.store_jobs[2].cpu_block_ids, U{5});
+}
+
+TEST(OffloadingSchedulerStore, BadStepIsRejectedAndChangesNothing) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "r", {"a0"}, 4);
+  expect_names(error_of([&] { step(s, {sched("r", {{1}}, 0, 4), sched("r", {{2}}, 0, 4)}); }),
+               {"'r'", "scheduled twice"});
+  expect_names(error_of([&] { step(s, {sched("r", {{1}}, 0, 4), sched("x", {{2}}, 0, 4)}); }),
+               {"'x'", "unknown request"});
+  expect_names(error_of([&] { step(s, {sched("r", {{70}}, 0, 4)}); }), {"block id 70"});
+  expect_names(error_of([&] { step(s, {sched("r", {{1}}, -1, 4)}); }), {"(-1)"});
+  EXPECT_EQ(s.next_store_block("r"), 0);
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+  EXPECT_EQ(s.manager().num_pending_blocks(), 0u);
+  auto meta = step(s, {sched("r", {{1}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {1}, {1}, {0}, {key("a0", 0)});
+}
+
+// ------------------------------------------------------------------------------ fences
+
+TEST(OffloadingSchedulerFence, StoreSourceReallocatedToAnotherRequestIsFlushed) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  EXPECT_TRUE(s.request_finished("A"));  // the engine frees 5 and 6 anyway
+  add(s, "C", {}, 3);
+  auto meta = step(s, {sched("C", {{7, 6}}, 0, 3)});
+  EXPECT_EQ(meta.jobs_to_flush, Ids{j});
+  EXPECT_EQ(s.stats().jobs_flushed, 1u);
+  // Once completed, the job is no fence any more.
+  report(s, {j});
+  add(s, "D", {}, 3);
+  meta = step(s, {sched("D", {{5}}, 0, 3)});
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+}
+
+TEST(OffloadingSchedulerFence, LoadTargetReallocatedIsFlushed) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  auto meta = step(s, {sched("r", {{5, 6, 7}}, 0, 0)});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+  const JobId j = meta.load_jobs[0].job_id;
+  EXPECT_TRUE(s.request_finished("r"));  // aborted while loading; its blocks are freed
+  add(s, "C", {}, 3);
+  meta = step(s, {sched("C", {{6}}, 0, 3)});
+  EXPECT_EQ(meta.jobs_to_flush, Ids{j});
+}
+
+TEST(OffloadingSchedulerFence, EngineCachedPrefixOfNewRequestIsNotFenced) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  // C shares A's first two GPU blocks through the engine's own prefix cache.
+  add(s, "C", {"a0", "a1", "c2"}, 13);
+  expect_match(s.get_num_new_matched_tokens("C", 8), miss());
+  s.update_state_after_alloc("C", Table{{5, 6, 8}}, 0);
+  auto meta = step(s, {sched("C", {{5, 6, 8}}, 8, 5)});
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+  EXPECT_EQ(s.stats().jobs_flushed, 0u);
+  // C stores only its new block (a0, a1 are already held, pending).
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "C", {8}, {1}, {2}, {key("c2", 0)});
+  // The fence on A's blocks is still armed for a real reallocation.
+  add(s, "E", {}, 3);
+  meta = step(s, {sched("E", {{5}}, 0, 3)});
+  EXPECT_EQ(meta.jobs_to_flush, Ids{j});
+}
+
+// ------------------------------------------------------------------- connector output
+
+TEST(OffloadingSchedulerOutput, JobCompletesOnlyAfterEveryRankReported) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, /*world_size=*/2));
+  add(s, "A", {"a0"}, 4);
+  auto a = step(s, {sched("A", {{5}}, 0, 4)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  auto out = report(s, {j});
+  EXPECT_TRUE(out.completed_jobs.empty());
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kPending);
+  EXPECT_EQ(s.num_jobs_in_flight(), 1u);
+  out = report(s, {j});
+  EXPECT_EQ(out.completed_jobs, Ids{j});
+  EXPECT_TRUE(out.failed_jobs.empty());
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+}
+
+TEST(OffloadingSchedulerOutput, FailureOnOneRankIsNoHitAndFreesSlots) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, /*world_size=*/2, /*cpu_blocks=*/8));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  EXPECT_EQ(s.manager().num_free_blocks(), 6u);
+  std::vector<JobReport> reps{{j, true}, {j, false}};
+  auto out = s.update_connector_output(reps);
+  EXPECT_EQ(out.completed_jobs, Ids{j});
+  EXPECT_EQ(out.failed_jobs, Ids{j});
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().state(key("a1", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().num_free_blocks(), 8u);
+  EXPECT_EQ(s.stats().failed_jobs, 1u);
+  add(s, "B", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("B", 0), miss());
+}
+
+TEST(OffloadingSchedulerOutput, FailedLoadIsReportedAndUnpins) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  auto out = report(s, {meta.load_jobs[0].job_id}, /*success=*/false);
+  EXPECT_EQ(out.failed_loading, Strs{"r"});
+  EXPECT_TRUE(out.finished_loading.empty());
+  EXPECT_EQ(out.failed_jobs, Ids{meta.load_jobs[0].job_id});
+  EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);  // the CPU copy is intact
+}
+
+TEST(OffloadingSchedulerOutput, TooManyReportsAreRejectedBeforeAnyChange) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, /*world_size=*/2));
+  add(s, "A", {"a0"}, 4);
+  auto a = step(s, {sched("A", {{5}}, 0, 4)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  expect_names(error_of([&] { report(s, {j, j, j}); }),
+               {"job " + std::to_string(j), "3 times", "world_size is 2"});
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kPending);
+  EXPECT_TRUE(report(s, {j}).completed_jobs.empty());  // 1 of 2: the bad call counted nothing
+  expect_names(error_of([&] { report(s, {j, j}); }), {"3 times"});
+  EXPECT_EQ(report(s, {j}).completed_jobs, Ids{j});
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
+}
+
+TEST(OffloadingSchedulerOutput, UnknownJobIsRejectedBeforeAnyChange) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, /*world_size=*/2));
+  add(s, "A", {"a0"}, 4);
+  auto a = step(s, {sched("A", {{5}}, 0, 4)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  EXPECT_EQ(j, 1u);
+  expect_names(error_of([&] { report(s, {j, 999}); }), {"job 999", "not in flight"});
+  // j's report in the rejected call was not counted: two more are needed.
+  EXPECT_TRUE(report(s, {j}).completed_jobs.empty());
+  EXPECT_EQ(report(s, {j}).completed_jobs, Ids{j});
+  expect_names(error_of([&] { report(s, {j}); }), {"job 1", "not in flight"});  // completed
+  // A load built but not yet emitted is not in flight either (job ids count up from 1).
+  report(s, {});
+  add(s, "r", {"a0"}, 5);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(4));
+  s.update_state_after_alloc("r", Table{{7, 8}}, 4);
+  expect_names(error_of([&] { report(s, {2}); }), {"job 2", "not in flight"});
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  EXPECT_EQ(meta.load_jobs[0].job_id, 2u);
+}
+
+// ------------------------------------------------------------------------------ finish
+
+TEST(OffloadingSchedulerFinish, UnemittedLoadIsCancelledAndUnpinned) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  EXPECT_EQ(s.manager().pin_count(key("a1", 0)), 1u);
+  EXPECT_FALSE(s.request_finished("r"));
+  EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
+  EXPECT_EQ(s.manager().pin_count(key("a1", 0)), 0u);
+  EXPECT_EQ(s.num_requests(), 0u);
+  EXPECT_EQ(s.next_store_block("r"), -1);
+  auto meta = step(s, {});
+  EXPECT_TRUE(meta.load_jobs.empty());
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+  // The keys are no longer "being loaded": another request gets a hit, not "retry later".
+  add(s, "B", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("B", 0), hit(8));
+  EXPECT_FALSE(s.request_finished("nobody"));
+}
+
+TEST(OffloadingSchedulerFinish, TrueWhileStoreInFlightThenForgottenAndListed) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0"}, 4);
+  auto a = step(s, {sched("A", {{5}}, 0, 4)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  EXPECT_TRUE(s.request_finished("A"));
+  EXPECT_EQ(s.num_requests(), 1u);
+  EXPECT_EQ(s.next_store_block("A"), 1);
+  expect_names(error_of([&] { s.get_num_new_matched_tokens("A", 0); }), {"'A'", "finished"});
+  auto out = report(s, {a.store_jobs[0].job_id});
+  EXPECT_EQ(out.finished_storing, Strs{"A"});
+  EXPECT_EQ(s.num_requests(), 0u);
+  EXPECT_EQ(s.next_store_block("A"), -1);
+  EXPECT_FALSE(s.request_finished("A"));
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
+}
+
+TEST(OffloadingSchedulerFinish, FinishedListOfStepReleasesAfterStores) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "B", {"b0", "b1"}, 8);
+  auto b = step(s, {sched("B", {{5, 6}}, 0, 4)});  // stores b0
+  ASSERT_EQ(b.store_jobs.size(), 1u);
+  auto meta = step(s, {}, {"B"});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  EXPECT_EQ(s.num_requests(), 1u);  // b0's store is still in flight
+  auto out = report(s, {b.store_jobs[0].job_id});
+  EXPECT_EQ(out.finished_storing, Strs{"B"});
+  EXPECT_EQ(s.num_requests(), 0u);
+  // A finished request without jobs is forgotten at once.
+  add(s, "C", {}, 3);
+  step(s, {sched("C", {{7}}, 0, 3)});
+  EXPECT_EQ(s.num_requests(), 1u);
+  step(s, {}, {"C"});
+  EXPECT_EQ(s.num_requests(), 0u);
+}
+
+// request_finished returned true (a load in flight), so the engine keeps the blocks until the
+// request is listed in finished_storing: it must be listed even though it never stored.
+TEST(OffloadingSchedulerFinish, FinishedWhileLoadingIsListedOnceItsLoadCompletes) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0"}, {{1}});
+  add(s, "r", {"a0"}, 5);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(4));
+  s.update_state_after_alloc("r", Table{{5, 6}}, 4);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  EXPECT_TRUE(s.request_finished("r"));
+  auto out = report(s, {meta.load_jobs[0].job_id});
+  EXPECT_EQ(out.finished_storing, Strs{"r"});
+  EXPECT_TRUE(out.finished_loading.empty());
+  EXPECT_EQ(s.num_requests(), 0u);
+  EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
+}
+
+// -------------------------------------------------------------------------- preemption
+
+TEST(OffloadingSchedulerPreemption, ResumedRequestUsesItsNewTable) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto meta = step(s, {sched("A", {{5, 6}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5}, {1}, {0}, {key("a0", 0)});
+  report(s, {meta.store_jobs[0].job_id});
+  meta = step(s, {}, {}, {"A"});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  meta = step(s, {sched("A", {{7, 8}}, 4, 4, /*resumed=*/true)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {8}, {1}, {1}, {key("a1", 0)});
+}
+
+TEST(OffloadingSchedulerPreemption, PreemptionClearsTheTable) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto meta = step(s, {sched("A", {{5, 6}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  meta = step(s, {}, {}, {"A"});
+  // Scheduled again without the resumed flag: after a preemption its blocks are a whole table.
+  meta = step(s, {sched("A", {{9, 10}}, 4, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {10}, {1}, {1}, {key("a1", 0)});
+}
+
+TEST(OffloadingSchedulerPreemption, PreemptedInTheSameStepAsResumedTableIsReplaced) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1", "a2"}, 12);
+  auto meta = step(s, {sched("A", {{5, 6, 7}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  // Preempted and resumed with a fresh table in one step.
+  meta = step(s, {sched("A", {{11, 12, 13}}, 4, 8, true)}, {}, {"A"});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {12, 13}, {1 * 2}, {1},
+             {key("a1", 0), key("a2", 0)});
+}
+
+// ------------------------------------------------------------- invariant 7: load xor store
+
+TEST(OffloadingSchedulerInvariant7, StoresWaitUntilTheLoadCompletes) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "r", {"a0", "a1", "r2", "r3"}, 17);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7, 8, 9}}, 8);
+  auto meta = step(s, {sched("r", {{5, 6, 7, 8, 9}}, 8, 9)});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "r", {5, 6}, {1 * 2}, {0},
+             {key("a0", 0), key("a1", 0)});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  EXPECT_EQ(s.next_store_block("r"), 2);
+  const JobId load = meta.load_jobs[0].job_id;
+  add(s, "r", {}, 19, 4);
+  meta = step(s, {sched("r", Table{{}}, 17, 1)});
+  EXPECT_TRUE(meta.load_jobs.empty());
+  EXPECT_TRUE(meta.store_jobs.empty());  // still loading
+  EXPECT_EQ(s.next_store_block("r"), 2);
+  auto out = report(s, {load});
+  EXPECT_EQ(out.finished_loading, Strs{"r"});
+  meta = step(s, {sched("r", Table{{}}, 18, 1)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {7, 8}, {2}, {2}, {key("r2", 0), key("r3", 0)});
+  EXPECT_EQ(meta.store_jobs[0].cpu_block_ids, (U{2, 3}));
+}
+
+// A preempted request whose store is still in flight must not get a load before the store
+// completes (DESIGN.md invariant 7: never a load and a store in flight at once). With a
+// sliding-window group the last token is recomputed, so the block being stored (block 1) lies
+// outside the lookup and nothing makes it "retry later".
+TEST(OffloadingSchedulerInvariant7, NoLoadWhileOwnStoreIsInFlight) {
+  OffloadingScheduler s(make_config({SW(5)}));
+  add(s, "A", {"a0"}, 4);
+  auto meta = step(s, {sched("A", {{5}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  add(s, "A", {"a1"}, 8, 1);
+  meta = step(s, {sched("A", {{6}}, 4, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {6}, {1}, {1}, {key("a1", 0)});
+  const JobId store = meta.store_jobs[0].job_id;
+  step(s, {}, {}, {"A"});  // preempted: the engine will look it up again
+  const MatchResult m = s.get_num_new_matched_tokens("A", 0);
+  EXPECT_FALSE(m.num_tokens.has_value() && *m.num_tokens > 0)
+      << "a load of " << *m.num_tokens << " tokens was offered while store job " << store
+      << " of the same request is in flight";
+  if (m.num_tokens.has_value() && *m.num_tokens > 0) {
+    s.update_state_after_alloc("A", Table{{7, 8}}, *m.num_tokens);
+    meta = step(s, {});
+    EXPECT_TRUE(meta.load_jobs.empty()) << "load job emitted with store " << store << " in flight";
+    return;
+  }
+  report(s, {store});
+  expect_match(s.get_num_new_matched_tokens("A", 0), hit(4));
+  s.update_state_after_alloc("A", Table{{7, 8}}, 4);
+  meta = step(s, {sched("A", {{7, 8}}, 0, 4, /*resumed=*/true)});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "A", {7}, {1}, {0}, {key("a0", 0)});
+  EXPECT_TRUE(meta.store_jobs.empty());
+}
+
+// ------------------------------------------------------------------ events, invariant 8
+
+TEST(OffloadingSchedulerEvents, StoredAndRemovedEventsAndLoadTouchesHeadLast) {
+  auto c = make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/4);
+  c.enable_events = true;
+  OffloadingScheduler s(std::move(c));
+  seed(s, "sa", {"a0", "a1"}, {{1, 2}});
+  seed(s, "sb", {"b0", "b1"}, {{3, 4}});  // b more recent than a
+  auto ev = s.take_events();
+  ASSERT_EQ(ev.size(), 2u);
+  EXPECT_FALSE(ev[0].removed);
+  EXPECT_EQ(ev[0].medium, "CPU");
+  EXPECT_EQ(ev[0].keys, (Strs{key("a0", 0), key("a1", 0)}));
+  EXPECT_EQ(ev[1].keys, (Strs{key("b0", 0), key("b1", 0)}));
+  // Loading a0, a1 touches them: now a is more recent than b, with a0 (the head) most recent.
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  report(s, {meta.load_jobs[0].job_id});
+  EXPECT_TRUE(s.request_finished("r") == false);
+  // Three new blocks need three evictions: b's tail, b's head, then a's tail.
+  add(s, "w", {"c0", "c1", "c2"}, 12);
+  meta = step(s, {sched("w", {{8, 9, 10}}, 0, 12)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  ev = s.take_events();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_TRUE(ev[0].removed);
+  EXPECT_EQ(ev[0].keys, (Strs{key("b1", 0), key("b0", 0), key("a1", 0)}));
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
+}
+
+}  // namespace
+}  // namespace kvoff

@@ -1,0 +1,195 @@
+"""Per-step cost of the offloading scheduler (``kvoff bench scheduler``, "scheduler_steps").
+
+The workload is an engine's steady state: ``B`` running requests over ``G`` KV cache groups
+(group 0 full attention, the others sliding window), each admitted with a ``prompt_tokens``
+prompt (one prefill step that stores every full block), then ``decode_steps`` decode steps of
+one token per request; a request completes a block every ``block_size`` steps, which allocates
+one GPU block per group and stores one offloaded block per group. Every store job is reported
+complete right after its step. No bytes move: this measures scheduling alone.
+
+Two timings per step, side by side:
+  * ``facade``: :meth:`kvoff.scheduler.OffloadingScheduler.build_connector_meta` from a
+    prebuilt :class:`~kvoff.scheduler.SchedulerStep` to a
+    :class:`~kvoff.scheduler.ConnectorMetadata` (what an engine pays), and
+  * ``core``: the C++ call alone with prebuilt argument tuples (what the scheduling logic
+    costs without the Python dataclasses).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from kvoff.offloading_spec import CPUOffloadingSpec
+from kvoff.scheduler import OffloadingScheduler, Request, ScheduledRequest, SchedulerStep
+from kvoff.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+
+__all__ = ["bench_scheduler_steps"]
+
+_BLOCK_SIZE = 16
+
+
+def _spec(num_groups: int, num_gpu_blocks: int, num_cpu_blocks: int) -> CPUOffloadingSpec:
+    """A spec with tiny pages (bytes do not matter here) and exactly ``num_cpu_blocks`` slots."""
+    specs = []
+    for g in range(num_groups):
+        kw: dict[str, Any] = {
+            "block_size": _BLOCK_SIZE,
+            "num_kv_heads": 1,
+            "head_size": 1,
+            "dtype": torch.float16,
+        }
+        specs.append(
+            FullAttentionSpec(**kw) if g == 0 else SlidingWindowSpec(**kw, sliding_window=4096)
+        )
+    page = specs[0].page_size_bytes
+    config = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=tuple(
+            KVCacheTensor(page * num_gpu_blocks, (f"l{g}",)) for g in range(num_groups)
+        ),
+        kv_cache_groups=tuple(KVCacheGroupSpec((f"l{g}",), specs[g]) for g in range(num_groups)),
+    )
+    return CPUOffloadingSpec(config, cpu_bytes_to_use=num_cpu_blocks * page * num_groups)
+
+
+def bench_scheduler_steps(
+    num_requests: int,
+    num_groups: int,
+    *,
+    prompt_tokens: int = 1024,
+    decode_steps: int = 64,
+    num_cpu_blocks: int = 1 << 20,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Times the scheduler hooks for ``num_requests`` requests × ``num_groups`` groups.
+
+    Args:
+        num_requests: running requests ``B`` (>= 1).
+        num_groups: KV cache groups ``G`` (1..8); group 0 full attention, others sliding
+            window (4096 tokens).
+        prompt_tokens: prompt length (tokens) of every request.
+        decode_steps: decode steps timed (one token per request per step).
+        num_cpu_blocks: CPU pool slots.
+        seed: makes the block hashes (random 16-byte strings) reproducible.
+
+    Returns:
+        A dict: parameters, ``admit_us_per_request`` (get_num_new_matched_tokens +
+        update_state_after_alloc, a miss), ``prefill_step_ms`` (the step storing every
+        prompt block) with ``prefill_blocks_stored``, and for decode steps
+        ``decode_step_us`` / ``decode_step_core_us`` (median over steps, facade and C++ call),
+        per request (``..._per_request_ns``), ``complete_us_per_job``
+        (update_connector_output) and ``decode_store_jobs`` (stores issued while decoding).
+
+    Raises:
+        ValueError: a parameter out of range.
+    """
+    if num_requests < 1 or not 1 <= num_groups <= 8 or prompt_tokens < _BLOCK_SIZE:
+        raise ValueError(
+            f"need num_requests >= 1, 1 <= num_groups <= 8 and prompt_tokens >= {_BLOCK_SIZE}, "
+            f"got {num_requests}, {num_groups}, {prompt_tokens}"
+        )
+    blocks_per_request = -(-(prompt_tokens + decode_steps + 1) // _BLOCK_SIZE)
+    num_gpu_blocks = num_requests * num_groups * blocks_per_request + 1
+    sched = OffloadingScheduler(_spec(num_groups, num_gpu_blocks, num_cpu_blocks))
+    rng = __import__("random").Random(seed)
+    next_block = 1
+
+    def alloc(n: int) -> tuple[int, ...]:
+        nonlocal next_block
+        ids = tuple(range(next_block, next_block + n))
+        next_block += n
+        return ids
+
+    # Admission: every request misses (fresh random hashes).
+    requests = []
+    for i in range(num_requests):
+        n_hash = prompt_tokens // _BLOCK_SIZE
+        requests.append(Request(f"r{i}", [rng.randbytes(16) for _ in range(n_hash)], prompt_tokens))
+    tables = {
+        r.request_id: [list(alloc(-(-prompt_tokens // _BLOCK_SIZE))) for _ in range(num_groups)]
+        for r in requests
+    }
+    t0 = time.perf_counter()
+    for r in requests:
+        sched.get_num_new_matched_tokens(r, 0)
+        sched.update_state_after_alloc(r, tables[r.request_id], 0)
+    admit = time.perf_counter() - t0
+    prefill = SchedulerStep(
+        tuple(
+            ScheduledRequest(
+                r.request_id, tuple(tuple(t) for t in tables[r.request_id]), 0, prompt_tokens
+            )
+            for r in requests
+        )
+    )
+    t0 = time.perf_counter()
+    meta = sched.build_connector_meta(prefill)
+    prefill_s = time.perf_counter() - t0
+    prefill_blocks = sum(len(j.gpu.block_ids) for j in meta.store_jobs)
+    sched.update_connector_output([(j.job_id, True) for j in meta.store_jobs])
+
+    # Decode: prebuild every step (the engine's own work), then time the hooks.
+    computed = dict.fromkeys((r.request_id for r in requests), prompt_tokens)
+    facade_s: list[float] = []
+    core_s: list[float] = []
+    complete_s = 0.0
+    jobs = 0
+    empty = tuple(() for _ in range(num_groups))
+    for _ in range(decode_steps):
+        scheduled = []
+        for r in requests:
+            c = computed[r.request_id]
+            new = empty
+            if c % _BLOCK_SIZE == 0:  # the new token opens a block in every group
+                new = tuple(alloc(1) for _ in range(num_groups))
+            scheduled.append(ScheduledRequest(r.request_id, new, c, 1))
+            r.num_tokens = c + 1
+            if (c + 1) % _BLOCK_SIZE == 0:
+                r.block_hashes.append(rng.randbytes(16))
+            computed[r.request_id] = c + 1
+        step = SchedulerStep(tuple(scheduled))
+        # The core call with prebuilt tuples, on a twin step that allocates nothing new:
+        core_args = [
+            (s.request_id, [()] * num_groups, s.num_computed_tokens + 1, 0, False)
+            for s in scheduled
+        ]
+        t0 = time.perf_counter()
+        meta = sched.build_connector_meta(step)
+        t1 = time.perf_counter()
+        sched._core.build_connector_meta(core_args, [], [])
+        t2 = time.perf_counter()
+        facade_s.append(t1 - t0)
+        core_s.append(t2 - t1)
+        reports = [(j.job_id, True) for j in meta.store_jobs]
+        jobs += len(reports)
+        t0 = time.perf_counter()
+        sched.update_connector_output(reports)
+        complete_s += time.perf_counter() - t0
+    decode_us = statistics.median(facade_s) * 1e6
+    core_us = statistics.median(core_s) * 1e6
+    return {
+        "num_requests": num_requests,
+        "num_groups": num_groups,
+        "prompt_tokens": prompt_tokens,
+        "decode_steps": decode_steps,
+        "num_cpu_blocks": num_cpu_blocks,
+        "admit_us_per_request": admit / num_requests * 1e6,
+        "prefill_step_ms": prefill_s * 1e3,
+        "prefill_blocks_stored": prefill_blocks,
+        "decode_step_us": decode_us,
+        "decode_step_per_request_ns": decode_us * 1e3 / num_requests,
+        "decode_step_core_us": core_us,
+        "decode_step_core_per_request_ns": core_us * 1e3 / num_requests,
+        "decode_store_jobs": jobs,
+        "complete_us_per_job": complete_s / jobs * 1e6 if jobs else 0.0,
+    }

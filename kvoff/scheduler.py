@@ -1,0 +1,511 @@
+"""The offloading scheduler: the engine-facing hooks of DESIGN.md "One engine step".
+
+:class:`OffloadingScheduler` wraps the C++ scheduler core (``kvoff._scheduler``). Per engine
+step:
+
+1. new request: :meth:`~OffloadingScheduler.get_num_new_matched_tokens` says how many tokens
+   beyond the engine's own GPU prefix hit can be loaded from the CPU pool (``None``: retry
+   later); after allocating GPU blocks the engine calls
+   :meth:`~OffloadingScheduler.update_state_after_alloc`, which builds the load job;
+2. end of scheduling: :meth:`~OffloadingScheduler.build_connector_meta` with a
+   :class:`SchedulerStep` returns the load and store jobs for the worker and the in-flight
+   jobs to flush first (fences);
+3. the worker runs the jobs (:class:`kvoff.OffloadingWorker`), every rank reports each job;
+4. :meth:`~OffloadingScheduler.update_connector_output` counts the reports; a job completes
+   when all ``world_size`` ranks reported it.
+
+Offload keys: offloaded block ``j`` of KV cache group ``g`` has the key
+``hash_bytes(block_hashes[(j + 1) * H - 1]) + bytes([g])`` with
+``H = offloaded_block_size // hash_block_size`` (an int hash is 8 little-endian bytes).
+
+Which cached tokens a group needs to resume at token ``N``: full attention and MLA all
+``N``; a sliding window of ``W`` tokens the last ``W - 1``; Mamba the state block holding
+token ``N - 1``. With any sliding-window or Mamba group the last prompt token is always
+recomputed (a hit never covers it), so the cached window or state ends where the engine
+resumes. Engine contract for Mamba groups: the block at position ``p`` of the table holds the
+state after the last token of block ``p`` once that block is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from kvoff._scheduler import OffloadingEvent, _OffloadingScheduler
+from kvoff.specs import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from kvoff.worker import CPUBlockSpec, GPUBlockSpec
+
+if TYPE_CHECKING:
+    from kvoff.config import OffloadingConfig
+    from kvoff.offloading_spec import CPUOffloadingSpec
+    from kvoff.specs import KVCacheConfig, KVCacheSpec
+
+__all__ = [
+    "ConnectorMetadata",
+    "ConnectorOutput",
+    "JobReport",
+    "OffloadingScheduler",
+    "Request",
+    "RequestLike",
+    "ScheduledRequest",
+    "SchedulerStep",
+    "TransferJob",
+    "group_kinds",
+]
+
+
+class RequestLike(Protocol):
+    """What the scheduler reads from an engine's request object (any object with these)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes | int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class Request:
+    """A request as the scheduler sees it; the engine keeps it up to date as tokens arrive.
+
+    Mutable on purpose: ``block_hashes`` and ``num_tokens`` grow while the request runs.
+
+    Attributes:
+        request_id: unique while the request lives.
+        block_hashes: one chained prefix hash (bytes, or an int in ``[-2**63, 2**64)``) per
+            full ``hash_block_size`` tokens of the known tokens, oldest first.
+        num_tokens: known tokens (prompt + generated so far); with async scheduling tokens
+            scheduled but not yet sampled are not counted. Must be
+            ``>= len(block_hashes) * hash_block_size``.
+    """
+
+    request_id: str
+    block_hashes: list[bytes | int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One scheduled request of a step.
+
+    Attributes:
+        request_id: the request.
+        new_block_ids: per KV cache group, the GPU block ids newly allocated to the request
+            this step (appended to its block table), in logical order; for a request scheduled
+            for the first time, or resumed from preemption, its whole block table. Null blocks
+            (id 0) mark positions the group does not keep. ``()`` means no new blocks.
+        num_computed_tokens: tokens computed before this step.
+        num_scheduled_tokens: tokens computed in this step.
+        resumed_from_preemption: the request was preempted and ``new_block_ids`` is its new
+            whole table.
+    """
+
+    request_id: str
+    new_block_ids: tuple[tuple[int, ...], ...] = ()
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    resumed_from_preemption: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "new_block_ids", tuple(tuple(int(b) for b in g) for g in self.new_block_ids)
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerStep:
+    """The scheduling output of one engine step, as the offloading scheduler needs it.
+
+    Attributes:
+        scheduled: every request scheduled in this step.
+        finished_request_ids: requests finished or aborted since the last step.
+        preempted_request_ids: requests preempted in this step (their GPU blocks are freed).
+    """
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+    preempted_request_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scheduled", tuple(self.scheduled))
+        object.__setattr__(self, "finished_request_ids", tuple(self.finished_request_ids))
+        object.__setattr__(self, "preempted_request_ids", tuple(self.preempted_request_ids))
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """One load (CPU→GPU) or store (GPU→CPU) job for every rank's worker.
+
+    Attributes:
+        job_id: unique for the scheduler's lifetime; pass it to the worker and report it back.
+        request_id: the request the job belongs to.
+        direction: ``"load"`` or ``"store"``.
+        gpu: the GPU side (block ids of all groups in group order, ``group_sizes``,
+            ``block_indices``; DESIGN.md invariant 1).
+        cpu: the CPU side (CPU block ids, group by group).
+        keys: the offload key of each CPU block, same order as ``cpu.block_ids``.
+    """
+
+    job_id: int
+    request_id: str
+    direction: Literal["load", "store"]
+    gpu: GPUBlockSpec
+    cpu: CPUBlockSpec
+    keys: tuple[bytes, ...]
+
+    @property
+    def src(self) -> GPUBlockSpec | CPUBlockSpec:
+        """The side copied from (``OffloadingWorker.transfer_async(job_id, src, dst)``)."""
+        return self.gpu if self.direction == "store" else self.cpu
+
+    @property
+    def dst(self) -> GPUBlockSpec | CPUBlockSpec:
+        """The side copied to."""
+        return self.cpu if self.direction == "store" else self.gpu
+
+
+@dataclass(frozen=True)
+class ConnectorMetadata:
+    """What :meth:`OffloadingScheduler.build_connector_meta` hands to the workers.
+
+    Attributes:
+        load_jobs: loads to submit before the forward pass.
+        store_jobs: stores to submit after it (they wait on the compute stream).
+        jobs_to_flush: in-flight job ids whose GPU blocks were reallocated this step: wait for
+            them (``OffloadingWorker.wait``) before the forward pass writes (DESIGN.md
+            invariant 4). Their results must still be reported.
+    """
+
+    load_jobs: tuple[TransferJob, ...] = ()
+    store_jobs: tuple[TransferJob, ...] = ()
+    jobs_to_flush: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobReport:
+    """One rank's result for one job (``kvoff.TransferResult`` carries the same fields)."""
+
+    job_id: int
+    success: bool = True
+
+
+@dataclass(frozen=True)
+class ConnectorOutput:
+    """What :meth:`OffloadingScheduler.update_connector_output` concluded.
+
+    Attributes:
+        finished_loading: requests whose loads all succeeded on every rank: schedule them.
+        failed_loading: requests with a failed load: recompute the tokens that were to be
+            loaded (from the engine's own hit on).
+        finished_storing: finished requests whose last in-flight job (load or store)
+            completed — exactly those for which :meth:`OffloadingScheduler.request_finished`
+            returned True: free their GPU blocks now.
+        completed_jobs: jobs completed by this call (reported by all ranks).
+        failed_jobs: the completed jobs that failed on at least one rank.
+    """
+
+    finished_loading: tuple[str, ...] = ()
+    failed_loading: tuple[str, ...] = ()
+    finished_storing: tuple[str, ...] = ()
+    completed_jobs: tuple[int, ...] = ()
+    failed_jobs: tuple[int, ...] = ()
+
+
+def _group_kind(spec: KVCacheSpec) -> tuple[str, int]:
+    if isinstance(spec, FullAttentionSpec | MLAAttentionSpec):
+        return ("full_attention", 0)
+    if isinstance(spec, SlidingWindowSpec):
+        return ("sliding_window", spec.sliding_window)
+    if isinstance(spec, MambaSpec):
+        return ("mamba", 0)
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {_group_kind(s) for s in spec.kv_cache_specs.values()}
+        names = {k for k, _ in kinds}
+        if len(names) != 1:
+            raise ValueError(
+                f"a UniformTypeKVCacheSpecs group mixes attention types {sorted(names)}; "
+                "split its layers into one group per type"
+            )
+        # Several windows: keep the widest, so every layer's window is cached.
+        return max(kinds, key=lambda k: k[1])
+    raise ValueError(f"unsupported KV cache spec {type(spec).__name__}")
+
+
+def group_kinds(spec: CPUOffloadingSpec) -> tuple[tuple[str, int], ...]:
+    """Per KV cache group of ``spec``: ``(kind, sliding_window)`` with kind one of
+    ``"full_attention"`` (also MLA), ``"sliding_window"`` (window in tokens) or ``"mamba"``.
+
+    Raises:
+        ValueError: a :class:`UniformTypeKVCacheSpecs` group mixing attention types.
+    """
+    return tuple(_group_kind(g.kv_cache_spec) for g in spec.kv_cache_config.kv_cache_groups)
+
+
+def _report(item: Any) -> tuple[int, bool]:
+    if isinstance(item, tuple):
+        job_id, success = item
+        return int(job_id), bool(success)
+    return int(item.job_id), bool(item.success)
+
+
+class OffloadingScheduler:
+    """The per-step offloading scheduler of one engine (one instance, on the scheduler side).
+
+    Args:
+        spec: the CPU plan (:class:`kvoff.CPUOffloadingSpec`): CPU slots, block size factor,
+            GPU block size, hash block size, world size, eviction policy, KV cache groups and
+            ``kv_cache_config.num_blocks`` GPU blocks.
+        enable_events: record ``BlockStored`` / ``BlockRemoved`` events for :meth:`take_events`.
+
+    Raises:
+        ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``), or a group type
+            the scheduler cannot offload.
+    """
+
+    def __init__(self, spec: CPUOffloadingSpec, *, enable_events: bool = False) -> None:
+        if spec.num_blocks < 1:
+            raise ValueError(
+                f"the CPU pool has {spec.num_blocks} blocks (num_gpu_blocks="
+                f"{spec.kv_cache_config.num_blocks}); give the engine GPU blocks and "
+                "cpu_bytes_to_use for at least one offloaded block"
+            )
+        self.spec = spec
+        self._core = _OffloadingScheduler(
+            num_cpu_blocks=spec.num_blocks,
+            eviction_policy=spec.eviction_policy,
+            enable_events=enable_events,
+            gpu_block_size=spec.gpu_block_size[0],
+            block_size_factor=spec.block_size_factor,
+            hash_block_size=spec.hash_block_size or 0,
+            world_size=spec.world_size,
+            num_gpu_blocks=spec.kv_cache_config.num_blocks,
+            groups=list(group_kinds(spec)),
+        )
+        self._requests: dict[str, RequestLike] = {}
+        self._known: dict[str, int] = {}  # hashes the core has, per request
+
+    @classmethod
+    def from_config(
+        cls, kv_cache_config: KVCacheConfig, config: OffloadingConfig
+    ) -> OffloadingScheduler:
+        """The scheduler for an engine plan and the library's configuration object: the CPU
+        plan from :meth:`kvoff.CPUOffloadingSpec.from_config`, events from
+        ``config.enable_events``.
+
+        Raises:
+            ValueError: everything :meth:`kvoff.CPUOffloadingSpec.from_config` and the
+                constructor raise.
+        """
+        from kvoff.offloading_spec import CPUOffloadingSpec
+
+        spec = CPUOffloadingSpec.from_config(kv_cache_config, config)
+        return cls(spec, enable_events=config.enable_events)
+
+    # ------------------------------------------------------------------ requests
+    def _sync(self, request: RequestLike, *, tokens: bool) -> None:
+        rid = request.request_id
+        hashes = request.block_hashes
+        known = self._known.get(rid, 0)
+        if rid not in self._known or len(hashes) > known or tokens:
+            self._core.update_request(rid, known, hashes[known:], request.num_tokens)
+            self._known[rid] = len(hashes)
+            self._requests[rid] = request
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """How many tokens after ``num_computed_tokens`` can be loaded from the CPU pool.
+
+        Args:
+            request: the request (its ``block_hashes`` and ``num_tokens`` are read).
+            num_computed_tokens: tokens the engine's own GPU prefix cache already has (a
+                multiple of the GPU block size).
+
+        Returns:
+            ``(None, False)``: retry later (a block of the hit is still being stored, or being
+            loaded for another request); ``(0, False)``: nothing to load; ``(n, True)``: ``n``
+            more tokens can be loaded asynchronously (the request waits for its load).
+
+        Raises:
+            ValueError: ``num_computed_tokens`` not a multiple of the block size or above
+                ``num_tokens``; ``num_tokens`` smaller than the hashes cover; an empty hash.
+            TypeError: a hash that is neither bytes nor int.
+        """
+        self._sync(request, tokens=True)
+        return self._core.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self,
+        request: RequestLike,
+        block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> None:
+        """Builds the request's load job once the engine allocated its GPU blocks.
+
+        Args:
+            request: the request.
+            block_ids: per KV cache group, the request's whole block table (GPU block ids in
+                logical order; 0 for null blocks, which are never loaded).
+            num_external_tokens: 0 (load nothing), or exactly the ``n`` returned by the last
+                :meth:`get_num_new_matched_tokens` for this request.
+
+        Raises:
+            ValueError: a token count that does not match; a table with the wrong number of
+                groups, too short for the load, or with ids outside ``[0, num_gpu_blocks)``.
+                Nothing is changed.
+        """
+        self._sync(request, tokens=False)
+        self._core.update_state_after_alloc(
+            request.request_id, [list(g) for g in block_ids], num_external_tokens
+        )
+
+    def build_connector_meta(self, step: SchedulerStep) -> ConnectorMetadata:
+        """Ends a scheduling step: load jobs, store jobs and fences for the workers.
+
+        Stores cover offloaded blocks that are full after the step, counting at most the
+        tokens whose hashes are known (async scheduling); a store refused for lack of room is
+        retried next step. Every scheduled request must have been passed to
+        :meth:`get_num_new_matched_tokens` or :meth:`update_state_after_alloc` before.
+
+        Raises:
+            ValueError: an unknown or repeated request id, a wrong group count, out-of-range
+                block ids or negative token counts (nothing is changed).
+        """
+        for s in step.scheduled:
+            request = self._requests.get(s.request_id)
+            if request is None:
+                raise ValueError(
+                    f"build_connector_meta: request {s.request_id!r} was never passed to "
+                    "get_num_new_matched_tokens or update_state_after_alloc; pass it there "
+                    "first"
+                )
+            if len(request.block_hashes) > self._known[s.request_id]:
+                self._sync(request, tokens=True)
+        n = len(self.spec.kv_cache_config.kv_cache_groups)
+        scheduled = [
+            (
+                s.request_id,
+                s.new_block_ids if s.new_block_ids else [()] * n,
+                s.num_computed_tokens,
+                s.num_scheduled_tokens,
+                s.resumed_from_preemption,
+            )
+            for s in step.scheduled
+        ]
+        loads, stores, flush = self._core.build_connector_meta(
+            scheduled, list(step.finished_request_ids), list(step.preempted_request_ids)
+        )
+        for rid in step.finished_request_ids:
+            self._forget(rid)
+        return ConnectorMetadata(
+            tuple(self._job(j) for j in loads), tuple(self._job(j) for j in stores), tuple(flush)
+        )
+
+    @staticmethod
+    def _job(t: tuple) -> TransferJob:
+        job_id, rid, is_store, gpu_ids, sizes, indices, cpu_ids, keys = t
+        return TransferJob(
+            job_id,
+            rid,
+            "store" if is_store else "load",
+            GPUBlockSpec(tuple(gpu_ids), tuple(sizes), tuple(indices)),
+            CPUBlockSpec(tuple(cpu_ids)),
+            tuple(keys),
+        )
+
+    def update_connector_output(
+        self, reports: Iterable[JobReport | tuple[int, bool] | Any]
+    ) -> ConnectorOutput:
+        """Counts job reports from the ranks and completes jobs reported by all of them.
+
+        Args:
+            reports: one entry per rank per job: :class:`JobReport`, a ``(job_id, success)``
+                tuple, or any object with ``job_id`` and ``success`` (``kvoff.TransferResult``
+                from ``OffloadingWorker.get_finished()`` and ``wait()``). Reports of one job
+                may arrive over several calls.
+
+        Returns:
+            :class:`ConnectorOutput`. A completed store becomes a lookup hit only when every
+            rank succeeded; a failed one frees its CPU blocks.
+
+        Raises:
+            ValueError: a job that is not in flight, or more reports than ``world_size``
+                (nothing is changed).
+        """
+        loaded, failed, stored, done, bad = self._core.update_connector_output(
+            [_report(r) for r in reports]
+        )
+        return ConnectorOutput(tuple(loaded), tuple(failed), tuple(stored), tuple(done), tuple(bad))
+
+    def request_finished(self, request: RequestLike | str) -> bool:
+        """The request finished or was aborted (queued or running).
+
+        A load prepared but not yet handed to the workers is cancelled; in-flight jobs run to
+        completion.
+
+        Returns:
+            True when jobs of the request are still in flight: keep its GPU blocks until it
+            appears in ``ConnectorOutput.finished_storing`` (freeing them earlier is safe but
+            makes the next step flush those jobs).
+        """
+        rid = request if isinstance(request, str) else request.request_id
+        self._forget(rid)
+        return self._core.request_finished(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._known.pop(rid, None)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """``BlockStored`` / ``BlockRemoved`` events (medium ``"CPU"``) since the last call;
+        always empty unless ``enable_events``."""
+        return self._core.take_events()
+
+    # ------------------------------------------------------------------ inspection
+    def stats(self) -> dict[str, int]:
+        """Counters: lookups, lookup_retries, hit_tokens, load_jobs, store_jobs,
+        blocks_loaded, blocks_stored (GPU blocks), store_refusals, stale_blocks_skipped,
+        jobs_flushed, failed_jobs, and the pool and request gauges."""
+        return self._core.stats()
+
+    def offload_key(self, request: RequestLike, block: int, group: int = 0) -> bytes:
+        """The offload key of offloaded block ``block`` of ``group`` for ``request``.
+
+        Raises:
+            IndexError: the request has no hash for that block yet.
+        """
+        h = request.block_hashes[(block + 1) * self._hashes_per_block - 1]
+        hb = h if isinstance(h, bytes) else (int(h) % 2**64).to_bytes(8, "little")
+        return hb + bytes([group])
+
+    @property
+    def _hashes_per_block(self) -> int:
+        hash_bs = self.spec.hash_block_size or self.spec.gpu_block_size[0]
+        return self.spec.offloaded_block_size // hash_bs
+
+    def block_state(self, key: bytes | int) -> str:
+        """``"missing"``, ``"pending"`` or ``"ready"`` for an offload key."""
+        return self._core.block_state(key)
+
+    def cpu_block_id(self, key: bytes | int) -> int | None:
+        """The CPU block id holding ``key``, or None."""
+        return self._core.block_id(key)
+
+    def pin_count(self, key: bytes | int) -> int:
+        """Loads in flight that pin ``key``."""
+        return self._core.pin_count(key)
+
+    def next_store_block(self, request_id: str) -> int:
+        """The next offloaded block index of the request to consider for storing (-1 if
+        unknown)."""
+        return self._core.next_store_block(request_id)

@@ -1,0 +1,429 @@
+"""Scenarios for the offloading scheduler, driven by the engine simulator of
+``scheduler_harness``: exact ``(group, logical block position)`` sets per step, with real bytes
+moved through an OffloadingWorker and checked after every load (DESIGN.md invariants 1, 4, 6-8).
+"""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_harness import EngineSim, GroupDesc, HarnessViolation, snapshot
+
+FULL = GroupDesc("full")
+
+
+def _positions(group: int, *positions: int) -> set[tuple[int, int]]:
+    return {(group, p) for p in positions}
+
+
+# ---------------------------------------------------------------------- single group
+def test_miss_store_then_full_and_partial_hits() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16)
+    prompt = list(range(13))
+    sim.add_request("a", prompt)
+    rec = sim.step()
+    assert rec.lookups == {"a": (0, 0)}
+    assert rec.stored == {"a": _positions(0, 0, 1, 2)}
+    assert rec.loaded == {}
+    (store,) = rec.meta.store_jobs
+    assert store.keys == tuple(sim.key_of("a", j) for j in range(3))
+    assert all(sim.sched.block_state(k) == "ready" for k in store.keys)
+
+    sim.add_request("b", prompt)
+    rec = sim.step()
+    assert rec.lookups == {"b": (0, 12)}
+    assert rec.loaded == {"b": _positions(0, 0, 1, 2)}
+    (load,) = rec.meta.load_jobs
+    assert load.gpu.block_ids == tuple(sim.requests["b"].table[0][:3])
+    assert load.gpu.group_sizes == (3,) and load.gpu.block_indices == (0,)
+    assert load.cpu.block_ids == store.cpu.block_ids
+    assert rec.outputs[-1].finished_loading == ("b",)
+    rec = sim.step()  # b runs from token 12 on; nothing new to store (block 3 not full)
+    assert rec.scheduled[0].num_computed_tokens == 12
+    assert sim.requests["b"].status == "done"
+
+    # partial prefix hit: the first 8 tokens are shared, then the prompt differs
+    sim.add_request("c", [*prompt[:8], 900, 901, 902, 903, 904])
+    rec = sim.step()
+    assert rec.lookups == {"c": (0, 8)}
+    assert rec.loaded == {"c": _positions(0, 0, 1)}
+    rec = sim.step()
+    assert rec.stored == {"c": _positions(0, 2)}  # stores resume after the loaded blocks
+    assert sim.sched.stats()["hit_tokens"] == 20
+
+
+def test_retry_later_while_pending_or_loading_elsewhere() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16, auto_complete=False)
+    prompt = list(range(9))
+    sim.add_request("a", prompt)
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    assert sim.sched.block_state(store.keys[0]) == "pending"
+    sim.add_request("b", prompt)
+    rec = sim.step()
+    assert rec.lookups == {"b": (0, None)}  # still being stored: retry later
+    assert sim.requests["b"].status == "waiting"
+    sim.complete()
+    rec = sim.step()
+    assert rec.lookups == {"b": (0, 8)} and rec.loaded == {"b": _positions(0, 0, 1)}
+    sim.add_request("c", prompt)
+    rec = sim.step()
+    assert rec.lookups == {"c": (0, None)}  # being loaded for b: retry later
+    sim.complete()
+    rec = sim.step()
+    assert rec.lookups == {"c": (0, 8)}
+    sim.complete()
+    sim.drain()
+
+
+# ---------------------------------------------------------------------- factor > 1
+def test_factor_two_partial_first_offloaded_block() -> None:
+    """The engine's own hit ends inside offloaded block 1: only GPU block 3 is loaded, at
+    block_indices 3 (offset 3 % 2 = 1 inside its offloaded block)."""
+    sim = EngineSim(
+        block_size=4, block_size_factor=2, num_gpu_blocks=32, num_cpu_blocks=8,
+        gpu_prefix_cache=True,
+    )  # fmt: skip
+    prompt = list(range(17))
+    sim.add_request("a", prompt)
+    rec = sim.step()
+    assert rec.stored == {"a": _positions(0, 0, 1, 2, 3)}
+    a_table = [sim.requests["a"].history[(0, p)][0] for p in range(5)]
+    # a is done, its blocks are free but still in the GPU prefix cache; another request takes
+    # the two most recently freed ones (positions 4 and 3), so the GPU hit is positions 0..2.
+    sim.add_request("d", [500 + i for i in range(7)])
+    rec = sim.step()
+    assert [sim.requests["d"].history[(0, p)][0] for p in (0, 1)] == [a_table[4], a_table[3]]
+    sim.add_request("b", prompt)
+    rec = sim.step()
+    assert rec.lookups["b"] == (12, 4)
+    assert rec.loaded == {"b": _positions(0, 3)}
+    (load,) = rec.meta.load_jobs
+    assert load.gpu.block_indices == (3,) and load.gpu.group_sizes == (1,)
+    assert load.keys == (sim.key_of("b", 1),)
+    assert sim.requests["b"].table[0][:3] == a_table[:3]  # the engine's own hit
+
+
+def test_offloaded_block_straddling_the_sliding_window_edge() -> None:
+    """factor 2, full + sliding window of 10 tokens: resuming at 24 tokens the window needs
+    tokens 15..23, so offloaded block 1 (GPU blocks 2, 3) straddles the edge: block 2 is null,
+    block 3 is loaded and block_indices[1] is 3."""
+    sim = EngineSim(
+        (FULL, GroupDesc("sliding_window", 10)), block_size=4, block_size_factor=2,
+        num_gpu_blocks=40, num_cpu_blocks=12,
+    )  # fmt: skip
+    prompt = list(range(26))
+    sim.add_request("a", prompt)
+    rec = sim.step()
+    assert rec.stored == {"a": _positions(0, 0, 1, 2, 3, 4, 5) | _positions(1, 0, 1, 2, 3, 4, 5)}
+    sim.add_request("b", prompt)
+    rec = sim.step()
+    assert rec.lookups["b"] == (0, 24)  # the last prompt token is always recomputed
+    assert rec.loaded == {"b": _positions(0, 0, 1, 2, 3, 4, 5) | _positions(1, 3, 4, 5)}
+    (load,) = rec.meta.load_jobs
+    assert sum(load.gpu.group_sizes) == len(load.gpu.block_ids) == 9
+    assert load.gpu.group_sizes == (6, 3) and load.gpu.block_indices == (0, 3)
+    assert sim.requests["b"].table[1][:3] == [0, 0, 0]
+    assert load.keys == (
+        *(sim.key_of("b", j, 0) for j in range(3)),
+        sim.key_of("b", 1, 1),
+        sim.key_of("b", 2, 1),
+    )
+    sim.drain()
+
+
+# ---------------------------------------------------------------------- invariant 4
+def test_stale_sliding_window_block_is_never_copied() -> None:
+    """A sliding-window block whose store was refused (pool full of pending blocks) leaves the
+    window, is freed and reallocated to the same request; the retried store copies only the
+    live blocks, never the old id under the old key."""
+    sim = EngineSim(
+        (GroupDesc("sliding_window", 4),), block_size=2, num_gpu_blocks=32, num_cpu_blocks=3,
+        auto_complete=False,
+    )  # fmt: skip
+    sim.add_request("x", [700 + i for i in range(7)])
+    rec = sim.step()
+    assert rec.stored == {"x": _positions(0, 0, 1, 2)}  # the pool is now full of pending blocks
+    sim.add_request("r", list(range(12)), chunk=2)
+    for _ in range(3):
+        rec = sim.step()
+        assert rec.stored == {}
+    assert sim.sched.stats()["store_refusals"] == 3
+    r = sim.requests["r"]
+    old = r.table[0][0]
+    sim.begin_step()  # computed 6: position 0 leaves the window and is reused at position 3
+    assert r.table[0][0] == 0 and r.table[0][3] == old
+    sim.complete()  # x's stores finish: now there is room (x's blocks are evictable)
+    rec = sim.end_step()
+    assert rec.stored == {"r": _positions(0, 1, 2, 3)}
+    (store,) = rec.meta.store_jobs
+    assert store.gpu.block_indices == (1,)
+    assert store.gpu.block_ids == tuple(r.table[0][1:4]) and store.gpu.block_ids[-1] == old
+    assert sim.sched.stats()["stale_blocks_skipped"] >= 1
+    assert sim.sched.block_state(sim.key_of("r", 0)) == "missing"
+    sim.complete()
+    sim.drain()
+
+
+def test_harness_data_check_catches_a_stale_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Self-test: a store that copies the reallocated block under the old key is caught by the
+    byte check alone (table checks off)."""
+    sim = EngineSim(
+        (GroupDesc("sliding_window", 4),), block_size=2, num_gpu_blocks=32, num_cpu_blocks=8
+    )
+    sim.check_tables = False
+    sim.add_request("r", list(range(12)), chunk=2)
+    sim.step()
+    r = sim.requests["r"]
+    real = sim.sched.build_connector_meta
+
+    def tampered(step):
+        meta = real(step)
+        if meta.store_jobs and r.table[0][0] == 0:
+            from dataclasses import replace
+
+            job = meta.store_jobs[0]
+            old = r.history[(0, 0)][0]
+            ids = (old, *job.gpu.block_ids[1:])
+            return replace(meta, store_jobs=(replace(job, gpu=replace(job.gpu, block_ids=ids)),))
+        return meta
+
+    monkeypatch.setattr(sim.sched, "build_connector_meta", tampered)
+    with pytest.raises(HarnessViolation, match="wrong copy"):
+        for _ in range(4):
+            sim.step()
+
+
+# ---------------------------------------------------------------------- fences
+def test_reallocated_store_source_is_flushed() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8, auto_complete=False,
+                    free_early=True)  # fmt: skip
+    sim.add_request("a", list(range(9)))
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    assert sim.requests["a"].status == "done"  # freed early, its store still in flight
+    sim.add_request("b", [300 + i for i in range(9)])
+    rec = sim.step()
+    assert {b for b, _ in sim.requests["b"].history.values()} & set(store.gpu.block_ids)
+    assert rec.flushed == (store.job_id,)
+    assert sim.sched.stats()["jobs_flushed"] == 1
+    sim.complete()
+    sim.drain()
+
+
+def test_load_into_block_under_in_flight_store_is_flushed() -> None:
+    """A block whose store is in flight is freed (preemption) and reallocated as the
+    destination of another request's load: the load writes it, so the store must be flushed
+    first (invariant 4)."""
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, auto_complete=False)
+    sim.add_request("x", list(range(9)))
+    sim.step()
+    sim.complete()
+    sim.add_request("a", [100 + i for i in range(9)], max_tokens=5)
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    sim.preempt("a")
+    sim.add_request("c", list(range(9)))
+    sim.begin_step()
+    assert set(sim.requests["c"].table[0]) & set(store.gpu.block_ids)
+    rec = sim.end_step()  # the harness raises on a missing fence
+    assert rec.loaded == {"c": _positions(0, 0, 1)}
+    assert store.job_id in rec.flushed
+
+
+# ---------------------------------------------------------------------- preemption
+def test_preemption_mid_store_and_resume() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, auto_complete=False)
+    sim.add_request("a", list(range(9)), max_tokens=4)
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    assert rec.stored == {"a": _positions(0, 0, 1)}
+    sim.preempt("a")
+    sim.add_request("b", [400 + i for i in range(9)])
+    rec = sim.step()
+    assert rec.lookups["a"] == (0, None)  # its own blocks are still pending
+    assert store.job_id in rec.flushed  # b got a's freed blocks
+    sim.complete()
+    rec = sim.step()
+    assert rec.lookups["a"] == (0, 8) and rec.loaded == {"a": _positions(0, 0, 1)}
+    sim.complete()
+    rec = sim.step()
+    (sched_a,) = [s for s in rec.scheduled if s.request_id == "a"]
+    assert sched_a.resumed_from_preemption
+    assert sched_a.new_block_ids == (tuple(sim.requests["a"].table[0]),)
+    assert sched_a.num_computed_tokens == 8
+    sim.complete()
+    sim.drain()
+
+
+# ---------------------------------------------------------------------- world size
+def test_world_size_two_completion_and_failure() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, world_size=2,
+                    auto_complete=False)  # fmt: skip
+    sim.add_request("a", list(range(9)))
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    out = sim.complete([store.job_id], ranks=[0])
+    assert out.completed_jobs == ()
+    assert sim.sched.block_state(store.keys[0]) == "pending"
+    out = sim.complete([store.job_id], ranks=[1])
+    assert out.completed_jobs == (store.job_id,) and out.finished_storing == ("a",)
+    assert sim.sched.block_state(store.keys[0]) == "ready"
+
+    free_before = sim.sched.stats()["num_free_blocks"]
+    sim.add_request("b", [600 + i for i in range(9)])
+    rec = sim.step()
+    (store_b,) = rec.meta.store_jobs
+    assert sim.sched.stats()["num_free_blocks"] == free_before - 2
+    out = sim.complete([store_b.job_id], fail_ranks=[1])
+    assert out.failed_jobs == (store_b.job_id,)
+    assert all(sim.sched.block_state(k) == "missing" for k in store_b.keys)
+    assert sim.sched.stats()["num_free_blocks"] == free_before
+    sim.add_request("c", [600 + i for i in range(9)])
+    rec = sim.step()
+    assert rec.lookups["c"] == (0, 0)  # a failed store is never a hit
+    sim.complete()
+    sim.drain()
+
+
+# ---------------------------------------------------------------------- hybrid
+def test_hybrid_full_sliding_window_mamba() -> None:
+    groups = (FULL, GroupDesc("sliding_window", 6), GroupDesc("mamba"))
+    sim = EngineSim(groups, block_size=4, block_size_factor=2, num_gpu_blocks=48,
+                    num_cpu_blocks=16)  # fmt: skip
+    prompt = list(range(26))
+    sim.add_request("a", prompt)
+    rec = sim.step()
+    six = (0, 1, 2, 3, 4, 5)
+    assert rec.stored == {"a": _positions(0, *six) | _positions(1, *six) | _positions(2, 1, 3, 5)}
+    sim.add_request("b", prompt)
+    rec = sim.step()
+    assert rec.lookups["b"] == (0, 24)
+    assert rec.loaded == {"b": _positions(0, *six) | _positions(1, 4, 5) | _positions(2, 5)}
+    (load,) = rec.meta.load_jobs
+    assert load.gpu.group_sizes == (6, 2, 1) and load.gpu.block_indices == (0, 4, 5)
+    b = sim.requests["b"]
+    assert b.table[1][:4] == [0, 0, 0, 0] and b.table[2][:5] == [0] * 5
+    sim.drain()
+
+
+# ---------------------------------------------------------------------- aborts
+def test_abort_queued_request_after_alloc_cancels_its_load() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+    prompt = list(range(9))
+    sim.add_request("a", prompt)
+    sim.step()
+    sim.add_request("b", prompt)
+    rec = sim.begin_step()
+    assert rec.lookups["b"] == (0, 8)
+    keys = [sim.key_of("b", j) for j in range(2)]
+    assert [sim.sched.pin_count(k) for k in keys] == [1, 1]
+    assert sim.abort("b") is False  # the load was never handed out: nothing in flight
+    assert [sim.sched.pin_count(k) for k in keys] == [0, 0]
+    rec = sim.end_step()
+    assert rec.meta.load_jobs == () and rec.loaded == {}
+    assert sim.sched.stats()["num_requests"] == 0
+
+
+def test_abort_running_request_with_store_in_flight() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, auto_complete=False)
+    sim.add_request("a", list(range(9)), max_tokens=5)
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    assert sim.abort("a") is True
+    assert sim.requests["a"].status == "kept"
+    out = sim.complete()
+    assert out.finished_storing == ("a",) and sim.requests["a"].status == "done"
+    assert sim.sched.block_state(store.keys[0]) == "ready"
+
+
+def test_abort_request_with_load_in_flight_releases_it() -> None:
+    """request_finished returns True while a load is in flight: the engine keeps the blocks
+    until the request appears in finished_storing, so it must appear there."""
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, auto_complete=False)
+    sim.add_request("x", list(range(9)))
+    sim.step()
+    sim.complete()
+    sim.add_request("b", list(range(9)))
+    rec = sim.step()
+    assert rec.loaded == {"b": _positions(0, 0, 1)}
+    in_flight = sim.abort("b")
+    out = sim.complete()  # the harness fails if b's blocks are never released
+    assert not in_flight or "b" in out.finished_storing
+
+
+# ---------------------------------------------------------------------- async scheduling
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_scheduling_stores_only_hashed_tokens(async_scheduling: bool) -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8,
+                    async_scheduling=async_scheduling)  # fmt: skip
+    sim.add_request("a", list(range(6)), max_tokens=4)
+    stored = [sim.step().stored for _ in range(4)]
+    late = {"a": _positions(0, 1)}
+    assert stored[0] == {"a": _positions(0, 0)}
+    if async_scheduling:  # block 1 is full after step 3, its hash is known in step 4
+        assert stored[1:] == [{}, {}, late]
+    else:
+        assert stored[1:] == [{}, late, {}]
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_input_names_the_value_and_changes_nothing() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, auto_complete=False)
+    prompt = list(range(9))
+    sim.add_request("a", prompt)
+    rec = sim.step()
+    (store,) = rec.meta.store_jobs
+    sim.add_request("b", [50 + i for i in range(9)], max_tokens=20)
+    sim.step()
+    s = sim.sched
+    keys = [*store.keys, *(sim.key_of("b", j) for j in range(2))]
+    rids = ["a", "b"]
+
+    from kvoff.scheduler import Request, ScheduledRequest, SchedulerStep
+
+    def unchanged(fn, match: str) -> None:
+        before = snapshot(s, keys, rids)
+        with pytest.raises(ValueError, match=match):
+            fn()
+        assert snapshot(s, keys, rids) == before
+
+    unchanged(
+        lambda: s.build_connector_meta(SchedulerStep((ScheduledRequest("ghost"),))), "'ghost'"
+    )
+    c = sim.requests["b"].req
+    unchanged(lambda: s.update_state_after_alloc(c, [[1], [2]], 0), "2 KV cache groups")
+    unchanged(lambda: s.update_state_after_alloc(c, [[999]], 0), "block id 999")
+    unchanged(lambda: s.update_state_after_alloc(c, [[-3]], 0), "block id -3")
+    sim.complete()
+    d = Request("d", list(sim.requests["a"].req.block_hashes), 9)
+    assert s.get_num_new_matched_tokens(d, 0) == (8, True)
+    unchanged(lambda: s.update_state_after_alloc(d, [[5, 6, 7]], 4), "num_external_tokens 4")
+    unchanged(lambda: s.update_state_after_alloc(d, [[5]], 8), "group 0 has 1 block ids")
+    unchanged(lambda: s.update_connector_output([(12345, True)]), "job 12345")
+    rec = sim.step()
+    (store_c,) = rec.meta.store_jobs or (None,)
+    if store_c is not None:
+        jid = store_c.job_id
+        unchanged(lambda: s.update_connector_output([(jid, True), (jid, True)]), "2 times")
+    unchanged(lambda: s.get_num_new_matched_tokens(d, 3), "num_computed_tokens 3")
+    unchanged(
+        lambda: s.build_connector_meta(SchedulerStep((ScheduledRequest("b", ((1,), (2,))),))),
+        "2 KV cache groups",
+    )
+
+
+# ---------------------------------------------------------------------- events
+def test_events_block_stored_and_removed() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=2, enable_events=True)
+    sim.add_request("a", list(range(9)))
+    rec = sim.step()
+    stored = [e for e in rec.events if not e.removed]
+    assert [list(e.keys) for e in stored] == [[sim.key_of("a", 0), sim.key_of("a", 1)]]
+    assert all(e.medium == "CPU" for e in rec.events)
+    sim.add_request("b", [70 + i for i in range(5)])
+    rec = sim.step()
+    removed = [k for e in rec.events if e.removed for k in e.keys]
+    added = [k for e in rec.events if not e.removed for k in e.keys]
+    assert added == [sim.key_of("b", 0)]
+    assert removed == [sim.key_of("a", 1)]  # the tail of a's prefix is evicted first
+    assert sim.sched.block_state(sim.key_of("a", 0)) == "ready"

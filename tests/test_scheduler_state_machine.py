@@ -1,0 +1,176 @@
+"""Random engine runs against the offloading scheduler (hypothesis state machine).
+
+Each run builds an :class:`scheduler_harness.EngineSim` (full attention, optionally a sliding
+window and a Mamba group, block_size_factor 1..3, tiny CPU and GPU pools so that evictions,
+store refusals, block reuse and fences happen) and interleaves new requests sharing random
+prefixes, engine steps, job reports in random order (partial rank reports, failures),
+preemptions and aborts. The harness checks every invariant after every step and every report,
+and verifies the bytes of every load.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from scheduler_harness import EngineSim, GroupDesc
+
+BASES = [[1000 * (i + 1) + t for t in range(32)] for i in range(3)]
+MAX_PROMPT = 20
+MAX_OUTPUT = 4
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Drives one simulated engine with random operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim: EngineSim | None = None
+        self.count = 0
+
+    @initialize(
+        model=st.sampled_from(["full", "full+sw", "full+sw+mamba", "sw"]),
+        block_size=st.sampled_from([2, 4]),
+        factor=st.integers(1, 3),
+        half_hash=st.booleans(),
+        cpu_blocks=st.integers(1, 6),
+        gpu_slack=st.integers(0, 8),
+        world_size=st.integers(1, 2),
+        async_scheduling=st.booleans(),
+        prefix_cache=st.booleans(),
+        free_early=st.booleans(),
+        window=st.integers(2, 9),
+        policy=st.sampled_from(["lru", "arc"]),
+    )
+    def setup(
+        self,
+        model: str,
+        block_size: int,
+        factor: int,
+        half_hash: bool,
+        cpu_blocks: int,
+        gpu_slack: int,
+        world_size: int,
+        async_scheduling: bool,
+        prefix_cache: bool,
+        free_early: bool,
+        window: int,
+        policy: str,
+    ) -> None:
+        """Build the simulated engine."""
+        groups = {
+            "full": [GroupDesc("full", num_layers=2)],
+            "full+sw": [GroupDesc("full"), GroupDesc("sliding_window", window)],
+            "full+sw+mamba": [
+                GroupDesc("full"),
+                GroupDesc("sliding_window", window),
+                GroupDesc("mamba"),
+            ],
+            "sw": [GroupDesc("sliding_window", window)],
+        }[model]
+        positions = -(-(MAX_PROMPT + MAX_OUTPUT) // block_size)
+        self.sim = EngineSim(
+            groups,
+            block_size=block_size,
+            block_size_factor=factor,
+            hash_block_size=block_size // 2 if half_hash else None,
+            num_gpu_blocks=len(groups) * positions + 1 + gpu_slack,
+            num_cpu_blocks=cpu_blocks,
+            world_size=world_size,
+            gpu_prefix_cache=prefix_cache and model == "full",
+            async_scheduling=async_scheduling,
+            auto_complete=False,
+            free_early=free_early,
+            eviction_policy=policy,
+        )
+
+    def _live(self, *statuses: str) -> list[str]:
+        assert self.sim is not None
+        return sorted(r.rid for r in self.sim.requests.values() if r.status in statuses)
+
+    @precondition(lambda self: self.sim is not None)
+    @rule(
+        base=st.integers(0, len(BASES) - 1),
+        shared=st.integers(0, MAX_PROMPT),
+        extra=st.integers(0, 8),
+        max_tokens=st.integers(1, MAX_OUTPUT),
+        chunk=st.sampled_from([None, 2, 3, 5]),
+    )
+    def add_request(
+        self, base: int, shared: int, extra: int, max_tokens: int, chunk: int | None
+    ) -> None:
+        """A new request sharing ``shared`` tokens of a base prompt."""
+        assert self.sim is not None
+        if len(self._live("waiting", "loading", "loaded", "running")) >= 5:
+            return
+        self.count += 1
+        prompt = BASES[base][:shared] + [50_000 + 100 * self.count + i for i in range(extra)]
+        prompt = prompt[:MAX_PROMPT] or [7]
+        self.sim.add_request(f"r{self.count}", prompt, max_tokens, chunk=chunk)
+
+    @precondition(lambda self: self.sim is not None)
+    @rule()
+    def step(self) -> None:
+        """One engine step."""
+        assert self.sim is not None
+        self.sim.step()
+
+    @precondition(lambda self: self.sim is not None and self.sim.jobs)
+    @rule(data=st.data())
+    def report(self, data: st.DataObject) -> None:
+        """Some in-flight jobs are reported by some ranks, maybe failing."""
+        assert self.sim is not None
+        ids = data.draw(st.lists(st.sampled_from(self.sim.in_flight()), unique=True, min_size=1))
+        ws = self.sim.world_size
+        for jid in ids:
+            missing = [k for k in range(ws) if k not in self.sim.jobs[jid].ranks]
+            ranks = data.draw(st.lists(st.sampled_from(missing), unique=True, min_size=1))
+            fail = data.draw(st.sampled_from([(), (), (), tuple(ranks[:1])]))
+            self.sim.complete([jid], ranks=ranks, fail_ranks=fail)
+
+    @precondition(lambda self: self.sim is not None)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """Preempt a running request."""
+        running = self._live("running")
+        if running:
+            assert self.sim is not None
+            self.sim.preempt(data.draw(st.sampled_from(running)))
+
+    @precondition(lambda self: self.sim is not None)
+    @rule(data=st.data(), mid_step=st.booleans())
+    def abort(self, data: st.DataObject, mid_step: bool) -> None:
+        """Abort a live request, between steps or after scheduling (before the step ends)."""
+        assert self.sim is not None
+        if mid_step:
+            self.sim.begin_step()
+        live = self._live("waiting", "loading", "loaded", "running")
+        if live:
+            self.sim.abort(data.draw(st.sampled_from(live)))
+        if mid_step:
+            self.sim.end_step()
+
+    @invariant()
+    def checked(self) -> None:
+        """The harness's invariants (also run inside every step and report)."""
+        if self.sim is not None:
+            self.sim.check()
+
+    def teardown(self) -> None:
+        """Everything drains: all requests finish, all jobs complete, all blocks are freed."""
+        if self.sim is not None and not self.sim.violations:
+            self.sim.drain()
+            assert sorted(self.sim.free) == list(range(1, self.sim.num_gpu_blocks))
+
+
+# ~150 runs x up to 50 rules (several thousand engine steps) take a few seconds; shrinking is
+# left out so that a failing run also stays within the CI budget (the scenarios in
+# test_scheduler_scenarios.py are the minimal reproductions).
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSchedulerStateMachine = SchedulerMachine.TestCase
