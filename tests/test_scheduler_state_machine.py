@@ -10,6 +10,8 @@ and verifies the bytes of every load.
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -163,12 +165,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert sorted(self.sim.free) == list(range(1, self.sim.num_gpu_blocks))
 
 
-# ~150 runs x up to 50 rules (several thousand engine steps) take a few seconds; shrinking is
+# 500 runs x up to 60 rules (thousands of engine steps) take several seconds (more with
+# KVOFF_SM_EXAMPLES=N); shrinking is
 # left out so that a failing run also stays within the CI budget (the scenarios in
 # test_scheduler_scenarios.py are the minimal reproductions).
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=50,
+    max_examples=int(os.environ.get("KVOFF_SM_EXAMPLES", "500")),
+    stateful_step_count=60,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -23,7 +23,7 @@ KeyIndex::KeyIndex(std::uint32_t num_slots) : num_slots_(num_slots), mask_(0) {
                                 std::to_string(num_slots));
   }
   std::uint64_t buckets = 8;
-  while (buckets < 2 * static_cast<std::uint64_t>(num_slots)) {
+  while (buckets < 4 * static_cast<std::uint64_t>(num_slots)) {  // load factor <= 1/4
     buckets <<= 1;
   }
   mask_ = buckets - 1;
@@ -107,6 +107,26 @@ void KeyIndex::insert(std::uint32_t slot, std::string_view key, std::uint64_t ha
                                   " (hex) is already in the index (slot " +
                                   std::to_string(static_cast<std::uint32_t>(b) - 1) + ")");
     }
+  }
+  Record& r = records_[slot];
+  if (key.size() > kInlineKeyBytes) {
+    r.heap = new char[key.size()];
+    std::memcpy(r.heap, key.data(), key.size());
+  } else {
+    std::memcpy(r.bytes, key.data(), key.size());
+  }
+  r.len = static_cast<std::uint32_t>(key.size());
+  r.tag = tag;
+  r.payload = 0;
+  buckets_[i] = (static_cast<std::uint64_t>(tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
+  ++size_;
+}
+
+void KeyIndex::insert_absent(std::uint32_t slot, std::string_view key, std::uint64_t hash) {
+  const std::uint32_t tag = tag_of(hash);
+  std::uint64_t i = tag & mask_;
+  while (buckets_[i] != 0) {
+    i = (i + 1) & mask_;
   }
   Record& r = records_[slot];
   if (key.size() > kInlineKeyBytes) {

@@ -132,7 +132,8 @@ void CPUOffloadingManager::prefetch_victims(std::size_t count) const noexcept {
   }
   const std::uint32_t ahead = static_cast<std::uint32_t>(std::min<std::size_t>(count, ring / 4));
   const std::uint32_t logged = recent_head_ - tail;
-  const std::uint32_t n = std::min<std::uint32_t>(logged, 2 * ahead + 16);
+  // Slack for stale entries (slots touched again later, or already evicted).
+  const std::uint32_t n = std::min<std::uint32_t>(logged, ahead + ahead / 2 + 16);
   for (std::uint32_t i = 0; i < n; ++i) {
     const std::uint32_t slot = recent_[(tail + i) & (ring - 1)];
     policy_->prefetch(slot);
@@ -423,7 +424,7 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   }
   for (const std::uint32_t i : scratch_new_) {
     const std::uint32_t slot = pool_.allocate();
-    index_.insert(slot, keys[i], scratch_hashes_[i]);
+    index_.insert_absent(slot, keys[i], scratch_hashes_[i]);  // found absent in pass 1
     set_state(index_.payload(slot), BlockState::kPending);
     result.keys_to_store.emplace_back(keys[i]);
     result.block_ids.push_back(slot);

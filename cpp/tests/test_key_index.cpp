@@ -219,5 +219,23 @@ TEST(KeyIndex, LargeIndexOnHugePagesWorks) {
   EXPECT_EQ(index.find(int_key(1)), KeyIndex::kNotFound);
 }
 
+TEST(KeyIndex, InsertAbsentMatchesInsert) {
+  KeyIndex index(8);
+  const std::string inline_key = int_key(42);
+  const std::string heap_key(70, 'h');
+  index.insert_absent(3, inline_key, hash_key(inline_key));
+  index.insert_absent(5, heap_key, hash_key(heap_key));
+  EXPECT_EQ(index.size(), 2u);
+  EXPECT_EQ(index.find(inline_key), 3u);
+  EXPECT_EQ(index.find(heap_key), 5u);
+  EXPECT_EQ(index.key(5), heap_key);
+  EXPECT_EQ(index.payload(3), 0u);
+  index.erase(3);
+  index.erase(5);
+  EXPECT_EQ(index.find(inline_key), KeyIndex::kNotFound);
+  EXPECT_EQ(index.find(heap_key), KeyIndex::kNotFound);
+  EXPECT_EQ(index.size(), 0u);
+}
+
 }  // namespace
 }  // namespace kvoff

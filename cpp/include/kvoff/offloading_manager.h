@@ -75,8 +75,8 @@ using KeySpan = std::span<const std::string_view>;
 ///
 /// All operations are O(1) per key, plus, for prepare_store, the slots the policy skips while
 /// looking for victims (pinned, pending or protected blocks at the evictable end).
-/// Memory: about 105 bytes per slot (a 64-byte record holding the key inline up to 48 bytes,
-/// 16 bytes of hash buckets, 8 bytes of LRU links, 5 bytes of free list and flags, 1 byte of
+/// Memory: about 120 bytes per slot (a 64-byte record holding the key inline up to 48 bytes,
+/// 32 bytes of hash buckets, 8 bytes of LRU links, 5 bytes of free list and flags, 1 byte of
 /// evictable flag, 4 + 8..16 bytes of recency log), plus the bytes of keys longer than 48.
 /// Not thread-safe: call it from one thread (the scheduler's).
 ///
