@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvoff.bench_steps import bench_scheduler_steps
+
 __all__ = [
     "DEFAULT_POOL_SIZES",
     "LARGE_POOL_SIZE",
@@ -561,14 +563,39 @@ def run_info(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
 
+DEFAULT_STEP_SHAPES: tuple[tuple[int, int], ...] = ((64, 1), (256, 2), (1024, 1), (1024, 4))
+
+
+def format_steps_table(steps: list[dict[str, Any]]) -> str:
+    """The per-step scheduler results as a text table (µs per decode step, facade and core)."""
+    lines = [
+        "",
+        "scheduler steps (decode: 1 token per request per step; median step)",
+        f"{'B':>6} {'G':>3} {'step us':>10} {'ns/req':>8} {'core us':>10} {'core ns/req':>12} "
+        f"{'admit us/req':>13} {'prefill ms':>11} {'blocks':>8}",
+    ]
+    for r in steps:
+        lines.append(
+            f"{r['num_requests']:>6} {r['num_groups']:>3} {r['decode_step_us']:>10.1f} "
+            f"{r['decode_step_per_request_ns']:>8.0f} {r['decode_step_core_us']:>10.1f} "
+            f"{r['decode_step_core_per_request_ns']:>12.0f} {r['admit_us_per_request']:>13.2f} "
+            f"{r['prefill_step_ms']:>11.1f} {r['prefill_blocks_stored']:>8}"
+        )
+    return "\n".join(lines)
+
+
 def run_scheduler_bench(
     params: ManagerBenchParams,
     json_path: Path | None = None,
     argv: Sequence[str] | None = None,
     out: Callable[[str], None] = print,
     log: Callable[[str], None] | None = None,
+    step_shapes: Sequence[tuple[int, int]] = DEFAULT_STEP_SHAPES,
+    decode_steps: int = 64,
 ) -> dict[str, Any]:
-    """``kvoff bench scheduler``: runs the manager benchmark, prints the table with ``out``,
+    """``kvoff bench scheduler``: runs the manager benchmark and the per-step scheduler
+    benchmark (:func:`kvoff.bench_steps.bench_scheduler_steps` for each ``(B requests, G
+    groups)`` of ``step_shapes``, under ``"scheduler_steps"``), prints the tables with ``out``,
     writes the JSON document to ``json_path`` (creating its folder) and returns it.
 
     Raises:
@@ -576,6 +603,11 @@ def run_scheduler_bench(
         OSError: the JSON file cannot be written.
     """
     entries = run_manager_bench(params, log=log)
+    steps = []
+    for b, g in step_shapes:
+        if log is not None:
+            log(f"scheduler steps: {b} requests x {g} groups")
+        steps.append(bench_scheduler_steps(b, g, decode_steps=decode_steps, seed=params.seed))
     params_dict = asdict(params)
     params_dict["pool_sizes"] = list(params.pool_sizes)
     document: dict[str, Any] = {
@@ -586,8 +618,11 @@ def run_scheduler_bench(
         "*_vs_baseline: python_baseline ns_per_key / path ns_per_key",
         "target": {"min_speedup_vs_baseline": MIN_SPEEDUP},
         "manager": entries,
+        "scheduler_steps": steps,
     }
     out(format_manager_table(entries, params))
+    if steps:
+        out(format_steps_table(steps))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(document, indent=2) + "\n")

@@ -137,19 +137,20 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """The ``bench`` subcommand and its ``scheduler`` benchmark."""
     from kvoff import _scheduler
-    from kvoff.bench import DEFAULT_POOL_SIZES, LARGE_POOL_SIZE
+    from kvoff.bench import DEFAULT_POOL_SIZES, DEFAULT_STEP_SHAPES, LARGE_POOL_SIZE
 
     bp = sub.add_parser("bench", help="benchmarks", description="kvoff benchmarks")
     bench_sub = bp.add_subparsers(dest="bench_command", required=True)
     sp = bench_sub.add_parser(
         "scheduler",
-        help="offloading manager: lookups and stores per second, C++ vs a pure-Python baseline",
+        help="offloading manager and per-step scheduler cost, C++ vs a pure-Python baseline",
         description=(
             "Time the CPU offloading manager's lookup, prepare_store (with eviction) and "
             "complete_store on large pools three ways, on the same workload: in C++ with keys "
             "made in C++ (the scheduler's path), through the Python binding, and a pure-Python "
-            "OrderedDict baseline of the same semantics. Prints a table; --json writes all "
-            "numbers with the machine and versions."
+            "OrderedDict baseline of the same semantics; then the scheduler's per-step cost "
+            "for B running requests x G KV cache groups (admission, prefill, decode steps). "
+            "Prints tables; --json writes all numbers with the machine and versions."
         ),
     )
     sp.add_argument(
@@ -196,13 +197,40 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--no-baseline", action="store_true", help="skip the (slow) pure-Python baseline"
     )
     sp.add_argument(
+        "--steps",
+        type=_step_shape,
+        nargs="+",
+        default=None,
+        metavar="BxG",
+        help="per-step scheduler benchmark shapes: B running requests x G KV cache groups "
+        "(default: " + " ".join(f"{b}x{g}" for b, g in DEFAULT_STEP_SHAPES) + ")",
+    )
+    sp.add_argument(
+        "--decode-steps",
+        type=_positive_int,
+        default=64,
+        help="decode steps timed per shape (default: 64)",
+    )
+    sp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
+
+
+def _step_shape(text: str) -> tuple[int, int]:
+    """An argparse type: ``BxG`` with 1 <= B and 1 <= G <= 8."""
+    try:
+        b, g = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxG, e.g. 1024x4") from None
+    if b < 1 or not 1 <= g <= 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: need B >= 1 and 1 <= G <= 8")
+    return b, g
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from kvoff.bench import (
         DEFAULT_POOL_SIZES,
+        DEFAULT_STEP_SHAPES,
         LARGE_POOL_SIZE,
         ManagerBenchParams,
         run_scheduler_bench,
@@ -226,6 +254,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         json_path=args.json,
         argv=argv,
         log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+        step_shapes=DEFAULT_STEP_SHAPES if args.steps is None else args.steps,
+        decode_steps=args.decode_steps,
     )
     return 0
 

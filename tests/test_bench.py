@@ -20,6 +20,7 @@ _TIMING_FIELDS = {"keys", "calls", "seconds", "best_seconds", "ns_per_key", "key
 def test_cli_writes_json_with_every_field(tmp_path, capsys):
     path = tmp_path / "out" / "bench.json"
     argv = ["bench", "scheduler", "--pool-sizes", "4096", "--calls", "8", "--repeat", "2"]
+    argv += ["--steps", "8x1", "16x3", "--decode-steps", "20"]
     assert main([*argv, "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "lookup" in printed and "prepare_store" in printed and str(path) in printed
@@ -33,7 +34,15 @@ def test_cli_writes_json_with_every_field(tmp_path, capsys):
     assert params["pool_sizes"] == [4096]
     assert params["batch"] == 256 and params["repeat"] == 2 and params["batches_per_round"] == 8
     assert params["eviction_policy"] == "lru"
-    assert "scheduler_steps" not in doc  # no placeholder for benchmarks not written yet
+    steps = doc["scheduler_steps"]
+    assert [(r["num_requests"], r["num_groups"]) for r in steps] == [(8, 1), (16, 3)]
+    for r in steps:
+        # every prompt block of every group is stored at prefill (1024-token prompts, 16-token
+        # blocks); 20 decode steps complete one more block per request (at token 1040)
+        assert r["prefill_blocks_stored"] == r["num_requests"] * r["num_groups"] * 64
+        assert r["decode_store_jobs"] == r["num_requests"]
+        assert r["decode_step_us"] > 0 and r["decode_step_core_us"] > 0
+        assert r["admit_us_per_request"] > 0 and r["complete_us_per_job"] > 0
 
     (entry,) = doc["manager"]
     assert entry["pool_size"] == 4096
@@ -56,6 +65,7 @@ def test_other_policies_run_without_baseline(tmp_path):
         pytest.skip("only the lru policy is registered")
     path = tmp_path / "bench.json"
     argv = ["bench", "scheduler", "--pool-sizes", "4096", "--calls", "4", "--repeat", "1"]
+    argv += ["--steps", "4x2", "--decode-steps", "2"]
     assert main([*argv, "--eviction-policy", other, "--json", str(path)]) == 0
     (entry,) = json.loads(path.read_text())["manager"]
     row = entry["operations"]["lookup"]
