@@ -17,6 +17,7 @@ Two timings per step, side by side:
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any
@@ -101,7 +102,7 @@ def bench_scheduler_steps(
     blocks_per_request = -(-(prompt_tokens + decode_steps + 1) // _BLOCK_SIZE)
     num_gpu_blocks = num_requests * num_groups * blocks_per_request + 1
     sched = OffloadingScheduler(_spec(num_groups, num_gpu_blocks, num_cpu_blocks))
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
     next_block = 1
 
     def alloc(n: int) -> tuple[int, ...]:
