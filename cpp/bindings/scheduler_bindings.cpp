@@ -249,6 +249,16 @@ struct OffloadingEvent {
   const char* kind() const { return removed ? "BlockRemoved" : "BlockStored"; }
 };
 
+/// The core's events as Python OffloadingEvent records (keys as bytes).
+py::list events_to_py(std::vector<kvoff::OffloadingEvent> events) {
+  py::list out(events.size());
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    out[i] = py::cast(OffloadingEvent{to_bytes_list(events[i].keys), std::move(events[i].medium),
+                                      events[i].removed});
+  }
+  return out;
+}
+
 std::string list_repr(const py::list& l) { return py::repr(l).cast<std::string>(); }
 
 // ------------------------------------------------------------------------- docstrings
@@ -526,15 +536,7 @@ void bind(py::module_& m) {
           py::arg("reports"))
       .def("request_finished", &OffloadingScheduler::request_finished, py::arg("request_id"))
       .def("take_events",
-           [](OffloadingScheduler& self) {
-             auto events = self.take_events();
-             py::list out(events.size());
-             for (std::size_t i = 0; i < events.size(); ++i) {
-               out[i] = py::cast(OffloadingEvent{to_bytes_list(events[i].keys),
-                                                 std::move(events[i].medium), events[i].removed});
-             }
-             return out;
-           })
+           [](OffloadingScheduler& self) { return events_to_py(self.take_events()); })
       .def("stats",
            [](const OffloadingScheduler& self) {
              const auto& s = self.stats();
@@ -797,15 +799,7 @@ PYBIND11_MODULE(_scheduler, m) {
                       .c_str()))
       .def(
           "take_events",
-          [](CPUOffloadingManager& self) {
-            auto events = self.take_events();
-            py::list out(events.size());
-            for (std::size_t i = 0; i < events.size(); ++i) {
-              out[i] = py::cast(OffloadingEvent{to_bytes_list(events[i].keys),
-                                                std::move(events[i].medium), events[i].removed});
-            }
-            return out;
-          },
+          [](CPUOffloadingManager& self) { return events_to_py(self.take_events()); },
           py::doc("take_events(self) -> list[OffloadingEvent]\n\n"
                   "Returns the events recorded since the last call, oldest first, and clears "
                   "them: BlockRemoved for evictions (from prepare_store) and BlockStored for "

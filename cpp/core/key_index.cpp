@@ -85,6 +85,23 @@ bool KeyIndex::holds(std::uint32_t slot) const {
   return records_[slot].len != 0;
 }
 
+void KeyIndex::place(std::uint32_t slot, std::string_view key, std::uint32_t tag,
+                     std::uint64_t bucket) {
+  Record& r = records_[slot];
+  if (key.size() > kInlineKeyBytes) {
+    r.heap = new char[key.size()];
+    std::memcpy(r.heap, key.data(), key.size());
+  } else {
+    std::memcpy(r.bytes, key.data(), key.size());
+  }
+  r.len = static_cast<std::uint32_t>(key.size());
+  r.tag = tag;
+  r.payload = 0;
+  buckets_[bucket] =
+      (static_cast<std::uint64_t>(tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
+  ++size_;
+}
+
 void KeyIndex::insert(std::uint32_t slot, std::string_view key, std::uint64_t hash) {
   if (holds(slot)) {
     throw std::invalid_argument("slot " + std::to_string(slot) + " already holds key " +
@@ -108,18 +125,7 @@ void KeyIndex::insert(std::uint32_t slot, std::string_view key, std::uint64_t ha
                                   std::to_string(static_cast<std::uint32_t>(b) - 1) + ")");
     }
   }
-  Record& r = records_[slot];
-  if (key.size() > kInlineKeyBytes) {
-    r.heap = new char[key.size()];
-    std::memcpy(r.heap, key.data(), key.size());
-  } else {
-    std::memcpy(r.bytes, key.data(), key.size());
-  }
-  r.len = static_cast<std::uint32_t>(key.size());
-  r.tag = tag;
-  r.payload = 0;
-  buckets_[i] = (static_cast<std::uint64_t>(tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
-  ++size_;
+  place(slot, key, tag, i);
 }
 
 void KeyIndex::insert_absent(std::uint32_t slot, std::string_view key, std::uint64_t hash) {
@@ -128,18 +134,7 @@ void KeyIndex::insert_absent(std::uint32_t slot, std::string_view key, std::uint
   while (buckets_[i] != 0) {
     i = (i + 1) & mask_;
   }
-  Record& r = records_[slot];
-  if (key.size() > kInlineKeyBytes) {
-    r.heap = new char[key.size()];
-    std::memcpy(r.heap, key.data(), key.size());
-  } else {
-    std::memcpy(r.bytes, key.data(), key.size());
-  }
-  r.len = static_cast<std::uint32_t>(key.size());
-  r.tag = tag;
-  r.payload = 0;
-  buckets_[i] = (static_cast<std::uint64_t>(tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
-  ++size_;
+  place(slot, key, tag, i);
 }
 
 void KeyIndex::erase(std::uint32_t slot) {

@@ -171,6 +171,8 @@ class KeyIndex {
   std::uint64_t payload(std::uint32_t slot) const noexcept { return records_[slot].payload; }
 
  private:
+  /// Writes `key` (tag `tag`) into `slot`'s record and points empty bucket `bucket` at it.
+  void place(std::uint32_t slot, std::string_view key, std::uint32_t tag, std::uint64_t bucket);
   struct alignas(64) Record {
     std::uint64_t payload;
     std::uint32_t len;  // 0: holds no key (keys are never empty)
