@@ -136,21 +136,18 @@ class KeyBatch {
 
   kvoff::KeySpan span() const noexcept { return views_; }
 
-  /// `keys` as Python bytes, given that they are a subsequence of this batch in order (as
-  /// keys_to_store is): bytes items of the batch are returned as the same objects (no copy).
-  py::list subsequence_as_bytes(const std::vector<std::string>& keys) const {
-    py::list out(keys.size());
+  /// The keys at `positions` (ascending positions into this batch) as Python bytes: bytes items
+  /// of the batch are returned as the same objects (no copy).
+  py::list items_as_bytes(const std::vector<std::uint32_t>& positions) const {
+    py::list out(positions.size());
     PyObject** items = PySequence_Fast_ITEMS(seq_.ptr());
-    std::size_t i = 0;
-    for (std::size_t j = 0; j < keys.size(); ++j) {
-      while (i < views_.size() && views_[i] != keys[j]) {
-        ++i;
-      }
+    for (std::size_t j = 0; j < positions.size(); ++j) {
+      const std::uint32_t i = positions[j];
       PyObject* b = nullptr;
-      if (i < views_.size() && PyBytes_Check(items[i])) {
+      if (PyBytes_Check(items[i])) {
         b = Py_NewRef(items[i]);
       } else {
-        b = PyBytes_FromStringAndSize(keys[j].data(), static_cast<Py_ssize_t>(keys[j].size()));
+        b = PyBytes_FromStringAndSize(views_[i].data(), static_cast<Py_ssize_t>(views_[i].size()));
         if (b == nullptr) {
           throw py::error_already_set();
         }
@@ -167,10 +164,13 @@ class KeyBatch {
   std::size_t num_ints_ = 0;
 };
 
-py::list to_bytes_list(const std::vector<std::string>& keys) {
+/// Keys (a std::vector<std::string> or a kvoff::KeyList) as a list of Python bytes.
+template <typename Keys>
+py::list to_bytes_list(const Keys& keys) {
   py::list out(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    PyObject* b = PyBytes_FromStringAndSize(keys[i].data(), static_cast<Py_ssize_t>(keys[i].size()));
+    const std::string_view key(keys[i]);
+    PyObject* b = PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
     if (b == nullptr) {
       throw py::error_already_set();
     }
@@ -765,7 +765,7 @@ PYBIND11_MODULE(_scheduler, m) {
             if (!result) {
               return py::none();
             }
-            return py::cast(PrepareStoreOutput{batch.subsequence_as_bytes(result->keys_to_store),
+            return py::cast(PrepareStoreOutput{batch.items_as_bytes(result->store_indices),
                                                to_int_list(result->block_ids),
                                                to_bytes_list(result->evicted_keys)});
           },

@@ -33,6 +33,8 @@ KeyIndex::KeyIndex(std::uint32_t num_slots) : num_slots_(num_slots), mask_(0) {
     r.payload = 0;
     r.len = 0;
     r.tag = 0;
+    r.extra = 0;
+    r.unused = 0;
   }
 }
 
@@ -97,6 +99,7 @@ void KeyIndex::place(std::uint32_t slot, std::string_view key, std::uint32_t tag
   r.len = static_cast<std::uint32_t>(key.size());
   r.tag = tag;
   r.payload = 0;
+  r.extra = 0;
   buckets_[bucket] =
       (static_cast<std::uint64_t>(tag) << 32) | (static_cast<std::uint64_t>(slot) + 1);
   ++size_;
@@ -168,6 +171,7 @@ void KeyIndex::erase(std::uint32_t slot) {
   }
   r.len = 0;
   r.payload = 0;
+  r.extra = 0;
   --size_;
 }
 

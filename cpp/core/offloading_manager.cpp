@@ -22,6 +22,11 @@ namespace {
 
 constexpr const char* kMedium = "CPU";
 
+// How many victims (new keys) ahead prepare_store's commit prefetches index buckets.
+constexpr std::size_t kCommitAhead = 12;
+// How many recency-log entries ahead of the victim walk prepare_store prefetches.
+constexpr std::size_t kVictimAhead = 64;
+
 inline void prefetch_byte(const void* p) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(p);
@@ -49,6 +54,10 @@ inline void set_state(std::uint64_t& p, BlockState s) noexcept {
 }
 inline void set_mark(std::uint64_t& p, std::uint32_t mark) noexcept {
   p = (p & kLow32) | (static_cast<std::uint64_t>(mark) << 32);
+}
+/// Ready and unpinned: an eviction candidate (unless protected by the current call).
+inline bool evictable(std::uint64_t p) noexcept {
+  return (p & kLow32) == static_cast<std::uint64_t>(BlockState::kReady);
 }
 
 /// Validates the arguments before anything large is allocated; returns num_blocks.
@@ -108,9 +117,7 @@ CPUOffloadingManager::CPUOffloadingManager(std::int64_t num_blocks,
     : pool_(checked_num_blocks(num_blocks, eviction_policy)),
       index_(pool_.num_blocks()),
       policy_(make_eviction_policy(eviction_policy, pool_.num_blocks())),
-      enable_events_(enable_events),
-      evictable_(pool_.num_blocks(), 0),
-      recent_pos_(pool_.num_blocks(), 0) {
+      enable_events_(enable_events) {
   std::uint64_t ring = 1024;
   while (ring < 2 * static_cast<std::uint64_t>(pool_.num_blocks()) && ring < kMaxRecentLog) {
     ring <<= 1;
@@ -120,27 +127,23 @@ CPUOffloadingManager::CPUOffloadingManager(std::int64_t num_blocks,
 
 void CPUOffloadingManager::note_recent(std::uint32_t slot) noexcept {
   recent_[recent_head_ & (recent_.size() - 1)] = slot;
-  recent_pos_[slot] = recent_head_;
+  index_.extra(slot) = recent_head_;
   ++recent_head_;
 }
 
-void CPUOffloadingManager::prefetch_victims(std::size_t count) const noexcept {
+std::uint32_t CPUOffloadingManager::predicted_victims_start() const noexcept {
   const auto ring = static_cast<std::uint32_t>(recent_.size());
-  std::uint32_t tail = recent_tail_;
-  if (recent_head_ - tail > ring) {  // overwritten: start at the oldest entry still logged
-    tail = recent_head_ - ring;
+  // Overwritten entries: start at the oldest entry still logged.
+  return recent_head_ - recent_tail_ > ring ? recent_head_ - ring : recent_tail_;
+}
+
+void CPUOffloadingManager::prefetch_predicted(std::uint32_t position) const noexcept {
+  if (position - recent_head_ < 0x80000000u) {  // at or past the head: nothing logged there
+    return;
   }
-  const std::uint32_t ahead = static_cast<std::uint32_t>(std::min<std::size_t>(count, ring / 4));
-  const std::uint32_t logged = recent_head_ - tail;
-  // Slack for stale entries (slots touched again later, or already evicted).
-  const std::uint32_t n = std::min<std::uint32_t>(logged, ahead + ahead / 2 + 16);
-  for (std::uint32_t i = 0; i < n; ++i) {
-    const std::uint32_t slot = recent_[(tail + i) & (ring - 1)];
-    policy_->prefetch(slot);
-    prefetch_byte(&evictable_[slot]);
-    index_.prefetch_record(slot);  // erased next (and reused by a new key)
-    prefetch_byte(&recent_pos_[slot]);
-  }
+  const std::uint32_t slot = recent_[position & (recent_.size() - 1)];
+  policy_->prefetch(slot);
+  index_.prefetch_record(slot);  // tested by can_evict, then erased and reused by a new key
 }
 
 CPUOffloadingManager::~CPUOffloadingManager() = default;
@@ -168,9 +171,8 @@ void CPUOffloadingManager::record(std::vector<std::string> keys, bool removed) {
   events_.push_back(OffloadingEvent{std::move(keys), kMedium, removed});
 }
 
-void CPUOffloadingManager::drop_slot(std::uint32_t slot, bool evicted) {
-  evictable_[slot] = 0;
-  policy_->erase(slot, index_.key(slot), evicted);
+void CPUOffloadingManager::drop_slot(std::uint32_t slot) {
+  policy_->erase(slot, index_.key(slot), /*evicted=*/false);
   index_.erase(slot);
   pool_.free(slot);
 }
@@ -241,7 +243,6 @@ std::vector<std::uint32_t> CPUOffloadingManager::prepare_load(KeySpan keys) {
     std::uint64_t& p = index_.payload(slot);
     if (pins_bits(p) == 0) {
       --num_evictable_;
-      evictable_[slot] = 0;
     }
     p += kOnePin;
   }
@@ -275,11 +276,6 @@ void CPUOffloadingManager::complete_load(KeySpan keys) {
       ++unpinned;
     }
   }
-  for (const std::uint32_t slot : scratch_slots_) {  // validated: now commit the flags
-    if (pins_bits(index_.payload(slot)) == 0) {
-      evictable_[slot] = 1;
-    }
-  }
   num_evictable_ += unpinned;
 }
 
@@ -303,16 +299,17 @@ void CPUOffloadingManager::touch(KeySpan keys) {
 // ------------------------------------------------------------------------------------- stores
 
 bool CPUOffloadingManager::dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash) {
-  // scratch_set_ holds positions into scratch_new_ (+1; 0 = empty); its size is a power of two.
+  // Open addressing over a power-of-two table; an entry holds the high half of the key's hash
+  // (compared first, no indirection) and the key's position + 1 (0 = empty).
   const std::size_t mask = scratch_set_.size() - 1;
+  const auto high = static_cast<std::uint32_t>(hash >> 32);
   for (std::size_t b = hash & mask;; b = (b + 1) & mask) {
-    const std::uint32_t entry = scratch_set_[b];
-    if (entry == 0) {
-      scratch_set_[b] = static_cast<std::uint32_t>(scratch_new_.size()) + 1;
+    const DedupeEntry entry = scratch_set_[b];
+    if (entry.position == 0) {
+      scratch_set_[b] = DedupeEntry{high, static_cast<std::uint32_t>(index) + 1};
       return true;
     }
-    const std::uint32_t other = scratch_new_[entry - 1];
-    if (scratch_hashes_[other] == hash && keys[other] == keys[index]) {
+    if (entry.hash_high == high && keys[entry.position - 1] == keys[index]) {
       return false;
     }
   }
@@ -328,22 +325,19 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
     while (buckets < 2 * keys.size()) {
       buckets <<= 1;
     }
-    scratch_set_.assign(buckets, 0);
+    scratch_set_.assign(buckets, DedupeEntry{0, 0});
   }
 
-  // Pass 1 (no state change): mark the keys already held (they are protected from eviction)
-  // and collect the distinct new keys.
-  // Protected keys get evictable_ = 0 until the victims are chosen (restored below).
-  scratch_protected_.clear();
+  // Pass 1 (no state change but the call's marks): mark the keys already held with this
+  // call's stamp (they are protected from eviction) and collect the distinct new keys.
+  std::size_t num_protected = 0;  // held keys of the call that are evictable
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
     if (slot != KeyIndex::kNotFound) {
       std::uint64_t& p = index_.payload(slot);
       if (mark_bits(p) != stamp) {
         set_mark(p, stamp);
-        if (evictable_[slot] != 0) {
-          scratch_protected_.push_back(slot);
-        }
+        num_protected += evictable(p) ? 1 : 0;
       }
       continue;
     }
@@ -359,36 +353,25 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   scratch_victims_.clear();
   if (need > free) {
     const std::size_t to_evict = need - free;
-    if (static_cast<std::size_t>(num_evictable_) - scratch_protected_.size() < to_evict) {
+    if (static_cast<std::size_t>(num_evictable_) - num_protected < to_evict) {
       return std::nullopt;  // cheap refusal: not enough candidates, nothing scanned
     }
-    // The policy asks about each slot it walks past: one byte of a dense array (ready,
-    // unpinned, not protected) instead of the slot's 64-byte record. The records of the victims
-    // are prefetched as they are found, so their misses overlap the policy's walk (a chain of
-    // dependent loads) instead of following it.
-    for (const std::uint32_t slot : scratch_protected_) {
-      evictable_[slot] = 0;
+    // A slot may be evicted when its block is ready, unpinned and not a key of this call: one
+    // read of the slot's record, which the recency log has usually prefetched already.
+    // The walk itself drives a software pipeline over the recency log: each slot examined
+    // prefetches the policy node and record of the entry kVictimAhead positions further on, so
+    // the walk (a chain of dependent loads) mostly finds its next node in cache.
+    std::uint32_t predicted = predicted_victims_start();
+    for (std::size_t k = 0; k < kVictimAhead; ++k) {
+      prefetch_predicted(predicted + static_cast<std::uint32_t>(k));
     }
-    const auto can_evict = [this](std::uint32_t slot) {
-      if (evictable_[slot] == 0) {
-        return false;
-      }
-      index_.prefetch_record(slot);
-      return true;
+    const auto can_evict = [this, stamp, &predicted](std::uint32_t slot) {
+      prefetch_predicted(predicted + static_cast<std::uint32_t>(kVictimAhead));
+      ++predicted;
+      const std::uint64_t p = index_.payload(slot);
+      return evictable(p) && mark_bits(p) != stamp;
     };
-    std::size_t found = 0;
-    prefetch_victims(to_evict);
-    try {
-      found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
-    } catch (...) {
-      for (const std::uint32_t slot : scratch_protected_) {
-        evictable_[slot] = 1;
-      }
-      throw;
-    }
-    for (const std::uint32_t slot : scratch_protected_) {
-      evictable_[slot] = 1;
-    }
+    const std::size_t found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
     if (found != to_evict) {
       throw std::logic_error("kvoff internal error: eviction policy '" +
                              std::string(policy_->name()) + "' found " + std::to_string(found) +
@@ -396,37 +379,52 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
                              " victims that the evictable count promised; nothing was changed");
     }
     // The next victims were probably used right after the last one (a hint only).
-    recent_tail_ = recent_pos_[scratch_victims_.back()] + 1;
+    recent_tail_ = index_.extra(scratch_victims_.back()) + 1;
   }
 
-  // Pass 3: commit.
+  // Pass 3: commit. Evicted slots go straight to new keys (never through the free list): the
+  // new keys take the victims' slots, last victim first, then free slots. This is the order a
+  // LIFO free list would give after freeing the victims, without its traffic.
   PrepareStoreResult result;
+  result.store_indices.assign(scratch_new_.begin(), scratch_new_.end());
   result.keys_to_store.reserve(need);
   result.block_ids.reserve(need);
-  result.evicted_keys.reserve(scratch_victims_.size());
-  for (const std::uint32_t victim : scratch_victims_) {
-    index_.prefetch_erase(victim);
-    policy_->prefetch(victim);
-    pool_.prefetch(victim);
-    prefetch_byte(&recent_pos_[victim]);
+  const std::size_t num_victims = scratch_victims_.size();
+  result.evicted_keys.reserve(num_victims, keys.empty() ? 0 : num_victims * keys[0].size());
+  // Software pipelines: the bucket of the victim (new key) kCommitAhead positions ahead is
+  // fetched while one is erased (inserted), so the misses overlap and the lines are still in L1
+  // when they are used (a burst of hundreds of prefetches would evict its own first lines).
+  for (std::size_t k = 0; k < std::min(num_victims, kCommitAhead); ++k) {
+    index_.prefetch_erase(scratch_victims_[k]);
   }
-  for (const std::uint32_t i : scratch_new_) {
-    index_.prefetch_insert(scratch_hashes_[i]);
+  for (std::size_t k = 0; k < num_victims; ++k) {
+    if (k + kCommitAhead < num_victims) {
+      index_.prefetch_erase(scratch_victims_[k + kCommitAhead]);
+    }
+    const std::uint32_t victim = scratch_victims_[k];
+    const std::string_view key = index_.key(victim);
+    result.evicted_keys.push_back(key);
+    policy_->erase(victim, key, /*evicted=*/true);
+    index_.erase(victim);
   }
-  for (const std::uint32_t victim : scratch_victims_) {
-    result.evicted_keys.emplace_back(index_.key(victim));
-    drop_slot(victim, /*evicted=*/true);
+  num_ready_ -= static_cast<std::uint32_t>(num_victims);
+  num_evictable_ -= static_cast<std::uint32_t>(num_victims);
+  if (enable_events_ && num_victims > 0) {
+    record(result.evicted_keys.to_strings(), /*removed=*/true);
   }
-  num_ready_ -= static_cast<std::uint32_t>(scratch_victims_.size());
-  num_evictable_ -= static_cast<std::uint32_t>(scratch_victims_.size());
-  if (enable_events_) {
-    record(result.evicted_keys, /*removed=*/true);
+  for (std::size_t j = 0; j < std::min(need, kCommitAhead); ++j) {
+    index_.prefetch_insert(scratch_hashes_[scratch_new_[j]]);
   }
-  for (const std::uint32_t i : scratch_new_) {
-    const std::uint32_t slot = pool_.allocate();
+  for (std::size_t j = 0; j < need; ++j) {
+    if (j + kCommitAhead < need) {
+      index_.prefetch_insert(scratch_hashes_[scratch_new_[j + kCommitAhead]]);
+    }
+    const std::uint32_t i = scratch_new_[j];
+    const std::uint32_t slot =
+        j < num_victims ? scratch_victims_[num_victims - 1 - j] : pool_.allocate();
     index_.insert_absent(slot, keys[i], scratch_hashes_[i]);  // found absent in pass 1
     set_state(index_.payload(slot), BlockState::kPending);
-    result.keys_to_store.emplace_back(keys[i]);
+    result.keys_to_store.push_back(keys[i]);
     result.block_ids.push_back(slot);
   }
   // Enter the policy last to first, so keys[0] is the most recent of the new blocks.
@@ -470,7 +468,6 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
     }
     for (const std::uint32_t slot : scratch_new_) {
       set_state(index_.payload(slot), BlockState::kReady);
-      evictable_[slot] = 1;
       if (enable_events_) {
         stored.emplace_back(index_.key(slot));
       }
@@ -483,7 +480,7 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
       index_.prefetch_erase(slot);
     }
     for (const std::uint32_t slot : scratch_new_) {
-      drop_slot(slot, /*evicted=*/false);
+      drop_slot(slot);
     }
   }
   num_pending_ -= n;

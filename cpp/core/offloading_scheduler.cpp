@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <stdexcept>
-#include <unordered_set>
 #include <utility>
 
 #include "kvoff/key.h"
@@ -516,16 +515,16 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   }
   r.next_store = full;
   manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
-  if (result->keys_to_store.empty()) return;
-  std::unordered_set<std::string_view> to_store(result->keys_to_store.begin(),
-                                                result->keys_to_store.end());
+  if (result->store_indices.empty()) return;
+  std::vector<char> to_store(items.size(), 0);
+  for (const std::uint32_t i : result->store_indices) to_store[i] = 1;
   std::vector<Segment> segments;
   std::vector<std::ptrdiff_t> open(num_groups, -1);  // index of the group's open run
   std::vector<std::int64_t> open_end(num_groups, -1);
   // Items are ordered by j, then g: build per-group contiguous runs.
   for (std::size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
-    if (!to_store.contains(keys[i])) {
+    if (to_store[i] == 0) {
       open[it.g] = -1;
       continue;
     }

@@ -37,6 +37,31 @@ TEST(KeyHash, HexFormatting) {
   EXPECT_EQ(key_to_hex(std::string(4, 'a'), 2), "6161...(4 bytes)");
 }
 
+TEST(KeyList, AppendsCopiesBackToBack) {
+  KeyList list;
+  EXPECT_TRUE(list.empty());
+  std::string a = "alpha";
+  list.reserve(3, 16);
+  list.push_back(a);
+  list.push_back(std::string(1, '\0'));  // keys are bytes: a zero byte is a key
+  list.push_back(int_key(7));
+  a[0] = 'X';  // the list holds copies
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0], "alpha");
+  EXPECT_EQ(list[1], std::string(1, '\0'));
+  EXPECT_EQ(list[2], int_key(7));
+  EXPECT_EQ(list.to_strings(),
+            (std::vector<std::string>{"alpha", std::string(1, '\0'), int_key(7)}));
+  std::size_t n = 0;
+  for (const std::string_view key : list) {
+    EXPECT_EQ(key, list[n++]);
+  }
+  EXPECT_EQ(n, 3u);
+  list.clear();
+  EXPECT_TRUE(list.empty());
+  EXPECT_EQ(list.begin(), list.end());
+}
+
 TEST(KeyIndex, InsertFindErase) {
   KeyIndex index(4);
   const std::string a = "alpha";
@@ -49,6 +74,13 @@ TEST(KeyIndex, InsertFindErase) {
   EXPECT_EQ(index.find(b), 0u);
   EXPECT_EQ(index.key(2), a);
   EXPECT_TRUE(index.holds(2));
+  EXPECT_EQ(index.extra(2), 0u);  // zero after insert, kept until erase
+  index.extra(2) = 0xdeadbeef;
+  EXPECT_EQ(index.extra(2), 0xdeadbeefu);
+  EXPECT_EQ(index.find(a), 2u);
+  index.erase(2);
+  index.insert(2, a, hash_key(a));
+  EXPECT_EQ(index.extra(2), 0u);
   index.erase(2);
   EXPECT_FALSE(index.holds(2));
   EXPECT_EQ(index.find(a), KeyIndex::kNotFound);

@@ -23,6 +23,12 @@ Keys K(std::initializer_list<std::string_view> keys) { return Keys(keys); }
 
 Strings S(std::initializer_list<const char*> keys) { return Strings(keys.begin(), keys.end()); }
 
+/// Keys (views, a KeyList, strings) as strings, for comparisons.
+template <typename Range>
+Strings str(const Range& keys) {
+  return Strings(keys.begin(), keys.end());
+}
+
 /// Stores keys and completes the store successfully; asserts it was accepted.
 void store(CPUOffloadingManager& m, const Keys& keys) {
   auto r = m.prepare_store(keys);
@@ -123,7 +129,7 @@ TEST(Manager, BlockIdsAreDistinctSlots) {
   auto r = m.prepare_store(K({"a", "b", "c", "d"}));
   ASSERT_TRUE(r);
   EXPECT_EQ(r->block_ids, (std::vector<std::uint32_t>{0, 1, 2, 3}));
-  EXPECT_EQ(r->keys_to_store, S({"a", "b", "c", "d"}));
+  EXPECT_EQ(str(r->keys_to_store), S({"a", "b", "c", "d"}));
   EXPECT_TRUE(r->evicted_keys.empty());
   EXPECT_EQ(m.num_free_blocks(), 0u);
   EXPECT_EQ(m.num_pending_blocks(), 4u);
@@ -210,8 +216,8 @@ TEST(Invariant6, KeysOfOneCallAreNotEvictedForEachOther) {
   store(m, K({"c"}));  // LRU order: a b c
   auto r = m.prepare_store(K({"a", "d"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->keys_to_store, S({"d"}));
-  EXPECT_EQ(r->evicted_keys, S({"b"}));  // a is the LRU block but belongs to the call
+  EXPECT_EQ(str(r->keys_to_store), S({"d"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"b"}));  // a is the LRU block but belongs to the call
   EXPECT_EQ(m.state("a"), BlockState::kReady);
   EXPECT_EQ(m.state("b"), BlockState::kMissing);
 }
@@ -225,14 +231,14 @@ TEST(Invariant6, PinnedBlocksAreNotEvictedUntilCompleteLoad) {
   EXPECT_EQ(m.pin_count("a"), 1u);
   auto r = m.prepare_store(K({"c"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"b"}));  // a is least recent but pinned
+  EXPECT_EQ(str(r->evicted_keys), S({"b"}));  // a is least recent but pinned
   EXPECT_FALSE(m.prepare_store(K({"d"})).has_value());  // a pinned, c pending
   m.complete_store(K({"c"}));
   m.complete_load(K({"a"}));
   EXPECT_EQ(m.pin_count("a"), 0u);
   r = m.prepare_store(K({"d"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"a"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"a"}));
 }
 
 TEST(Invariant6, DoublePinNeedsTwoCompleteLoads) {
@@ -257,7 +263,7 @@ TEST(Invariant6, DuplicateNewKeysNeedOneSlot) {
   CPUOffloadingManager m(2);
   auto r = m.prepare_store(K({"a", "b", "a", "b"}));
   ASSERT_TRUE(r);  // 2 distinct keys fit exactly
-  EXPECT_EQ(r->keys_to_store, S({"a", "b"}));
+  EXPECT_EQ(str(r->keys_to_store), S({"a", "b"}));
   m.complete_store(K({"a", "b", "a"}));  // a repeated key is finished once
   EXPECT_EQ(m.num_stored_blocks(), 2u);
 }
@@ -268,7 +274,7 @@ TEST(Invariant6, HeldKeysAreNotStoredAgain) {
   ASSERT_TRUE(m.prepare_store(K({"b"})));
   auto r = m.prepare_store(K({"a", "b", "c"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->keys_to_store, S({"c"}));
+  EXPECT_EQ(str(r->keys_to_store), S({"c"}));
   EXPECT_EQ(m.num_free_blocks(), 1u);
 }
 
@@ -277,11 +283,42 @@ TEST(Invariant6, EvictionFillsFreedSlots) {
   store(m, K({"a", "b", "c"}));  // eviction order c b a
   auto r = m.prepare_store(K({"x", "y"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"c", "b"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"c", "b"}));
   std::vector<std::uint32_t> ids = r->block_ids;
   std::sort(ids.begin(), ids.end());
   EXPECT_EQ(ids, (std::vector<std::uint32_t>{1, 2}));  // the slots of b and c
   EXPECT_EQ(m.num_free_blocks(), 0u);
+}
+
+TEST(Invariant6, StoreIndicesNameFirstOccurrencesOfNewKeys) {
+  CPUOffloadingManager m(8);
+  store(m, K({"held"}));
+  const Keys call = K({"x", "held", "y", "x", "z", "y"});
+  auto r = m.prepare_store(call);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->store_indices, (std::vector<std::uint32_t>{0, 2, 4}));
+  ASSERT_EQ(r->keys_to_store.size(), 3u);
+  for (std::size_t j = 0; j < 3; ++j) {  // views of the call's own key bytes
+    EXPECT_EQ(r->keys_to_store[j].data(), call[r->store_indices[j]].data());
+  }
+  EXPECT_EQ(r->block_ids.size(), 3u);
+}
+
+TEST(Invariant6, EvictedSlotsGoToNewKeysLastVictimFirstThenFreeSlots) {
+  CPUOffloadingManager m(4);
+  store(m, K({"a", "b", "c"}));  // slots 0 1 2; eviction order c b a; slot 3 free
+  auto r = m.prepare_store(K({"x", "y", "w"}));  // needs 3: the free slot and 2 victims
+  ASSERT_TRUE(r);
+  EXPECT_EQ(str(r->evicted_keys), S({"c", "b"}));
+  // The order a LIFO free list gives after freeing the victims c (2) then b (1).
+  EXPECT_EQ(r->block_ids, (std::vector<std::uint32_t>{1, 2, 3}));
+  EXPECT_EQ(m.block_id("x"), 1u);
+  EXPECT_EQ(m.block_id("w"), 3u);
+  EXPECT_EQ(m.num_free_blocks(), 0u);
+  m.complete_store(K({"x", "y", "w"}));
+  EXPECT_EQ(m.lookup(K({"a", "x", "y", "w"})), 4u);
+  EXPECT_EQ(m.lookup(K({"b"})), 0u);
+  EXPECT_EQ(m.lookup(K({"c"})), 0u);
 }
 
 // ------------------------------------------------------------------------ invariant 8: order
@@ -443,15 +480,15 @@ TEST(Manager, ChurnKeepsBookkeepingConsistent) {
       case 0: {
         auto r = m.prepare_store(keys);
         if (r) {
-          for (const auto& k : r->evicted_keys) {
+          for (const std::string& k : str(r->evicted_keys)) {
             ASSERT_EQ(ref.at(k), BlockState::kReady);
             ref.erase(k);
           }
-          for (const auto& k : r->keys_to_store) {
+          for (const std::string& k : str(r->keys_to_store)) {
             ASSERT_EQ(ref.count(k), 0u);
             ref[k] = BlockState::kPending;
           }
-          in_flight.push_back(r->keys_to_store);
+          in_flight.push_back(str(r->keys_to_store));
         }
         break;
       }
@@ -539,7 +576,7 @@ TEST(ARCManager, PrepareStoreAllOrNothing) {
   EXPECT_TRUE(m.take_events().empty());
   auto r = m.prepare_store(K({"e", "f", "g"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"d", "c", "b"}));  // order unchanged by the refusal
+  EXPECT_EQ(str(r->evicted_keys), S({"d", "c", "b"}));  // order unchanged by the refusal
 }
 
 TEST(ARCManager, ProtectedPendingAndPinnedBlocksAreNotEvicted) {
@@ -556,7 +593,7 @@ TEST(ARCManager, ProtectedPendingAndPinnedBlocksAreNotEvicted) {
   m.prepare_load(K({"a"}));
   auto r = m.prepare_store(K({"p", "x"}));  // a pinned, p protected: T1 has none, so T2's b
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"b"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"b"}));
   EXPECT_EQ(m.state("a"), BlockState::kReady);
   EXPECT_EQ(m.state("p"), BlockState::kReady);
 }
@@ -568,8 +605,8 @@ TEST(ARCManager, KeysOfOneCallAreNotEvictedForEachOther) {
   store(m, K({"c"}));  // T1: a b c
   auto r = m.prepare_store(K({"a", "d"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->keys_to_store, S({"d"}));
-  EXPECT_EQ(r->evicted_keys, S({"b"}));
+  EXPECT_EQ(str(r->keys_to_store), S({"d"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"b"}));
   EXPECT_EQ(m.state("a"), BlockState::kReady);
 }
 
@@ -579,7 +616,7 @@ TEST(ARCManager, TouchLastToFirstEvictsTailFirst) {
   m.touch(K({"a", "b", "c"}));   // T2: c b a (a most recent)
   auto r = m.prepare_store(K({"x", "y", "z"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"c", "b", "a"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"c", "b", "a"}));
 }
 
 TEST(ARCManager, PrepareStoreMakesFirstKeyMostRecent) {
@@ -587,7 +624,7 @@ TEST(ARCManager, PrepareStoreMakesFirstKeyMostRecent) {
   store(m, K({"a", "b", "c"}));  // T1: c b a
   auto r = m.prepare_store(K({"x", "y", "z"}));
   ASSERT_TRUE(r);
-  EXPECT_EQ(r->evicted_keys, S({"c", "b", "a"}));
+  EXPECT_EQ(str(r->evicted_keys), S({"c", "b", "a"}));
 }
 
 // What makes ARC differ from LRU through the manager: a scan of one-time keys does not flush
@@ -628,16 +665,16 @@ TEST(ARCManager, ChurnKeepsBookkeepingConsistent) {
       case 1: {
         auto r = m.prepare_store(keys);
         if (r) {
-          for (const auto& k : r->evicted_keys) {
+          for (const std::string& k : str(r->evicted_keys)) {
             ASSERT_EQ(ref.at(k), BlockState::kReady);
             ASSERT_EQ(pins[k], 0) << k;
             ASSERT_EQ(std::find(batch.begin(), batch.end(), k), batch.end()) << k;
             ref.erase(k);
           }
-          for (const auto& k : r->keys_to_store) {
+          for (const std::string& k : str(r->keys_to_store)) {
             ref[k] = BlockState::kPending;
           }
-          stores.push_back(r->keys_to_store);
+          stores.push_back(str(r->keys_to_store));
         }
         break;
       }
@@ -747,8 +784,8 @@ TEST(ManagerPrefetch, LongRunMatchesAReferenceLRUWhileTheRecencyLogWraps) {
       continue;
     }
     ASSERT_TRUE(r.has_value()) << step;
-    ASSERT_EQ(r->evicted_keys, victims) << step;
-    ASSERT_EQ(r->keys_to_store, fresh) << step;
+    ASSERT_EQ(str(r->evicted_keys), victims) << step;
+    ASSERT_EQ(str(r->keys_to_store), fresh) << step;
     for (const auto& k : victims) {
       lru.erase(lru.begin() + static_cast<std::ptrdiff_t>(index_of(lru, k)));
     }

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "kvoff/large_page_allocator.h"
+
 namespace kvoff {
 
 /// A non-owning reference to a callable `bool(std::uint32_t slot)`: whether a slot may be
@@ -118,7 +120,9 @@ class LRUEvictionPolicy final : public EvictionPolicy {
   std::uint32_t capacity_;
   std::uint32_t head_;  // sentinel node (== capacity_): next = least recent, prev = most recent
   std::size_t size_ = 0;
-  std::vector<Node> nodes_;  // capacity_ + 1 entries
+  template <typename T>
+  using Array = std::vector<T, LargePageAllocator<T>>;
+  Array<Node> nodes_;  // capacity_ + 1 entries (huge pages: read at random)
 };
 
 /// Adaptive Replacement Cache (Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement
@@ -228,8 +232,11 @@ class ARCEvictionPolicy final : public EvictionPolicy {
   std::uint32_t t2_head_;  // == capacity_ + 1
   std::size_t t1_size_ = 0;
   std::size_t t2_size_ = 0;
-  std::vector<Link> links_;   // capacity_ + 2 entries (two sentinels)
-  std::vector<List> where_;   // capacity_ entries: kNone, kT1 or kT2
+  // Per-slot and per-ghost arrays are read at random: huge pages (LargePageAllocator).
+  template <typename T>
+  using Array = std::vector<T, LargePageAllocator<T>>;
+  Array<Link> links_;   // capacity_ + 2 entries (two sentinels)
+  Array<List> where_;   // capacity_ entries: kNone, kT1 or kT2
 
   // Ghost node indices: [0, 2c) entries, 2c and 2c+1 the B1 and B2 sentinels. The B1
   // sentinel's index also marks an empty bucket and the end of the free list (it never appears
@@ -239,9 +246,9 @@ class ARCEvictionPolicy final : public EvictionPolicy {
   std::uint32_t ghost_free_;  // first unused ghost node, b1_head_ when none
   std::size_t b1_size_ = 0;
   std::size_t b2_size_ = 0;
-  std::vector<Ghost> ghost_nodes_;  // 2 * capacity_ + 2 entries (two sentinels)
-  std::vector<List> ghost_list_;    // per ghost node: kB1, kB2 or kNone (unused)
-  std::vector<std::uint32_t> buckets_;  // 3c+1, linear probing: node index or b1_head_ (empty)
+  Array<Ghost> ghost_nodes_;  // 2 * capacity_ + 2 entries (two sentinels)
+  Array<List> ghost_list_;    // per ghost node: kB1, kB2 or kNone (unused)
+  Array<std::uint32_t> buckets_;  // 3c+1, linear probing: node index or b1_head_ (empty)
 };
 
 /// Names accepted by make_eviction_policy, in registration order ({"lru", "arc"}).

@@ -6,10 +6,13 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace kvoff {
 
@@ -71,6 +74,73 @@ inline std::uint64_t hash_key(std::string_view key) noexcept {
   }
   return detail::avalanche64(h);
 }
+
+/// An append-only list of keys stored back to back in one byte buffer: no allocation per key
+/// (a std::vector<std::string> constructs one string per key). Element i is a string_view into
+/// the buffer, valid until the list is modified or destroyed.
+class KeyList {
+ public:
+  /// Iterates the keys in order, yielding std::string_view.
+  class const_iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using value_type = std::string_view;
+    using difference_type = std::ptrdiff_t;
+    using pointer = void;
+    using reference = std::string_view;
+    const_iterator() noexcept = default;
+    const_iterator(const KeyList* list, std::size_t i) noexcept : list_(list), i_(i) {}
+    std::string_view operator*() const noexcept { return (*list_)[i_]; }
+    const_iterator& operator++() noexcept {
+      ++i_;
+      return *this;
+    }
+    const_iterator operator++(int) noexcept {
+      const_iterator old = *this;
+      ++i_;
+      return old;
+    }
+    bool operator==(const const_iterator& other) const noexcept { return i_ == other.i_; }
+
+   private:
+    const KeyList* list_ = nullptr;
+    std::size_t i_ = 0;
+  };
+
+  /// Number of keys.
+  std::size_t size() const noexcept { return ends_.size(); }
+  /// Whether the list holds no key.
+  bool empty() const noexcept { return ends_.empty(); }
+  /// Key `i` (unchecked: i < size()).
+  std::string_view operator[](std::size_t i) const noexcept {
+    const std::size_t begin = i == 0 ? 0 : ends_[i - 1];
+    return {bytes_.data() + begin, ends_[i] - begin};
+  }
+  const_iterator begin() const noexcept { return {this, 0}; }
+  const_iterator end() const noexcept { return {this, size()}; }
+
+  /// Reserves room for `keys` keys of `bytes` bytes in all. Throws std::bad_alloc.
+  void reserve(std::size_t keys, std::size_t bytes) {
+    ends_.reserve(keys);
+    bytes_.reserve(bytes);
+  }
+  /// Appends a copy of `key`. Throws std::bad_alloc.
+  void push_back(std::string_view key) {
+    bytes_.append(key.data(), key.size());
+    ends_.push_back(bytes_.size());
+  }
+  /// Removes every key (keeps the memory).
+  void clear() noexcept {
+    bytes_.clear();
+    ends_.clear();
+  }
+  /// The keys as separate strings. Throws std::bad_alloc.
+  std::vector<std::string> to_strings() const { return {begin(), end()}; }
+
+ private:
+  std::string bytes_;
+  std::vector<std::size_t> ends_;  // end offset of each key in bytes_
+};
 
 /// Lower-case hex of a key's bytes, for error messages: at most `max_bytes` bytes are printed,
 /// longer keys end in "...(N bytes)".

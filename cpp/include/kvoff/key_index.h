@@ -12,7 +12,7 @@
 namespace kvoff {
 
 /// Maps block keys (byte strings) to slots in [0, num_slots), at most one key per slot, and
-/// keeps 8 bytes of caller data (the payload) per slot next to the key.
+/// keeps 12 bytes of caller data (the 8-byte payload and 4-byte extra) per slot next to the key.
 ///
 /// Layout, chosen so a lookup touches two cache lines: an open-addressing bucket array with
 /// linear probing and backward-shift deletion (no tombstones), sized once to a power of two
@@ -20,9 +20,10 @@ namespace kvoff {
 /// usually ends at its home bucket, which keeps the probe loops' branches predictable; measured
 /// 20-30% faster than <= 1/2 for 16 more bytes per slot); each bucket is 8 bytes (32 bits of the
 /// key's hash and the slot). Each slot has one 64-byte record holding its key (inline up to
-/// kInlineKeyBytes bytes, longer keys on the heap), the key's hash tag and the payload. Memory:
-/// about 96 bytes per slot plus the bytes of keys longer than 48. Both arrays are backed by huge
-/// pages where the OS allows (LargePageAllocator), so random accesses rarely miss the TLB.
+/// kInlineKeyBytes bytes, longer keys on the heap), the key's hash tag, the payload and the
+/// extra. Memory: about 96 bytes per slot plus the bytes of keys longer than 40. Both arrays
+/// are backed by huge pages where the OS allows (LargePageAllocator), so random accesses rarely
+/// miss the TLB.
 /// find_each and find_many overlap the cache misses of a batch of keys: a software pipeline
 /// hashes key i + 2 * kFindAhead and prefetches its home bucket, probes the buckets of key
 /// i + kFindAhead and prefetches its candidate record, and confirms key i.
@@ -33,7 +34,7 @@ class KeyIndex {
   /// Returned by find() when the key is not in the index.
   static constexpr std::uint32_t kNotFound = 0xffffffffu;
   /// Keys up to this many bytes are stored inside the slot's record (no allocation).
-  static constexpr std::size_t kInlineKeyBytes = 48;
+  static constexpr std::size_t kInlineKeyBytes = 40;
 
   /// Creates an empty index for slots [0, num_slots).
   /// Throws std::invalid_argument when num_slots is 0 or above kMaxNumBlocks (2^31-1).
@@ -169,6 +170,11 @@ class KeyIndex {
   std::uint64_t& payload(std::uint32_t slot) noexcept { return records_[slot].payload; }
   /// The caller's 8 bytes for `slot`. Unchecked: slot < num_slots.
   std::uint64_t payload(std::uint32_t slot) const noexcept { return records_[slot].payload; }
+  /// 4 more bytes of caller data for `slot`, in the same cache line (zero after insert).
+  /// Unchecked: slot < num_slots.
+  std::uint32_t& extra(std::uint32_t slot) noexcept { return records_[slot].extra; }
+  /// 4 more bytes of caller data for `slot`. Unchecked: slot < num_slots.
+  std::uint32_t extra(std::uint32_t slot) const noexcept { return records_[slot].extra; }
 
  private:
   /// Writes `key` (tag `tag`) into `slot`'s record and points empty bucket `bucket` at it.
@@ -177,6 +183,8 @@ class KeyIndex {
     std::uint64_t payload;
     std::uint32_t len;  // 0: holds no key (keys are never empty)
     std::uint32_t tag;
+    std::uint32_t extra;
+    std::uint32_t unused;
     union {
       char bytes[kInlineKeyBytes];
       char* heap;  // when len > kInlineKeyBytes

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -33,7 +34,10 @@ class LargePageAllocator {
 
   /// Memory for `n` objects of T (uninitialized).
   T* allocate(std::size_t n) {
-    if (n > static_cast<std::size_t>(-1) / sizeof(T)) {
+    // Bound the size so that rounding up to whole large pages cannot overflow and no object
+    // exceeds PTRDIFF_MAX bytes.
+    constexpr std::size_t kMaxBytes = static_cast<std::size_t>(PTRDIFF_MAX) - kLargePageBytes;
+    if (n > kMaxBytes / sizeof(T)) {
       throw std::bad_alloc();
     }
     const std::size_t bytes = n * sizeof(T);

@@ -28,14 +28,18 @@ enum class BlockState : std::uint8_t {
 /// "missing", "pending" or "ready".
 std::string_view to_string(BlockState state) noexcept;
 
-/// What prepare_store decided.
+/// What prepare_store decided. Building it allocates nothing per key: the new keys are given as
+/// positions in (and views of) the call's keys, and the evicted keys are copied into one buffer.
 struct PrepareStoreResult {
-  /// Keys of the call that were not held, deduplicated, in call order: copy these blocks.
-  std::vector<std::string> keys_to_store;
+  /// Positions in the call's keys of the keys that were not held, deduplicated (the first
+  /// occurrence of each), ascending: copy these blocks.
+  std::vector<std::uint32_t> store_indices;
+  /// keys[store_indices[i]]: views of the call's key bytes, valid as long as those are.
+  std::vector<std::string_view> keys_to_store;
   /// The CPU block id (slot) allocated for each of keys_to_store, same order.
   std::vector<std::uint32_t> block_ids;
   /// Keys evicted to make room, in eviction order (their slots may be among block_ids).
-  std::vector<std::string> evicted_keys;
+  KeyList evicted_keys;
 };
 
 /// A change of the pool that routers may want to know (KV events).
@@ -75,20 +79,22 @@ using KeySpan = std::span<const std::string_view>;
 ///
 /// All operations are O(1) per key, plus, for prepare_store, the slots the policy skips while
 /// looking for victims (pinned, pending or protected blocks at the evictable end).
-/// Memory: about 120 bytes per slot (a 64-byte record holding the key inline up to 48 bytes,
-/// 32 bytes of hash buckets, 8 bytes of LRU links, 5 bytes of free list and flags, 1 byte of
-/// evictable flag, 4 + 8..16 bytes of recency log), plus the bytes of keys longer than 48.
+/// Memory: about 115 bytes per slot (a 64-byte record holding the key inline up to 40 bytes, the
+/// slot's state and its recency-log position; 32 bytes of hash buckets; 8 bytes of LRU links;
+/// 5 bytes of free list and flags; 4..8 bytes of recency log), plus the bytes of keys longer
+/// than 40.
 /// Not thread-safe: call it from one thread (the scheduler's).
 ///
 /// Speed on large pools (the per-slot arrays are far larger than the CPU caches, so a key costs
 /// cache misses, not instructions): each batch operation hashes its keys and probes the index
 /// as a software pipeline (KeyIndex::find_each), so the misses of many keys overlap; the big
 /// arrays sit on huge pages (LargePageAllocator), so they rarely miss the TLB; prepare_store
-/// prefetches the policy nodes of the blocks a recency log predicts to be the next victims
-/// (turning the policy's pointer-chasing walk into cache hits), tests evictability in a dense
-/// byte array, and prefetches the victims' records and buckets before erasing them. No
-/// allocation per call beyond the returned vectors (and key strings longer than the small-string
-/// buffer, 15 bytes in libstdc++). `kvoff bench scheduler` measures it (manager_bench.h).
+/// prefetches the policy nodes and records of the blocks a recency log predicts to be the next
+/// victims (turning the policy's pointer-chasing walk into cache hits), keeps everything it
+/// needs of a slot in that one record, prefetches the victims' buckets before erasing them, and
+/// hands evicted slots straight to the new keys. No allocation per key: the result holds
+/// indices and views of the call's keys, and the evicted keys in one buffer. `kvoff bench
+/// scheduler` measures it (manager_bench.h).
 class CPUOffloadingManager {
  public:
   /// Creates a manager for a pool of `num_blocks` slots using the eviction policy registered as
@@ -173,13 +179,16 @@ class CPUOffloadingManager {
   /// Finds all keys (hashes into scratch_hashes_, slots into scratch_slots_).
   void find_all(KeySpan keys);
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
-  void drop_slot(std::uint32_t slot, bool evicted);
+  /// Drops a pending slot whose store failed (policy, index and pool).
+  void drop_slot(std::uint32_t slot);
   void record(std::vector<std::string> keys, bool removed);
   /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
   void note_recent(std::uint32_t slot) noexcept;
-  /// Prefetches the policy state of the slots the recency log predicts to be the next `count`
-  /// victims (a hint: the eviction order is the policy's alone).
-  void prefetch_victims(std::size_t count) const noexcept;
+  /// Position in the recency log of the predicted next victim.
+  std::uint32_t predicted_victims_start() const noexcept;
+  /// Prefetches the policy node and record of the slot logged at `position` (a hint: the
+  /// eviction order is the policy's alone); nothing when nothing is logged there yet.
+  void prefetch_predicted(std::uint32_t position) const noexcept;
 
   CPUBlockPool pool_;
   KeyIndex index_;
@@ -190,19 +199,15 @@ class CPUOffloadingManager {
   std::uint32_t num_evictable_ = 0;  // ready and unpinned
   std::uint32_t call_stamp_ = 0;
   std::vector<OffloadingEvent> events_;
-  // Per slot: 1 when the slot's block is ready and unpinned (an eviction candidate), else 0.
-  // Dense (1 byte per slot, huge pages) so that the policy's victim walk reads one byte per
-  // slot instead of the slot's 64-byte record.
-  std::vector<std::uint8_t, LargePageAllocator<std::uint8_t>> evictable_;
   // Recency log, for prefetching only: the slots in the order the manager inserted or touched
-  // them in the policy (a ring of >= 2 x num_blocks entries, capped at kMaxRecentLog), and per
-  // slot the position of its latest entry. A policy's victims walk (LRU: a chain of dependent
-  // loads through its list) mostly follows this order, so prepare_store prefetches the policy
-  // nodes of the entries after the last victim's before asking the policy for victims.
-  // Positions are 32-bit and wrap (differences are taken modulo 2^32).
+  // them in the policy (a ring of >= 2 x num_blocks entries, capped at kMaxRecentLog); each
+  // slot's index extra word holds the position of its latest entry. A policy's victims walk
+  // (LRU: a chain of dependent loads through its list) mostly follows this order, so
+  // prepare_store prefetches the policy nodes and records of the entries after the last
+  // victim's before asking the policy for victims. Positions are 32-bit and wrap (differences
+  // are taken modulo 2^32).
   static constexpr std::uint64_t kMaxRecentLog = std::uint64_t{1} << 28;
   std::vector<std::uint32_t, LargePageAllocator<std::uint32_t>> recent_;
-  std::vector<std::uint32_t, LargePageAllocator<std::uint32_t>> recent_pos_;
   std::uint32_t recent_head_ = 0;  // position of the next entry
   std::uint32_t recent_tail_ = 0;  // predicted position of the next victim
   // Scratch buffers reused across calls (no allocation in steady state).
@@ -210,8 +215,11 @@ class CPUOffloadingManager {
   std::vector<std::uint64_t> scratch_hashes_;   // per key of the call: hash_key
   std::vector<std::uint32_t> scratch_victims_;
   std::vector<std::uint32_t> scratch_new_;      // indices into the call's keys
-  std::vector<std::uint32_t> scratch_set_;      // open-addressing set for deduplication
-  std::vector<std::uint32_t> scratch_protected_;  // held evictable slots of a prepare_store
+  struct DedupeEntry {
+    std::uint32_t hash_high;  // hash_key >> 32
+    std::uint32_t position;   // index into the call's keys + 1; 0 = empty
+  };
+  std::vector<DedupeEntry> scratch_set_;        // open-addressing set for deduplication
 };
 
 }  // namespace kvoff
