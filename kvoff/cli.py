@@ -214,6 +214,97 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
+    _add_bench_transfer_parser(bench_sub)
+
+
+def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
+    """``kvoff bench transfer``."""
+    from kvoff.bench_transfer import DEFAULT_PRESETS, TRANSFER_PRESETS
+
+    tp = bench_sub.add_parser(
+        "transfer",
+        help="GPU<->CPU block copies per mechanism against the link's limit (CPU: parallel "
+        "gather vs memcpy)",
+        description=(
+            "Time KV block copies of shape presets (N randomly scattered blocks, all layers per "
+            "call) for every copy mechanism and direction (store, load, both at once), side by "
+            "side with one contiguous pinned copy of the same bytes (the link's ceiling) and the "
+            "naive one-copy-per-block-per-layer baseline. Without a GPU: the parallel "
+            "gather/scatter against one contiguous memcpy of the same bytes. See "
+            "kvoff/bench_transfer.py."
+        ),
+    )
+    tp.add_argument(
+        "--presets",
+        nargs="+",
+        default=list(DEFAULT_PRESETS),
+        choices=sorted(TRANSFER_PRESETS),
+        metavar="NAME",
+        help="shape presets (default: all: " + ", ".join(DEFAULT_PRESETS) + ")",
+    )
+    tp.add_argument(
+        "--blocks",
+        type=_positive_int,
+        default=None,
+        help="blocks per job (default: about --job-mib MiB per job)",
+    )
+    tp.add_argument("--job-mib", type=_positive_int, default=512, help="MiB per job (default: 512)")
+    tp.add_argument(
+        "--repeat", type=_positive_int, default=10, help="timed calls, median (default: 10)"
+    )
+    tp.add_argument(
+        "--warmup", type=_non_negative_int, default=2, help="untimed calls first (default: 2)"
+    )
+    tp.add_argument("--seed", type=_non_negative_int, default=0, help="block id seed (default: 0)")
+    tp.add_argument(
+        "--kernel-blocks",
+        type=_non_negative_int,
+        default=0,
+        help="thread blocks of the SM kernel (default 0: 10%% of the SMs)",
+    )
+    tp.add_argument(
+        "--sweep",
+        action="store_true",
+        help="GPU: also sweep chunk sizes 4 KiB..2 MiB per mechanism and derive the auto "
+        "thresholds",
+    )
+    tp.add_argument(
+        "--write-thresholds",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --sweep: write the derived thresholds to FILE (use it with "
+        "KVOFF_TRANSFER_THRESHOLDS=FILE)",
+    )
+    tp.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
+    )
+
+
+def _bench_transfer(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from kvoff.bench_transfer import TransferBenchParams, format_transfer_table, run_transfer_bench
+
+    params = TransferBenchParams(
+        presets=tuple(args.presets),
+        num_blocks=args.blocks,
+        target_bytes=args.job_mib << 20,
+        repeat=args.repeat,
+        warmup=args.warmup,
+        seed=args.seed,
+        sweep=args.sweep,
+        kernel_blocks=args.kernel_blocks,
+    )
+    doc = run_transfer_bench(
+        params,
+        json_path=args.json,
+        write_thresholds=args.write_thresholds,
+        argv=argv,
+        log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
+    print(format_transfer_table(doc))
+    if args.json is not None:
+        print(f"JSON written to {args.json}")
+    return 0
 
 
 def _step_shape(text: str) -> tuple[int, int]:
@@ -457,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "bench" and args.bench_command == "transfer":
+            return _bench_transfer(args, argv)
         if args.command == "bench":
             return _bench(args, argv)
     except (ValueError, FileNotFoundError) as exc:

@@ -146,6 +146,14 @@ class OffloadingConfig(BaseModel):
         enable_events: whether the manager records block stored/removed events (default off).
         pin_memory: whether the CPU pool uses pinned (page-locked) memory; ``None`` (also
             ``"auto"`` in files and the environment) pins when CUDA is available.
+        pin_chunk_bytes: largest piece of the pool page-locked per ``cudaHostRegister`` call
+            (an int or a string with a unit; default 1 GiB).
+        transfer_mechanism: how GPU jobs copy: ``"auto"`` (chosen per job from measured
+            thresholds, :mod:`kvoff.transfer`) or one of ``"memcpy"``, ``"batch"``,
+            ``"kernel"``, ``"per_block"`` for every job.
+        transfer_thresholds: a thresholds JSON file for ``"auto"`` (written by ``kvoff bench
+            transfer --sweep --write-thresholds FILE``); ``None``: ``$KVOFF_TRANSFER_THRESHOLDS``
+            or the packaged defaults.
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -162,8 +170,23 @@ class OffloadingConfig(BaseModel):
     hash_block_size: PositiveInt | None = None
     enable_events: bool = False
     pin_memory: Annotated[bool | None, BeforeValidator(_auto_before)] = None
+    pin_chunk_bytes: ByteCount = 1 << 30
+    transfer_mechanism: str = "auto"
+    transfer_thresholds: Path | None = None
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
+
+    @field_validator("transfer_mechanism")
+    @classmethod
+    def _known_mechanism(cls, value: str) -> str:
+        from kvoff.transfer import ALL_MECHANISMS
+
+        name = value.strip().lower()
+        if name not in ALL_MECHANISMS:
+            raise ValueError(
+                f"unknown transfer_mechanism {value!r}; choose one of {list(ALL_MECHANISMS)}"
+            )
+        return name
 
     @field_validator("eviction_policy")
     @classmethod
@@ -267,6 +290,27 @@ class OffloadingConfig(BaseModel):
         return cls.model_validate({k: getattr(settings, k) for k in settings.model_fields_set})
 
     # ------------------------------------------------------------------------------ sizing
+
+    def worker_options(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`kvoff.OffloadingWorker` from this config:
+        ``pin_memory``, ``pin_chunk_bytes``, ``mechanism`` and ``thresholds`` (read from
+        ``transfer_thresholds`` when set).
+
+        Raises:
+            ValueError: when the thresholds file cannot be read or is invalid.
+        """
+        from kvoff.transfer import load_thresholds
+
+        return {
+            "pin_memory": self.resolve_pin_memory(),
+            "pin_chunk_bytes": self.pin_chunk_bytes,
+            "mechanism": self.transfer_mechanism,
+            "thresholds": (
+                None
+                if self.transfer_thresholds is None
+                else load_thresholds(self.transfer_thresholds)
+            ),
+        }
 
     def resolve_pin_memory(self) -> bool:
         """``pin_memory``, with ``None`` (auto) meaning: pin when CUDA is available."""

@@ -2,8 +2,9 @@
 
 Every schema is defined in C++ (``cpp/ops/ops.cpp``); the CPU kernel is in
 ``cpp/ops/copy_blocks_cpu.cpp`` and the CUDA kernel in ``cuda/`` (CUDA builds only). This module
-adds the Python wrapper :func:`copy_blocks` and the fake (meta) kernels that let the ops run
-under ``torch.compile`` and ``FakeTensorMode``.
+adds the Python wrappers :func:`copy_blocks` and :func:`batch_copy_supported`, the tuple
+:data:`MECHANISMS`, and the fake (meta) kernels that let the ops run under ``torch.compile`` and
+``FakeTensorMode``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,47 @@ import torch
 
 from kvoff import _C  # noqa: F401  (loads the library that defines torch.ops.kvoff.*)
 
-__all__ = ["copy_blocks"]
+__all__ = ["MECHANISMS", "batch_copy_supported", "copy_blocks"]
 
 _PREFIX = "kvoff.copy_blocks: "
+
+#: Names accepted by ``copy_blocks(..., mechanism=...)``; see :func:`copy_blocks`.
+MECHANISMS: tuple[str, ...] = ("auto", "memcpy", "batch", "kernel", "per_block")
+
+
+def _check_options(mechanism: object, kernel_blocks: object) -> None:
+    """Raise ValueError (TypeError for wrong types) with the C++ op's message style."""
+    if not isinstance(mechanism, str) or mechanism not in MECHANISMS:
+        choices = ", ".join(f"'{m}'" for m in MECHANISMS)
+        raise ValueError(
+            f"{_PREFIX}mechanism={mechanism!r} is not one of {choices}. Pass one of these "
+            "names (kvoff.ops.MECHANISMS), or 'auto' to let kvoff choose."
+        )
+    if isinstance(kernel_blocks, bool) or not isinstance(kernel_blocks, int):
+        raise TypeError(
+            f"{_PREFIX}kernel_blocks={kernel_blocks!r} is not an int; pass 0 for the default "
+            "grid-size cap (10% of the GPU's SMs) or a positive number of thread blocks."
+        )
+    if kernel_blocks < 0:
+        raise ValueError(
+            f"{_PREFIX}kernel_blocks={kernel_blocks} is negative; pass 0 for the default "
+            "grid-size cap (10% of the GPU's SMs) or a positive number of thread blocks."
+        )
+
+
+def batch_copy_supported() -> bool:
+    """Whether ``mechanism="batch"`` really issues one ``cudaMemcpyBatchAsync`` per call here.
+
+    True when kvoff was built against CUDA >= 12.8, a GPU is visible, the driver is >= 12.8
+    (``cudaDriverGetVersion() >= 12080``) and no earlier batch call in this process was refused
+    by the driver as unsupported (the verdict is cached per process). False on CPU builds and
+    machines without a GPU. Where it is False, ``mechanism="batch"`` silently runs
+    ``"memcpy"`` instead; ``"batch"`` also falls back, per call, on the legacy default stream,
+    which the batch API refuses (run the copy on a side stream).
+
+    This is ``torch.ops.kvoff.batch_copy_supported``; it never raises.
+    """
+    return bool(torch.ops.kvoff.batch_copy_supported.default())
 
 
 def copy_blocks(
@@ -25,6 +64,8 @@ def copy_blocks(
     dst: Sequence[torch.Tensor],
     src_block_ids: torch.Tensor | Sequence[int],
     dst_block_ids: torch.Tensor | Sequence[int],
+    mechanism: str = "auto",
+    kernel_blocks: int = 0,
 ) -> None:
     """Copy block rows of several tensor pairs (layers) in one call.
 
@@ -53,6 +94,31 @@ def copy_blocks(
         dst_block_ids: ``N`` destination block ids, in ``[0, size(0))`` of every ``dst[k]``,
             with no id repeated (two writes to one block would race). Same forms as
             ``src_block_ids``.
+        mechanism: how the bytes move, one of :data:`MECHANISMS`:
+
+            - ``"auto"`` (default): a compiled-in rule on the GPU: ``"memcpy"`` when the copy
+              calls would move at least 256 KiB each on average, else ``"kernel"``. Callers
+              with measured thresholds (the worker) resolve it themselves and pass a name.
+            - ``"memcpy"``: one ``cudaMemcpyAsync`` (``cudaMemcpy2DAsync`` for strided rows)
+              per run of blocks adjacent on both sides, per tensor pair. Each call costs
+              ~2 us (DESIGN.md, "Moving bytes"), which caps a 32 KiB block near 14 GB/s
+              against ~50-55 GB/s of PCIe Gen5.
+            - ``"batch"``: the same runs in ONE ``cudaMemcpyBatchAsync`` call per op call
+              (CUDA >= 12.8 build and driver). Falls back to ``"memcpy"`` where
+              :func:`batch_copy_supported` is False and on the legacy default stream.
+            - ``"kernel"``: one gather/scatter kernel for all pairs and blocks, reading and
+              writing pinned host memory through its device pointer, on at most
+              ``kernel_blocks`` thread blocks of 512 threads (one warp per row at a time,
+              16-byte accesses when aligned). SM kernels read host memory slower than they
+              write it (~35 vs ~53 GB/s on H100, DESIGN.md).
+            - ``"per_block"``: the naive baseline for benchmarks: one ``cudaMemcpyAsync`` per
+              block per pair, no coalescing.
+
+            On the CPU, ``"per_block"`` is one ``memcpy`` per row per pair on the calling
+            thread; every other name is the parallel run-coalesced memcpy.
+        kernel_blocks: grid-size cap (thread blocks, >= 0) of ``"kernel"``; ``0`` means
+            ``max(1, floor(0.10 * SMs))`` of the device (13 on a 132-SM H100), so the copy
+            runs on at most 10% of the SMs. Ignored by the other mechanisms.
 
     Devices:
         CPU: every ``src`` and ``dst`` tensor on the CPU; a parallel memcpy, done when the call
@@ -63,12 +129,13 @@ def copy_blocks(
         freeing or reusing a CPU source. Sources and destinations must not overlap in memory.
 
     Raises:
-        ValueError: empty ``src`` or ``len(src) != len(dst)``; a 0-d tensor; a pair whose
-            dtypes or row sizes differ; rows that are not contiguous or ``stride(0)`` smaller
-            than the row; id tensors that are not 1-D ``torch.int64`` or of different lengths;
-            a repeated destination id.
-        TypeError: id sequences (not tensors) that do not hold integers; raised by this
-            wrapper before the op runs.
+        ValueError: an unknown ``mechanism`` or a negative ``kernel_blocks`` (raised by this
+            wrapper and by the op); empty ``src`` or ``len(src) != len(dst)``; a 0-d tensor;
+            a pair whose dtypes or row sizes differ; rows that are not contiguous or
+            ``stride(0)`` smaller than the row; id tensors that are not 1-D ``torch.int64`` or
+            of different lengths; a repeated destination id.
+        TypeError: id sequences (not tensors) that do not hold integers, or a
+            ``kernel_blocks`` that is not an int; raised by this wrapper before the op runs.
         IndexError: a negative id, or an id ``>= size(0)`` of some tensor on its side.
         RuntimeError: ``src`` (or ``dst``) tensors on different devices; id tensors not on the
             CPU; an unsupported device combination; an unpinned CPU tensor in a CPU-GPU copy;
@@ -78,11 +145,14 @@ def copy_blocks(
         devices) and the fix. All arguments are checked before anything is copied, so a call
         that raises leaves every ``dst`` tensor unchanged.
     """
+    _check_options(mechanism, kernel_blocks)
     torch.ops.kvoff.copy_blocks.default(
         list(src),
         list(dst),
         _as_block_ids(src_block_ids, "src_block_ids"),
         _as_block_ids(dst_block_ids, "dst_block_ids"),
+        mechanism,
+        kernel_blocks,
     )
 
 
@@ -117,11 +187,14 @@ def _copy_blocks_fake(
     dst: list[torch.Tensor],
     src_block_ids: torch.Tensor,
     dst_block_ids: torch.Tensor,
+    mechanism: str = "auto",
+    kernel_blocks: int = 0,
 ) -> None:
     """Fake kernel: the metadata checks of the real kernels; mutates ``dst``, returns None.
 
     Id values, strides and pinnedness are data or layout that the real kernels check.
     """
+    _check_options(mechanism, kernel_blocks)
     if len(src) == 0:
         raise ValueError(
             f"{_PREFIX}src is an empty list; pass one tensor per layer (or per K/V half)."

@@ -13,7 +13,12 @@ block ``j`` lands in CPU row ``cpu_block_id × block_size_factor + (i % block_si
 
 On CPU builds jobs run synchronously inside :meth:`OffloadingWorker.transfer_async`; on CUDA each
 direction has its own stream (FIFO within a direction), every job records an event, and
-:meth:`OffloadingWorker.get_finished` polls events without blocking.
+:meth:`OffloadingWorker.get_finished` polls events without blocking. Each CUDA job picks its copy
+mechanism (copy calls, one batched copy call, or the SM kernel) from its chunk size, chunk count
+and direction (:func:`kvoff.transfer.choose_mechanism`), unless one is forced.
+
+The CPU pool is one exact-size host allocation (no power-of-two rounding), page-locked in chunks
+when pinned (:class:`kvoff.pinned.HostPool`).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from kvoff.ops import copy_blocks
+from kvoff.ops import MECHANISMS, batch_copy_supported, copy_blocks
+from kvoff.pinned import DEFAULT_PIN_CHUNK_BYTES, HostPool
 from kvoff.registration import KVLayout, block_row_views
+from kvoff.transfer import TransferThresholds, choose_mechanism, default_thresholds
 
 if TYPE_CHECKING:
+    from kvoff.config import OffloadingConfig
     from kvoff.offloading_spec import CPUOffloadingSpec
     from kvoff.specs import KVCacheConfig
 
@@ -110,6 +118,9 @@ class TransferResult:
         num_bytes: bytes the job moved (0 when it failed).
         seconds: wall time of the copy (CPU), or GPU time between the job's events (CUDA).
         error: the error message when ``success`` is False.
+        mechanism: how the bytes moved: ``"memcpy"``, ``"batch"``, ``"kernel"`` or
+            ``"per_block"`` on CUDA (``"batch"`` may have fallen back to copy calls where
+            ``cudaMemcpyBatchAsync`` is unsupported), ``"cpu"`` for CPU-only copies.
     """
 
     job_id: int
@@ -118,6 +129,7 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+    mechanism: str = "cpu"
 
 
 @dataclass
@@ -132,6 +144,7 @@ class _InFlight:
     job_id: int
     direction: Direction
     num_bytes: int
+    mechanism: str
     start: torch.cuda.Event
     end: torch.cuda.Event
 
@@ -147,9 +160,16 @@ class OffloadingWorker:
         kv_cache_config: the engine's GPU cache plan; when given, layers are grouped and checked
             against its specs at registration (see :meth:`from_spec`).
         pin_memory: pin the CPU pool (default: when CUDA is available).
+        pin_chunk_bytes: largest piece of the pool page-locked by one ``cudaHostRegister``
+            call (default 1 GiB).
+        mechanism: how CUDA jobs copy: ``"auto"`` (per job, from the thresholds) or one of
+            ``"memcpy"``, ``"batch"``, ``"kernel"``, ``"per_block"`` for every job
+            (``kvoff.ops.MECHANISMS``). CPU-only copies ignore it.
+        thresholds: what ``"auto"`` decides from (default: :func:`kvoff.transfer.load_thresholds`:
+            ``$KVOFF_TRANSFER_THRESHOLDS`` or the packaged defaults).
 
     Raises:
-        ValueError: on non-positive sizes.
+        ValueError: on non-positive sizes or an unknown mechanism.
     """
 
     def __init__(
@@ -160,7 +180,17 @@ class OffloadingWorker:
         *,
         kv_cache_config: KVCacheConfig | None = None,
         pin_memory: bool | None = None,
+        pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
+        mechanism: str = "auto",
+        thresholds: TransferThresholds | None = None,
     ) -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(
+                f"mechanism={mechanism!r} is not one of {list(MECHANISMS)}; use 'auto' to let "
+                "each job choose"
+            )
+        if pin_chunk_bytes < 1:
+            raise ValueError(f"pin_chunk_bytes must be >= 1, got {pin_chunk_bytes}")
         for name, value in (
             ("num_gpu_blocks", num_gpu_blocks),
             ("num_cpu_blocks", num_cpu_blocks),
@@ -178,6 +208,11 @@ class OffloadingWorker:
             )
         self.kv_cache_config = kv_cache_config
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_chunk_bytes = pin_chunk_bytes
+        self.mechanism = mechanism
+        self.thresholds = thresholds
+        self._pool: HostPool | None = None
+        self._batch_supported: bool | None = None
         self._groups: list[_Group] = []
         self._layer_names: list[str] = []
         self._cpu_tensors: list[torch.Tensor] = []
@@ -189,17 +224,30 @@ class OffloadingWorker:
 
     @classmethod
     def from_spec(
-        cls, spec: CPUOffloadingSpec, *, pin_memory: bool | None = None
+        cls,
+        spec: CPUOffloadingSpec,
+        *,
+        pin_memory: bool | None = None,
+        config: OffloadingConfig | None = None,
     ) -> OffloadingWorker:
         """A worker for one rank of the plan ``spec`` (a :class:`kvoff.CPUOffloadingSpec`): GPU
         blocks from its ``KVCacheConfig.num_blocks``, CPU slots and block_size_factor from the
-        same spec the scheduler uses, so every rank's pool matches the scheduler's count."""
+        same spec the scheduler uses, so every rank's pool matches the scheduler's count.
+        ``config`` (an :class:`kvoff.OffloadingConfig`) supplies the pinning and transfer options
+        (:meth:`~kvoff.OffloadingConfig.worker_options`); an explicit ``pin_memory`` wins.
+
+        Raises:
+            ValueError: when the config's thresholds file cannot be read.
+        """
+        options = {} if config is None else config.worker_options()
+        if pin_memory is not None or config is None:
+            options["pin_memory"] = pin_memory
         return cls(
             spec.kv_cache_config.num_blocks,
             spec.num_blocks,
             spec.block_size_factor,
             kv_cache_config=spec.kv_cache_config,
-            pin_memory=pin_memory,
+            **options,
         )
 
     # ------------------------------------------------------------------ registration
@@ -301,12 +349,16 @@ class OffloadingWorker:
                     seen.add((g, c, rows.shape[1]))
                     per_group[g].append((c, rows))
         f = self.block_size_factor
-        cpu_tensors = [
-            torch.empty(
-                (self.num_cpu_blocks, row * f), dtype=torch.uint8, pin_memory=self.pin_memory
-            )
-            for row in canon_rows
-        ]
+        pool = HostPool(
+            [(self.num_cpu_blocks, row * f) for row in canon_rows],
+            pin=self.pin_memory,
+            chunk_bytes=self.pin_chunk_bytes,
+            description=(
+                f"the CPU pool ({self.num_cpu_blocks} CPU blocks of "
+                f"{sum(canon_rows) * f} bytes over {len(canon_rows)} tensors)"
+            ),
+        )
+        cpu_tensors = pool.tensors
         groups = [_Group() for _ in range(num_groups)]
         for g, views in enumerate(per_group):
             for c, rows in views:
@@ -315,6 +367,7 @@ class OffloadingWorker:
                 groups[g].gpu_rows.append(rows)
                 groups[g].cpu_rows.append(cpu)
                 groups[g].row_bytes += row
+        self._pool = pool
         self._cpu_tensors = cpu_tensors
         self._canonical_row_bytes = canon_rows
         self._groups = groups
@@ -341,8 +394,28 @@ class OffloadingWorker:
 
     @property
     def cpu_pool_bytes(self) -> int:
-        """Bytes allocated for the CPU pool of this rank."""
+        """Bytes of block data in the CPU pool of this rank: ``bytes_per_gpu_block ×
+        block_size_factor × num_cpu_blocks``."""
         return self.bytes_per_gpu_block * self.block_size_factor * self.num_cpu_blocks
+
+    @property
+    def cpu_pool_allocated_bytes(self) -> int:
+        """Bytes actually allocated (and pinned, when pinned) for the CPU pool: the block data
+        plus less than 4 KiB of alignment per tensor; 0 before registration."""
+        return 0 if self._pool is None else self._pool.num_bytes
+
+    @property
+    def cpu_pool_pinned(self) -> bool:
+        """Whether the CPU pool is page-locked."""
+        return self._pool is not None and self._pool.pinned
+
+    def close(self) -> None:
+        """Release the pinned registration of the CPU pool (after waiting for jobs in flight).
+        Idempotent. The worker must not run jobs afterwards."""
+        if self._in_flight:
+            self.wait(list(self._in_flight))
+        if self._pool is not None:
+            self._pool.close()
 
     def cpu_tensors(self) -> list[torch.Tensor]:
         """The CPU pool as ``(num_cpu_blocks × block_size_factor, row_bytes)`` uint8 row views,
@@ -441,6 +514,7 @@ class OffloadingWorker:
             return self._submit_cuda(job_id, direction, per_group, num_bytes)
         t0 = time.perf_counter()
         try:
+            self._check_ids(direction, per_group)
             self._copy(direction, per_group)
         except (RuntimeError, ValueError, IndexError) as exc:
             self._finished.append(
@@ -453,15 +527,82 @@ class OffloadingWorker:
         return True
 
     def _copy(
-        self, direction: Direction, per_group: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        direction: Direction,
+        per_group: list[tuple[torch.Tensor, torch.Tensor]],
+        mechanism: str = "auto",
     ) -> None:
         for (gpu_ids, cpu_ids), g in zip(per_group, self._groups, strict=True):
             if len(gpu_ids) == 0:
                 continue
             if direction == "store":
-                copy_blocks(g.gpu_rows, g.cpu_rows, gpu_ids, cpu_ids)
+                copy_blocks(g.gpu_rows, g.cpu_rows, gpu_ids, cpu_ids, mechanism=mechanism)
             else:
-                copy_blocks(g.cpu_rows, g.gpu_rows, cpu_ids, gpu_ids)
+                copy_blocks(g.cpu_rows, g.gpu_rows, cpu_ids, gpu_ids, mechanism=mechanism)
+
+    def _check_ids(
+        self, direction: Direction, per_group: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Validate every group's row ids before any copy, so a bad job writes nothing.
+
+        Raises:
+            ValueError: naming the group, the first bad id and the valid range, or a repeated
+                destination id.
+        """
+        cpu_rows = self.num_cpu_blocks * self.block_size_factor
+        for g, (gpu_ids, cpu_ids) in enumerate(per_group):
+            if len(gpu_ids) == 0:
+                continue
+            for name, ids, limit, what in (
+                ("GPU", gpu_ids, self.num_gpu_blocks, "GPU block ids"),
+                ("CPU", cpu_ids, cpu_rows, "CPU rows (CPU block id × block_size_factor + offset)"),
+            ):
+                bad = (ids < 0) | (ids >= limit)
+                if bool(bad.any()):
+                    first = int(ids[bad.nonzero()[0, 0]])
+                    raise ValueError(
+                        f"group {g}: {name} id {first} is out of range; {what} must be in "
+                        f"[0, {limit}). The job was not run."
+                    )
+            dst = cpu_ids if direction == "store" else gpu_ids
+            if len(torch.unique(dst)) != len(dst):
+                raise ValueError(
+                    f"group {g}: a destination id repeats in {dst.tolist()}; two writes to one "
+                    "block would race. The job was not run."
+                )
+
+    def job_chunks(self, per_group: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+        """``(num_chunks, num_bytes)`` of a job: a chunk is one run of blocks whose GPU and CPU
+        row ids both go up by one, in one copied tensor (what one copy call moves)."""
+        chunks = 0
+        num_bytes = 0
+        for (gpu_ids, cpu_ids), g in zip(per_group, self._groups, strict=True):
+            n = len(gpu_ids)
+            if n == 0:
+                continue
+            breaks = 0
+            if n > 1:
+                step = (gpu_ids[1:] - gpu_ids[:-1] != 1) | (cpu_ids[1:] - cpu_ids[:-1] != 1)
+                breaks = int(step.sum())
+            chunks += (breaks + 1) * len(g.gpu_rows)
+            num_bytes += n * g.row_bytes
+        return chunks, num_bytes
+
+    def _resolve_mechanism(
+        self, direction: Direction, per_group: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> str:
+        if self.mechanism != "auto":
+            return self.mechanism
+        if self._batch_supported is None:
+            self._batch_supported = batch_copy_supported()
+        chunks, num_bytes = self.job_chunks(per_group)
+        return choose_mechanism(
+            num_bytes / max(chunks, 1),
+            chunks,
+            direction,
+            self.thresholds or default_thresholds(),
+            batch_supported=self._batch_supported,
+        )
 
     def _submit_cuda(
         self,
@@ -471,6 +612,7 @@ class OffloadingWorker:
         num_bytes: int,
     ) -> bool:
         stream = self._streams[direction]
+        mechanism = self._resolve_mechanism(direction, per_group)
         if direction == "store":
             stream.wait_stream(torch.cuda.current_stream(self._device))
         start = torch.cuda.Event(enable_timing=True)
@@ -478,18 +620,25 @@ class OffloadingWorker:
         with torch.cuda.stream(stream):
             start.record(stream)
             try:
-                self._copy(direction, per_group)
+                self._check_ids(direction, per_group)
+                self._copy(direction, per_group, mechanism)
             except (RuntimeError, ValueError, IndexError) as exc:
-                self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc)))
+                # _check_ids validated every group before any copy was enqueued, so a failed
+                # job wrote nothing; its start event is simply never used.
+                self._finished.append(
+                    TransferResult(job_id, direction, False, 0, 0.0, str(exc), mechanism)
+                )
                 return False
             end.record(stream)
-        self._in_flight[job_id] = _InFlight(job_id, direction, num_bytes, start, end)
+        self._in_flight[job_id] = _InFlight(job_id, direction, num_bytes, mechanism, start, end)
         return True
 
     def _complete(self, job: _InFlight) -> TransferResult:
         del self._in_flight[job.job_id]
         seconds = job.start.elapsed_time(job.end) / 1e3
-        return TransferResult(job.job_id, job.direction, True, job.num_bytes, seconds)
+        return TransferResult(
+            job.job_id, job.direction, True, job.num_bytes, seconds, None, job.mechanism
+        )
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, without blocking (CUDA events are polled)."""

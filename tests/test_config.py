@@ -91,3 +91,31 @@ def test_policy_list_comes_from_the_core() -> None:
         assert (
             OffloadingConfig(num_cpu_blocks=4, eviction_policy=name.upper()).eviction_policy == name
         )
+
+
+def test_transfer_options_reach_the_worker(tmp_path) -> None:
+    import json
+
+    from kvoff.ops import MECHANISMS
+    from kvoff.transfer import ALL_MECHANISMS, load_thresholds
+
+    assert ALL_MECHANISMS == MECHANISMS  # config validates without loading the extension
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(load_thresholds().to_json()))
+    cfg = OffloadingConfig.from_dict(
+        {
+            "num_cpu_blocks": 8,
+            "transfer_mechanism": "Kernel",
+            "pin_chunk_bytes": "256MiB",
+            "transfer_thresholds": str(path),
+            "pin_memory": False,
+        }
+    )
+    opts = cfg.worker_options()
+    assert opts["mechanism"] == "kernel" and opts["pin_chunk_bytes"] == 256 << 20
+    assert opts["thresholds"] == load_thresholds(path) and opts["pin_memory"] is False
+    with pytest.raises(ValueError, match="unknown transfer_mechanism 'dma'"):
+        OffloadingConfig(num_cpu_blocks=8, transfer_mechanism="dma")
+    bad = OffloadingConfig(num_cpu_blocks=8, transfer_thresholds=tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="cannot read transfer thresholds"):
+        bad.worker_options()

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kvoff  # noqa: F401  (loads kvoff._C)
-from kvoff.ops import copy_blocks
+from kvoff.ops import MECHANISMS, batch_copy_supported, copy_blocks
 
 OP = torch.ops.kvoff.copy_blocks.default
 
@@ -260,6 +260,168 @@ def test_src_and_dst_may_be_views_of_one_tensor() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Mechanisms on the CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mechanism_names() -> None:
+    assert MECHANISMS == ("auto", "memcpy", "batch", "kernel", "per_block")
+
+
+def _random_mechanism_case(
+    seed: int, device: str = "cpu", *, pin_src: bool = False, pin_dst: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]:
+    """Random pairs: dtypes, row shapes, padded strides and K/V-split halves; random ids."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    src_blocks, dst_blocks = rng.randint(8, 48), rng.randint(8, 48)
+    src: list[torch.Tensor] = []
+    dst: list[torch.Tensor] = []
+    for _ in range(rng.randint(1, 4)):
+        dtype = rng.choice(DTYPES)
+        row_shape = (rng.randint(1, 4), rng.randint(1, 24))
+        if rng.random() < 0.4:  # a K/V-split layout: the two halves of one tensor, two pairs
+            kv = block_tensor(src_blocks, (2, *row_shape), dtype, gen, device=device, pin=pin_src)
+            src += [kv[:, 0], kv[:, 1]]
+            dst += [
+                block_tensor(
+                    dst_blocks,
+                    row_shape,
+                    dtype,
+                    gen,
+                    pad=rng.choice([0, 3]),
+                    device=device,
+                    pin=pin_dst,
+                )
+                for _ in range(2)
+            ]
+        else:
+            src.append(
+                block_tensor(
+                    src_blocks,
+                    row_shape,
+                    dtype,
+                    gen,
+                    pad=rng.choice([0, 0, 5]),
+                    device=device,
+                    pin=pin_src,
+                )
+            )
+            dst.append(
+                block_tensor(
+                    dst_blocks,
+                    row_shape,
+                    dtype,
+                    gen,
+                    pad=rng.choice([0, 2]),
+                    device=device,
+                    pin=pin_dst,
+                )
+            )
+    n = rng.randint(1, min(src_blocks, dst_blocks))
+    if rng.random() < 0.3:  # adjacent runs on both sides
+        s0, d0 = rng.randint(0, src_blocks - n), rng.randint(0, dst_blocks - n)
+        src_ids, dst_ids = list(range(s0, s0 + n)), list(range(d0, d0 + n))
+    else:
+        src_ids = [rng.randrange(src_blocks) for _ in range(n)]
+        dst_ids = unique_ids(rng, n, dst_blocks)
+    return src, dst, src_ids, dst_ids
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("seed", range(8))
+def test_cpu_mechanisms_match_reference(mechanism: str, seed: int) -> None:
+    src, dst, src_ids, dst_ids = _random_mechanism_case(seed)
+    expected = reference(src, dst, src_ids, dst_ids)
+    src_before = snapshot(src)
+    copy_blocks(src, dst, src_ids, dst_ids, mechanism=mechanism, kernel_blocks=seed % 3)
+    assert_bytes_equal(dst, expected)
+    assert_bytes_equal(src, src_before)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_cpu_mechanisms_through_the_op(mechanism: str) -> None:
+    """The op itself (positional and keyword forms) takes every name."""
+    src, dst, src_ids, dst_ids = _random_mechanism_case(100)
+    expected = reference(src, dst, src_ids, dst_ids)
+    OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), mechanism, 0)
+    assert_bytes_equal(dst, expected)
+    src, dst, src_ids, dst_ids = _random_mechanism_case(101)
+    expected = reference(src, dst, src_ids, dst_ids)
+    OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), mechanism=mechanism, kernel_blocks=2)
+    assert_bytes_equal(dst, expected)
+
+
+def test_cpu_per_block_large_copy() -> None:
+    gen = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    src = [block_tensor(512, (2, 8, 128), torch.bfloat16, gen, pad=64)]
+    dst = [block_tensor(512, (2, 8, 128), torch.bfloat16, gen)]
+    src_ids = [rng.randrange(512) for _ in range(400)]
+    dst_ids = unique_ids(rng, 400, 512)
+    expected = reference(src, dst, src_ids, dst_ids)
+    copy_blocks(src, dst, src_ids, dst_ids, mechanism="per_block")
+    assert_bytes_equal(dst, expected)
+
+
+@pytest.mark.parametrize("call", ["wrapper", "op"])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"mechanism": "fast"},
+            ValueError,
+            r"mechanism='fast' is not one of 'auto', 'memcpy', 'batch', 'kernel', 'per_block'",
+        ),
+        ({"mechanism": "MEMCPY"}, ValueError, r"mechanism='MEMCPY' is not one of"),
+        ({"mechanism": ""}, ValueError, r"mechanism='' is not one of"),
+        ({"kernel_blocks": -1}, ValueError, r"kernel_blocks=-1 is negative"),
+        ({"mechanism": "kernel", "kernel_blocks": -7}, ValueError, r"kernel_blocks=-7 is negative"),
+    ],
+    ids=["unknown", "case", "empty", "negative-blocks", "negative-blocks-kernel"],
+)
+def test_bad_options_raise_and_copy_nothing(
+    call: str, kwargs: dict, error: type[Exception], match: str
+) -> None:
+    args = _healthy_args()
+    before = snapshot(args["dst"])
+    with pytest.raises(error, match=r"^kvoff\.copy_blocks: " + match):
+        if call == "wrapper":
+            copy_blocks(args["src"], args["dst"], args["src_ids"], args["dst_ids"], **kwargs)
+        else:
+            OP(args["src"], args["dst"], args["src_ids"], args["dst_ids"], **kwargs)
+    assert_bytes_equal(args["dst"], before)
+
+
+def test_bad_options_raise_in_fake_mode() -> None:
+    with FakeTensorMode():
+        src = [torch.empty(8, 4, 8, dtype=torch.float16)]
+        dst = [torch.empty(6, 32, dtype=torch.float16)]
+        ids = torch.arange(3)
+        assert OP(src, dst, ids, ids, "kernel", 4) is None
+        with pytest.raises(ValueError, match=r"mechanism='nope' is not one of"):
+            OP(src, dst, ids, ids, "nope")
+        with pytest.raises(ValueError, match=r"kernel_blocks=-2 is negative"):
+            OP(src, dst, ids, ids, "auto", -2)
+
+
+def test_kernel_blocks_type_is_checked_by_the_wrapper() -> None:
+    args = _healthy_args()
+    with pytest.raises(TypeError, match=r"kernel_blocks=1.5 is not an int"):
+        copy_blocks(args["src"], args["dst"], args["src_ids"], args["dst_ids"], kernel_blocks=1.5)  # type: ignore[arg-type]
+
+
+def test_batch_copy_supported_is_false_without_cuda() -> None:
+    import kvoff._build_info as info
+
+    supported = batch_copy_supported()
+    assert isinstance(supported, bool)
+    assert supported == torch.ops.kvoff.batch_copy_supported()
+    if not info.WITH_CUDA or not torch.cuda.is_available():
+        assert supported is False
+
+
+# ---------------------------------------------------------------------------------------------
 # opcheck and fake tensors
 # ---------------------------------------------------------------------------------------------
 
@@ -283,6 +445,9 @@ def _opcheck_samples(device: str) -> list[tuple]:
 def test_opcheck_cpu() -> None:
     for args in _opcheck_samples("cpu"):
         torch.library.opcheck(OP, args)
+    for mechanism in MECHANISMS:
+        for args in _opcheck_samples("cpu")[:1]:
+            torch.library.opcheck(OP, args, {"mechanism": mechanism, "kernel_blocks": 1})
 
 
 def test_fake_tensor_mode_checks_metadata() -> None:
@@ -711,3 +876,122 @@ def test_opcheck_cuda() -> None:
     """GPU to GPU: opcheck clones its inputs, and clones of pinned tensors are not pinned."""
     for args in _opcheck_samples("cuda"):
         torch.library.opcheck(OP, args)
+
+
+def _run_on_side_stream(fn: Callable[[], None]) -> None:
+    """Runs fn with a fresh side stream current (the batch API refuses the legacy stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+
+
+@requires_cuda
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("seed", range(6))
+def test_cuda_mechanisms_round_trip(mechanism: str, seed: int) -> None:
+    """GPU -> pinned CPU -> GPU, byte-exact, for every mechanism; random dtypes, layouts, ids."""
+    src, dst, src_ids, dst_ids = _random_mechanism_case(seed, "cuda", pin_dst=True)
+    expected = reference(src, dst, src_ids, dst_ids)
+    _run_on_side_stream(lambda: copy_blocks(src, dst, src_ids, dst_ids, mechanism=mechanism))
+    assert_bytes_equal(dst, expected)
+    # Back: pinned CPU -> fresh GPU tensors of the source layout, at other rows.
+    gen = torch.Generator().manual_seed(seed + 1000)
+    back = [block_tensor(s.shape[0], tuple(s.shape[1:]), s.dtype, gen, device="cuda") for s in src]
+    back_ids = list(reversed(range(len(dst_ids))))
+    expected_back = reference(dst, back, dst_ids, back_ids)
+    _run_on_side_stream(lambda: copy_blocks(dst, back, dst_ids, back_ids, mechanism=mechanism))
+    assert_bytes_equal(back, expected_back)
+    # The rows that went out and came back equal the original source rows.
+    for s, b in zip(src, back, strict=True):
+        assert torch.equal(as_bytes(b.cpu())[back_ids], as_bytes(s.cpu())[src_ids])
+
+
+@requires_cuda
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_cuda_mechanisms_on_the_default_stream(mechanism: str) -> None:
+    """On the (legacy) default stream too: "batch" falls back there instead of failing."""
+    src, dst, src_ids, dst_ids = _random_mechanism_case(7, "cuda", pin_dst=True)
+    expected = reference(src, dst, src_ids, dst_ids)
+    copy_blocks(src, dst, src_ids, dst_ids, mechanism=mechanism)
+    torch.cuda.synchronize()
+    assert_bytes_equal(dst, expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel_blocks", [0, 1, 3, 10_000])
+@pytest.mark.parametrize(("src_side", "dst_side"), DIRECTIONS, ids=lambda s: s)
+def test_cuda_kernel_grid_caps(kernel_blocks: int, src_side: str, dst_side: str) -> None:
+    """kernel_blocks=1 (one block grid-strides over every row), the default, and a huge cap."""
+    gen = torch.Generator().manual_seed(kernel_blocks)
+    rng = random.Random(kernel_blocks)
+    num_blocks = 200
+    src, dst = _cuda_layers(
+        gen,
+        src_side=src_side,
+        dst_side=dst_side,
+        row_shapes=[(2, 16, 8, 128), (4, 64), (3, 5)],
+        dtype=torch.bfloat16,
+        num_blocks=num_blocks,
+        pad=8,
+    )
+    n = 150
+    src_ids = [rng.randrange(num_blocks) for _ in range(n)]
+    dst_ids = unique_ids(rng, n, num_blocks)
+    expected = reference(src, dst, src_ids, dst_ids)
+    _run_on_side_stream(
+        lambda: copy_blocks(
+            src, dst, src_ids, dst_ids, mechanism="kernel", kernel_blocks=kernel_blocks
+        )
+    )
+    assert_bytes_equal(dst, expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("row_bytes", [1, 3, 17, 255, 1001, 4099, 65537])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_cuda_kernel_unaligned_rows(row_bytes: int, offset: int) -> None:
+    """Odd row sizes and base pointers off by a few bytes: the byte-access path of the kernel."""
+    gen = torch.Generator().manual_seed(row_bytes + offset)
+    rng = random.Random(row_bytes)
+    num_blocks = 24
+    stride = row_bytes + 5
+    base_src = random_bytes((num_blocks * stride + offset,), torch.uint8, gen).cuda()
+    base_dst = random_bytes((num_blocks * row_bytes + offset,), torch.uint8, gen).pin_memory()
+    src = [base_src[offset:].as_strided((num_blocks, row_bytes), (stride, 1))]
+    dst = [base_dst[offset:].view(num_blocks, row_bytes)]
+    src_ids = [rng.randrange(num_blocks) for _ in range(16)]
+    dst_ids = unique_ids(rng, 16, num_blocks)
+    for kernel_blocks in (1, 0):
+        expected = reference(src, dst, src_ids, dst_ids)
+        sids = list(src_ids)
+        _run_on_side_stream(
+            lambda kb=kernel_blocks, sids=sids: copy_blocks(
+                src, dst, sids, dst_ids, mechanism="kernel", kernel_blocks=kb
+            )
+        )
+        assert_bytes_equal(dst, expected)
+        src_ids = src_ids[::-1]
+
+
+@requires_cuda
+def test_cuda_batch_copy_supported_is_a_bool() -> None:
+    assert isinstance(batch_copy_supported(), bool)
+    # A batch call never turns a supported verdict into an error; it may only turn it False.
+    src, dst, src_ids, dst_ids = _random_mechanism_case(3, "cuda", pin_dst=True)
+    _run_on_side_stream(lambda: copy_blocks(src, dst, src_ids, dst_ids, mechanism="batch"))
+    assert isinstance(batch_copy_supported(), bool)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_cuda_bad_options_copy_nothing(mechanism: str) -> None:
+    src, dst, src_ids, dst_ids = _random_mechanism_case(11, "cuda", pin_dst=True)
+    before = snapshot(dst)
+    with pytest.raises(ValueError, match=r"kernel_blocks=-1 is negative"):
+        OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), mechanism, -1)
+    with pytest.raises(ValueError, match=r"mechanism='gpu' is not one of"):
+        OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), "gpu", 0)
+    torch.cuda.synchronize()
+    assert_bytes_equal(dst, before)

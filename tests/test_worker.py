@@ -136,3 +136,146 @@ def test_registration_errors() -> None:
         w.register_kv_caches({"a": _kv(4), "b": _kv(4)}, {"a": 0, "b": 2})
     with pytest.raises(ValueError, match="num_gpu_blocks must be >= 1"):
         OffloadingWorker(num_gpu_blocks=0, num_cpu_blocks=1)
+
+
+# ------------------------------------------------------------------------- pool and mechanisms
+
+
+def test_cpu_pool_is_one_exact_size_allocation() -> None:
+    """No power-of-two rounding (DESIGN.md "Moving bytes"): the pool is the block bytes plus
+    page alignment between tensors."""
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=3, block_size_factor=2)
+    w.register_kv_caches({"a": _kv(8), "b": _kv(8, heads=3)})
+    assert not w.cpu_pool_pinned  # no CUDA here, or pin_memory defaulted off
+    row_a, row_b = (t.shape[1] for t in w.gpu_tensors())
+    data = 3 * 2 * (row_a + row_b)
+    assert w.cpu_pool_bytes == data
+    assert data <= w.cpu_pool_allocated_bytes < data + 2 * 4096
+    cpu = w.cpu_tensors()
+    assert cpu[0].untyped_storage().data_ptr() == cpu[1].untyped_storage().data_ptr()
+    w.close()
+
+
+def test_mechanism_is_validated_and_reported() -> None:
+    with pytest.raises(ValueError, match=r"mechanism='dma' is not one of \['auto', 'memcpy'"):
+        OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=1, mechanism="dma")
+    with pytest.raises(ValueError, match="pin_chunk_bytes must be >= 1, got 0"):
+        OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=1, pin_chunk_bytes=0)
+    w = OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=2, mechanism="per_block")
+    w.register_kv_caches({"l": _kv(4)})
+    assert w.transfer_async(1, GPUBlockSpec.single_group([0, 1]), CPUBlockSpec((1, 0)))
+    (r,) = w.get_finished()
+    assert r.success and r.mechanism == "cpu"  # CPU-only copies: one mechanism
+
+
+def test_job_chunks_count_runs_per_copied_tensor() -> None:
+    kv_a, kv_b = _kv(16, seed=1), _kv(16, seed=2)
+    w = OffloadingWorker(num_gpu_blocks=16, num_cpu_blocks=8)
+    w.register_kv_caches({"a": kv_a, "b": kv_b})  # one group, two tensors
+    per_group = w._expand(GPUBlockSpec.single_group([3, 4, 5, 9]), CPUBlockSpec((0, 1, 2, 7)))
+    chunks, num_bytes = w.job_chunks(per_group)
+    assert chunks == 2 * 2  # runs [3,4,5]->[0,1,2] and [9]->[7], for each of two tensors
+    assert num_bytes == 4 * w.bytes_per_gpu_block
+
+
+def test_a_bad_group_fails_the_whole_job_before_any_copy() -> None:
+    """Ids are checked for every group first: group 0's valid blocks are not written when
+    group 1's ids are bad, and other jobs' blocks stay intact."""
+    kv_a, kv_b = _kv(8, seed=1), _kv(8, seed=2)
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"a": kv_a, "b": kv_b}, layer_to_group={"a": 0, "b": 1})
+    assert w.transfer_async(1, GPUBlockSpec((1, 2), (1, 1), (0, 0)), CPUBlockSpec((0, 1)))
+    pool_before = [t.clone() for t in w.cpu_tensors()]
+    # store: group 0 -> slot 2 is fine, group 1 -> slot 9 is out of range
+    assert not w.transfer_async(2, GPUBlockSpec((5, 6), (1, 1), (0, 0)), CPUBlockSpec((2, 9)))
+    (r,) = w.wait([2])
+    assert not r.success and "group 1: CPU id 9 is out of range" in (r.error or "")
+    assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), pool_before, strict=True))
+    # a repeated destination is refused the same way
+    assert not w.transfer_async(3, GPUBlockSpec((5, 6), (2, 0), (0, 0)), CPUBlockSpec((3, 3)))
+    assert "destination id repeats" in (w.wait([3])[0].error or "")
+
+
+def test_pinning_on_a_machine_without_cuda_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only refusal")
+    from kvoff.pinned import PinningError
+
+    w = OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=1, pin_memory=True)
+    with pytest.raises(PinningError, match="needs CUDA"):
+        w.register_kv_caches({"l": _kv(4)})
+
+
+# ------------------------------------------------------------------------- CUDA (skip on CPU)
+
+requires_cuda = pytest.mark.cuda
+
+
+def _cuda_worker(mechanism: str = "auto", num_gpu_blocks: int = 32, **kw):
+    kv = {f"l{i}": _kv(num_gpu_blocks, seed=i).cuda() for i in range(4)}
+    w = OffloadingWorker(num_gpu_blocks, 16, mechanism=mechanism, **kw)
+    w.register_kv_caches(kv)
+    return w, kv
+
+
+@requires_cuda
+@pytest.mark.parametrize("mechanism", ["auto", "memcpy", "batch", "kernel", "per_block"])
+def test_cuda_round_trip_every_mechanism(mechanism: str) -> None:
+    w, kv = _cuda_worker(mechanism, pin_chunk_bytes=64 << 10)
+    assert w.cpu_pool_pinned and w.cpu_tensors()[0].is_pinned()
+    original = {k: v.clone() for k, v in kv.items()}
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randperm(32, generator=gen)[:10].tolist()
+    slots = torch.randperm(16, generator=gen)[:10].tolist()
+    dst = torch.randperm(32, generator=gen)[:10].tolist()
+    assert w.transfer_async(1, GPUBlockSpec.single_group(src), CPUBlockSpec(tuple(slots)))
+    (r,) = w.wait([1])
+    assert r.success and r.seconds > 0 and r.num_bytes == 10 * w.bytes_per_gpu_block
+    assert r.mechanism in {"memcpy", "batch", "kernel", "per_block"}
+    if mechanism != "auto":
+        assert r.mechanism == mechanism
+    assert w.transfer_async(2, CPUBlockSpec(tuple(slots)), GPUBlockSpec.single_group(dst))
+    w.wait([2])
+    for k, v in kv.items():
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(v[d], original[k][s]), (k, s, d)
+    w.close()
+
+
+@requires_cuda
+def test_cuda_store_sees_the_compute_streams_writes() -> None:
+    """A store waits on the compute stream: data written there just before is what lands."""
+    w, kv = _cuda_worker()
+    layer = kv["l0"]
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy so the write is still pending
+    layer[3].fill_(7)
+    assert w.transfer_async(1, GPUBlockSpec.single_group([3]), CPUBlockSpec((5,)))
+    w.wait([1])
+    row = w.cpu_tensors()[0][5]
+    assert torch.equal(row, layer[3].cpu().view(torch.uint8).flatten())
+
+
+@requires_cuda
+def test_cuda_jobs_of_one_direction_finish_in_order() -> None:
+    """FIFO per direction: two stores into the same slot; the later job's bytes win and the
+    jobs finish in submission order."""
+    w, kv = _cuda_worker()
+    for job in range(1, 9):
+        assert w.transfer_async(job, GPUBlockSpec.single_group([job]), CPUBlockSpec((0,)))
+    results = w.wait(range(1, 9))
+    assert all(r.success for r in results)
+    assert torch.equal(w.cpu_tensors()[0][0], kv["l0"][8].cpu().view(torch.uint8).flatten())
+    # get_finished never blocks: with nothing in flight it returns at once
+    assert w.get_finished() == []
+
+
+@requires_cuda
+def test_cuda_bad_ids_fail_without_touching_other_jobs() -> None:
+    w, _ = _cuda_worker()
+    assert w.transfer_async(1, GPUBlockSpec.single_group([1, 2]), CPUBlockSpec((0, 1)))
+    w.wait([1])
+    before = [t.clone() for t in w.cpu_tensors()]
+    assert not w.transfer_async(2, GPUBlockSpec.single_group([3, 4]), CPUBlockSpec((1, 99)))
+    (r,) = w.wait([2])
+    assert not r.success and "99" in (r.error or "")
+    assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), before, strict=True))

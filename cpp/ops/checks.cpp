@@ -6,6 +6,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -211,10 +212,35 @@ void check_no_duplicates(const int64_t* ids, int64_t n, int64_t rows) {
 
 }  // namespace
 
+Mechanism parse_mechanism(c10::string_view name) {
+  constexpr Mechanism kAll[] = {Mechanism::kAuto, Mechanism::kMemcpy, Mechanism::kBatch,
+                                Mechanism::kKernel, Mechanism::kPerBlock};
+  static_assert(std::size(kAll) == std::size(kMechanismNames));
+  for (size_t i = 0; i < std::size(kAll); ++i) {
+    if (name == kMechanismNames[i]) {
+      return kAll[i];
+    }
+  }
+  TORCH_CHECK_VALUE(false, kOp, "mechanism='", std::string(name.data(), name.size()),
+                    "' is not one of 'auto', 'memcpy', 'batch', 'kernel', 'per_block'. "
+                    "Pass one of these names (kvoff.ops.MECHANISMS), or 'auto' to let kvoff "
+                    "choose.");
+  return Mechanism::kAuto;  // unreachable
+}
+
 CopyBlocksArgs check_copy_blocks_args(at::TensorList src, at::TensorList dst,
                                       const at::Tensor& src_block_ids,
-                                      const at::Tensor& dst_block_ids, DeviceRule rule) {
+                                      const at::Tensor& dst_block_ids,
+                                      c10::string_view mechanism, int64_t kernel_blocks,
+                                      DeviceRule rule) {
   CopyBlocksArgs args;
+
+  // 0. The options.
+  args.mechanism = parse_mechanism(mechanism);
+  TORCH_CHECK_VALUE(kernel_blocks >= 0, kOp, "kernel_blocks=", kernel_blocks,
+                    " is negative; pass 0 for the default grid-size cap (10% of the GPU's "
+                    "SMs) or a positive number of thread blocks.");
+  args.kernel_blocks = kernel_blocks;
 
   // 1. The lists.
   TORCH_CHECK_VALUE(!src.empty(), kOp,

@@ -4,7 +4,8 @@
 // Everything is validated before a single byte moves, so a rejected call leaves every
 // destination tensor unchanged. Error types (as seen from Python):
 //
-//   ValueError   (TORCH_CHECK_VALUE)  list lengths, tensor ranks, dtypes within a pair, row
+//   ValueError   (TORCH_CHECK_VALUE)  an unknown mechanism name, a negative kernel_blocks,
+//                                     list lengths, tensor ranks, dtypes within a pair, row
 //                                     sizes, row layout (contiguity, stride(0)), id dtype,
 //                                     shape and lengths, duplicate destination ids
 //   IndexError   (TORCH_CHECK_INDEX)  negative or out-of-range block ids
@@ -18,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/string_view.h>
 
 #include <cstdint>
 #include <vector>
@@ -32,6 +34,18 @@ struct PairLayout {
   int64_t src_stride_bytes = 0;  // bytes between consecutive rows of src[k]
   int64_t dst_stride_bytes = 0;  // bytes between consecutive rows of dst[k]
 };
+
+// The copy mechanism of one call (the op's `mechanism` string). What each one does on the
+// GPU is in cuda/kernels/copy_blocks.h; the CPU kernel runs kPerBlock as one memcpy per row
+// on the calling thread and every other mechanism as its parallel run-coalesced memcpy.
+enum class Mechanism : uint8_t { kAuto, kMemcpy, kBatch, kKernel, kPerBlock };
+
+// The accepted names, in Mechanism order (kvoff.ops.MECHANISMS lists the same).
+inline constexpr const char* kMechanismNames[] = {"auto", "memcpy", "batch", "kernel",
+                                                  "per_block"};
+
+// Parses a mechanism name; an unknown one raises ValueError naming it and the choices.
+Mechanism parse_mechanism(c10::string_view name);
 
 // Which device combinations the calling kernel accepts.
 enum class DeviceRule {
@@ -49,15 +63,20 @@ struct CopyBlocksArgs {
   int64_t total_bytes = 0;  // bytes copied by the whole call
   c10::Device src_device{c10::kCPU};
   c10::Device dst_device{c10::kCPU};
+  Mechanism mechanism = Mechanism::kAuto;
+  int64_t kernel_blocks = 0;  // >= 0; 0 = the default grid-size cap
   // Keep contiguous copies of the ids alive when the caller passed strided ids.
   at::Tensor src_ids_holder;
   at::Tensor dst_ids_holder;
 };
 
 // Validates every argument of copy_blocks (see the file comment) and returns the byte layout.
-// Throws c10::Error subclasses (ValueError / IndexError / RuntimeError in Python).
+// The mechanism name and kernel_blocks are checked first. Throws c10::Error subclasses
+// (ValueError / IndexError / RuntimeError in Python).
 CopyBlocksArgs check_copy_blocks_args(at::TensorList src, at::TensorList dst,
                                       const at::Tensor& src_block_ids,
-                                      const at::Tensor& dst_block_ids, DeviceRule rule);
+                                      const at::Tensor& dst_block_ids,
+                                      c10::string_view mechanism, int64_t kernel_blocks,
+                                      DeviceRule rule);
 
 }  // namespace kvoff::ops

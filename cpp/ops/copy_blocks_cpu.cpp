@@ -6,6 +6,11 @@
 // with a grain of about kGrainBytes, so a small call runs inline on the calling thread. An
 // item is one memcpy when both tensors of the pair store rows back to back
 // (stride(0) == row), and one memcpy per row otherwise.
+//
+// mechanism: "per_block" is the naive baseline of the benchmarks, one std::memcpy per row per
+// pair, sequentially on the calling thread (no runs, no parallel_for); every other name
+// ("auto", "memcpy", "batch", "kernel") runs the parallel run-coalesced memcpy above. The name
+// is validated as on the GPU; kernel_blocks is validated (>= 0) and otherwise ignored.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -40,11 +45,27 @@ inline void copy_run(const PairLayout& p, const BlockRun& r) {
   }
 }
 
+// The "per_block" baseline: one memcpy per row per pair, in order, on the calling thread.
+void copy_per_block(const CopyBlocksArgs& args) {
+  for (const PairLayout& p : args.pairs) {
+    for (int64_t i = 0; i < args.num_ids; ++i) {
+      std::memcpy(p.dst + args.dst_ids[i] * p.dst_stride_bytes,
+                  p.src + args.src_ids[i] * p.src_stride_bytes,
+                  static_cast<size_t>(p.row_bytes));
+    }
+  }
+}
+
 void copy_blocks_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& src_block_ids,
-                     const at::Tensor& dst_block_ids) {
-  const CopyBlocksArgs args =
-      check_copy_blocks_args(src, dst, src_block_ids, dst_block_ids, DeviceRule::kCpu);
+                     const at::Tensor& dst_block_ids, c10::string_view mechanism,
+                     int64_t kernel_blocks) {
+  const CopyBlocksArgs args = check_copy_blocks_args(src, dst, src_block_ids, dst_block_ids,
+                                                     mechanism, kernel_blocks, DeviceRule::kCpu);
   if (args.num_ids == 0 || args.total_bytes == 0) {
+    return;
+  }
+  if (args.mechanism == Mechanism::kPerBlock) {
+    copy_per_block(args);
     return;
   }
 

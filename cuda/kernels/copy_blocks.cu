@@ -1,4 +1,6 @@
 // Multi-layer block copies on raw pointers; see copy_blocks.h for the contract.
+#include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <stdexcept>
@@ -40,6 +42,11 @@ void check_params(const CopyBlocksParams& p) {
       (p.num_ids > 0 && (p.src_ids == nullptr || p.dst_ids == nullptr))) {
     throw std::invalid_argument(
         "kvoff::kernels::copy_blocks: null pairs or id arrays with non-zero counts");
+  }
+  if (p.kernel_blocks < 0) {
+    throw std::invalid_argument("kvoff::kernels::copy_blocks: kernel_blocks = " +
+                                std::to_string(p.kernel_blocks) +
+                                " is negative; pass 0 (default) or a positive grid-size cap");
   }
 }
 
@@ -84,6 +91,130 @@ void copy_with_memcpy(const CopyBlocksParams& p, cudaStream_t stream) {
   }
 }
 
+// ---- kPerBlock ----
+
+void copy_per_block(const CopyBlocksParams& p, cudaStream_t stream) {
+  for (int64_t k = 0; k < p.num_pairs; ++k) {
+    const CopyPair& pair = p.pairs[k];
+    if (pair.row_bytes == 0) {
+      continue;
+    }
+    const auto* src = static_cast<const char*>(pair.src);
+    auto* dst = static_cast<char*>(pair.dst);
+    for (int64_t i = 0; i < p.num_ids; ++i) {
+      KVOFF_CUDA_CHECK(cudaMemcpyAsync(dst + p.dst_ids[i] * pair.dst_stride_bytes,
+                                       src + p.src_ids[i] * pair.src_stride_bytes,
+                                       static_cast<size_t>(pair.row_bytes), cudaMemcpyDefault,
+                                       stream));
+    }
+  }
+}
+
+// ---- kBatch ----
+
+// 0: not decided yet (versions only), 1: supported, 2: refused by the driver.
+std::atomic<int> g_batch_state{0};
+
+bool batch_versions_ok() {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return driver >= 12080;
+#else
+  return false;
+#endif
+}
+
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+bool is_legacy_stream(cudaStream_t stream) {
+  return stream == nullptr || stream == cudaStreamLegacy;
+}
+
+cudaMemLocation location_hint(MemoryKind kind, int device) {
+  cudaMemLocation loc{};
+  if (kind == MemoryKind::kDevice) {
+    loc.type = cudaMemLocationTypeDevice;
+    loc.id = device;
+  } else {
+    loc.type = cudaMemLocationTypeHost;
+    loc.id = 0;  // ignored for the host
+  }
+  return loc;
+}
+
+// Returns false (and copies nothing) when the driver refuses the batch API; throws on any
+// other failure.
+bool try_copy_with_batch(const CopyBlocksParams& p, cudaStream_t stream) {
+  const std::vector<BlockRun> runs = make_block_runs(p.src_ids, p.dst_ids, p.num_ids);
+  std::vector<void*> dsts;
+  std::vector<void*> srcs;  // void*: CUDA 12.8/12.9 declare `void**`, CUDA 13 `const void* const*`
+  std::vector<size_t> sizes;
+  dsts.reserve(runs.size() * static_cast<size_t>(p.num_pairs));
+  srcs.reserve(dsts.capacity());
+  sizes.reserve(dsts.capacity());
+  for (int64_t k = 0; k < p.num_pairs; ++k) {
+    const CopyPair& pair = p.pairs[k];
+    if (pair.row_bytes == 0) {
+      continue;
+    }
+    const auto* src = static_cast<const char*>(pair.src);
+    auto* dst = static_cast<char*>(pair.dst);
+    const bool dense = pair.src_stride_bytes == pair.row_bytes &&
+                       pair.dst_stride_bytes == pair.row_bytes;
+    for (const BlockRun& r : runs) {
+      const char* s = src + r.src * pair.src_stride_bytes;
+      char* d = dst + r.dst * pair.dst_stride_bytes;
+      if (r.len == 1 || dense) {
+        dsts.push_back(d);
+        srcs.push_back(const_cast<char*>(s));
+        sizes.push_back(static_cast<size_t>(pair.row_bytes * r.len));
+      } else {  // the batch API copies 1-D ranges: one entry per row of a strided run
+        for (int64_t j = 0; j < r.len; ++j) {
+          dsts.push_back(d + j * pair.dst_stride_bytes);
+          srcs.push_back(const_cast<char*>(s + j * pair.src_stride_bytes));
+          sizes.push_back(static_cast<size_t>(pair.row_bytes));
+        }
+      }
+    }
+  }
+  if (sizes.empty()) {
+    return true;
+  }
+  int device = 0;
+  KVOFF_CUDA_CHECK(cudaGetDevice(&device));
+  // One attribute set for every copy (attrsIdxs = {0}): sources read in stream order (they
+  // may be written by earlier work on `stream`); location hints name where each side lives
+  // (the driver uses them only for managed or pageable memory); prefer overlapping with
+  // compute, since offloading runs beside the model (a hint the driver may ignore).
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.srcLocHint = location_hint(p.src_kind, device);
+  attr.dstLocHint = location_hint(p.dst_kind, device);
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                               sizes.size(), &attr, &attr_idx, 1, stream);
+#else
+  size_t fail_idx = SIZE_MAX;
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                               sizes.size(), &attr, &attr_idx, 1, &fail_idx,
+                                               stream);
+#endif
+  if (err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver) {
+    (void)cudaGetLastError();  // not sticky; clear it so later checks do not see it
+    g_batch_state.store(2, std::memory_order_relaxed);
+    return false;
+  }
+  KVOFF_CUDA_CHECK(err);
+  g_batch_state.store(1, std::memory_order_relaxed);
+  return true;
+}
+#endif  // CUDART_VERSION >= 12080
+
 // ---- kKernel ----
 
 struct DevicePair {
@@ -96,41 +227,66 @@ struct DevicePair {
   int32_t pad;
 };
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
-constexpr int64_t kMaxGrid = 1024;
+constexpr int kWarpSize = 32;
+constexpr int kWarpsPerBlock = kKernelThreads / kWarpSize;
+// Vector loads in flight per lane before its stores: 8 x 16 B per lane, 4 KiB per warp.
+constexpr int kUnroll = 8;
+// Grid cap when kernel_blocks is larger than the work needs (blocks beyond the items idle).
+constexpr int64_t kMaxGrid = int64_t{1} << 16;
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// One warp copies n elements of type V: each lane issues kUnroll loads, then kUnroll stores,
+// so that kUnroll x 32 loads per warp wait on memory at once. The last (partial) stretch uses
+// guarded loads, still all in flight together.
 template <typename V>
-__device__ __forceinline__ void copy_row(const char* __restrict__ src, char* __restrict__ dst,
-                                         int64_t n) {
+__device__ __forceinline__ void warp_copy_row(const char* __restrict__ src,
+                                              char* __restrict__ dst, int64_t n, int lane) {
   const V* __restrict__ s = reinterpret_cast<const V*>(src);
   V* __restrict__ d = reinterpret_cast<V*>(dst);
-  int64_t j = threadIdx.x;
-  // Several loads in flight per thread before the stores: host memory has a long latency.
-  for (; j + (kUnroll - 1) * static_cast<int64_t>(blockDim.x) < n;
-       j += kUnroll * static_cast<int64_t>(blockDim.x)) {
+  constexpr int64_t kStep = int64_t{kUnroll} * kWarpSize;
+  int64_t base = 0;
+  for (; base + kStep <= n; base += kStep) {
     V v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      v[u] = s[j + u * static_cast<int64_t>(blockDim.x)];
+      v[u] = s[base + u * kWarpSize + lane];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      d[j + u * static_cast<int64_t>(blockDim.x)] = v[u];
+      d[base + u * kWarpSize + lane] = v[u];
     }
   }
-  for (; j < n; j += blockDim.x) {
-    d[j] = s[j];
+  if (base < n) {
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * kWarpSize + lane;
+      if (j < n) {
+        v[u] = s[j];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * kWarpSize + lane;
+      if (j < n) {
+        d[j] = v[u];
+      }
+    }
   }
 }
 
-__global__ void gather_scatter_rows(const DevicePair* __restrict__ pairs,
-                                    const int64_t* __restrict__ src_ids,
-                                    const int64_t* __restrict__ dst_ids, int64_t num_ids,
-                                    int64_t num_items) {
-  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+// Items are (pair, row) in pair-major order; warp w of the grid copies items w, w + W, ...
+// (W = warps in the grid). Every branch below is uniform across a warp.
+__global__ void __launch_bounds__(kKernelThreads)
+    gather_scatter_rows(const DevicePair* __restrict__ pairs,
+                        const int64_t* __restrict__ src_ids,
+                        const int64_t* __restrict__ dst_ids, int64_t num_ids,
+                        int64_t num_items) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t item = warp; item < num_items; item += num_warps) {
     const int64_t k = item / num_ids;
     const int64_t i = item - k * num_ids;
     const DevicePair p = pairs[k];
@@ -138,16 +294,16 @@ __global__ void gather_scatter_rows(const DevicePair* __restrict__ pairs,
     char* d = p.dst + dst_ids[i] * p.dst_stride;
     switch (p.vec_bytes) {
       case 16:
-        copy_row<uint4>(s, d, p.row_vecs);
+        warp_copy_row<uint4>(s, d, p.row_vecs, lane);
         break;
       case 8:
-        copy_row<uint2>(s, d, p.row_vecs);
+        warp_copy_row<uint2>(s, d, p.row_vecs, lane);
         break;
       case 4:
-        copy_row<uint32_t>(s, d, p.row_vecs);
+        warp_copy_row<uint32_t>(s, d, p.row_vecs, lane);
         break;
       default:
-        copy_row<unsigned char>(s, d, p.row_vecs);
+        warp_copy_row<unsigned char>(s, d, p.row_vecs, lane);
         break;
     }
   }
@@ -232,13 +388,51 @@ void copy_with_kernel(const CopyBlocksParams& p, void* workspace, size_t workspa
   const auto* dev_src_ids = reinterpret_cast<const int64_t*>(base + table_bytes);
   const auto* dev_dst_ids = reinterpret_cast<const int64_t*>(base + table_bytes + ids_bytes);
   const int64_t num_items = p.num_pairs * p.num_ids;
-  const auto grid = static_cast<unsigned int>(num_items < kMaxGrid ? num_items : kMaxGrid);
-  gather_scatter_rows<<<grid, kThreads, 0, stream>>>(dev_table, dev_src_ids, dev_dst_ids,
-                                                     p.num_ids, num_items);
+  int64_t cap = p.kernel_blocks;
+  if (cap == 0) {
+    int device = 0;
+    KVOFF_CUDA_CHECK(cudaGetDevice(&device));
+    cap = default_kernel_blocks(device);
+  }
+  // No more blocks than there are items for their warps, nor than kMaxGrid.
+  const int64_t needed_blocks = (num_items + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t grid = std::max<int64_t>(1, std::min({cap, needed_blocks, kMaxGrid}));
+  gather_scatter_rows<<<static_cast<unsigned int>(grid), kKernelThreads, 0, stream>>>(
+      dev_table, dev_src_ids, dev_dst_ids, p.num_ids, num_items);
   KVOFF_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
+
+const char* copy_method_name(CopyMethod method) {
+  switch (method) {
+    case CopyMethod::kAuto:
+      return "auto";
+    case CopyMethod::kMemcpy:
+      return "memcpy";
+    case CopyMethod::kBatch:
+      return "batch";
+    case CopyMethod::kKernel:
+      return "kernel";
+    case CopyMethod::kPerBlock:
+      return "per_block";
+  }
+  return "unknown";
+}
+
+int default_kernel_blocks(int device) {
+  int sms = 0;
+  KVOFF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(1, sms / 10);  // floor(0.10 * SMs)
+}
+
+bool batch_copy_supported() {
+  const int state = g_batch_state.load(std::memory_order_relaxed);
+  if (state != 0) {
+    return state == 1;
+  }
+  return batch_versions_ok();
+}
 
 size_t kernel_workspace_bytes(int64_t num_pairs, int64_t num_ids) {
   if (num_pairs <= 0 || num_ids <= 0) {
@@ -262,18 +456,37 @@ CopyMethod choose_copy_method(const CopyBlocksParams& params, CopyMethod method)
                                                                : CopyMethod::kKernel;
 }
 
-void copy_blocks(const CopyBlocksParams& params, CopyMethod method, void* workspace,
-                 size_t workspace_bytes, cudaStream_t stream) {
+CopyMethod copy_blocks(const CopyBlocksParams& params, CopyMethod method, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream) {
   check_params(params);
-  if (params.num_pairs == 0 || params.num_ids == 0 || total_bytes(params) == 0) {
-    return;
-  }
   method = choose_copy_method(params, method);
-  if (method == CopyMethod::kMemcpy) {
-    copy_with_memcpy(params, stream);
-  } else {
-    copy_with_kernel(params, workspace, workspace_bytes, stream);
+  if (params.num_pairs == 0 || params.num_ids == 0 || total_bytes(params) == 0) {
+    return method;
   }
+  switch (method) {
+    case CopyMethod::kBatch:
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+      // The legacy NULL stream is refused by the batch API (cudaErrorInvalidValue): such a
+      // call falls back without asking the driver, and without changing the cached verdict.
+      if (!is_legacy_stream(stream) && batch_copy_supported() &&
+          try_copy_with_batch(params, stream)) {
+        return CopyMethod::kBatch;
+      }
+#endif
+      copy_with_memcpy(params, stream);
+      return CopyMethod::kMemcpy;
+    case CopyMethod::kKernel:
+      copy_with_kernel(params, workspace, workspace_bytes, stream);
+      return CopyMethod::kKernel;
+    case CopyMethod::kPerBlock:
+      copy_per_block(params, stream);
+      return CopyMethod::kPerBlock;
+    case CopyMethod::kMemcpy:
+    case CopyMethod::kAuto:  // resolved above; never reached
+      break;
+  }
+  copy_with_memcpy(params, stream);
+  return CopyMethod::kMemcpy;
 }
 
 }  // namespace kvoff::kernels

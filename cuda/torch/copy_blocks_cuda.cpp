@@ -19,10 +19,28 @@
 namespace kvoff::ops {
 namespace {
 
+kernels::CopyMethod to_copy_method(Mechanism m) {
+  switch (m) {
+    case Mechanism::kAuto:
+      return kernels::CopyMethod::kAuto;
+    case Mechanism::kMemcpy:
+      return kernels::CopyMethod::kMemcpy;
+    case Mechanism::kBatch:
+      return kernels::CopyMethod::kBatch;
+    case Mechanism::kKernel:
+      return kernels::CopyMethod::kKernel;
+    case Mechanism::kPerBlock:
+      return kernels::CopyMethod::kPerBlock;
+  }
+  return kernels::CopyMethod::kAuto;
+}
+
 void copy_blocks_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& src_block_ids,
-                      const at::Tensor& dst_block_ids) {
-  const CopyBlocksArgs args =
-      check_copy_blocks_args(src, dst, src_block_ids, dst_block_ids, DeviceRule::kCuda);
+                      const at::Tensor& dst_block_ids, c10::string_view mechanism,
+                      int64_t kernel_blocks) {
+  const CopyBlocksArgs args = check_copy_blocks_args(src, dst, src_block_ids, dst_block_ids,
+                                                     mechanism, kernel_blocks,
+                                                     DeviceRule::kCuda);
   const c10::Device gpu = args.src_device.is_cuda() ? args.src_device : args.dst_device;
   const c10::cuda::CUDAGuard guard(gpu);
   if (args.num_ids == 0 || args.total_bytes == 0) {
@@ -45,9 +63,11 @@ void copy_blocks_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& 
       args.src_device.is_cuda() ? kernels::MemoryKind::kDevice : kernels::MemoryKind::kPinnedHost;
   params.dst_kind =
       args.dst_device.is_cuda() ? kernels::MemoryKind::kDevice : kernels::MemoryKind::kPinnedHost;
+  params.kernel_blocks = args.kernel_blocks;
 
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(gpu.index());
-  const kernels::CopyMethod method = kernels::choose_copy_method(params);
+  const kernels::CopyMethod method =
+      kernels::choose_copy_method(params, to_copy_method(args.mechanism));
   at::Tensor workspace;  // from torch's caching allocator, in stream order on `stream`
   const size_t workspace_bytes =
       method == kernels::CopyMethod::kKernel
@@ -63,11 +83,21 @@ void copy_blocks_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& 
   } catch (const kernels::CudaError& e) {
     TORCH_CHECK(false, "kvoff.copy_blocks: copying ", args.num_ids, " blocks of ",
                 pairs.size(), " tensor pairs from ", args.src_device, " to ", args.dst_device,
-                " failed: ", e.what());
+                " with mechanism '", kernels::copy_method_name(method), "' failed: ", e.what());
   }
 }
 
 }  // namespace
+
+// torch.ops.kvoff.batch_copy_supported in CUDA builds (called from cpp/ops/ops.cpp): false
+// without a visible GPU, else the per-process verdict of kernels::batch_copy_supported() taken
+// with the current device selected.
+bool batch_copy_supported_cuda() {
+  if (c10::cuda::device_count() == 0) {
+    return false;
+  }
+  return kernels::batch_copy_supported();
+}
 
 TORCH_LIBRARY_IMPL(kvoff, CUDA, m) {
   m.impl("copy_blocks", &copy_blocks_cuda);
