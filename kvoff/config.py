@@ -176,26 +176,15 @@ class OffloadingConfig(BaseModel):
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
-    @field_validator("transfer_mechanism")
+    @field_validator("eviction_policy", "transfer_mechanism")
     @classmethod
-    def _known_mechanism(cls, value: str) -> str:
+    def _known_name(cls, value: str, info: pydantic.ValidationInfo) -> str:
         from kvoff.transfer import ALL_MECHANISMS
 
+        choices = EVICTION_POLICIES if info.field_name == "eviction_policy" else ALL_MECHANISMS
         name = value.strip().lower()
-        if name not in ALL_MECHANISMS:
-            raise ValueError(
-                f"unknown transfer_mechanism {value!r}; choose one of {list(ALL_MECHANISMS)}"
-            )
-        return name
-
-    @field_validator("eviction_policy")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        name = value.strip().lower()
-        if name not in EVICTION_POLICIES:
-            raise ValueError(
-                f"unknown eviction_policy {value!r}; choose one of {list(EVICTION_POLICIES)}"
-            )
+        if name not in choices:
+            raise ValueError(f"unknown {info.field_name} {value!r}; choose one of {list(choices)}")
         return name
 
     @model_validator(mode="after")

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from kvoff import _C  # noqa: F401  (loads the library that defines torch.ops.kvoff.*)
+from kvoff.transfer import ALL_MECHANISMS
 
 __all__ = ["MECHANISMS", "batch_copy_supported", "copy_blocks"]
 
 _PREFIX = "kvoff.copy_blocks: "
 
 #: Names accepted by ``copy_blocks(..., mechanism=...)``; see :func:`copy_blocks`.
-MECHANISMS: tuple[str, ...] = ("auto", "memcpy", "batch", "kernel", "per_block")
+MECHANISMS: tuple[str, ...] = ALL_MECHANISMS  # one list, shared with config validation
 
 
 def _check_options(mechanism: object, kernel_blocks: object) -> None:

@@ -47,8 +47,8 @@ Direction = Literal["store", "load"]
 """``"store"``: GPU → CPU (device to host); ``"load"``: CPU → GPU (host to device)."""
 
 ALL_MECHANISMS: tuple[str, ...] = ("auto", "memcpy", "batch", "kernel", "per_block")
-"""Every name ``kvoff.ops.copy_blocks`` accepts (``kvoff.ops.MECHANISMS``; listed here too so
-that configuration can be validated without loading the extension)."""
+"""Every name ``kvoff.ops.copy_blocks`` accepts (``kvoff.ops.MECHANISMS`` is this tuple; it lives
+here so that configuration can be validated without loading the extension)."""
 
 COPY_MECHANISMS: tuple[str, ...] = ("memcpy", "batch", "kernel")
 """The mechanisms :func:`choose_mechanism` chooses among (``kvoff.ops.copy_blocks`` also
@@ -189,8 +189,9 @@ def choose_mechanism(
         raise ValueError(
             f"chunk_bytes ({chunk_bytes}) and num_chunks ({num_chunks}) must be non-negative"
         )
-    t = (thresholds or default_thresholds()).for_direction(direction)
-    if num_chunks < (thresholds or default_thresholds()).min_chunks_for_kernel:
+    thresholds = thresholds or default_thresholds()
+    t = thresholds.for_direction(direction)
+    if num_chunks < thresholds.min_chunks_for_kernel:
         return "memcpy"
     if batch_supported:
         if chunk_bytes < t.kernel_below_bytes:
