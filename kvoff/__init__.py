@@ -25,7 +25,9 @@ from kvoff._scheduler import (  # noqa: E402
     OffloadingEvent,
     PrepareStoreOutput,
 )
+from kvoff._build_info import VERSION as _VERSION  # noqa: E402
 from kvoff.config import OffloadingConfig  # noqa: E402
+from kvoff.info import BuildInfo, build_info  # noqa: E402
 from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block  # noqa: E402
 from kvoff.offloading_spec import CPUOffloadingSpec  # noqa: E402
 from kvoff.ops import copy_blocks  # noqa: E402
@@ -56,9 +58,11 @@ from kvoff.worker import (  # noqa: E402
     TransferResult,
 )
 
-__version__ = "0.1.0"
+#: kvoff's version with its wheel's local label: "0.1.0+cpu", "0.1.0+cu130" (see build_info()).
+__version__: str = _VERSION
 
 __all__ = [
+    "BuildInfo",
     "CPUBlockSpec",
     "CPUOffloadingManager",
     "CPUOffloadingSpec",
@@ -85,6 +89,7 @@ __all__ = [
     "TransferResult",
     "UniformTypeKVCacheSpecs",
     "__version__",
+    "build_info",
     "copy_blocks",
     "get_kv_cache_config",
     "pool_bytes_per_block",

@@ -131,7 +131,26 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_plan_parser(sub)
     _add_bench_parser(sub)
+    ip = sub.add_parser(
+        "info",
+        help="what this install of kvoff contains and whether this process matches it",
+        description=(
+            "Print kvoff's version (with its wheel label), the torch and CUDA it was built "
+            "against, the GPU architectures compiled, the copy mechanisms usable here, the "
+            "compilers, and whether the running torch, CUDA and GPUs match the build. Exits 1 "
+            "when they do not."
+        ),
+    )
+    ip.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
+
+
+def _info(args: argparse.Namespace) -> int:
+    from kvoff.info import build_info
+
+    info = build_info()
+    print(info.to_json() if args.json else info.format())
+    return 0 if info.runtime_matches else 1
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -540,7 +559,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvoff`` console script. Returns the process exit code (0: success;
-    1: corrupted blocks or failed transfers; 2: bad arguments)."""
+    1: corrupted blocks or failed transfers, or `kvoff info` found a mismatch; 2: bad arguments)."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -548,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "info":
+            return _info(args)
         if args.command == "bench" and args.bench_command == "transfer":
             return _bench_transfer(args, argv)
         if args.command == "bench":
