@@ -31,7 +31,8 @@ TORCH_LIBS = re.compile(r"(^|/)lib(torch|c10|gomp|cudart|cuda|shm|nvrtc|cublas)[
 
 def _metadata_module():
     # kvoff/_build_metadata.py by path: importing the package would load the editable build.
-    spec = importlib.util.spec_from_file_location("_build_metadata", ROOT / "kvoff/_build_metadata.py")
+    path = ROOT / "kvoff" / "_build_metadata.py"
+    spec = importlib.util.spec_from_file_location("_build_metadata", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -75,13 +76,19 @@ def check(wheel: Path) -> dict[str, object]:
         bundled = [n for n in names if TORCH_LIBS.search(n)]
         if bundled:
             failures.append(f"the wheel carries torch/CUDA libraries: {bundled}")
-        for need in ("kvoff/__init__.py", "kvoff/_build_info.py", "kvoff/_build_metadata.py",
-                     "kvoff/data/traces/conversation_trace.jsonl",
-                     "kvoff/data/transfer_thresholds.json"):
+        for need in (
+            "kvoff/__init__.py",
+            "kvoff/_build_info.py",
+            "kvoff/_build_metadata.py",
+            "kvoff/data/traces/conversation_trace.jsonl",
+            "kvoff/data/transfer_thresholds.json",
+        ):
             if need not in names:
                 failures.append(f"missing {need}")
-        exts = {key: [n for n in names if re.match(rf"kvoff/{key}\..*\.so$", n)]
-                for key in ("_C", "_scheduler")}
+        exts = {
+            key: [n for n in names if re.match(rf"kvoff/{key}\..*\.so$", n)]
+            for key in ("_C", "_scheduler")
+        }
         for key, found in exts.items():
             if len(found) != 1:
                 failures.append(f"expected one kvoff/{key} extension, found {found}")
@@ -91,7 +98,7 @@ def check(wheel: Path) -> dict[str, object]:
 
         build_info: dict[str, object] = {}
         if "kvoff/_build_info.py" in names:
-            exec(zf.read("kvoff/_build_info.py").decode(), build_info)  # noqa: S102 (our file)
+            exec(zf.read("kvoff/_build_info.py").decode(), build_info)
             if build_info["VERSION"] != version:
                 failures.append(f"_build_info.VERSION {build_info['VERSION']} != {version}")
             if build_info["GTEST_BINARY"] is not None:
@@ -106,7 +113,9 @@ def check(wheel: Path) -> dict[str, object]:
                 so = Path(zf.extract(exts["_C"][0], tmp))
                 dyn = _dynamic_section(so)
             needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
-            runpath = re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library (?:runpath|rpath): \[([^\]]+)\]", dyn)
+            runpath = re.findall(
+                r"\((?:RUNPATH|RPATH)\)\s+Library (?:runpath|rpath): \[([^\]]+)\]", dyn
+            )
             for lib in ("libc10.so", "libtorch_cpu.so"):
                 if lib not in needed:
                     failures.append(f"kvoff/_C does not link {lib} dynamically (NEEDED: {needed})")
@@ -146,8 +155,10 @@ def main() -> int:
         print(f"check_wheel: FAIL {failure}", file=sys.stderr)
     if record["failures"]:
         return 1
-    print(f"check_wheel: {record['wheel']}{size_txt}: label, torch pin "
-          f"({record['requires_dist'][0]}), contents and run path OK")  # type: ignore[index]
+    print(
+        f"check_wheel: {record['wheel']}{size_txt}: label, torch pin "
+        f"({record['requires_dist'][0]}), contents and run path OK"
+    )  # type: ignore[index]
     return 0
 
 

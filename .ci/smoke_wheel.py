@@ -33,14 +33,16 @@ assert info.version.endswith("+" + label), (info.version, label)
 
 # 3. CPU block copy: rows src_ids[i] of every layer land in rows dst_ids[i], nothing else changes
 g = torch.Generator().manual_seed(0)
-layers_src = [torch.randint(-128, 127, (64, 2, 16, 8), dtype=torch.int8, generator=g) for _ in range(3)]
+layers_src = [
+    torch.randint(-128, 127, (64, 2, 16, 8), dtype=torch.int8, generator=g) for _ in range(3)
+]
 layers_dst = [torch.zeros(40, 2, 16, 8, dtype=torch.int8) for _ in range(3)]
 src_ids = torch.randperm(64, generator=g)[:20]
 dst_ids = torch.randperm(40, generator=g)[:20]
 torch.ops.kvoff.copy_blocks(layers_src, layers_dst, src_ids, dst_ids)
 untouched = torch.ones(40, dtype=torch.bool)
 untouched[dst_ids] = False
-for s, d in zip(layers_src, layers_dst):
+for s, d in zip(layers_src, layers_dst, strict=True):
     assert torch.equal(d[dst_ids], s[src_ids]), "copied rows differ"
     assert not d[untouched].any(), "rows outside dst_block_ids were written"
 print("smoke: torch.ops.kvoff.copy_blocks byte-exact on CPU")

@@ -20,12 +20,12 @@ _check_torch_version()
 
 # Order matters: the torch ops library must be loaded before the fake kernels register.
 from kvoff import _C  # noqa: E402,F401  (registers torch.ops.kvoff.*)
+from kvoff._build_info import VERSION as _VERSION  # noqa: E402
 from kvoff._scheduler import (  # noqa: E402
     CPUOffloadingManager,
     OffloadingEvent,
     PrepareStoreOutput,
 )
-from kvoff._build_info import VERSION as _VERSION  # noqa: E402
 from kvoff.config import OffloadingConfig  # noqa: E402
 from kvoff.info import BuildInfo, build_info  # noqa: E402
 from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block  # noqa: E402

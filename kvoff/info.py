@@ -102,9 +102,7 @@ class BuildInfo:
 
     def format(self) -> str:
         """A human-readable report (what ``kvoff info`` prints)."""
-        cuda_built = (
-            f"CUDA {self.built_torch_cuda}" if self.built_torch_cuda else "CPU-only torch"
-        )
+        cuda_built = f"CUDA {self.built_torch_cuda}" if self.built_torch_cuda else "CPU-only torch"
         archs = " ".join(self.cuda_architectures) if self.cuda_architectures else "none"
         lines = [
             f"kvoff {self.version}",
@@ -304,4 +302,3 @@ def build_info() -> BuildInfo:
         gpus=gpus,
         problems=tuple(problems),
     )
-
