@@ -64,8 +64,10 @@ def check(wheel: Path) -> dict[str, object]:
 
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-        dist_info = f"kvoff-{version}.dist-info"
-        metadata = Parser().parsestr(zf.read(f"{dist_info}/METADATA").decode())
+        meta_files = [n for n in names if re.match(r"kvoff-[^/]+\.dist-info/METADATA$", n)]
+        if len(meta_files) != 1:
+            return {"wheel": name, "failures": [f"expected one METADATA, found {meta_files}"]}
+        metadata = Parser().parsestr(zf.read(meta_files[0]).decode())
         requires = metadata.get_all("Requires-Dist") or []
         want_pin = meta.torch_requirement(torch.__version__)
         if want_pin not in requires:

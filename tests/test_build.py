@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,52 @@ def test_enable_cuda_misconfiguration_is_a_configure_error(tmp_path: Path, value
         assert "CPU build" in err and "AUTO" in err
     else:
         assert "KVOFF_ENABLE_CUDA='MAYBE' is not one of AUTO, ON, OFF" in err
+
+
+def _configure(build: Path, *defs: str, env: dict[str, str] | None = None):
+    return subprocess.run(
+        [
+            "cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja",
+            f"-DPython_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", "-DKVOFF_BUILD_TESTS=OFF",
+            *defs,
+        ],
+        capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+
+
+_needs_nvcc = pytest.mark.skipif(
+    not _cmake_ok() or shutil.which("nvcc") is None,
+    reason="needs cmake >= 3.28 and nvcc on PATH (the CUDA architecture list is only resolved "
+    "when CUDA code is compiled)",
+)
+
+
+@_needs_nvcc
+def test_cuda_architectures_default_and_override(tmp_path: Path) -> None:
+    """Without TORCH_CUDA_ARCH_LIST the release default (Ampere, Hopper, Blackwell, PTX for
+    newer GPUs) is used; TORCH_CUDA_ARCH_LIST (environment) replaces it. Both are printed and
+    the resolved list reaches the nvcc command lines as real and virtual architectures."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_ARCH_LIST"}
+    proc = _configure(tmp_path / "default", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "architectures 8.0;8.6;9.0;10.0;12.0+PTX" in proc.stdout
+    ninja = (tmp_path / "default" / "build.ninja").read_text()
+    for arch in ("compute_80,code=[sm_80]", "compute_90,code=[sm_90]", "compute_100,code=[sm_100]",
+                 "compute_120,code=[sm_120]", "compute_120,code=[compute_120]"):  # fmt: skip
+        assert arch in ninja, arch
+
+    proc = _configure(tmp_path / "env", env={**env, "TORCH_CUDA_ARCH_LIST": "8.0 9.0+PTX"})
+    assert proc.returncode == 0, proc.stderr
+    assert "architectures 8.0;9.0+PTX" in proc.stdout
+    ninja = (tmp_path / "env" / "build.ninja").read_text()
+    assert "compute_90,code=[compute_90]" in ninja and "compute_90,code=[sm_90]" in ninja
+    assert "sm_100" not in ninja and "compute_80,code=[compute_80]" not in ninja
+
+
+@_needs_nvcc
+def test_bad_cuda_architecture_is_a_configure_error(tmp_path: Path) -> None:
+    proc = _configure(tmp_path / "b", "-DTORCH_CUDA_ARCH_LIST=9.0;sm_100")
+    assert proc.returncode != 0
+    err = " ".join(proc.stderr.split())
+    assert "TORCH_CUDA_ARCH_LIST entry 'sm_100' is not of the form MAJOR.MINOR[+PTX]" in err

@@ -27,6 +27,26 @@ def test_other_torch_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(err.value, ImportError)
 
 
+@pytest.mark.parametrize("patch", [0, 1, 7])
+def test_other_patch_release_of_the_series_loads(
+    monkeypatch: pytest.MonkeyPatch, patch: int
+) -> None:
+    """Patch releases keep the C++ ABI: the check, like the wheel's torch==X.Y.* pin, is per
+    series."""
+    major, minor = torch.__version__.split(".")[:2]
+    monkeypatch.setattr(info, "TORCH_VERSION", f"{major}.{minor}.{patch}+whatever")
+    check_torch_version()
+
+
+def test_next_minor_release_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    major, minor = torch.__version__.split(".")[:2]
+    monkeypatch.setattr(info, "TORCH_VERSION", f"{major}.{int(minor) + 1}.0")
+    with pytest.raises(
+        TorchVersionMismatchError, match=rf"series \({major}\.{int(minor) + 1}\.\*\)"
+    ):
+        check_torch_version()
+
+
 def test_cpu_build_under_cuda_torch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(info, "TORCH_CUDA_VERSION", None if torch.version.cuda else "13.0")
     with pytest.raises(TorchVersionMismatchError, match="CUDA"):

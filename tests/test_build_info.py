@@ -1,0 +1,208 @@
+"""Build metadata (wheel label, torch pin), kvoff.build_info() and `kvoff info`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+import kvoff._build_info as b
+import pytest
+import torch
+
+import kvoff
+import kvoff.ops
+from kvoff import _build_metadata as meta
+from kvoff import info as info_mod
+from kvoff.cli import main
+from kvoff.info import GPUInfo, arch_covers, build_info
+
+
+# ---- wheel label and torch pin -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("cuda", "label"),
+    [(None, "cpu"), ("", "cpu"), ("13.0", "cu130"), ("12.8", "cu128"), ("12.10", "cu1210")],
+)
+def test_local_label(cuda: str | None, label: str) -> None:
+    assert meta.local_label(cuda) == label
+
+
+def test_bad_cuda_version_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"'thirteen' is not MAJOR\.MINOR"):
+        meta.local_label("thirteen")
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "pin"),
+    [
+        ("2.13.0+cpu", "torch==2.13.*"),
+        ("2.11.0+cu130", "torch==2.11.*"),
+        ("2.13.1", "torch==2.13.*"),
+        ("2.14.0.dev20261101+cpu", "torch==2.14.*"),
+    ],
+)
+def test_torch_requirement_pins_the_series(torch_version: str, pin: str) -> None:
+    assert meta.torch_requirement(torch_version) == pin
+    assert meta.dependencies(torch_version)[0] == pin
+
+
+def test_bad_torch_version_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"'nightly' does not start with MAJOR\.MINOR"):
+        meta.torch_requirement("nightly")
+
+
+def test_dynamic_metadata_hook() -> None:
+    """What scikit-build-core asks for at build time, from the installed torch."""
+    assert meta.dynamic_metadata("version", {}) == meta.full_version(torch.version.cuda)
+    deps = meta.dynamic_metadata("dependencies", None)
+    assert deps[0] == meta.torch_requirement(torch.__version__)
+    assert set(meta.BASE_DEPENDENCIES) <= set(deps)
+    with pytest.raises(RuntimeError, match="not 'readme'"):
+        meta.dynamic_metadata("readme", {})
+    with pytest.raises(RuntimeError, match="takes no settings"):
+        meta.dynamic_metadata("version", {"input": "x"})
+
+
+def test_this_install_carries_its_label_and_pin() -> None:
+    """The editable install was built by the same hook: the metadata pip recorded, the compiled
+    _build_info and kvoff.__version__ agree, and the installed torch satisfies the pin."""
+    expected = meta.full_version(torch.version.cuda)
+    assert kvoff.__version__ == b.VERSION == expected
+    assert importlib.metadata.version("kvoff") == expected
+    requires = importlib.metadata.requires("kvoff") or []
+    assert meta.torch_requirement(torch.__version__) in requires
+
+
+# ---- architecture coverage -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("archs", "capability", "covered"),
+    [
+        (["9.0"], (9, 0), True),  # exact cubin
+        (["8.0"], (8, 6), True),  # same major, later minor
+        (["8.6"], (8, 0), False),  # earlier minor: no
+        (["9.0"], (10, 0), False),  # other major, no PTX
+        (["9.0+PTX"], (10, 0), True),  # PTX JIT for a newer GPU
+        (["12.0+PTX"], (9, 0), False),  # PTX never runs on an older GPU
+        (["9.0a"], (9, 0), True),
+        (["9.0a"], (9, 1), False),  # arch-specific: exactly that one
+        (["8.0", "8.6", "9.0", "10.0", "12.0+PTX"], (12, 1), True),  # release default
+        (["8.0", "8.6", "9.0", "10.0", "12.0+PTX"], (7, 5), False),  # Turing: not built
+        ([], (9, 0), False),
+    ],
+)
+def test_arch_covers(archs: list[str], capability: tuple[int, int], covered: bool) -> None:
+    assert arch_covers(archs, capability) is covered
+
+
+def test_arch_covers_rejects_bad_entries() -> None:
+    with pytest.raises(ValueError, match=r"'sm_90' is not MAJOR\.MINOR"):
+        arch_covers(["sm_90"], (9, 0))
+
+
+# ---- build_info ------------------------------------------------------------------------------
+def test_build_info_of_this_install() -> None:
+    info = build_info()
+    assert info.runtime_matches and info.problems == ()
+    assert info.version == kvoff.__version__
+    assert info.built_torch == b.TORCH_VERSION and info.running_torch == torch.__version__
+    assert info.with_cuda is b.WITH_CUDA
+    assert info.cxx_compiler == b.CXX_COMPILER and info.cxx_compiler.split()[0] in {
+        "GNU", "Clang", "AppleClang", "IntelLLVM",
+    }  # fmt: skip
+    assert info.copy_mechanisms["cpu"] == ("memcpy", "per_block")
+    if not b.WITH_CUDA:
+        assert info.cuda_architectures == () and "cuda" not in info.copy_mechanisms
+    d = json.loads(info.to_json())
+    assert d["runtime_matches"] is True and d["version"] == info.version
+    assert d["copy_mechanisms"]["cpu"] == ["memcpy", "per_block"]
+
+
+def test_copy_mechanisms_listed_are_accepted_by_the_op() -> None:
+    from kvoff.ops import MECHANISMS
+
+    for names in build_info().copy_mechanisms.values():
+        assert set(names) <= set(MECHANISMS)
+
+
+def test_build_info_reports_a_cuda_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    other = None if torch.version.cuda else "13.0"
+    monkeypatch.setattr(b, "TORCH_CUDA_VERSION", other)
+    info = build_info()
+    assert not info.runtime_matches
+    (problem,) = info.problems
+    want = meta.local_label(torch.version.cuda)
+    assert "CUDA" in problem and f"+{want} wheel" in problem
+
+
+def test_build_info_reports_a_torch_series_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(b, "TORCH_VERSION", "2.0.1")
+    (problem,) = build_info().problems
+    assert "built against torch 2.0.1" in problem and "torch==2.0.*" in problem
+
+
+def test_build_info_reports_an_uncovered_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA build whose architectures miss the visible GPU names the GPU and the rebuild."""
+    monkeypatch.setattr(b, "WITH_CUDA", True)
+    monkeypatch.setattr(b, "CUDA_ARCHITECTURES", "8.0 9.0")
+    monkeypatch.setattr(torch.version, "cuda", b.TORCH_CUDA_VERSION or "13.0")
+    monkeypatch.setattr(b, "TORCH_CUDA_VERSION", torch.version.cuda)
+    gpu = GPUInfo(0, "Fake RTX 5090", (12, 0), arch_covers(["8.0", "9.0"], (12, 0)))
+    monkeypatch.setattr(info_mod, "_gpus", lambda archs: (gpu,))
+    monkeypatch.setattr(info_mod, "_cuda_driver", lambda: "13.0")
+    monkeypatch.setattr(kvoff.ops, "batch_copy_supported", lambda: True)
+    info = build_info()
+    (problem,) = info.problems
+    assert "Fake RTX 5090" in problem and "TORCH_CUDA_ARCH_LIST='12.0'" in problem
+    assert info.copy_mechanisms["cuda"] == ("memcpy", "batch", "kernel", "per_block")
+    assert "NOT SUPPORTED" in info.format()
+
+
+def test_build_info_reports_a_cuda_build_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(b, "WITH_CUDA", True)
+    monkeypatch.setattr(b, "CUDA_ARCHITECTURES", "9.0")
+    monkeypatch.setattr(torch.version, "cuda", b.TORCH_CUDA_VERSION or "13.0")
+    monkeypatch.setattr(b, "TORCH_CUDA_VERSION", torch.version.cuda)
+    monkeypatch.setattr(info_mod, "_gpus", lambda archs: ())
+    monkeypatch.setattr(info_mod, "_cuda_driver", lambda: None)
+    monkeypatch.setattr(kvoff.ops, "batch_copy_supported", lambda: True)
+    info = build_info()
+    (problem,) = info.problems
+    assert "no GPU is visible" in problem
+    assert "cuda" not in info.copy_mechanisms
+
+
+def test_build_info_reports_stale_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(info_mod, "_installed_version", lambda: "0.0.9+cpu")
+    (problem,) = build_info().problems
+    assert "0.0.9+cpu" in problem and "reinstall" in problem
+
+
+# ---- kvoff info ------------------------------------------------------------------------------
+def test_kvoff_info_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kvoff {kvoff.__version__}\n")
+    assert f"torch              {b.TORCH_VERSION}" in out
+    assert "runtime matches: yes" in out
+
+
+def test_kvoff_info_json_and_exit_code_on_mismatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime_matches"] is True
+    monkeypatch.setattr(b, "TORCH_VERSION", "2.0.1")
+    assert main(["info", "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["runtime_matches"] is False and len(d["problems"]) == 1
+
+
+def test_kvoff_info_console_script() -> None:
+    """The installed `kvoff` entry point runs `info` in a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "info", "--json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["version"] == kvoff.__version__
