@@ -17,6 +17,13 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which kvoff the tests import: the editable build, or an installed wheel (wheel-smoke)."""
+    import kvoff
+
+    return f"kvoff {kvoff.__version__} from {kvoff.__file__.rsplit('/', 1)[0]}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = cuda_skip_reason()
     if reason is None:

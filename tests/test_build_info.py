@@ -198,11 +198,12 @@ def test_kvoff_info_json_and_exit_code_on_mismatch(
     assert d["runtime_matches"] is False and len(d["problems"]) == 1
 
 
-def test_kvoff_info_console_script() -> None:
-    """The installed `kvoff` entry point runs `info` in a fresh process."""
+def test_kvoff_info_console_script(tmp_path) -> None:
+    """`python -m kvoff info` runs in a fresh process (from a directory that is not the source
+    root: `-m` puts the working directory first on sys.path)."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvoff", "info", "--json"],
-        capture_output=True, text=True, check=False,
+        capture_output=True, text=True, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["version"] == kvoff.__version__

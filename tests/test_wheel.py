@@ -116,7 +116,9 @@ def test_check_rejects_a_wrong_label(wheel: Path, tmp_path: Path) -> None:
 def test_wheel_smoke_in_a_fresh_environment(wheel: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / ".ci/wheel-smoke"), str(wheel)],
-        cwd=tmp_path, env={**_env(), "KVOFF_SMOKE_DIR": str(tmp_path)},
+        cwd=tmp_path,
+        env={**_env(), "KVOFF_SMOKE_DIR": str(tmp_path),
+             "KVOFF_SMOKE_RECORD": str(tmp_path / "record.json")},
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -131,3 +133,8 @@ def test_wheel_smoke_in_a_fresh_environment(wheel: Path, tmp_path: Path) -> None
         "kvoff wheel-smoke: OK",
     ):
         assert line in out
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["wheel"]["name"] == wheel.name
+    assert record["wheel"]["size_bytes"] == wheel.stat().st_size
+    assert record["build_info"]["runtime_matches"] is True
+    assert record["replay_limit_50"]["requests"] == 50
