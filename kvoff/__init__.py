@@ -14,24 +14,36 @@ Parts:
 
 from __future__ import annotations
 
+from kvoff._version_check import TorchVersionMismatchError as _TorchVersionMismatchError
 from kvoff._version_check import check_torch_version as _check_torch_version
 
-_check_torch_version()
+try:
+    _check_torch_version()
+except _TorchVersionMismatchError:
+    from kvoff.info import invoked_as_kvoff_info as _invoked_as_kvoff_info
+
+    if not _invoked_as_kvoff_info():
+        raise
+    # `kvoff info` exists to diagnose this mismatch: report it (without loading the compiled
+    # extensions, which would not load under this torch) instead of dying of it.
+    from kvoff.info import report_without_extensions as _report
+
+    raise SystemExit(_report()) from None
 
 # Order matters: the torch ops library must be loaded before the fake kernels register.
-from kvoff import _C  # noqa: E402,F401  (registers torch.ops.kvoff.*)
-from kvoff._build_info import VERSION as _VERSION  # noqa: E402
-from kvoff._scheduler import (  # noqa: E402
+from kvoff import _C  # noqa: F401  (registers torch.ops.kvoff.*)
+from kvoff._build_info import VERSION as _VERSION
+from kvoff._scheduler import (
     CPUOffloadingManager,
     OffloadingEvent,
     PrepareStoreOutput,
 )
-from kvoff.config import OffloadingConfig  # noqa: E402
-from kvoff.info import BuildInfo, build_info  # noqa: E402
-from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block  # noqa: E402
-from kvoff.offloading_spec import CPUOffloadingSpec  # noqa: E402
-from kvoff.ops import copy_blocks  # noqa: E402
-from kvoff.scheduler import (  # noqa: E402
+from kvoff.config import OffloadingConfig
+from kvoff.info import BuildInfo, build_info
+from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block
+from kvoff.offloading_spec import CPUOffloadingSpec
+from kvoff.ops import copy_blocks
+from kvoff.scheduler import (
     ConnectorMetadata,
     ConnectorOutput,
     JobReport,
@@ -41,7 +53,7 @@ from kvoff.scheduler import (  # noqa: E402
     SchedulerStep,
     TransferJob,
 )
-from kvoff.specs import (  # noqa: E402
+from kvoff.specs import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -51,7 +63,7 @@ from kvoff.specs import (  # noqa: E402
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvoff.worker import (  # noqa: E402
+from kvoff.worker import (
     CPUBlockSpec,
     GPUBlockSpec,
     OffloadingWorker,

@@ -19,7 +19,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BuildInfo", "GPUInfo", "arch_covers", "build_info"]
+__all__ = [
+    "BuildInfo",
+    "GPUInfo",
+    "arch_covers",
+    "build_info",
+    "invoked_as_kvoff_info",
+    "report_without_extensions",
+]
 
 _ARCH = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
 
@@ -32,7 +39,8 @@ class GPUInfo:
         index: CUDA device index.
         name: device name (``"NVIDIA H100 80GB HBM3"``).
         capability: compute capability ``(major, minor)``, e.g. ``(9, 0)``.
-        supported: whether this kvoff's compiled architectures run on it (:func:`arch_covers`).
+        supported: whether this kvoff's compiled architectures run on it (:func:`arch_covers`);
+            False in a CPU build.
     """
 
     index: int
@@ -57,10 +65,11 @@ class BuildInfo:
         cxx_compiler: ``"GNU 12.2.0"``.
         build_type: CMake build type (``"Release"``).
         copy_mechanisms: ``device -> mechanism names`` this process can use with
-            ``kvoff.ops.copy_blocks``: ``"cpu"`` always has ``("memcpy", "per_block")``
+            ``kvoff.ops.copy_blocks``: ``"cpu"`` has ``("memcpy", "per_block")``
             (``memcpy``: coalesced runs copied in parallel); ``"cuda"`` is present in a CUDA
             build with a visible GPU and has ``memcpy``, ``batch`` (only where
-            ``kvoff.ops.batch_copy_supported()``), ``kernel`` and ``per_block``.
+            ``kvoff.ops.batch_copy_supported()``), ``kernel`` and ``per_block``. Empty when
+            the extensions could not be loaded (see :func:`report_without_extensions`).
         running_torch: ``torch.__version__`` of this process.
         running_torch_cuda: ``torch.version.cuda`` of this process.
         cuda_driver: the CUDA driver's version (``"13.0"``), ``None`` where no driver answers.
@@ -121,7 +130,10 @@ class BuildInfo:
         if not self.gpus:
             lines.append("  GPUs               none visible")
         for gpu in self.gpus:
-            ok = "supported" if gpu.supported else "NOT SUPPORTED by this build"
+            if not self.with_cuda:
+                ok = "no kvoff CUDA kernels in this build"
+            else:
+                ok = "supported" if gpu.supported else "NOT SUPPORTED by this build"
             label = f"GPU {gpu.index}"
             lines.append(
                 f"  {label:<19}{gpu.name}, sm_{gpu.capability[0]}{gpu.capability[1]}, {ok}"
@@ -190,6 +202,7 @@ def _cuda_driver() -> str | None:
 
 
 def _gpus(architectures: tuple[str, ...]) -> tuple[GPUInfo, ...]:
+    """The GPUs torch sees; ``supported`` against ``architectures`` (empty: a CPU build)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -197,12 +210,13 @@ def _gpus(architectures: tuple[str, ...]) -> tuple[GPUInfo, ...]:
     out = []
     for i in range(torch.cuda.device_count()):
         cap = torch.cuda.get_device_capability(i)
+        capability = (int(cap[0]), int(cap[1]))
         out.append(
             GPUInfo(
                 index=i,
                 name=torch.cuda.get_device_name(i),
-                capability=(int(cap[0]), int(cap[1])),
-                supported=arch_covers(architectures, (int(cap[0]), int(cap[1]))),
+                capability=capability,
+                supported=bool(architectures) and arch_covers(architectures, capability),
             )
         )
     return tuple(out)
@@ -232,14 +246,19 @@ def build_info() -> BuildInfo:
     Returns:
         A :class:`BuildInfo`; never raises for a mismatch (that is what it reports).
     """
+    return _collect(extensions_loaded=True)
+
+
+def _collect(*, extensions_loaded: bool) -> BuildInfo:
+    """:func:`build_info`; with ``extensions_loaded=False`` it touches no compiled part of kvoff
+    (``copy_mechanisms`` is then empty: what the extension offers is unknown)."""
     import torch
 
     import kvoff._build_info as b
     from kvoff._build_metadata import local_label, torch_series
-    from kvoff.ops import batch_copy_supported
 
     archs = tuple(b.CUDA_ARCHITECTURES.split()) if b.WITH_CUDA else ()
-    gpus = _gpus(archs) if b.WITH_CUDA else ()
+    gpus = _gpus(archs)
     running_cuda = torch.version.cuda
     problems: list[str] = []
 
@@ -261,7 +280,7 @@ def build_info() -> BuildInfo:
             "kvoff has CUDA kernels but no GPU is visible (torch.cuda.is_available() is False: "
             "check CUDA_VISIBLE_DEVICES and the driver); only CPU copies work."
         )
-    for gpu in gpus:
+    for gpu in gpus if b.WITH_CUDA else ():
         if not gpu.supported:
             problems.append(
                 f"GPU {gpu.index} ({gpu.name}, compute capability "
@@ -278,8 +297,12 @@ def build_info() -> BuildInfo:
             "the wheel again)."
         )
 
-    mechanisms: dict[str, tuple[str, ...]] = {"cpu": ("memcpy", "per_block")}
-    if b.WITH_CUDA and gpus:
+    mechanisms: dict[str, tuple[str, ...]] = {}
+    if extensions_loaded:
+        mechanisms["cpu"] = ("memcpy", "per_block")
+    if extensions_loaded and b.WITH_CUDA and gpus:
+        from kvoff.ops import batch_copy_supported
+
         cuda = ["memcpy"]
         if batch_copy_supported():
             cuda.append("batch")
@@ -302,3 +325,38 @@ def build_info() -> BuildInfo:
         gpus=gpus,
         problems=tuple(problems),
     )
+
+
+def invoked_as_kvoff_info(argv: list[str] | None = None) -> bool:
+    """Whether this process is ``kvoff info`` (the console script or ``python -m kvoff info``).
+
+    ``import kvoff`` consults it when the torch does not match the build: ``kvoff info`` exists
+    to diagnose exactly that, so it reports instead of dying of it. (While ``python -m`` imports
+    the package, ``sys.argv[0]`` is ``"-m"``, per the Python docs on ``sys.argv``.)
+    """
+    import sys
+    from pathlib import Path
+
+    argv = sys.argv if argv is None else argv
+    return (
+        len(argv) >= 2 and argv[1] == "info" and (argv[0] == "-m" or Path(argv[0]).name == "kvoff")
+    )
+
+
+def report_without_extensions(argv: list[str] | None = None) -> int:
+    """Print the :func:`build_info` report without loading kvoff's compiled extensions (which
+    would not load under this torch); JSON when ``--json`` is in ``argv``. Returns the exit
+    status of ``kvoff info``: 1 when the runtime does not match (the case this exists for)."""
+    import sys
+
+    argv = sys.argv if argv is None else argv
+    info = _collect(extensions_loaded=False)
+    if "--json" in argv[2:]:
+        print(info.to_json())
+    else:
+        print(info.format())
+        print(
+            "(kvoff's compiled extensions were not loaded: `import kvoff` refuses this torch; "
+            "copy mechanisms unknown)"
+        )
+    return 0 if info.runtime_matches else 1

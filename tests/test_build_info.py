@@ -207,3 +207,74 @@ def test_kvoff_info_console_script(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["version"] == kvoff.__version__
+
+
+# ---- `kvoff info` under a torch the build does not fit ---------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/venv/bin/kvoff", "info"], True),
+        (["-m", "info", "--json"], True),  # python -m kvoff info, while the package imports
+        (["/venv/bin/kvoff", "replay"], False),
+        (["-c"], False),
+        (["/venv/bin/other", "info"], False),
+        (["/venv/bin/kvoff"], False),
+    ],
+)
+def test_invoked_as_kvoff_info(argv: list[str], expected: bool) -> None:
+    assert info_mod.invoked_as_kvoff_info(argv) is expected
+
+
+_FAKE_BUILD = (
+    "import sys, types\n"
+    "import kvoff._build_info as real\n"  # importing a submodule runs kvoff/__init__ first...
+    "fake = types.ModuleType('kvoff._build_info')\n"
+    "fake.__dict__.update({k: v for k, v in vars(real).items() if k.isupper()})\n"
+    "fake.TORCH_VERSION = '1.13.1'\n"
+    "for name in [m for m in sys.modules if m == 'kvoff' or m.startswith('kvoff.')]:\n"
+    "    if name != 'kvoff._C':\n"
+    "        del sys.modules[name]\n"  # ...so forget it all and import again with the fake
+    "sys.modules['kvoff._build_info'] = fake\n"
+)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_kvoff_info_reports_a_torch_mismatch_instead_of_dying(tmp_path, as_json: bool) -> None:
+    """`import kvoff` refuses a torch of another series; run as `kvoff info`, the import prints
+    the report (without the compiled extensions) and exits 1 instead of raising."""
+    argv = ["/venv/bin/kvoff", "info", *(["--json"] if as_json else [])]
+    code = (
+        _FAKE_BUILD + f"sys.argv = {argv!r}\n"
+        "try:\n"
+        "    import kvoff\n"
+        "except SystemExit as e:\n"
+        "    print('EXIT', e.code)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    out = proc.stdout
+    assert out.rstrip().endswith("EXIT 1"), out + proc.stderr
+    report = out.rsplit("EXIT", 1)[0]
+    if as_json:
+        d = json.loads(report)
+        assert d["runtime_matches"] is False and d["copy_mechanisms"] == {}
+        (problem,) = d["problems"]
+    else:
+        assert "runtime matches: NO" in report and "extensions were not loaded" in report
+        problem = report
+    assert "built against torch 1.13.1" in problem and "torch==1.13.*" in problem
+
+
+def test_a_torch_mismatch_still_fails_the_import_elsewhere(tmp_path) -> None:
+    code = (
+        _FAKE_BUILD + "sys.argv = ['/venv/bin/kvoff', 'replay']\n"
+        "try:\n"
+        "    import kvoff\n"
+        "except ImportError as e:\n"
+        "    print(type(e).__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert proc.stdout.strip() == "TorchVersionMismatchError", proc.stdout + proc.stderr
