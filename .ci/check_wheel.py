@@ -46,6 +46,47 @@ def _dynamic_section(path: Path) -> str:
     return subprocess.run([exe, "-d", str(path)], capture_output=True, text=True, check=True).stdout
 
 
+def _gpu_code(so: Path) -> dict[str, list[str]] | str:
+    """The GPU code embedded in a CUDA extension, from `cuobjdump --list-elf --list-ptx`:
+    {"sass": ["sm_80", ...], "ptx": ["sm_120", ...]}; a string saying why when cuobjdump (part of
+    the CUDA toolkit) is not available."""
+    exe = shutil.which("cuobjdump")
+    if exe is None:
+        return "not checked: no cuobjdump on PATH"
+    proc = subprocess.run(
+        [exe, "--list-elf", "--list-ptx", str(so)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        return f"not checked: cuobjdump failed: {proc.stderr.strip()[:200]}"
+    return parse_cuobjdump(proc.stdout)
+
+
+def parse_cuobjdump(listing: str) -> dict[str, list[str]]:
+    """Architectures of the cubins (`ELF file N: name.sm_90.cubin`) and PTX (`PTX file N:
+    name.sm_120.ptx`) in a `cuobjdump --list-elf --list-ptx` listing."""
+    sass = sorted(set(re.findall(r"\.(sm_\d+[af]?)\.cubin\b", listing)))
+    ptx = sorted(set(re.findall(r"\.(sm_\d+[af]?)\.ptx\b", listing)))
+    return {"sass": sass, "ptx": ptx}
+
+
+def _missing_gpu_code(arch_list: str, code: dict[str, list[str]]) -> list[str]:
+    """Failures for each entry of the recorded TORCH_CUDA_ARCH_LIST ("8.0 9.0 12.0+PTX") whose
+    cubin (or, for +PTX, PTX) is not in the extension: a wheel without them fails at the first
+    kernel launch on that GPU."""
+    out = []
+    for entry in arch_list.split():
+        m = re.match(r"^(\d+)\.(\d)([af]?)(\+PTX)?$", entry)
+        if m is None:
+            out.append(f"recorded CUDA architecture {entry!r} is not MAJOR.MINOR[a|f][+PTX]")
+            continue
+        sm = f"sm_{m[1]}{m[2]}{m[3]}"
+        if sm not in code["sass"]:
+            out.append(f"kvoff/_C has no {sm} cubin although {entry} was asked for")
+        if m[4] and sm not in code["ptx"]:
+            out.append(f"kvoff/_C has no {sm} PTX although {entry} was asked for")
+    return out
+
+
 def check(wheel: Path) -> dict[str, object]:
     """Run every check; returns a record with 'failures' (empty when the wheel is good)."""
     import torch
@@ -110,10 +151,15 @@ def check(wheel: Path) -> dict[str, object]:
 
         needed: list[str] = []
         runpath: list[str] = []
+        gpu_code: dict[str, list[str]] | str = "not a CUDA wheel"
         if exts["_C"]:
             with tempfile.TemporaryDirectory() as tmp:
                 so = Path(zf.extract(exts["_C"][0], tmp))
                 dyn = _dynamic_section(so)
+                if build_info.get("WITH_CUDA"):
+                    gpu_code = _gpu_code(so)
+            if isinstance(gpu_code, dict):
+                failures += _missing_gpu_code(str(build_info["CUDA_ARCHITECTURES"]), gpu_code)
             needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
             runpath = re.findall(
                 r"\((?:RUNPATH|RPATH)\)\s+Library (?:runpath|rpath): \[([^\]]+)\]", dyn
@@ -136,6 +182,7 @@ def check(wheel: Path) -> dict[str, object]:
         "built_against_torch": str(torch.__version__),
         "with_cuda": build_info.get("WITH_CUDA"),
         "cuda_architectures": build_info.get("CUDA_ARCHITECTURES"),
+        "extension_gpu_code": gpu_code,
         "extension_needed": needed,
         "extension_runpath": runpath,
         "files": len(names),

@@ -109,3 +109,33 @@ def test_bad_cuda_architecture_is_a_configure_error(tmp_path: Path) -> None:
     assert proc.returncode != 0
     err = " ".join(proc.stderr.split())
     assert "TORCH_CUDA_ARCH_LIST entry 'sm_100' is not of the form MAJOR.MINOR[a|f][+PTX]" in err
+
+
+def _check_wheel_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_wheel", ROOT / ".ci" / "check_wheel.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_wheel_check_finds_missing_gpu_code() -> None:
+    """.ci/check_wheel.py compares a CUDA wheel's cubins/PTX (cuobjdump) with the recorded
+    architecture list: a missing one would fail at the first kernel launch on that GPU."""
+    cw = _check_wheel_module()
+    listing = (
+        "ELF file    1: _C.1.sm_80.cubin\n"
+        "ELF file    2: _C.2.sm_90.cubin\n"
+        "ELF file    3: _C.3.sm_120.cubin\n"
+        "PTX file    1: _C.1.sm_120.ptx\n"
+    )
+    code = cw.parse_cuobjdump(listing)
+    assert code == {"sass": ["sm_120", "sm_80", "sm_90"], "ptx": ["sm_120"]}
+    assert cw._missing_gpu_code("8.0 9.0 12.0+PTX", code) == []
+    missing = cw._missing_gpu_code("8.0 8.6 9.0+PTX", code)
+    assert missing == [
+        "kvoff/_C has no sm_86 cubin although 8.6 was asked for",
+        "kvoff/_C has no sm_90 PTX although 9.0+PTX was asked for",
+    ]
