@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvoff.bench_steps import bench_scheduler_steps
+from kvoff.info import build_info as kvoff_build_info
 
 __all__ = [
     "DEFAULT_POOL_SIZES",
@@ -560,6 +561,18 @@ def run_info(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "kvoff_version": kvoff.__version__,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
+        # what the measured kvoff was compiled with (compiler, CUDA architectures, ...)
+        "build": _build_summary(),
+    }
+
+
+def _build_summary() -> dict[str, Any]:
+    info = kvoff_build_info()
+    keep = ("built_torch", "built_torch_cuda", "with_cuda", "cuda_architectures", "cuda_compiler")
+    return {k: v for k, v in info.as_dict().items() if k in keep} | {
+        "cxx_compiler": info.cxx_compiler,
+        "build_type": info.build_type,
+        "runtime_matches": info.runtime_matches,
     }
 
 

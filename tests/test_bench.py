@@ -29,6 +29,8 @@ def test_cli_writes_json_with_every_field(tmp_path, capsys):
     run = doc["run"]
     assert run["command"] == "kvoff " + " ".join([*argv, "--json", str(path)])
     assert run["date"] and run["kvoff_version"] and run["torch_version"]
+    assert run["build"]["cxx_compiler"] and run["build"]["runtime_matches"] is True
+    assert run["build"]["built_torch"] == run["torch_version"]
     assert set(run["machine"]) >= {"cpu_model", "cores", "platform"}
     params = doc["parameters"]
     assert params["pool_sizes"] == [4096]
