@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 import kvoff
+from kvoff._build_metadata import local_label
+from kvoff.bench import machine_info
 
 parser = argparse.ArgumentParser()
 parser.add_argument("source_root", type=Path)
@@ -44,7 +46,7 @@ print(f"smoke: kvoff {kvoff.__version__} from {installed.parent}")
 # 2. the install matches this process
 info = kvoff.build_info()
 assert info.runtime_matches, info.problems
-label = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+label = local_label(torch.version.cuda)
 assert info.version.endswith("+" + label), (info.version, label)
 
 # 3. CPU block copy: rows src_ids[i] of every layer land in rows dst_ids[i], nothing else changes
@@ -101,9 +103,8 @@ if args.record is not None:
     record = {
         "command": "bash .ci/wheel-smoke " + wheel.name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
+        "machine": machine_info()
+        | {
             "python": platform.python_version(),
             "gpus": [f"{g.name} (sm_{g.capability[0]}{g.capability[1]})" for g in info.gpus],
         },

@@ -456,28 +456,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run_info() -> dict[str, object]:
-    """Where and how a result was produced: command, date, machine, versions."""
-    import datetime
-    import os
-    import platform
-
+    """Where and how a result was produced (:func:`kvoff.bench.run_info`: command, date,
+    machine, versions, build), plus torch's CPU thread count, which the replay's copies use."""
     import torch
 
-    import kvoff
+    from kvoff.bench import run_info
 
-    return {
-        "command": " ".join(["kvoff", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-        },
-        "kvoff_version": kvoff.__version__,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-    }
+    info = run_info()
+    info["machine"]["torch_threads"] = torch.get_num_threads()
+    return info
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -30,14 +30,7 @@ def _cmake_ok() -> bool:
 def test_enable_cuda_misconfiguration_is_a_configure_error(tmp_path: Path, value: str) -> None:
     if value == "ON" and torch.version.cuda:
         pytest.skip("the installed torch has CUDA: ON is a valid request here")
-    proc = subprocess.run(
-        [
-            "cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"), "-G", "Ninja",
-            f"-DKVOFF_ENABLE_CUDA={value}", f"-DPython_EXECUTABLE={sys.executable}",
-            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-        ],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+    proc = _configure(tmp_path / "build", f"-DKVOFF_ENABLE_CUDA={value}")
     assert proc.returncode != 0
     err = " ".join(proc.stderr.split())
     if value == "ON":
