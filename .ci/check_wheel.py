@@ -1,6 +1,7 @@
 """Check a built kvoff wheel: its label and torch pin fit the torch it was built against, it
-carries kvoff's compiled parts and data but no copy of torch's libraries, and its extension finds
-torch's libraries at run time.
+carries kvoff's compiled parts and data but no copy of torch's libraries, its extension finds
+torch's libraries at run time, and both extensions use the shared C++ runtime (no static copy
+of libstdc++: .ci/cxx_runtime.py).
 
     python3 .ci/check_wheel.py dist/kvoff-0.1.0+cpu-cp311-cp311-linux_x86_64.whl [--json FILE]
 
@@ -33,6 +34,16 @@ def _metadata_module():
     # kvoff/_build_metadata.py by path: importing the package would load the editable build.
     path = ROOT / "kvoff" / "_build_metadata.py"
     spec = importlib.util.spec_from_file_location("_build_metadata", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cxx_runtime_module():
+    # .ci/cxx_runtime.py by path (this script is run as a file, not as a package module)
+    path = Path(__file__).resolve().parent / "cxx_runtime.py"
+    spec = importlib.util.spec_from_file_location("cxx_runtime", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -152,6 +163,16 @@ def check(wheel: Path) -> dict[str, object]:
         needed: list[str] = []
         runpath: list[str] = []
         gpu_code: dict[str, list[str]] | str = "not a CUDA wheel"
+        cxx_runtime = _cxx_runtime_module()
+        for key in ("_C", "_scheduler"):
+            if exts[key]:
+                with tempfile.TemporaryDirectory() as tmp:
+                    failures += [
+                        f"kvoff/{key}: {problem}"
+                        for problem in cxx_runtime.runtime_problems(
+                            Path(zf.extract(exts[key][0], tmp))
+                        )
+                    ]
         if exts["_C"]:
             with tempfile.TemporaryDirectory() as tmp:
                 so = Path(zf.extract(exts["_C"][0], tmp))
@@ -206,7 +227,7 @@ def main() -> int:
         return 1
     print(
         f"check_wheel: {record['wheel']}{size_txt}: label, torch pin "
-        f"({record['requires_dist'][0]}), contents and run path OK"
+        f"({record['requires_dist'][0]}), contents, run path and C++ runtime OK"
     )  # type: ignore[index]
     return 0
 

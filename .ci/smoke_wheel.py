@@ -29,7 +29,7 @@ import torch
 
 import kvoff
 from kvoff._build_metadata import local_label
-from kvoff.bench import machine_info
+from kvoff.tools.bench import machine_info
 
 parser = argparse.ArgumentParser()
 parser.add_argument("source_root", type=Path)

@@ -20,13 +20,13 @@ from kvoff._version_check import check_torch_version as _check_torch_version
 try:
     _check_torch_version()
 except _TorchVersionMismatchError:
-    from kvoff.info import invoked_as_kvoff_info as _invoked_as_kvoff_info
+    from kvoff.tools.info import invoked_as_kvoff_info as _invoked_as_kvoff_info
 
     if not _invoked_as_kvoff_info():
         raise
     # `kvoff info` exists to diagnose this mismatch: report it (without loading the compiled
     # extensions, which would not load under this torch) instead of dying of it.
-    from kvoff.info import report_without_extensions as _report
+    from kvoff.tools.info import report_without_extensions as _report
 
     raise SystemExit(_report()) from None
 
@@ -39,7 +39,6 @@ from kvoff._scheduler import (
     PrepareStoreOutput,
 )
 from kvoff.config import OffloadingConfig
-from kvoff.info import BuildInfo, build_info
 from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.ops import copy_blocks
@@ -63,6 +62,7 @@ from kvoff.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from kvoff.tools.info import BuildInfo, build_info
 from kvoff.worker import (
     CPUBlockSpec,
     GPUBlockSpec,

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvoff.cli import main
+from kvoff.tools.cli import main
 
 sys.exit(main())

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvoff import _scheduler
-from kvoff.bench import PyLRUManager, lookup_ids, shuffle_order, workload_keys
-from kvoff.cli import main
+from kvoff.tools.bench import PyLRUManager, lookup_ids, shuffle_order, workload_keys
+from kvoff.tools.cli import main
 
 _TIMING_FIELDS = {"keys", "calls", "seconds", "best_seconds", "ns_per_key", "keys_per_s"}
 

@@ -14,9 +14,9 @@ import torch
 import kvoff
 import kvoff.ops
 from kvoff import _build_metadata as meta
-from kvoff import info as info_mod
-from kvoff.cli import main
-from kvoff.info import GPUInfo, arch_covers, build_info
+from kvoff.tools import info as info_mod
+from kvoff.tools.cli import main
+from kvoff.tools.info import GPUInfo, arch_covers, build_info
 
 
 # ---- wheel label and torch pin -------------------------------------------------------------

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoff.cli import main
 from kvoff.kv_cache_config import pool_bytes_per_block
-from kvoff.plan import PLAN_PRESETS, compute_plan, specs_from_json
+from kvoff.tools.cli import main
+from kvoff.tools.plan import PLAN_PRESETS, compute_plan, specs_from_json
 
 GIB = 2**30
 _MLA = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}

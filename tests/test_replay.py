@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import kvoff
-from kvoff import replay as replay_mod
-from kvoff.replay import ReplayConfig, run_replay
-from kvoff.traces import load_trace
+from kvoff.tools import replay as replay_mod
+from kvoff.tools.replay import ReplayConfig, run_replay
+from kvoff.tools.traces import load_trace
 
 TRACES = Path(kvoff.__file__).parent / "data" / "traces"
 N = 300

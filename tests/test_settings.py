@@ -13,8 +13,8 @@ import pydantic
 import pytest
 
 import kvoff
-from kvoff.cli import parse_bytes
 from kvoff.config import ConfigError, OffloadingConfig, parse_byte_size
+from kvoff.tools.cli import parse_bytes
 
 FIELDS = tuple(OffloadingConfig.model_fields)
 

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from kvoff.bench_transfer import (
+from kvoff.pinned import HostPool, PinningError, _Registrar, chunk_ranges
+from kvoff.tools.bench_transfer import (
     TRANSFER_PRESETS,
     TransferBenchParams,
     derive_thresholds,
     run_transfer_bench,
 )
-from kvoff.cli import main
-from kvoff.pinned import HostPool, PinningError, _Registrar, chunk_ranges
+from kvoff.tools.cli import main
 from kvoff.transfer import (
     THRESHOLDS_ENV,
     DirectionThresholds,

@@ -4,7 +4,7 @@ and runs the smoke test there (import, a CPU block copy through torch.ops.kvoff,
 trip, `kvoff replay --limit 50`, `kvoff info`).
 
 One wheel is built per session (about half a minute on 2 cores: the build tree
-build/wheel-<tag>/ is kept between runs). Marked `wheel`: `pytest -m "not wheel"` skips it.
+build/wheel-<label>-<tag>/ is kept between runs). Marked `wheel`: `pytest -m "not wheel"` skips it.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from kvoff.bench import run_info
 from kvoff.ops import batch_copy_supported, copy_blocks
+from kvoff.tools.bench import run_info
 from kvoff.transfer import DirectionThresholds, TransferThresholds, choose_mechanism
 
 __all__ = [

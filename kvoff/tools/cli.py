@@ -146,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from kvoff.info import build_info
+    from kvoff.tools.info import build_info
 
     info = build_info()
     print(info.to_json() if args.json else info.format())
@@ -156,7 +156,7 @@ def _info(args: argparse.Namespace) -> int:
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """The ``bench`` subcommand and its ``scheduler`` benchmark."""
     from kvoff import _scheduler
-    from kvoff.bench import DEFAULT_POOL_SIZES, DEFAULT_STEP_SHAPES, LARGE_POOL_SIZE
+    from kvoff.tools.bench import DEFAULT_POOL_SIZES, DEFAULT_STEP_SHAPES, LARGE_POOL_SIZE
 
     bp = sub.add_parser("bench", help="benchmarks", description="kvoff benchmarks")
     bench_sub = bp.add_subparsers(dest="bench_command", required=True)
@@ -238,7 +238,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
     """``kvoff bench transfer``."""
-    from kvoff.bench_transfer import DEFAULT_PRESETS, TRANSFER_PRESETS
+    from kvoff.tools.bench_transfer import DEFAULT_PRESETS, TRANSFER_PRESETS
 
     tp = bench_sub.add_parser(
         "transfer",
@@ -250,7 +250,7 @@ def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
             "side with one contiguous pinned copy of the same bytes (the link's ceiling) and the "
             "naive one-copy-per-block-per-layer baseline. Without a GPU: the parallel "
             "gather/scatter against one contiguous memcpy of the same bytes. See "
-            "kvoff/bench_transfer.py."
+            "kvoff/tools/bench_transfer.py."
         ),
     )
     tp.add_argument(
@@ -301,7 +301,11 @@ def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_transfer(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from kvoff.bench_transfer import TransferBenchParams, format_transfer_table, run_transfer_bench
+    from kvoff.tools.bench_transfer import (
+        TransferBenchParams,
+        format_transfer_table,
+        run_transfer_bench,
+    )
 
     params = TransferBenchParams(
         presets=tuple(args.presets),
@@ -338,7 +342,7 @@ def _step_shape(text: str) -> tuple[int, int]:
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from kvoff.bench import (
+    from kvoff.tools.bench import (
         DEFAULT_POOL_SIZES,
         DEFAULT_STEP_SHAPES,
         LARGE_POOL_SIZE,
@@ -373,8 +377,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     """The ``plan`` subcommand's arguments."""
     from kvoff.config import EVICTION_POLICIES
-    from kvoff.plan import PLAN_PRESETS
-    from kvoff.plan import __doc__ as plan_doc
+    from kvoff.tools.plan import PLAN_PRESETS
+    from kvoff.tools.plan import __doc__ as plan_doc
 
     specs_format = plan_doc[plan_doc.index("Specs file format") :] if plan_doc else ""
     pp = sub.add_parser(
@@ -434,7 +438,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kvoff.plan import PLAN_PRESETS, compute_plan, load_specs_file
+    from kvoff.tools.plan import PLAN_PRESETS, compute_plan, load_specs_file
 
     if args.model is not None:
         specs, source = PLAN_PRESETS[args.model].layer_specs(), args.model
@@ -456,11 +460,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run_info() -> dict[str, object]:
-    """Where and how a result was produced (:func:`kvoff.bench.run_info`: command, date,
+    """Where and how a result was produced (:func:`kvoff.tools.bench.run_info`: command, date,
     machine, versions, build), plus torch's CPU thread count, which the replay's copies use."""
     import torch
 
-    from kvoff.bench import run_info
+    from kvoff.tools.bench import run_info
 
     info = run_info()
     info["machine"]["torch_threads"] = torch.get_num_threads()
@@ -471,8 +475,8 @@ def _replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvoff.config import OffloadingConfig
-    from kvoff.replay import DEFAULT_CPU_BYTES, ReplayConfig, run_replay
-    from kvoff.traces import load_trace
+    from kvoff.tools.replay import DEFAULT_CPU_BYTES, ReplayConfig, run_replay
+    from kvoff.tools.traces import load_trace
 
     # pool settings: flags > KVOFF_* environment > --config file > replay defaults
     flags = {

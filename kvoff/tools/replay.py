@@ -43,7 +43,7 @@ import torch
 from kvoff import _scheduler
 from kvoff.config import OffloadingConfig
 from kvoff.models import ModelPreset, get_model_preset
-from kvoff.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
+from kvoff.tools.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
 from kvoff.worker import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
 __all__ = [

@@ -40,8 +40,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvoff.bench_steps import bench_scheduler_steps
-from kvoff.info import build_info as kvoff_build_info
+from kvoff.tools.bench_steps import bench_scheduler_steps
+from kvoff.tools.info import build_info as kvoff_build_info
 
 __all__ = [
     "DEFAULT_POOL_SIZES",
@@ -607,7 +607,7 @@ def run_scheduler_bench(
     decode_steps: int = 64,
 ) -> dict[str, Any]:
     """``kvoff bench scheduler``: runs the manager benchmark and the per-step scheduler
-    benchmark (:func:`kvoff.bench_steps.bench_scheduler_steps` for each ``(B requests, G
+    benchmark (:func:`kvoff.tools.bench_steps.bench_scheduler_steps` for each ``(B requests, G
     groups)`` of ``step_shapes``, under ``"scheduler_steps"``), prints the tables with ``out``,
     writes the JSON document to ``json_path`` (creating its folder) and returns it.
 
