@@ -29,6 +29,8 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
     PositiveInt,
     field_validator,
     model_validator,
@@ -123,6 +125,16 @@ ByteCount = Annotated[PositiveInt, BeforeValidator(_bytes_before)]
 """A positive number of bytes: an int, or a string with an optional unit (``"40GiB"``)."""
 
 
+def _bytes_or_zero_before(value: Any) -> Any:
+    if isinstance(value, str) and value.strip() == "0":
+        return 0
+    return _bytes_before(value)
+
+
+ByteCountOrZero = Annotated[NonNegativeInt, BeforeValidator(_bytes_or_zero_before)]
+"""A number of bytes that may be 0 (off): an int, or a string with an optional unit."""
+
+
 class OffloadingConfig(BaseModel):
     """Configuration of one kvoff CPU pool (frozen; unknown keys are rejected).
 
@@ -148,12 +160,19 @@ class OffloadingConfig(BaseModel):
             ``"auto"`` in files and the environment) pins when CUDA is available.
         pin_chunk_bytes: largest piece of the pool page-locked per ``cudaHostRegister`` call
             (an int or a string with a unit; default 1 GiB).
-        transfer_mechanism: how GPU jobs copy: ``"auto"`` (chosen per job from measured
+        transfer_mechanism: how jobs copy: ``"auto"`` (per job: the fastest mechanism whose
+            slowdown of concurrent compute is within ``compute_slowdown_budget``, from measured
             thresholds, :mod:`kvoff.transfer`) or one of ``"memcpy"``, ``"batch"``,
-            ``"kernel"``, ``"per_block"`` for every job.
+            ``"kernel"``, ``"per_block"``, ``"staged"`` for every job.
         transfer_thresholds: a thresholds JSON file for ``"auto"`` (written by ``kvoff bench
             transfer --sweep --write-thresholds FILE``); ``None``: ``$KVOFF_TRANSFER_THRESHOLDS``
-            or the packaged defaults.
+            or the packaged H100 measurement.
+        compute_slowdown_budget: the largest slowdown of the forward pass that ``"auto"``
+            accepts for a transfer, as a fraction (default 0.03: 3 %; a concurrent bf16 GEMM
+            measured by ``kvoff bench transfer``).
+        staging_bytes: GPU staging buffer of each worker for staged transfers of layer-major
+            caches, both directions together (an int or ``"64MiB"``; default 64 MiB; 0
+            disables staging). It comes out of the GPU memory the engine has.
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -173,6 +192,8 @@ class OffloadingConfig(BaseModel):
     pin_chunk_bytes: ByteCount = 1 << 30
     transfer_mechanism: str = "auto"
     transfer_thresholds: Path | None = None
+    compute_slowdown_budget: NonNegativeFloat = 0.03
+    staging_bytes: ByteCountOrZero = 64 << 20
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
@@ -282,8 +303,8 @@ class OffloadingConfig(BaseModel):
 
     def worker_options(self) -> dict[str, Any]:
         """Keyword arguments of :class:`kvoff.OffloadingWorker` from this config:
-        ``pin_memory``, ``pin_chunk_bytes``, ``mechanism`` and ``thresholds`` (read from
-        ``transfer_thresholds`` when set).
+        ``pin_memory``, ``pin_chunk_bytes``, ``mechanism``, ``thresholds`` (read from
+        ``transfer_thresholds`` when set), ``compute_slowdown_budget`` and ``staging_bytes``.
 
         Raises:
             ValueError: when the thresholds file cannot be read or is invalid.
@@ -299,6 +320,8 @@ class OffloadingConfig(BaseModel):
                 if self.transfer_thresholds is None
                 else load_thresholds(self.transfer_thresholds)
             ),
+            "compute_slowdown_budget": self.compute_slowdown_budget,
+            "staging_bytes": self.staging_bytes,
         }
 
     def resolve_pin_memory(self) -> bool:

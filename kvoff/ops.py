@@ -15,14 +15,14 @@ import numpy as np
 import torch
 
 from kvoff import _C  # noqa: F401  (loads the library that defines torch.ops.kvoff.*)
-from kvoff.transfer import ALL_MECHANISMS
+from kvoff.transfer import OP_MECHANISMS
 
-__all__ = ["MECHANISMS", "batch_copy_supported", "copy_blocks"]
+__all__ = ["MECHANISMS", "batch_copy_supported", "copy_blocks", "copy_blocks_fast"]
 
 _PREFIX = "kvoff.copy_blocks: "
 
 #: Names accepted by ``copy_blocks(..., mechanism=...)``; see :func:`copy_blocks`.
-MECHANISMS: tuple[str, ...] = ALL_MECHANISMS  # one list, shared with config validation
+MECHANISMS: tuple[str, ...] = OP_MECHANISMS  # one list, shared with config validation
 
 
 def _check_options(mechanism: object, kernel_blocks: object) -> None:
@@ -152,6 +152,29 @@ def copy_blocks(
         list(dst),
         _as_block_ids(src_block_ids, "src_block_ids"),
         _as_block_ids(dst_block_ids, "dst_block_ids"),
+        mechanism,
+        kernel_blocks,
+    )
+
+
+def copy_blocks_fast(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    src_block_ids: np.ndarray,
+    dst_block_ids: np.ndarray,
+    mechanism: str,
+    kernel_blocks: int = 0,
+) -> None:
+    """:func:`copy_blocks` for callers on a hot path (the worker, per job): lists of tensors,
+    ``(N,)`` int64 NumPy id arrays and a mechanism name known to be valid; skips the wrapper's
+    conversions and option checks (the op itself still validates every argument and raises the
+    errors :func:`copy_blocks` documents).
+    """
+    torch.ops.kvoff.copy_blocks.default(
+        src,
+        dst,
+        torch.from_numpy(src_block_ids),
+        torch.from_numpy(dst_block_ids),
         mechanism,
         kernel_blocks,
     )

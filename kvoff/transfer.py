@@ -1,31 +1,44 @@
-"""Choosing how a transfer job moves its bytes (DESIGN.md "Moving bytes").
+"""Choosing how a transfer job moves its bytes: the fastest way whose cost to the forward pass
+stays within a budget (DESIGN.md "Moving bytes").
 
-A job is cut into *chunks*: one per run of adjacent blocks (source and destination ids both
-consecutive) per copied tensor (a layer, or a K or V half). Three mechanisms move chunks between
-GPU memory and pinned CPU memory (``kvoff.ops.copy_blocks``, ``mechanism=``):
+An engine offloads to save GPU time, so a copy is judged by two numbers: its bandwidth, and how
+much it slows the compute that runs beside it (``gemm_slowdown``: the time of a bf16 GEMM while
+the transfer streams, over its time alone, minus one). On an H100 the SM gather/scatter kernel
+moves 32 KiB chunks at 0.92 of the PCIe ceiling but slows a concurrent GEMM by 79 %; copy
+engines slow it by about 1 % (``../shared/measurements/h100-2026-11-23``).
 
-* ``"memcpy"``: one copy call per chunk. Each call costs about 2 µs of driver and DMA setup, so
-  a 32 KiB chunk tops out near 14 GB/s against ~50-55 GB/s of PCIe Gen5 (DESIGN.md).
-* ``"batch"``: one ``cudaMemcpyBatchAsync`` call per job (CUDA ≥ 12.8 driver and runtime),
-  which amortizes the setup over the batch; falls back to ``"memcpy"`` where unsupported.
-* ``"kernel"``: one gather/scatter kernel launch per job on a few SMs, reading or writing pinned
-  host memory through its device pointer. No per-chunk cost, but SMs read host memory slower
-  than they write it (~35 vs ~53 GB/s on H100, DESIGN.md), so it suits stores better than loads.
+The ways a job of one KV cache group can move (the worker's ``mechanism``):
 
-:func:`choose_mechanism` picks one per job from the average chunk size, the number of chunks and
-the direction, using :class:`TransferThresholds`: the crossover chunk sizes measured on the
-device by ``kvoff bench transfer --sweep`` (which can write them with ``--write-thresholds``),
-or, until a measurement exists, the defaults shipped in ``kvoff/data/transfer_thresholds.json``,
-derived from the published numbers above (their ``source`` field says which). Override with
-the ``KVOFF_TRANSFER_THRESHOLDS`` environment variable (a path to such a JSON file) or by
-passing thresholds to the worker.
+* ``"memcpy"``: one copy-engine call per chunk (a run of adjacent blocks of one copied row
+  region). About 2 µs of setup per call: 32 KiB chunks reach 11 GB/s.
+* ``"batch"``: the same chunks in one ``cudaMemcpyBatchAsync`` call (CUDA ≥ 12.8): 33 GB/s at
+  32 KiB, the ceiling from about 256 KiB.
+* ``"kernel"``: one SM gather/scatter launch reading or writing pinned host memory: near the
+  ceiling at any chunk size, at a large compute slowdown.
+* ``"staged"``: for layer-major GPU caches (one tensor per layer): an SM gather of all layers of
+  a few blocks into a GPU staging buffer laid out like the CPU slot (HBM to HBM, a short burst),
+  then copy-engine DMA of whole sub-blocks (2 MiB for Llama-3-8B); loads in reverse. Pipelined
+  in bounded pieces.
+
+:class:`TransferThresholds` holds what :func:`choose_mechanism` decides from, per direction:
+measured GB/s of ``memcpy``, ``batch`` and ``kernel`` at chunk sizes from 4 KiB to 2 MiB (the
+``kvoff bench transfer --sweep`` chunk sweep), the measured ``gemm_slowdown`` of each mechanism,
+and ``staged_efficiency`` (staged GB/s over copy-engine GB/s of its DMA chunks). The packaged
+file ``kvoff/data/transfer_thresholds.json`` is the H100 measurement of 2026-11-23 (its
+``source`` says which numbers came from where); ``kvoff bench transfer --sweep
+--write-thresholds FILE`` measures the device at hand. Override with
+``$KVOFF_TRANSFER_THRESHOLDS`` (a path), the ``transfer_thresholds`` option, or the worker's
+``thresholds=``.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
+import math
 import os
+from dataclasses import dataclass as plain_dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -36,7 +49,10 @@ from pydantic.dataclasses import dataclass
 __all__ = [
     "ALL_MECHANISMS",
     "COPY_MECHANISMS",
+    "DEFAULT_COMPUTE_SLOWDOWN_BUDGET",
+    "OP_MECHANISMS",
     "DirectionThresholds",
+    "TransferChoice",
     "TransferThresholds",
     "choose_mechanism",
     "default_thresholds",
@@ -46,69 +62,130 @@ __all__ = [
 Direction = Literal["store", "load"]
 """``"store"``: GPU → CPU (device to host); ``"load"``: CPU → GPU (host to device)."""
 
-ALL_MECHANISMS: tuple[str, ...] = ("auto", "memcpy", "batch", "kernel", "per_block")
-"""Every name ``kvoff.ops.copy_blocks`` accepts (``kvoff.ops.MECHANISMS`` is this tuple; it lives
-here so that configuration can be validated without loading the extension)."""
+OP_MECHANISMS: tuple[str, ...] = ("auto", "memcpy", "batch", "kernel", "per_block")
+"""Every name ``kvoff.ops.copy_blocks`` accepts (``kvoff.ops.MECHANISMS`` is this tuple)."""
 
-COPY_MECHANISMS: tuple[str, ...] = ("memcpy", "batch", "kernel")
-"""The mechanisms :func:`choose_mechanism` chooses among (``kvoff.ops.copy_blocks`` also
-accepts ``"auto"`` and the benchmark baseline ``"per_block"``)."""
+ALL_MECHANISMS: tuple[str, ...] = (*OP_MECHANISMS, "staged")
+"""Every name the worker's ``mechanism`` (and the ``transfer_mechanism`` option) accepts: the
+op's, plus ``"staged"`` (gather into a GPU staging buffer, then copy-engine DMA)."""
+
+COPY_MECHANISMS: tuple[str, ...] = ("memcpy", "batch", "kernel", "staged")
+"""The mechanisms :func:`choose_mechanism` chooses among."""
+
+MEASURED_MECHANISMS: tuple[str, ...] = ("memcpy", "batch", "kernel")
+"""Mechanisms whose GB/s the chunk sweep measures per chunk size."""
+
+DEFAULT_COMPUTE_SLOWDOWN_BUDGET = 0.03
+"""Default ``compute_slowdown_budget``: the largest ``gemm_slowdown`` ``"auto"`` accepts (3 %)."""
 
 THRESHOLDS_ENV = "KVOFF_TRANSFER_THRESHOLDS"
-"""Environment variable naming a thresholds JSON file that replaces the packaged defaults."""
+"""Environment variable naming a thresholds JSON file that replaces the packaged one."""
+
+FORMAT_VERSION = 2
+"""Version of the thresholds file format (1: crossover chunk sizes only, no slowdowns)."""
 
 _CONFIG = pydantic.ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True, config=_CONFIG)
 class DirectionThresholds:
-    """Crossover chunk sizes of one direction, in bytes of an average chunk (a coalesced run of
-    one tensor: blocks in the run × row bytes).
+    """What one direction's mechanisms deliver and cost.
 
     Attributes:
-        kernel_below_bytes: chunks smaller than this go to the kernel when ``"batch"`` is
-            available (the kernel beats one batched copy call).
-        batch_below_bytes: chunks in ``[kernel_below_bytes, batch_below_bytes)`` go to
-            ``"batch"``; larger ones to ``"memcpy"``, whose per-call cost no longer matters.
-        kernel_below_bytes_without_batch: where ``"batch"`` is unavailable, chunks smaller than
-            this go to the kernel and the others to ``"memcpy"``.
+        chunk_bytes: ascending chunk sizes (bytes of one copied chunk) of the measurements.
+        gbps: per mechanism (``memcpy``, ``batch``, ``kernel``), GB/s (10^9 bytes per second)
+            at each of ``chunk_bytes``; between two sizes GB/s is interpolated on a log2 scale
+            of the size, beyond the ends the nearest value is used.
+        gemm_slowdown: per mechanism (``memcpy``, ``batch``, ``kernel``, ``staged``), the
+            slowdown of a concurrent bf16 GEMM while the mechanism streams (0.03 = 3 % longer).
+        staged_efficiency: GB/s of ``staged`` over the copy-engine GB/s of its DMA chunks
+            (the gather or scatter and the pipeline's bubbles), in ``(0, 1]``.
     """
 
-    kernel_below_bytes: int = pydantic.Field(ge=0)
-    batch_below_bytes: int = pydantic.Field(ge=0)
-    kernel_below_bytes_without_batch: int = pydantic.Field(ge=0)
+    chunk_bytes: tuple[int, ...]
+    gbps: dict[str, tuple[float, ...]]
+    gemm_slowdown: dict[str, float]
+    staged_efficiency: float = pydantic.Field(gt=0, le=1)
 
     @pydantic.model_validator(mode="after")
-    def _ordered(self) -> DirectionThresholds:
-        if self.batch_below_bytes < self.kernel_below_bytes:
+    def _consistent(self) -> DirectionThresholds:
+        sizes = list(self.chunk_bytes)
+        if not sizes or any(s <= 0 for s in sizes) or sizes != sorted(set(sizes)):
             raise ValueError(
-                f"batch_below_bytes={self.batch_below_bytes} is below kernel_below_bytes="
-                f"{self.kernel_below_bytes}; the batch range [kernel_below_bytes, "
-                "batch_below_bytes) must not be negative: raise batch_below_bytes"
+                f"chunk_bytes={sizes} must be positive, strictly ascending sizes (at least one)"
             )
+        if set(self.gbps) != set(MEASURED_MECHANISMS):
+            raise ValueError(
+                f"gbps has curves for {sorted(self.gbps)}; give exactly {list(MEASURED_MECHANISMS)}"
+            )
+        for name, curve in self.gbps.items():
+            if len(curve) != len(sizes) or any(not (v > 0 and math.isfinite(v)) for v in curve):
+                raise ValueError(
+                    f"gbps[{name!r}] needs {len(sizes)} positive values (one per chunk size), "
+                    f"got {list(curve)}"
+                )
+        if set(self.gemm_slowdown) != set(COPY_MECHANISMS):
+            raise ValueError(
+                f"gemm_slowdown names {sorted(self.gemm_slowdown)}; give exactly "
+                f"{list(COPY_MECHANISMS)}"
+            )
+        for name, value in self.gemm_slowdown.items():
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"gemm_slowdown[{name!r}]={value} must be a finite value >= 0")
         return self
+
+    def estimate_gbps(self, mechanism: str, chunk_bytes: float) -> float:
+        """GB/s of ``mechanism`` (``memcpy``, ``batch`` or ``kernel``) for chunks of
+        ``chunk_bytes``, interpolated on a log2 scale of the chunk size.
+
+        Raises:
+            ValueError: for an unmeasured mechanism name.
+        """
+        if mechanism not in self.gbps:
+            raise ValueError(f"no GB/s curve for {mechanism!r}; measured: {list(self.gbps)}")
+        curve = self.gbps[mechanism]
+        sizes = self.chunk_bytes
+        if chunk_bytes <= sizes[0]:
+            return curve[0]
+        if chunk_bytes >= sizes[-1]:
+            return curve[-1]
+        i = bisect.bisect_right(sizes, chunk_bytes)
+        lo, hi = math.log2(sizes[i - 1]), math.log2(sizes[i])
+        t = (math.log2(chunk_bytes) - lo) / (hi - lo)
+        return curve[i - 1] + t * (curve[i] - curve[i - 1])
 
 
 @dataclass(frozen=True, config=_CONFIG)
 class TransferThresholds:
-    """What ``mechanism="auto"`` decides from, per direction.
+    """What ``mechanism="auto"`` decides from (see the module docstring).
 
     Attributes:
-        store: thresholds for GPU → CPU jobs.
-        load: thresholds for CPU → GPU jobs.
-        min_chunks_for_kernel: jobs with fewer chunks than this always use copy calls (a few
-            calls cost less than a kernel launch plus its descriptor upload).
-        source: where the numbers come from (the device and command of a measurement, or the
-            published numbers they were derived from).
+        store: GPU → CPU measurements.
+        load: CPU → GPU measurements.
+        min_chunks_for_kernel: jobs with fewer chunks than this never use the kernel (a few
+            copy calls cost less than a launch plus its descriptor upload).
+        source: where the numbers come from (device, command, date).
+        format: the file format version (:data:`FORMAT_VERSION`).
     """
 
     store: DirectionThresholds
     load: DirectionThresholds
     min_chunks_for_kernel: int = pydantic.Field(default=4, ge=1)
     source: str = ""
+    format: int = FORMAT_VERSION
+
+    @pydantic.field_validator("format")
+    @classmethod
+    def _known_format(cls, value: int) -> int:
+        if value != FORMAT_VERSION:
+            raise ValueError(
+                f"format={value} is not {FORMAT_VERSION}; measure again with `kvoff bench "
+                "transfer --sweep --write-thresholds FILE`"
+            )
+        return value
 
     def for_direction(self, direction: Direction) -> DirectionThresholds:
-        """The thresholds of ``"store"`` or ``"load"``.
+        """The measurements of ``"store"`` or ``"load"``.
 
         Raises:
             ValueError: for any other direction.
@@ -126,11 +203,12 @@ class TransferThresholds:
 
 def load_thresholds(path: str | os.PathLike[str] | None = None) -> TransferThresholds:
     """Read thresholds from ``path``, else from ``$KVOFF_TRANSFER_THRESHOLDS``, else the
-    packaged defaults (``kvoff/data/transfer_thresholds.json``).
+    packaged file (``kvoff/data/transfer_thresholds.json``: the H100 measurement).
 
     Raises:
         ValueError: when the file is missing, is not JSON, or does not match
-            :class:`TransferThresholds` (the message names the file and the bad field).
+            :class:`TransferThresholds` (the message names the file and the bad field; an old
+            format-1 file says to measure again).
     """
     if path is None:
         path = os.environ.get(THRESHOLDS_ENV) or None
@@ -151,6 +229,12 @@ def load_thresholds(path: str | os.PathLike[str] | None = None) -> TransferThres
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"transfer thresholds file {where} is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and "format" not in data:
+        raise ValueError(
+            f"transfer thresholds file {where} is in the old format (crossover sizes without "
+            "compute slowdowns); measure again with `kvoff bench transfer --sweep "
+            f"--write-thresholds {where}`"
+        )
     try:
         return pydantic.TypeAdapter(TransferThresholds).validate_python(data)
     except pydantic.ValidationError as exc:
@@ -164,6 +248,24 @@ def default_thresholds() -> TransferThresholds:
     return load_thresholds()
 
 
+@plain_dataclass(frozen=True)
+class TransferChoice:
+    """A mechanism and what it is expected to deliver and cost.
+
+    Attributes:
+        mechanism: ``"memcpy"``, ``"batch"``, ``"kernel"`` or ``"staged"``.
+        gbps: expected GB/s (from the thresholds).
+        gemm_slowdown: expected slowdown of concurrent compute.
+        within_budget: whether ``gemm_slowdown`` is within the budget (False when no candidate
+            was, and the least costly one was taken).
+    """
+
+    mechanism: str
+    gbps: float
+    gemm_slowdown: float
+    within_budget: bool
+
+
 def choose_mechanism(
     chunk_bytes: float,
     num_chunks: int,
@@ -171,30 +273,56 @@ def choose_mechanism(
     thresholds: TransferThresholds | None = None,
     *,
     batch_supported: bool = True,
-) -> str:
-    """The mechanism for a job: ``"memcpy"``, ``"batch"`` or ``"kernel"``.
+    budget: float = DEFAULT_COMPUTE_SLOWDOWN_BUDGET,
+    staged_chunk_bytes: float | None = None,
+) -> TransferChoice:
+    """The fastest mechanism whose compute slowdown is within ``budget``.
+
+    Candidates: ``memcpy``; ``batch`` when ``batch_supported``; ``kernel`` when the job has at
+    least ``min_chunks_for_kernel`` chunks; ``staged`` when ``staged_chunk_bytes`` is given
+    (the job's group is layer-major and the worker has a staging buffer). Each gets its expected
+    GB/s at the job's chunk size (``staged``: ``staged_efficiency`` × the better copy-engine
+    GB/s at its DMA chunk size) and its measured ``gemm_slowdown``. Among those within budget
+    the highest GB/s wins (ties: the lower slowdown); when none is within budget, the one with
+    the lowest slowdown (ties: the higher GB/s).
 
     Args:
-        chunk_bytes: average bytes per chunk (total bytes / ``num_chunks``).
-        num_chunks: chunks of the job (runs of adjacent blocks × copied tensors).
+        chunk_bytes: average bytes per chunk of a direct copy (total bytes / ``num_chunks``).
+        num_chunks: chunks of a direct copy (runs of adjacent blocks × copied row regions).
         direction: ``"store"`` (GPU → CPU) or ``"load"`` (CPU → GPU).
-        thresholds: the crossovers (default: :func:`default_thresholds`).
+        thresholds: the measurements (default: :func:`default_thresholds`).
         batch_supported: whether ``cudaMemcpyBatchAsync`` works here
             (``kvoff.ops.batch_copy_supported()``).
+        budget: the largest acceptable ``gemm_slowdown`` (``compute_slowdown_budget``, >= 0).
+        staged_chunk_bytes: average bytes per DMA chunk if the job were staged (whole
+            sub-blocks, runs of adjacent slots), or None when staging is not possible.
 
     Raises:
-        ValueError: for a negative size or count, or an unknown direction.
+        ValueError: for a negative size, count or budget, or an unknown direction.
     """
     if chunk_bytes < 0 or num_chunks < 0:
         raise ValueError(
             f"chunk_bytes ({chunk_bytes}) and num_chunks ({num_chunks}) must be non-negative"
         )
+    if not budget >= 0:
+        raise ValueError(f"budget={budget} must be >= 0 (a fraction: 0.03 is 3 %)")
     thresholds = thresholds or default_thresholds()
     t = thresholds.for_direction(direction)
-    if num_chunks < thresholds.min_chunks_for_kernel:
-        return "memcpy"
+    candidates = [("memcpy", t.estimate_gbps("memcpy", chunk_bytes))]
     if batch_supported:
-        if chunk_bytes < t.kernel_below_bytes:
-            return "kernel"
-        return "batch" if chunk_bytes < t.batch_below_bytes else "memcpy"
-    return "kernel" if chunk_bytes < t.kernel_below_bytes_without_batch else "memcpy"
+        candidates.append(("batch", t.estimate_gbps("batch", chunk_bytes)))
+    if num_chunks >= thresholds.min_chunks_for_kernel:
+        candidates.append(("kernel", t.estimate_gbps("kernel", chunk_bytes)))
+    if staged_chunk_bytes is not None:
+        dma = max(
+            t.estimate_gbps(m, staged_chunk_bytes)
+            for m in (("memcpy", "batch") if batch_supported else ("memcpy",))
+        )
+        candidates.append(("staged", t.staged_efficiency * dma))
+    scored = [(name, gbps, t.gemm_slowdown[name]) for name, gbps in candidates]
+    within = [c for c in scored if c[2] <= budget]
+    if within:
+        name, gbps, slow = max(within, key=lambda c: (c[1], -c[2]))
+        return TransferChoice(name, gbps, slow, True)
+    name, gbps, slow = min(scored, key=lambda c: (c[2], -c[1]))
+    return TransferChoice(name, gbps, slow, False)

@@ -1,21 +1,40 @@
-"""The worker: owns the CPU pool tensors and moves blocks between them and the GPU KV cache.
+"""The worker: owns the CPU pool and moves blocks between it and the engine's GPU KV cache.
 
 One worker runs per tensor-parallel rank. It registers the engine's KV cache tensors as block
 rows, allocates the CPU pool (pinned when CUDA is available), and runs load (CPU→GPU) and store
 (GPU→CPU) jobs through ``torch.ops.kvoff.copy_blocks``.
 
-Row layout (DESIGN.md "Moving bytes"): each registered GPU tensor is viewed as
-``(num_gpu_blocks, page_bytes)`` uint8 rows, using the engine's ``num_gpu_blocks`` (never the
-tensor's leading dimension: DESIGN.md invariant 2). Its CPU twin is a
-``(num_cpu_blocks, page_bytes × block_size_factor)`` uint8 tensor, copied as
-``(num_cpu_blocks × block_size_factor, page_bytes)`` rows, so GPU block ``i`` of offloaded
-block ``j`` lands in CPU row ``cpu_block_id × block_size_factor + (i % block_size_factor)``.
+**GPU rows** (DESIGN.md "Moving bytes"): each registered tensor is viewed as
+``(num_gpu_blocks, row_bytes)`` uint8 rows, using the engine's ``num_gpu_blocks`` (never the
+tensor's leading dimension: DESIGN.md invariant 2). Views over the same bytes (a tensor shared
+by layers of several groups) form one *canonical* tensor.
 
-On CPU builds jobs run synchronously inside :meth:`OffloadingWorker.transfer_async`; on CUDA each
-direction has its own stream (FIFO within a direction), every job records an event, and
-:meth:`OffloadingWorker.get_finished` polls events without blocking. Each CUDA job picks its copy
-mechanism (copy calls, one batched copy call, or the SM kernel) from its chunk size, chunk count
-and direction (:func:`kvoff.transfer.choose_mechanism`), unless one is forced.
+**The CPU pool is slot-major.** One CPU block (slot) is one contiguous region of
+``slot_bytes = block_size_factor × bytes_per_gpu_block``: ``block_size_factor`` sub-blocks, each
+holding one GPU block of every canonical tensor, in registration order. GPU block ``i`` of
+offloaded block ``j`` lands in sub-block ``cpu_block_id × block_size_factor + i %
+block_size_factor``. So one GPU block of all layers is one contiguous chunk on the CPU side, and
+one offloaded block is one contiguous object (:meth:`OffloadingWorker.cpu_slot`), the unit a
+disk or a shared store keeps.
+
+**GPU layouts.** Per KV cache group, adjacent copy regions are merged when they are adjacent on
+both sides (same GPU storage and block stride, consecutive bytes in a block and in a sub-block):
+
+* ``block_contiguous``: one region per block (all layers of a block in one contiguous region:
+  vLLM's cross-layer layout, TRT-LLM's; or a single-tensor model). Whole blocks move by copy
+  engines: one chunk per run of adjacent blocks.
+* ``layer_major``: several regions per block (one tensor per layer, the common case). Jobs move
+  either directly (copy calls, one batched call, or the SM kernel over the small chunks) or
+  ``staged`` (:mod:`kvoff.staging`: an SM gather into a GPU staging buffer laid out like the
+  slot, then copy-engine DMA of whole sub-blocks; loads in reverse).
+
+``mechanism="auto"`` picks, per job and group, the fastest way whose slowdown of concurrent
+compute stays within ``compute_slowdown_budget`` (:func:`kvoff.transfer.choose_mechanism`).
+
+On CPU builds jobs run synchronously inside :meth:`OffloadingWorker.transfer_async` (a parallel
+memcpy; ``"staged"`` can be forced and runs the same staging logic with a CPU buffer). On CUDA
+each direction has its own copy stream and its own SM stream (FIFO within a direction), every job
+records events, and :meth:`OffloadingWorker.get_finished` polls them without blocking.
 
 The CPU pool is one exact-size host allocation (no power-of-two rounding), page-locked in chunks
 when pinned (:class:`kvoff.pinned.HostPool`).
@@ -28,21 +47,40 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 
-from kvoff.ops import MECHANISMS, batch_copy_supported, copy_blocks
+from kvoff.ops import batch_copy_supported, copy_blocks_fast
 from kvoff.pinned import DEFAULT_PIN_CHUNK_BYTES, HostPool
 from kvoff.registration import KVLayout, block_row_views
-from kvoff.transfer import TransferThresholds, choose_mechanism, default_thresholds
+from kvoff.staging import (
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_PIECE_BYTES,
+    Lane,
+    StagedGroup,
+    StagingRing,
+    staged_load,
+    staged_store,
+)
+from kvoff.transfer import (
+    ALL_MECHANISMS,
+    DEFAULT_COMPUTE_SLOWDOWN_BUDGET,
+    TransferThresholds,
+    choose_mechanism,
+    default_thresholds,
+)
 
 if TYPE_CHECKING:
     from kvoff.config import OffloadingConfig
     from kvoff.offloading_spec import CPUOffloadingSpec
     from kvoff.specs import KVCacheConfig
 
-__all__ = ["CPUBlockSpec", "GPUBlockSpec", "OffloadingWorker", "TransferResult"]
+__all__ = ["GPU_LAYOUTS", "CPUBlockSpec", "GPUBlockSpec", "OffloadingWorker", "TransferResult"]
 
 Direction = Literal["store", "load"]
+
+GPU_LAYOUTS: tuple[str, ...] = ("block_contiguous", "layer_major")
+"""The GPU layouts a KV cache group can have (see the module docstring)."""
 
 
 def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
@@ -118,9 +156,11 @@ class TransferResult:
         num_bytes: bytes the job moved (0 when it failed).
         seconds: wall time of the copy (CPU), or GPU time between the job's events (CUDA).
         error: the error message when ``success`` is False.
-        mechanism: how the bytes moved: ``"memcpy"``, ``"batch"``, ``"kernel"`` or
-            ``"per_block"`` on CUDA (``"batch"`` may have fallen back to copy calls where
-            ``cudaMemcpyBatchAsync`` is unsupported), ``"cpu"`` for CPU-only copies.
+        mechanism: how the bytes moved: ``"memcpy"``, ``"batch"``, ``"kernel"``,
+            ``"per_block"`` or ``"staged"`` (``"batch"`` may have fallen back to copy calls
+            where ``cudaMemcpyBatchAsync`` is unsupported; several groups that moved
+            differently give the names joined by ``+``); ``"cpu"`` for CPU-only copies, and
+            ``"staged"`` when staging was forced on the CPU.
     """
 
     job_id: int
@@ -132,11 +172,40 @@ class TransferResult:
     mechanism: str = "cpu"
 
 
+_EMPTY_IDS = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class _Region:
+    """One copied byte region of a block: GPU rows and their place in the slot."""
+
+    gpu_rows: torch.Tensor  # (num_gpu_blocks, row_bytes) uint8 view of the GPU cache
+    cpu_offset: int  # byte offset inside a sub-block
+    row_bytes: int
+    cpu_rows: torch.Tensor | None = None  # (num_cpu_blocks × f, row_bytes) view of the pool
+
+
 @dataclass
 class _Group:
-    gpu_rows: list[torch.Tensor] = field(default_factory=list)
-    cpu_rows: list[torch.Tensor] = field(default_factory=list)
-    row_bytes: int = 0  # sum of the page bytes of its tensors (bytes per GPU block)
+    views: list[_Region] = field(default_factory=list)  # one per registered row view
+    regions: list[_Region] = field(default_factory=list)  # views merged where adjacent
+    row_bytes: int = 0  # bytes per GPU block of this group (sum of its views' rows)
+    cpu_runs: list[tuple[int, int]] = field(default_factory=list)  # used slot byte ranges
+    cpu_run_rows: list[torch.Tensor] = field(default_factory=list)
+    gpu_side: list[torch.Tensor] = field(default_factory=list)  # regions' GPU rows
+    cpu_side: list[torch.Tensor] = field(default_factory=list)  # regions' CPU rows
+
+    @property
+    def layout(self) -> str:
+        return "block_contiguous" if len(self.regions) == 1 else "layer_major"
+
+    def staged(self) -> StagedGroup:
+        return StagedGroup(
+            [r.gpu_rows for r in self.regions],
+            [r.cpu_offset for r in self.regions],
+            self.cpu_runs,
+            self.cpu_run_rows,
+        )
 
 
 @dataclass
@@ -147,6 +216,38 @@ class _InFlight:
     mechanism: str
     start: torch.cuda.Event
     end: torch.cuda.Event
+
+
+def _adjacent(a: _Region, b: _Region) -> bool:
+    """Whether region ``b`` continues region ``a`` in both the GPU cache and the slot."""
+    ga, gb = a.gpu_rows, b.gpu_rows
+    return (
+        ga.untyped_storage().data_ptr() == gb.untyped_storage().data_ptr()
+        and ga.stride(0) == gb.stride(0)
+        and gb.storage_offset() == ga.storage_offset() + a.row_bytes
+        and (ga.shape[0] == 1 or a.row_bytes + b.row_bytes <= ga.stride(0))
+        and b.cpu_offset == a.cpu_offset + a.row_bytes
+    )
+
+
+def _merge(a: _Region, b: _Region) -> _Region:
+    rows = a.gpu_rows.as_strided(
+        (a.gpu_rows.shape[0], a.row_bytes + b.row_bytes),
+        (a.gpu_rows.stride(0), 1),
+        a.gpu_rows.storage_offset(),
+    )
+    return _Region(rows, a.cpu_offset, a.row_bytes + b.row_bytes)
+
+
+def _num_runs(*ids: np.ndarray) -> int:
+    """Runs of positions where every id list goes up by one (1 for one id, 0 for none)."""
+    n = len(ids[0])
+    if n == 0:
+        return 0
+    breaks = np.zeros(n - 1, dtype=bool)
+    for t in ids:
+        breaks |= np.diff(t) != 1
+    return int(breaks.sum()) + 1
 
 
 class OffloadingWorker:
@@ -162,14 +263,25 @@ class OffloadingWorker:
         pin_memory: pin the CPU pool (default: when CUDA is available).
         pin_chunk_bytes: largest piece of the pool page-locked by one ``cudaHostRegister``
             call (default 1 GiB).
-        mechanism: how CUDA jobs copy: ``"auto"`` (per job, from the thresholds) or one of
-            ``"memcpy"``, ``"batch"``, ``"kernel"``, ``"per_block"`` for every job
-            (``kvoff.ops.MECHANISMS``). CPU-only copies ignore it.
+        mechanism: how jobs copy: ``"auto"`` (per job and group: the fastest mechanism whose
+            compute slowdown is within ``compute_slowdown_budget``) or one of ``"memcpy"``,
+            ``"batch"``, ``"kernel"``, ``"per_block"``, ``"staged"`` for every job
+            (``kvoff.transfer.ALL_MECHANISMS``). On the CPU, ``"staged"`` runs the staging
+            logic with a CPU buffer and every other name the parallel memcpy.
         thresholds: what ``"auto"`` decides from (default: :func:`kvoff.transfer.load_thresholds`:
-            ``$KVOFF_TRANSFER_THRESHOLDS`` or the packaged defaults).
+            ``$KVOFF_TRANSFER_THRESHOLDS`` or the packaged H100 measurement).
+        compute_slowdown_budget: the largest slowdown of concurrent compute ``"auto"`` accepts,
+            as a fraction (default 0.03: 3 %).
+        staging_bytes: bytes of GPU staging buffer for ``"staged"`` jobs, both directions
+            together (half each; default 64 MiB); at least two GPU blocks of all layers when
+            staging is used; 0 disables staging. Allocated at registration on CUDA when some
+            group is layer-major, on first use otherwise.
+        staging_piece_bytes: bytes of one piece of a staged job (rounded down to whole GPU
+            blocks of all layers, at least one; default 8 MiB).
 
     Raises:
-        ValueError: on non-positive sizes or an unknown mechanism.
+        ValueError: on non-positive sizes, a negative budget or staging size, or an unknown
+            mechanism.
     """
 
     def __init__(
@@ -183,14 +295,27 @@ class OffloadingWorker:
         pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
         mechanism: str = "auto",
         thresholds: TransferThresholds | None = None,
+        compute_slowdown_budget: float = DEFAULT_COMPUTE_SLOWDOWN_BUDGET,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_piece_bytes: int = DEFAULT_STAGING_PIECE_BYTES,
     ) -> None:
-        if mechanism not in MECHANISMS:
+        if mechanism not in ALL_MECHANISMS:
             raise ValueError(
-                f"mechanism={mechanism!r} is not one of {list(MECHANISMS)}; use 'auto' to let "
-                "each job choose"
+                f"mechanism={mechanism!r} is not one of {list(ALL_MECHANISMS)}; use 'auto' to "
+                "let each job choose"
             )
         if pin_chunk_bytes < 1:
             raise ValueError(f"pin_chunk_bytes must be >= 1, got {pin_chunk_bytes}")
+        if not compute_slowdown_budget >= 0:
+            raise ValueError(
+                f"compute_slowdown_budget={compute_slowdown_budget} must be >= 0 (a fraction: "
+                "0.03 accepts a 3 % slowdown of concurrent compute)"
+            )
+        if staging_bytes < 0 or staging_piece_bytes < 1:
+            raise ValueError(
+                f"staging_bytes ({staging_bytes}) must be >= 0 (0 disables staging) and "
+                f"staging_piece_bytes ({staging_piece_bytes}) >= 1"
+            )
         for name, value in (
             ("num_gpu_blocks", num_gpu_blocks),
             ("num_cpu_blocks", num_cpu_blocks),
@@ -211,16 +336,21 @@ class OffloadingWorker:
         self.pin_chunk_bytes = pin_chunk_bytes
         self.mechanism = mechanism
         self.thresholds = thresholds
+        self.compute_slowdown_budget = float(compute_slowdown_budget)
+        self.staging_bytes = staging_bytes
+        self.staging_piece_bytes = staging_piece_bytes
         self._pool: HostPool | None = None
+        self._pool_tensor: torch.Tensor | None = None
         self._batch_supported: bool | None = None
         self._groups: list[_Group] = []
         self._layer_names: list[str] = []
-        self._cpu_tensors: list[torch.Tensor] = []
         self._canonical_row_bytes: list[int] = []
         self._device: torch.device | None = None
         self._finished: list[TransferResult] = []
         self._in_flight: dict[int, _InFlight] = {}
-        self._streams: dict[Direction, torch.cuda.Stream] = {}
+        self._dma: dict[Direction, Lane] = {}
+        self._sm: dict[Direction, Lane] = {}
+        self._rings: dict[Direction, StagingRing] = {}
 
     @classmethod
     def from_spec(
@@ -281,18 +411,23 @@ class OffloadingWorker:
         *,
         kv_layout: KVLayout = "auto",
     ) -> None:
-        """Register the engine's KV cache tensors and allocate the CPU pool.
+        """Register the engine's KV cache tensors and allocate the CPU pool (and, on CUDA with a
+        layer-major group, the staging buffer).
 
         Each layer's tensor becomes one or more ``(num_gpu_blocks, row_bytes)`` block-row views
         (see :func:`kvoff.registration.block_row_views` for the layouts: blocks first, K/V
         first, kernel blocks, tensors shared across groups, padded Mamba pages), always using
         ``num_gpu_blocks`` (``KVCacheConfig.num_blocks``), never the tensor's leading dimension
-        (DESIGN.md invariant 2). Every view gets a CPU twin of
-        ``(num_cpu_blocks, row_bytes × block_size_factor)`` bytes.
+        (DESIGN.md invariant 2). The CPU pool is ``num_cpu_blocks`` slots of
+        :attr:`slot_bytes` (see the module docstring). Views that are adjacent in the GPU block
+        and in the slot are copied as one region; a group with one region per block is
+        ``block_contiguous`` (:attr:`gpu_layouts`).
 
         Args:
             kv_caches: layer name → that layer's KV cache tensor (any dtype; bytes are copied as
-                they are), or for a Mamba layer a list of its state tensors.
+                they are), or for a Mamba layer a list of its state tensors. Layers of a
+                block-contiguous cache are views into one buffer, registered in the order of
+                their bytes inside a block.
             layer_to_group: layer name → KV cache group index (default: from the worker's
                 ``kv_cache_config``, else all layers in group 0). Groups are numbered 0..G-1.
             kv_layout: ``"auto"``, ``"blocks_first"`` or ``"kv_first"`` for attention tensors.
@@ -300,8 +435,9 @@ class OffloadingWorker:
         Raises:
             ValueError: when already registered, when ``kv_caches`` is empty or does not name
                 exactly the config's layers, when tensors are on different devices, when a
-                tensor's bytes do not fit ``num_gpu_blocks`` blocks of its spec's page, or when
-                groups have gaps.
+                tensor's bytes do not fit ``num_gpu_blocks`` blocks of its spec's page, when
+                groups have gaps, or when ``staging_bytes`` is too small for one GPU block of
+                all layers in each direction (nothing is registered then).
         """
         if self._groups:
             raise ValueError("register_kv_caches was already called on this worker")
@@ -330,8 +466,8 @@ class OffloadingWorker:
                 f"{sorted(set(mapping.values()))}"
             )
         # Block rows over the same bytes (one tensor shared by layers of several groups, or
-        # by several layers of one group) form ONE canonical tensor with ONE CPU twin: a CPU
-        # slot holds one offloaded block of one group, so a slot's bytes are the bytes one GPU
+        # by several layers of one group) form ONE canonical tensor with ONE place in the slot:
+        # a slot holds one offloaded block of one group, so a slot's bytes are the bytes one GPU
         # block id costs in the shared pool (invariant 3), not page × number of layers.
         canon: dict[tuple[int, int], int] = {}  # (address of row 0, row stride) -> index
         canon_rows: list[int] = []  # widest row any layer copies from that canonical tensor
@@ -348,36 +484,94 @@ class OffloadingWorker:
                 if (g, c, rows.shape[1]) not in seen:
                     seen.add((g, c, rows.shape[1]))
                     per_group[g].append((c, rows))
+        offsets = [sum(canon_rows[:c]) for c in range(len(canon_rows))]
+        sub_block = sum(canon_rows)
+        groups = [_Group() for _ in range(num_groups)]
+        for g, views in enumerate(per_group):
+            group = groups[g]
+            for c, rows in views:
+                region = _Region(rows, offsets[c], rows.shape[1])
+                group.views.append(region)
+                group.row_bytes += region.row_bytes
+                if group.regions and _adjacent(group.regions[-1], region):
+                    group.regions[-1] = _merge(group.regions[-1], region)
+                else:
+                    group.regions.append(_Region(rows, offsets[c], rows.shape[1]))
+            spans = sorted((r.cpu_offset, r.row_bytes) for r in group.views)
+            for off, length in spans:
+                if group.cpu_runs and group.cpu_runs[-1][0] + group.cpu_runs[-1][1] >= off:
+                    last_off, last_len = group.cpu_runs[-1]
+                    group.cpu_runs[-1] = (last_off, max(last_len, off + length - last_off))
+                else:
+                    group.cpu_runs.append((off, length))
+        device = next(iter(devices))
+        layer_major = any(g.layout == "layer_major" for g in groups)
+        if device.type == "cuda" and layer_major and self.staging_bytes:
+            self._check_staging_size(sub_block)
+
         f = self.block_size_factor
         pool = HostPool(
-            [(self.num_cpu_blocks, row * f) for row in canon_rows],
+            [(self.num_cpu_blocks, sub_block * f)],
             pin=self.pin_memory,
             chunk_bytes=self.pin_chunk_bytes,
             description=(
-                f"the CPU pool ({self.num_cpu_blocks} CPU blocks of "
-                f"{sum(canon_rows) * f} bytes over {len(canon_rows)} tensors)"
+                f"the CPU pool ({self.num_cpu_blocks} CPU blocks of {sub_block * f} bytes: "
+                f"{f} x {sub_block} bytes per GPU block over {len(canon_rows)} tensors)"
             ),
         )
-        cpu_tensors = pool.tensors
-        groups = [_Group() for _ in range(num_groups)]
-        for g, views in enumerate(per_group):
-            for c, rows in views:
-                row = rows.shape[1]
-                cpu = cpu_tensors[c].as_strided((self.num_cpu_blocks * f, row), (canon_rows[c], 1))
-                groups[g].gpu_rows.append(rows)
-                groups[g].cpu_rows.append(cpu)
-                groups[g].row_bytes += row
+        (pool_tensor,) = pool.tensors
+        rows_total = self.num_cpu_blocks * f
+
+        def pool_rows(offset: int, length: int) -> torch.Tensor:
+            return pool_tensor.as_strided(
+                (rows_total, length), (sub_block, 1), pool_tensor.storage_offset() + offset
+            )
+
+        for group in groups:
+            for r in (*group.views, *group.regions):
+                r.cpu_rows = pool_rows(r.cpu_offset, r.row_bytes)
+            group.cpu_run_rows = [pool_rows(o, n) for o, n in group.cpu_runs]
+            group.gpu_side = [r.gpu_rows for r in group.regions]
+            group.cpu_side = [r.cpu_rows for r in group.regions]  # type: ignore[misc]
         self._pool = pool
-        self._cpu_tensors = cpu_tensors
+        self._pool_tensor = pool_tensor
         self._canonical_row_bytes = canon_rows
         self._groups = groups
         self._layer_names = list(kv_caches)
-        self._device = next(iter(devices))
-        if self._device.type == "cuda":
-            self._streams = {
-                "store": torch.cuda.Stream(self._device),
-                "load": torch.cuda.Stream(self._device),
-            }
+        self._device = device
+        self._dma = {"store": Lane(device), "load": Lane(device)}
+        self._sm = {"store": Lane(device), "load": Lane(device)}
+        if device.type == "cuda" and layer_major and self.staging_bytes:
+            for direction in ("store", "load"):
+                self._ring(direction)
+
+    def _check_staging_size(self, sub_block: int) -> None:
+        if self.staging_bytes // 2 < sub_block:
+            raise ValueError(
+                f"staging_bytes={self.staging_bytes} gives {self.staging_bytes // 2} bytes per "
+                f"direction, less than one GPU block of all layers ({sub_block} bytes); raise "
+                f"staging_bytes to at least {2 * sub_block}, or set it to 0 to disable staging"
+            )
+
+    def _ring(self, direction: Direction) -> StagingRing:
+        ring = self._rings.get(direction)
+        if ring is None:
+            assert self._device is not None
+            if not self.staging_bytes:
+                raise ValueError(
+                    "mechanism 'staged' needs a staging buffer, but staging_bytes=0; give the "
+                    f"worker staging_bytes >= {2 * self.bytes_per_gpu_block} (two GPU blocks of "
+                    "all layers) or choose another mechanism"
+                )
+            self._check_staging_size(self.bytes_per_gpu_block)
+            ring = StagingRing(
+                self._device,
+                self.staging_bytes // 2,
+                self.bytes_per_gpu_block,
+                self.staging_piece_bytes,
+            )
+            self._rings[direction] = ring
+        return ring
 
     # ------------------------------------------------------------------ properties
     @property
@@ -386,22 +580,33 @@ class OffloadingWorker:
         return len(self._groups)
 
     @property
+    def gpu_layouts(self) -> list[str]:
+        """Per KV cache group, ``"block_contiguous"`` (all of a block's bytes one region) or
+        ``"layer_major"`` (:data:`GPU_LAYOUTS`)."""
+        return [g.layout for g in self._groups]
+
+    @property
     def bytes_per_gpu_block(self) -> int:
         """Bytes one GPU block id costs over the registered tensors of this rank (each
         canonical tensor counted once, however many layers or groups share it; Mamba padding
-        not counted). Equals ``CPUOffloadingSpec.kv_bytes_per_block`` without padding."""
+        not counted): the size of a sub-block of a slot. Equals
+        ``CPUOffloadingSpec.kv_bytes_per_block`` without padding."""
         return sum(self._canonical_row_bytes)
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes of one CPU block (slot): ``block_size_factor × bytes_per_gpu_block``."""
+        return self.bytes_per_gpu_block * self.block_size_factor
+
+    @property
     def cpu_pool_bytes(self) -> int:
-        """Bytes of block data in the CPU pool of this rank: ``bytes_per_gpu_block ×
-        block_size_factor × num_cpu_blocks``."""
-        return self.bytes_per_gpu_block * self.block_size_factor * self.num_cpu_blocks
+        """Bytes of block data in the CPU pool of this rank: ``slot_bytes × num_cpu_blocks``."""
+        return self.slot_bytes * self.num_cpu_blocks
 
     @property
     def cpu_pool_allocated_bytes(self) -> int:
-        """Bytes actually allocated (and pinned, when pinned) for the CPU pool: the block data
-        plus less than 4 KiB of alignment per tensor; 0 before registration."""
+        """Bytes actually allocated (and pinned, when pinned) for the CPU pool: exactly
+        :attr:`cpu_pool_bytes`; 0 before registration."""
         return 0 if self._pool is None else self._pool.num_bytes
 
     @property
@@ -409,42 +614,78 @@ class OffloadingWorker:
         """Whether the CPU pool is page-locked."""
         return self._pool is not None and self._pool.pinned
 
+    @property
+    def staging_allocated_bytes(self) -> int:
+        """Bytes of staging buffer allocated so far (both directions; on the GPU side's
+        device)."""
+        return sum(r.num_bytes for r in self._rings.values())
+
+    @property
+    def cpu_pool(self) -> torch.Tensor:
+        """The CPU pool as a ``(num_cpu_blocks, slot_bytes)`` uint8 tensor (row ``i`` is CPU
+        block ``i``).
+
+        Raises:
+            ValueError: before :meth:`register_kv_caches`.
+        """
+        if self._pool_tensor is None:
+            raise ValueError("no KV caches registered: call register_kv_caches first")
+        return self._pool_tensor
+
+    def cpu_slot(self, cpu_block_id: int) -> torch.Tensor:
+        """The bytes of CPU block ``cpu_block_id``: a contiguous ``(slot_bytes,)`` uint8 view
+        (sub-block ``k`` at ``k × bytes_per_gpu_block``; in it, the canonical tensors in
+        registration order).
+
+        Raises:
+            ValueError: before registration.
+            IndexError: for an id outside ``[0, num_cpu_blocks)``.
+        """
+        pool = self.cpu_pool
+        if not 0 <= cpu_block_id < self.num_cpu_blocks:
+            raise IndexError(
+                f"cpu_block_id {cpu_block_id} is out of range; CPU block ids are in "
+                f"[0, {self.num_cpu_blocks})"
+            )
+        return pool[cpu_block_id]
+
     def close(self) -> None:
-        """Release the pinned registration of the CPU pool (after waiting for jobs in flight).
-        Idempotent. The worker must not run jobs afterwards."""
+        """Release the pinned registration of the CPU pool (after waiting for jobs in flight)
+        and the staging buffers. Idempotent. The worker must not run jobs afterwards."""
         if self._in_flight:
             self.wait(list(self._in_flight))
         if self._pool is not None:
             self._pool.close()
+        self._rings.clear()
 
     def cpu_tensors(self) -> list[torch.Tensor]:
-        """The CPU pool as ``(num_cpu_blocks × block_size_factor, row_bytes)`` uint8 row views,
-        one per block-row view of :meth:`gpu_tensors`, in the same order."""
-        return [t for g in self._groups for t in g.cpu_rows]
+        """The CPU pool as ``(num_cpu_blocks × block_size_factor, row_bytes)`` uint8 row views
+        (row stride: one sub-block), one per block-row view of :meth:`gpu_tensors`, in the same
+        order."""
+        return [v.cpu_rows for g in self._groups for v in g.views]  # type: ignore[misc]
 
     def gpu_tensors(self) -> list[torch.Tensor]:
         """The registered KV caches as ``(num_gpu_blocks, row_bytes)`` uint8 block-row views, in
         group order (a tensor shared by several groups appears once per group)."""
-        return [t for g in self._groups for t in g.gpu_rows]
+        return [v.gpu_rows for g in self._groups for v in g.views]
 
     # ------------------------------------------------------------------ jobs
-    def _expand(
-        self, gpu: GPUBlockSpec, cpu: CPUBlockSpec
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per group: (GPU row ids, CPU row ids) as int64 tensors."""
+    def _expand(self, gpu: GPUBlockSpec, cpu: CPUBlockSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per group: (GPU block ids, CPU sub-block rows) as int64 arrays."""
         if len(gpu.group_sizes) != len(self._groups):
             raise ValueError(
                 f"the job has {len(gpu.group_sizes)} group_sizes entries but "
                 f"{len(self._groups)} KV cache groups are registered; give one per group"
             )
         f = self.block_size_factor
-        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        out: list[tuple[np.ndarray, np.ndarray]] = []
+        gpu_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        cpu_ids = np.asarray(cpu.block_ids, dtype=np.int64)
         gpu_off = 0
         cpu_off = 0
-        cpu_ids = torch.tensor(cpu.block_ids, dtype=torch.int64)
         for n, start in zip(gpu.group_sizes, gpu.block_indices, strict=True):
             if n == 0:
-                out.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+                out.append((_EMPTY_IDS, _EMPTY_IDS))
                 continue
             first = start // f
             count = (start + n - 1) // f - first + 1
@@ -454,14 +695,12 @@ class OffloadingWorker:
                     f"{cpu_off + count} (group sizes {list(gpu.group_sizes)}, block indices "
                     f"{list(gpu.block_indices)}, block_size_factor {f})"
                 )
-            logical = torch.arange(start, start + n, dtype=torch.int64)
-            slots = cpu_ids[cpu_off + logical // f - first]
-            out.append(
-                (
-                    torch.tensor(gpu.block_ids[gpu_off : gpu_off + n], dtype=torch.int64),
-                    slots * f + logical % f,
-                )
-            )
+            if f == 1:
+                rows = cpu_ids[cpu_off : cpu_off + n]
+            else:
+                logical = np.arange(start, start + n, dtype=np.int64)
+                rows = cpu_ids[cpu_off + logical // f - first] * f + logical % f
+            out.append((gpu_ids[gpu_off : gpu_off + n], rows))
             gpu_off += n
             cpu_off += count
         if cpu_off != len(cpu_ids):
@@ -478,13 +717,14 @@ class OffloadingWorker:
         """Submit one job: a store (``GPUBlockSpec`` → ``CPUBlockSpec``) or a load (the reverse).
 
         On CPU the copy runs before this returns; its result is queued for
-        :meth:`get_finished`. On CUDA the copy is queued on the direction's stream (a store
+        :meth:`get_finished`. On CUDA the copies are queued on the direction's streams (a store
         first waits on the current compute stream so it sees the forward pass's writes).
 
         Returns:
             True when the job was submitted (CUDA) or ran successfully (CPU); False when the
             copy failed (for example an out-of-range block id): the failure is also reported as
-            ``TransferResult(success=False)`` and no other job's blocks are touched.
+            ``TransferResult(success=False)``, nothing of the job was copied and no other job's
+            blocks are touched.
 
         Raises:
             ValueError: when nothing is registered, ``job_id`` is already in flight, both sides
@@ -510,40 +750,73 @@ class OffloadingWorker:
             len(gpu_ids) * g.row_bytes
             for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
         )
-        if self._streams:
-            return self._submit_cuda(job_id, direction, per_group, num_bytes)
+        cuda = self._device is not None and self._device.type == "cuda"
         t0 = time.perf_counter()
         try:
+            # Every group's ids are checked, and every mechanism resolved (which may allocate
+            # the staging buffer), before the first copy, so a bad job copies nothing.
             self._check_ids(direction, per_group)
-            self._copy(direction, per_group)
+            mechanisms = [
+                self._resolve_mechanism(direction, g, ids) if len(ids[0]) else ""
+                for g, ids in zip(self._groups, per_group, strict=True)
+            ]
         except (RuntimeError, ValueError, IndexError) as exc:
             self._finished.append(
                 TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
             )
             return False
-        self._finished.append(
-            TransferResult(job_id, direction, True, num_bytes, time.perf_counter() - t0)
-        )
-        return True
+        used = "+".join(sorted({m for m in mechanisms if m}))
+        if not cuda:
+            try:
+                self._run(direction, per_group, mechanisms)
+            except (RuntimeError, ValueError, IndexError) as exc:  # pragma: no cover - checked
+                self._finished.append(
+                    TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
+                )
+                return False
+            label = "staged" if "staged" in mechanisms else "cpu"
+            self._finished.append(
+                TransferResult(job_id, direction, True, num_bytes, time.perf_counter() - t0,
+                               None, label)
+            )  # fmt: skip
+            return True
+        return self._submit_cuda(job_id, direction, per_group, mechanisms, num_bytes, used)
 
-    def _copy(
+    def _run(
         self,
         direction: Direction,
-        per_group: list[tuple[torch.Tensor, torch.Tensor]],
-        mechanism: str = "auto",
+        per_group: list[tuple[np.ndarray, np.ndarray]],
+        mechanisms: list[str],
     ) -> None:
-        for (gpu_ids, cpu_ids), g in zip(per_group, self._groups, strict=True):
+        """Enqueue (CUDA) or run (CPU) every group's copies; the lanes already wait for what
+        they must."""
+        dma, sm = self._dma[direction], self._sm[direction]
+        on_gpu = self._device is not None and self._device.type == "cuda"
+        for (gpu_ids, cpu_rows), g, mechanism in zip(
+            per_group, self._groups, mechanisms, strict=True
+        ):
             if len(gpu_ids) == 0:
                 continue
-            if direction == "store":
-                copy_blocks(g.gpu_rows, g.cpu_rows, gpu_ids, cpu_ids, mechanism=mechanism)
-            else:
-                copy_blocks(g.cpu_rows, g.gpu_rows, cpu_ids, gpu_ids, mechanism=mechanism)
+            if mechanism == "staged":
+                ring = self._ring(direction)
+                sm_mechanism = "kernel" if on_gpu else "memcpy"
+                dma_mechanism = self._dma_mechanism() if on_gpu else "memcpy"
+                how = {"sm_mechanism": sm_mechanism, "dma_mechanism": dma_mechanism}
+                if direction == "store":
+                    staged_store(g.staged(), gpu_ids, cpu_rows, ring, sm, dma, **how)
+                else:
+                    staged_load(g.staged(), cpu_rows, gpu_ids, ring, sm, dma, **how)
+                continue
+            with dma.context():
+                if direction == "store":
+                    copy_blocks_fast(g.gpu_side, g.cpu_side, gpu_ids, cpu_rows, mechanism)
+                else:
+                    copy_blocks_fast(g.cpu_side, g.gpu_side, cpu_rows, gpu_ids, mechanism)
 
     def _check_ids(
-        self, direction: Direction, per_group: list[tuple[torch.Tensor, torch.Tensor]]
+        self, direction: Direction, per_group: list[tuple[np.ndarray, np.ndarray]]
     ) -> None:
-        """Validate every group's row ids before any copy, so a bad job writes nothing.
+        """Validate every group's ids before any copy, so a bad job writes nothing.
 
         Raises:
             ValueError: naming the group, the first bad id and the valid range, or a repeated
@@ -557,80 +830,108 @@ class OffloadingWorker:
                 ("GPU", gpu_ids, self.num_gpu_blocks, "GPU block ids"),
                 ("CPU", cpu_ids, cpu_rows, "CPU rows (CPU block id × block_size_factor + offset)"),
             ):
-                bad = (ids < 0) | (ids >= limit)
-                if bool(bad.any()):
-                    first = int(ids[bad.nonzero()[0, 0]])
+                if ids.min() < 0 or ids.max() >= limit:
+                    first = int(ids[(ids < 0) | (ids >= limit)][0])
                     raise ValueError(
                         f"group {g}: {name} id {first} is out of range; {what} must be in "
                         f"[0, {limit}). The job was not run."
                     )
             dst = cpu_ids if direction == "store" else gpu_ids
-            if len(torch.unique(dst)) != len(dst):
+            unique = len(set(dst.tolist())) if len(dst) <= 256 else len(np.unique(dst))
+            if unique != len(dst):
                 raise ValueError(
                     f"group {g}: a destination id repeats in {dst.tolist()}; two writes to one "
                     "block would race. The job was not run."
                 )
 
-    def job_chunks(self, per_group: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
-        """``(num_chunks, num_bytes)`` of a job: a chunk is one run of blocks whose GPU and CPU
-        row ids both go up by one, in one copied tensor (what one copy call moves)."""
+    def job_chunks(self, per_group: list[tuple[np.ndarray, np.ndarray]]) -> tuple[int, int]:
+        """``(num_chunks, num_bytes)`` of a job copied directly: a chunk is one run of blocks
+        whose GPU and CPU row ids both go up by one, in one copied region (what one copy call
+        moves)."""
         chunks = 0
         num_bytes = 0
         for (gpu_ids, cpu_ids), g in zip(per_group, self._groups, strict=True):
-            n = len(gpu_ids)
-            if n == 0:
-                continue
-            breaks = 0
-            if n > 1:
-                step = (gpu_ids[1:] - gpu_ids[:-1] != 1) | (cpu_ids[1:] - cpu_ids[:-1] != 1)
-                breaks = int(step.sum())
-            chunks += (breaks + 1) * len(g.gpu_rows)
-            num_bytes += n * g.row_bytes
+            chunks += _num_runs(gpu_ids, cpu_ids) * len(g.regions)
+            num_bytes += len(gpu_ids) * g.row_bytes
         return chunks, num_bytes
 
-    def _resolve_mechanism(
-        self, direction: Direction, per_group: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> str:
-        if self.mechanism != "auto":
-            return self.mechanism
+    def _dma_mechanism(self) -> str:
         if self._batch_supported is None:
             self._batch_supported = batch_copy_supported()
-        chunks, num_bytes = self.job_chunks(per_group)
-        return choose_mechanism(
-            num_bytes / max(chunks, 1),
+        return "batch" if self._batch_supported else "memcpy"
+
+    def _resolve_mechanism(
+        self, direction: Direction, group: _Group, ids: tuple[np.ndarray, np.ndarray]
+    ) -> str:
+        """The mechanism of one group of a job (``self.mechanism`` unless it is ``"auto"``).
+
+        Raises:
+            ValueError: when ``"staged"`` is forced and the staging buffer cannot hold one GPU
+                block of all layers.
+        """
+        on_gpu = self._device is not None and self._device.type == "cuda"
+        if self.mechanism != "auto":
+            if self.mechanism == "staged":
+                self._ring(direction)  # allocated (or refused) before any copy
+            return self.mechanism
+        if not on_gpu:
+            return "memcpy"  # the CPU op's parallel memcpy; staging would only add a pass
+        gpu_ids, cpu_rows = ids
+        n = len(gpu_ids)
+        chunks = _num_runs(gpu_ids, cpu_rows) * len(group.regions)
+        staged_chunk = None
+        if group.layout == "layer_major" and self.staging_bytes:
+            used = sum(length for _, length in group.cpu_runs)
+            staged_chunk = n * used / (_num_runs(cpu_rows) * len(group.cpu_runs))
+        if self._batch_supported is None:
+            self._batch_supported = batch_copy_supported()
+        choice = choose_mechanism(
+            n * group.row_bytes / max(chunks, 1),
             chunks,
             direction,
             self.thresholds or default_thresholds(),
             batch_supported=self._batch_supported,
+            budget=self.compute_slowdown_budget,
+            staged_chunk_bytes=staged_chunk,
         )
+        if choice.mechanism == "staged":
+            self._ring(direction)
+        return choice.mechanism
 
     def _submit_cuda(
         self,
         job_id: int,
         direction: Direction,
-        per_group: list[tuple[torch.Tensor, torch.Tensor]],
+        per_group: list[tuple[np.ndarray, np.ndarray]],
+        mechanisms: list[str],
         num_bytes: int,
+        used: str,
     ) -> bool:
-        stream = self._streams[direction]
-        mechanism = self._resolve_mechanism(direction, per_group)
-        if direction == "store":
-            stream.wait_stream(torch.cuda.current_stream(self._device))
+        dma, sm = self._dma[direction], self._sm[direction]
+        compute = torch.cuda.current_stream(self._device)
+        if direction == "store":  # both lanes read blocks the forward pass wrote
+            dma.wait_stream(compute)
+            sm.wait_stream(compute)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            try:
-                self._check_ids(direction, per_group)
-                self._copy(direction, per_group, mechanism)
-            except (RuntimeError, ValueError, IndexError) as exc:
-                # _check_ids validated every group before any copy was enqueued, so a failed
-                # job wrote nothing; its start event is simply never used.
-                self._finished.append(
-                    TransferResult(job_id, direction, False, 0, 0.0, str(exc), mechanism)
-                )
-                return False
-            end.record(stream)
-        self._in_flight[job_id] = _InFlight(job_id, direction, num_bytes, mechanism, start, end)
+        first = sm if direction == "store" and "staged" in mechanisms else dma
+        first.record(start)
+        try:
+            self._run(direction, per_group, mechanisms)
+        except (RuntimeError, ValueError, IndexError) as exc:  # pragma: no cover - CUDA errors
+            # ids were checked first; a CUDA failure here leaves earlier pieces enqueued, so
+            # wait for them before the job is reported failed (never a hit).
+            torch.cuda.synchronize(self._device)
+            self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc), used))
+            return False
+        # The job ends where its last copy ends: on the DMA lane for a store (a staged piece's
+        # DMA waits for its gather), on the SM lane for a staged load (whose end first waits for
+        # the load's copies on the DMA lane).
+        last = sm if direction == "load" and "staged" in mechanisms else dma
+        if last is sm:
+            sm.wait_stream(dma.stream)
+        last.record(end)
+        self._in_flight[job_id] = _InFlight(job_id, direction, num_bytes, used, start, end)
         return True
 
     def _complete(self, job: _InFlight) -> TransferResult:

@@ -99,7 +99,8 @@ def test_transfer_options_reach_the_worker(tmp_path) -> None:
     from kvoff.ops import MECHANISMS
     from kvoff.transfer import ALL_MECHANISMS, load_thresholds
 
-    assert ALL_MECHANISMS == MECHANISMS  # config validates without loading the extension
+    # config validates without loading the extension: the op's names plus the worker's staged
+    assert (*MECHANISMS, "staged") == ALL_MECHANISMS
     path = tmp_path / "t.json"
     path.write_text(json.dumps(load_thresholds().to_json()))
     cfg = OffloadingConfig.from_dict(
@@ -109,11 +110,22 @@ def test_transfer_options_reach_the_worker(tmp_path) -> None:
             "pin_chunk_bytes": "256MiB",
             "transfer_thresholds": str(path),
             "pin_memory": False,
+            "compute_slowdown_budget": 0.05,
+            "staging_bytes": "32MiB",
         }
     )
     opts = cfg.worker_options()
     assert opts["mechanism"] == "kernel" and opts["pin_chunk_bytes"] == 256 << 20
     assert opts["thresholds"] == load_thresholds(path) and opts["pin_memory"] is False
+    assert opts["compute_slowdown_budget"] == 0.05 and opts["staging_bytes"] == 32 << 20
+    worker = kvoff.OffloadingWorker(4, 2, **opts)
+    assert worker.compute_slowdown_budget == 0.05 and worker.staging_bytes == 32 << 20
+    assert OffloadingConfig(num_cpu_blocks=8, staging_bytes=0).staging_bytes == 0  # off
+    assert OffloadingConfig(num_cpu_blocks=8, transfer_mechanism="STAGED").transfer_mechanism == (
+        "staged"
+    )
+    with pytest.raises(ValueError, match="compute_slowdown_budget"):
+        OffloadingConfig(num_cpu_blocks=8, compute_slowdown_budget=-0.01)
     with pytest.raises(ValueError, match="unknown transfer_mechanism 'dma'"):
         OffloadingConfig(num_cpu_blocks=8, transfer_mechanism="dma")
     bad = OffloadingConfig(num_cpu_blocks=8, transfer_thresholds=tmp_path / "missing.json")

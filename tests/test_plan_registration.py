@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoff import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
+from kvoff import CPUBlockSpec, GPUBlockSpec, OffloadingConfig, OffloadingWorker
 from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.sizing import compute_num_cpu_blocks
@@ -37,7 +37,8 @@ def layouts(draw):
     world_size = draw(st.integers(1, 4))
     factor = draw(st.sampled_from([1, 2]))
     slots = draw(st.integers(1, 6))
-    return specs, blocks, world_size, factor, slots
+    mechanism = draw(st.sampled_from(["auto", "staged"]))
+    return specs, blocks, world_size, factor, slots, mechanism
 
 
 def _layer_views(config, device="cpu"):
@@ -64,7 +65,7 @@ def _layer_views(config, device="cpu"):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
 def test_plan_registration_and_cpu_sizing_agree(layout) -> None:
-    specs, blocks, world_size, factor, slots = layout
+    specs, blocks, world_size, factor, slots, mechanism = layout
     first = get_kv_cache_config(specs, 10**9, num_gpu_blocks_override=blocks)
     per_block = pool_bytes_per_block(first.kv_cache_groups)
     config = get_kv_cache_config(specs, per_block * blocks)  # the same plan from memory
@@ -80,7 +81,11 @@ def test_plan_registration_and_cpu_sizing_agree(layout) -> None:
     assert spec.num_blocks == slots
 
     views = _layer_views(config)
-    worker = OffloadingWorker.from_spec(spec)
+    # staged: the staging buffer holds one block per direction, so every block is a piece
+    options = OffloadingConfig(
+        num_cpu_blocks=slots, transfer_mechanism=mechanism, staging_bytes=2 * per_block
+    )
+    worker = OffloadingWorker.from_spec(spec, config=options)
     worker.register_kv_caches(views)
     assert worker.num_cpu_blocks == spec.num_blocks
     assert worker.num_groups == len(config.kv_cache_groups)

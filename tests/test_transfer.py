@@ -27,30 +27,63 @@ from kvoff.transfer import (
 
 # ------------------------------------------------------------------------------ thresholds
 
-_T = TransferThresholds(
-    store=DirectionThresholds(1 << 20, 1 << 20, 1 << 20),
-    load=DirectionThresholds(32 << 10, 1 << 20, 256 << 10),
-    min_chunks_for_kernel=4,
-    source="test",
-)
+_SIZES = (4096, 32768, 262144, 2097152)
+
+
+def _direction(kernel_slowdown: float = 0.8, staged_eff: float = 0.9) -> DirectionThresholds:
+    return DirectionThresholds(
+        chunk_bytes=_SIZES,
+        gbps={
+            "memcpy": (1.5, 11.0, 37.0, 49.5),
+            "batch": (8.0, 23.0, 50.0, 50.0),
+            "kernel": (37.0, 49.0, 52.0, 52.0),
+        },
+        gemm_slowdown={"memcpy": 0.01, "batch": 0.01, "kernel": kernel_slowdown, "staged": 0.015},
+        staged_efficiency=staged_eff,
+    )
+
+
+_T = TransferThresholds(store=_direction(), load=_direction(), min_chunks_for_kernel=4,
+                        source="test")  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("chunk", "chunks", "direction", "batch", "expected"),
+    ("chunk", "chunks", "staged", "batch", "budget", "expected"),
     [
-        (8 << 10, 64, "store", True, "kernel"),
-        (4 << 20, 64, "store", True, "memcpy"),
-        (8 << 10, 64, "load", True, "kernel"),
-        (64 << 10, 64, "load", True, "batch"),  # between the kernel and copy-call ranges
-        (64 << 10, 64, "load", False, "kernel"),  # no batch: the kernel range is wider
-        (512 << 10, 64, "load", False, "memcpy"),
-        (2 << 20, 64, "load", True, "memcpy"),
-        (8 << 10, 3, "load", True, "memcpy"),  # too few chunks for a kernel launch
-        (0, 0, "store", True, "memcpy"),
+        # small chunks of a layer-major cache: staging is the fastest within 3 %
+        (32768, 64, 2 << 20, True, 0.03, "staged"),
+        # without the budget the SM kernel wins on bandwidth
+        (32768, 64, 2 << 20, True, 1.0, "kernel"),
+        # no staging possible (block-contiguous group): copy engines, batched
+        (32768, 64, None, True, 0.03, "batch"),
+        (32768, 64, None, False, 0.03, "memcpy"),  # no batch API
+        # whole 2 MiB blocks: copy engines at the ceiling, staging would only cost a pass
+        (2 << 20, 64, 2 << 20, True, 0.03, "batch"),
+        # a tiny budget nothing meets: the least costly mechanism
+        (32768, 64, 2 << 20, True, 0.0, "batch"),
+        (8 << 10, 3, None, True, 1.0, "batch"),  # too few chunks for a kernel launch
+        (0, 0, None, True, 0.03, "batch"),
     ],
 )
-def test_choose_mechanism(chunk, chunks, direction, batch, expected) -> None:
-    assert choose_mechanism(chunk, chunks, direction, _T, batch_supported=batch) == expected
+def test_choose_mechanism_by_bandwidth_within_the_budget(
+    chunk, chunks, staged, batch, budget, expected
+) -> None:
+    choice = choose_mechanism(
+        chunk, chunks, "store", _T, batch_supported=batch, budget=budget, staged_chunk_bytes=staged
+    )
+    assert choice.mechanism == expected
+    assert choice.within_budget == (choice.gemm_slowdown <= budget)
+
+
+def test_estimates_interpolate_on_a_log_scale_and_clamp() -> None:
+    d = _direction()
+    assert d.estimate_gbps("memcpy", 32768) == 11.0
+    assert d.estimate_gbps("memcpy", 1024) == 1.5  # below the first size
+    assert d.estimate_gbps("memcpy", 1 << 30) == 49.5  # beyond the last
+    mid = d.estimate_gbps("memcpy", 92682)  # 2^16.5: halfway between 32 KiB and 256 KiB in log2
+    assert 11.0 < mid < 37.0 and abs(mid - (11.0 + (37.0 - 11.0) * 1.5 / 3)) < 0.05
+    choice = choose_mechanism(32768, 64, "store", _T, staged_chunk_bytes=2 << 20)
+    assert choice.gbps == pytest.approx(0.9 * 50.0)  # staged: efficiency × copy-engine DMA
 
 
 def test_choose_mechanism_rejects_bad_input() -> None:
@@ -58,14 +91,22 @@ def test_choose_mechanism_rejects_bad_input() -> None:
         choose_mechanism(1, 8, "up", _T)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-negative"):
         choose_mechanism(-1, 8, "store", _T)
+    with pytest.raises(ValueError, match=r"budget=-0\.1 must be >= 0"):
+        choose_mechanism(1, 8, "store", _T, budget=-0.1)
 
 
-def test_packaged_defaults_load_and_say_where_they_come_from(monkeypatch) -> None:
+def test_packaged_thresholds_are_the_h100_measurement(monkeypatch) -> None:
     monkeypatch.delenv(THRESHOLDS_ENV, raising=False)
     t = load_thresholds()
-    assert "unmeasured" in t.source and "kvoff bench transfer" in t.source
-    # published numbers: SM reads of host memory are slow, so loads leave the kernel sooner
-    assert t.load.kernel_below_bytes < t.store.kernel_below_bytes
+    assert "H100" in t.source and "kvoff bench transfer --sweep" in t.source
+    # the measured costs: the SM kernel slows compute far beyond the default 3 % budget,
+    # copy engines and staging do not
+    assert t.store.gemm_slowdown["kernel"] > 0.5
+    assert max(t.store.gemm_slowdown[m] for m in ("memcpy", "batch", "staged")) < 0.03
+    # so auto never picks the kernel within the default budget, for any chunk size
+    for chunk in (4096, 32768, 1 << 20):
+        for d in ("store", "load"):
+            assert choose_mechanism(chunk, 4096, d, t).mechanism != "kernel"
     assert default_thresholds() == default_thresholds()
 
 
@@ -85,42 +126,58 @@ def test_bad_thresholds_files_name_the_file_and_field(tmp_path) -> None:
     bad.write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_thresholds(bad)
-    doc = _T.to_json()
-    doc["load"]["batch_below_bytes"] = 1024  # below kernel_below_bytes
-    bad.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match="batch_below_bytes=1024 is below kernel_below_bytes"):
+    old = {"store": {"kernel_below_bytes": 1}, "load": {}, "source": "old"}
+    bad.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"old format .*--write-thresholds"):
         load_thresholds(bad)
+    cases = [
+        (("store", "chunk_bytes"), [4096, 4096, 8192, 1 << 20], "strictly ascending"),
+        (("store", "gbps", "memcpy"), [1.0, 2.0], "needs 4 positive values"),
+        (("load", "gemm_slowdown", "kernel"), -0.5, "must be a finite value >= 0"),
+        (("load", "staged_efficiency"), 1.5, "staged_efficiency"),
+        (("format",), 1, "format=1 is not 2"),
+        (("extra_field",), 1, "extra_field"),
+    ]
+    for path_keys, value, message in cases:
+        doc = _T.to_json()
+        node = doc
+        for key in path_keys[:-1]:
+            node = node[key]
+        node[path_keys[-1]] = value
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=message):
+            load_thresholds(bad)
     doc = _T.to_json()
-    doc["store"]["kernel_below_bytes"] = -1
+    del doc["store"]["gbps"]["batch"]
     bad.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match="kernel_below_bytes"):
-        load_thresholds(bad)
-    doc = _T.to_json()
-    doc["extra_field"] = 1
-    bad.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match="extra_field"):
+    with pytest.raises(ValueError, match=r"gbps has curves for \['kernel', 'memcpy'\]"):
         load_thresholds(bad)
 
 
-def test_derive_thresholds_finds_the_crossovers() -> None:
-    sizes = [4096 << k for k in range(6)]  # 4 KiB .. 128 KiB
+def test_derive_thresholds_from_a_sweep_and_measured_costs() -> None:
+    sizes = [4096 << k for k in range(4)]
     sweep = []
-    for s in sizes:
+    for s in reversed(sizes):  # any order
         row = {"chunk_bytes": s}
         for d in ("store", "load"):
             row[f"{d}_kernel_gbps"] = 30.0
-            row[f"{d}_batch_gbps"] = 10.0 + s / 4096  # 11, 12, 14, 18, 26, 42
-            row[f"{d}_memcpy_gbps"] = s / 4096  # 1, 2, 4, 8, 16, 32
+            row[f"{d}_batch_gbps"] = 10.0 + s / 4096
+            row[f"{d}_memcpy_gbps"] = s / 4096
         sweep.append(row)
-    sweep[-1]["load_memcpy_gbps"] = 50.0
-    t = derive_thresholds(sweep, "synthetic")
-    assert t.store.kernel_below_bytes == 128 << 10  # batch 42 >= kernel 30 first at 128 KiB
-    assert t.store.batch_below_bytes == 256 << 10  # memcpy never reaches 98 % of batch
-    assert t.store.kernel_below_bytes_without_batch == 128 << 10  # 32 >= 30
-    assert t.load.batch_below_bytes == 128 << 10  # 50 >= 0.98 * 42
+    slow = {d: {"memcpy": 0.01, "batch": -0.002, "kernel": 0.7, "staged": 0.02}
+            for d in ("store", "load")}  # fmt: skip
+    t = derive_thresholds(sweep, slow, {"store": 0.93, "load": 1.2}, "synthetic")
+    assert t.store.chunk_bytes == tuple(sizes)
+    assert t.store.gbps["memcpy"] == (1.0, 2.0, 4.0, 8.0)
+    assert t.store.gemm_slowdown["batch"] == 0.0  # measured noise below zero is clamped
+    assert t.load.staged_efficiency == 1.0  # clamped into (0, 1]
     assert t.source == "synthetic"
+    assert load_thresholds  # the result validates like a file would
     with pytest.raises(ValueError, match="sweep is empty"):
-        derive_thresholds([], "x")
+        derive_thresholds([], slow, {"store": 1, "load": 1}, "x")
+    with pytest.raises(ValueError, match="slowdowns of \\['staged'\\]"):
+        derive_thresholds(sweep, {d: {"memcpy": 0, "batch": 0, "kernel": 0} for d in slow},
+                          {"store": 1, "load": 1}, "x")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ pinned pool
@@ -225,30 +282,44 @@ def test_presets_describe_their_chunks() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU mode")
 def test_cli_cpu_mode_writes_json(tmp_path, capsys) -> None:
     path = tmp_path / "transfer.json"
-    argv = ["bench", "transfer", "--presets", "qwen2.5-0.5b", "--blocks", "16", "--repeat", "2"]
+    argv = ["bench", "transfer", "--presets", "qwen2.5-0.5b", "--blocks", "16", "--repeat", "2",
+            "--job-sizes", "1", "4"]  # fmt: skip
     assert main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "qwen2.5-0.5b" in out and "one contiguous memcpy" in out
+    assert "qwen2.5-0.5b (layer_major)" in out and "qwen2.5-0.5b (block_contiguous)" in out
+    assert "one contiguous memcpy" in out and "job of   4 blocks" in out
     doc = json.loads(path.read_text())
     assert doc["run"]["command"] == "kvoff " + " ".join([*argv, "--json", str(path)])
     assert doc["device"]["kind"] == "cpu"
-    (entry,) = doc["presets"]
-    assert entry["num_blocks"] == 16
-    assert entry["bytes_per_job"] == 16 * 24 * 2 * 4096
-    assert entry["contiguous"]["memcpy_gbps"] > 0
-    for m in ("per_block", "auto"):
-        row = entry["mechanisms"][m]
-        assert row["store_gbps"] > 0 and row["load_gbps"] > 0 and row["store_vs_memcpy"] > 0
-    assert doc["targets"]["cpu_gather_vs_memcpy"] == 0.8
+    block_contiguous, layer_major = doc["presets"]
+    assert layer_major["gpu_layout"] == "layer_major"
+    assert block_contiguous["gpu_layout"] == "block_contiguous"
+    for entry, mechanisms in ((layer_major, {"per_block", "memcpy", "batch", "kernel", "staged",
+                                             "auto"}),
+                              (block_contiguous, {"per_block", "memcpy", "batch", "kernel",
+                                                  "auto"})):  # fmt: skip
+        assert entry["num_blocks"] == 16
+        assert entry["bytes_per_job"] == 16 * 24 * 2 * 4096
+        assert entry["contiguous"]["memcpy_gbps"] > 0
+        assert set(entry["mechanisms"]) == mechanisms
+        for row in entry["mechanisms"].values():
+            assert row["store_gbps"] > 0 and row["load_gbps"] > 0 and row["store_vs_memcpy"] > 0
+            assert "gemm_slowdown" not in row  # GPU only
+        assert [js["blocks"] for js in entry["job_sizes"]] == [1, 4]
+        assert all(js["store_us"] > 0 and js["store_time_vs_contiguous"] > 0
+                   for js in entry["job_sizes"])  # fmt: skip
+    assert doc["targets"]["layer_major_auto_both_vs_contiguous"] == 0.9
 
 
 def test_write_thresholds_needs_a_gpu_sweep(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal")
-    with pytest.raises(ValueError, match="needs a GPU and --sweep"):
+    with pytest.raises(ValueError, match="needs a GPU, --sweep"):
         run_transfer_bench(
             TransferBenchParams(presets=("qwen2.5-0.5b",), num_blocks=8),
             write_thresholds=tmp_path / "t.json",
         )
     with pytest.raises(ValueError, match="unknown transfer preset 'nope'"):
         run_transfer_bench(TransferBenchParams(presets=("nope",)))
+    with pytest.raises(ValueError, match="unknown GPU layout 'diagonal'"):
+        run_transfer_bench(TransferBenchParams(layouts=("diagonal",)))

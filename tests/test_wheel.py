@@ -138,3 +138,57 @@ def test_wheel_smoke_in_a_fresh_environment(wheel: Path, tmp_path: Path) -> None
     assert record["wheel"]["size_bytes"] == wheel.stat().st_size
     assert record["build_info"]["runtime_matches"] is True
     assert record["replay_limit_50"]["requests"] == 50
+
+
+def _offline_parent_python(tmp_path: Path) -> Path:
+    """A virtual environment whose base interpreter has no torch while the environment itself
+    has (the GPU machines' python3 is such a venv): Debian's /usr/bin/python3 makes the venv,
+    and a .pth file gives it this interpreter's packages (kvoff's editable install left out, as
+    the offline mode requires)."""
+    base = Path("/usr/bin/python3")
+    probe = subprocess.run(
+        [str(base), "-c", "import venv, ensurepip, sys; import importlib.util as u; "
+         "sys.exit(0 if u.find_spec('torch') is None else 1)"],
+        capture_output=True, check=False,
+    )  # fmt: skip
+    if not base.exists() or probe.returncode != 0:
+        pytest.skip("needs /usr/bin/python3 with venv and without torch")
+    parent = tmp_path / "parent"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(parent)], check=True)
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    import site
+
+    for site_dir in site.getsitepackages():
+        for entry in Path(site_dir).iterdir():
+            low = entry.name.lower()
+            if low.startswith(("kvoff", "_kvoff", "__editable__")) or low.endswith(".pth"):
+                continue
+            if not (packages / entry.name).exists():
+                (packages / entry.name).symlink_to(entry)
+    purelib = subprocess.run(
+        [str(parent / "bin/python"), "-c",
+         "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    (Path(purelib) / "parent_packages.pth").write_text(f"{packages}\n")
+    return parent / "bin/python"
+
+
+def test_wheel_smoke_offline_from_a_venv_interpreter(wheel: Path, tmp_path: Path) -> None:
+    """KVOFF_SMOKE_SYSTEM_SITE=1 with a python3 that is itself a venv, and no package index:
+    nothing is downloaded, torch comes from that venv (issue 12: it used to run `pip install
+    torch`, and --system-site-packages only showed the base interpreter's packages)."""
+    parent = _offline_parent_python(tmp_path)
+    smoke_dir = tmp_path / "smoke"
+    proc = subprocess.run(
+        ["bash", str(ROOT / ".ci/wheel-smoke"), str(wheel)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHON": str(parent), "KVOFF_SMOKE_SYSTEM_SITE": "1",
+             "KVOFF_SMOKE_DIR": str(smoke_dir), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert f"kvoff {meta.full_version(torch.version.cuda)} from {smoke_dir / 'venv' / 'lib'}" in out
+    assert "kvoff wheel-smoke: OK" in out

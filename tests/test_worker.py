@@ -146,14 +146,20 @@ def test_cpu_pool_is_one_exact_size_allocation() -> None:
     page alignment between tensors."""
     w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=3, block_size_factor=2)
     w.register_kv_caches({"a": _kv(8), "b": _kv(8, heads=3)})
-    assert not w.cpu_pool_pinned  # no CUDA here, or pin_memory defaulted off
+    # pin_memory defaults to "when CUDA is available" (issue 12: this used to assert an
+    # unpinned pool, which is false on a GPU machine)
+    assert w.cpu_pool_pinned == torch.cuda.is_available()
     row_a, row_b = (t.shape[1] for t in w.gpu_tensors())
     data = 3 * 2 * (row_a + row_b)
     assert w.cpu_pool_bytes == data
-    assert data <= w.cpu_pool_allocated_bytes < data + 2 * 4096
+    assert w.cpu_pool_allocated_bytes == data  # one slot-major allocation, not one per tensor
     cpu = w.cpu_tensors()
     assert cpu[0].untyped_storage().data_ptr() == cpu[1].untyped_storage().data_ptr()
     w.close()
+    assert not w.cpu_pool_pinned
+    unpinned = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=3, pin_memory=False)
+    unpinned.register_kv_caches({"a": _kv(8)})
+    assert not unpinned.cpu_pool_pinned
 
 
 def test_mechanism_is_validated_and_reported() -> None:
@@ -211,17 +217,20 @@ def test_pinning_on_a_machine_without_cuda_is_a_clear_error() -> None:
 requires_cuda = pytest.mark.cuda
 
 
-def _cuda_worker(mechanism: str = "auto", num_gpu_blocks: int = 32, **kw):
+def _cuda_worker(mechanism: str = "auto", num_gpu_blocks: int = 32, num_cpu_blocks: int = 16, **kw):
     kv = {f"l{i}": _kv(num_gpu_blocks, seed=i).cuda() for i in range(4)}
-    w = OffloadingWorker(num_gpu_blocks, 16, mechanism=mechanism, **kw)
+    w = OffloadingWorker(num_gpu_blocks, num_cpu_blocks, mechanism=mechanism, **kw)
     w.register_kv_caches(kv)
     return w, kv
 
 
 @requires_cuda
-@pytest.mark.parametrize("mechanism", ["auto", "memcpy", "batch", "kernel", "per_block"])
+@pytest.mark.parametrize("mechanism", ["auto", "memcpy", "batch", "kernel", "per_block", "staged"])
 def test_cuda_round_trip_every_mechanism(mechanism: str) -> None:
-    w, kv = _cuda_worker(mechanism, pin_chunk_bytes=64 << 10)
+    # staging: one block per piece, two pieces per direction, so ten blocks reuse the ring
+    w, kv = _cuda_worker(mechanism, pin_chunk_bytes=64 << 10, staging_bytes=4 * 1024,
+                         staging_piece_bytes=1024)  # fmt: skip
+    assert w.bytes_per_gpu_block == 1024
     assert w.cpu_pool_pinned and w.cpu_tensors()[0].is_pinned()
     original = {k: v.clone() for k, v in kv.items()}
     gen = torch.Generator().manual_seed(1)
@@ -231,7 +240,7 @@ def test_cuda_round_trip_every_mechanism(mechanism: str) -> None:
     assert w.transfer_async(1, GPUBlockSpec.single_group(src), CPUBlockSpec(tuple(slots)))
     (r,) = w.wait([1])
     assert r.success and r.seconds > 0 and r.num_bytes == 10 * w.bytes_per_gpu_block
-    assert r.mechanism in {"memcpy", "batch", "kernel", "per_block"}
+    assert r.mechanism in {"memcpy", "batch", "kernel", "per_block", "staged"}
     if mechanism != "auto":
         assert r.mechanism == mechanism
     assert w.transfer_async(2, CPUBlockSpec(tuple(slots)), GPUBlockSpec.single_group(dst))
@@ -279,3 +288,56 @@ def test_cuda_bad_ids_fail_without_touching_other_jobs() -> None:
     (r,) = w.wait([2])
     assert not r.success and "99" in (r.error or "")
     assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), before, strict=True))
+
+
+@requires_cuda
+def test_cuda_staging_buffer_lives_on_the_gpu_and_auto_stays_within_the_budget() -> None:
+    w, _ = _cuda_worker()  # four layer tensors: layer-major
+    assert w.gpu_layouts == ["layer_major"]
+    assert w.staging_allocated_bytes == w.staging_bytes  # allocated at registration
+    assert all(r.buffer.is_cuda for r in w._rings.values())
+    assert w.transfer_async(1, GPUBlockSpec.single_group(list(range(1, 9))),
+                            CPUBlockSpec(tuple(range(8))))  # fmt: skip
+    (r,) = w.wait([1])
+    # small chunks: the packaged H100 measurement rules the SM kernel out at a 3 % budget
+    assert r.success and r.mechanism in {"staged", "batch", "memcpy"}
+
+
+@requires_cuda
+def test_cuda_staged_store_and_load_at_once_are_byte_exact() -> None:
+    """Both directions in flight at once, each through its own staging ring and streams."""
+    w, kv = _cuda_worker("staged", num_gpu_blocks=64, num_cpu_blocks=32,
+                         staging_bytes=4 * 1024, staging_piece_bytes=1024)  # fmt: skip
+    original = {k: v.clone() for k, v in kv.items()}
+    assert w.transfer_async(1, GPUBlockSpec.single_group(list(range(16))),
+                            CPUBlockSpec(tuple(range(16))))  # fmt: skip
+    w.wait([1])
+    # at once: store blocks 16..31 into slots 31..16, load slots 0..15 into blocks 40..55
+    assert w.transfer_async(2, GPUBlockSpec.single_group(list(range(16, 32))),
+                            CPUBlockSpec(tuple(range(31, 15, -1))))  # fmt: skip
+    assert w.transfer_async(3, CPUBlockSpec(tuple(range(16))),
+                            GPUBlockSpec.single_group(list(range(40, 56))))  # fmt: skip
+    results = w.wait([2, 3])
+    assert all(r.success and r.mechanism == "staged" for r in results)
+    assert w.transfer_async(4, CPUBlockSpec(tuple(range(31, 15, -1))),
+                            GPUBlockSpec.single_group(list(range(0, 16))))  # fmt: skip
+    w.wait([4])
+    for k, v in kv.items():
+        assert torch.equal(v[40:56], original[k][0:16]), k
+        assert torch.equal(v[0:16], original[k][16:32]), k
+
+
+@requires_cuda
+def test_cuda_block_contiguous_cache_moves_whole_blocks() -> None:
+    buf = torch.randint(0, 256, (32, 4 * 1024), dtype=torch.uint8).cuda()
+    kv = {f"l{i}": buf[:, i * 1024 : (i + 1) * 1024] for i in range(4)}
+    w = OffloadingWorker(32, 16)
+    w.register_kv_caches(kv)
+    assert w.gpu_layouts == ["block_contiguous"] and w.staging_allocated_bytes == 0
+    original = buf.clone()
+    slots = CPUBlockSpec((7, 8, 9, 1))
+    assert w.transfer_async(1, GPUBlockSpec.single_group([3, 4, 5, 9]), slots)
+    assert w.wait([1])[0].mechanism in {"batch", "memcpy"}
+    assert w.transfer_async(2, slots, GPUBlockSpec.single_group([20, 21, 22, 23]))
+    assert w.wait([2])[0].success
+    assert torch.equal(buf[20:24], original[[3, 4, 5, 9]])

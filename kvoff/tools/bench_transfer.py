@@ -1,28 +1,36 @@
-"""``kvoff bench transfer``: how fast KV blocks move, per mechanism, against the link's limit.
+"""``kvoff bench transfer``: how fast KV blocks move, and what that costs the forward pass.
 
 Workload: a KV shape preset (:data:`TRANSFER_PRESETS`: layers × tensors per layer × bytes per
-chunk), ``N`` blocks at random distinct GPU rows copied to random distinct CPU rows (a store,
-GPU → CPU) or back (a load, CPU → GPU), through ``kvoff.ops.copy_blocks``. One call covers all
-layers of the job, as the worker does. Each measurement is the median of ``repeat`` timed
-calls after ``warmup`` untimed ones; GB/s are 10^9 bytes per second of moved block bytes.
+chunk) in each GPU layout (:data:`kvoff.worker.GPU_LAYOUTS`):
 
-On a GPU (CUDA build of kvoff, CUDA torch): for every mechanism (``per_block``: the naive
-baseline of one copy call per block per tensor; ``memcpy``: one copy call per run of adjacent
-blocks; ``batch``: one ``cudaMemcpyBatchAsync`` per job; ``kernel``: the SM gather/scatter
-kernel on at most 10 % of the SMs; ``auto``: what the worker would choose) and direction
-(``store``, ``load``, and ``both`` at once on two streams), side by side with (a) one contiguous
-copy of the same number of bytes between a pinned host buffer and device memory (the practical
-ceiling of the link) and (b) the naive baseline. Timed with CUDA events on the copy streams.
+* ``layer_major``: one tensor per layer (or per K/V half), the common case;
+* ``block_contiguous``: all layers of a block in one contiguous region (vLLM's cross-layer
+  layout, TRT-LLM's), registered as per-layer views into one buffer.
 
-On CPU (no CUDA): the parallel gather (store) and scatter (load) of the CPU op against one
-contiguous ``memcpy`` of the same bytes (libc ``memmove`` through ctypes: one call, one thread)
-and torch's contiguous ``copy_`` (which may use several threads); the naive baseline is one
-``memcpy`` per block per tensor on one thread (``per_block``). Timed with ``perf_counter``.
+A job is ``N`` blocks at random distinct GPU rows stored to random distinct CPU slots (GPU →
+CPU), or loaded back, through :class:`kvoff.OffloadingWorker` (slot-major CPU pool, its streams,
+its staging buffer): exactly what an engine's jobs go through. For every mechanism (``per_block``:
+one copy call per block per region, the naive baseline; ``memcpy``; ``batch``; ``kernel``; for
+layer-major caches ``staged``; ``auto``: what the worker chooses) and direction (``store``,
+``load``, ``both`` at once), side by side in one run with one contiguous copy of the same bytes
+(pinned host ↔ device on a GPU: the link's ceiling; one ``memcpy`` on the CPU). Each figure is
+the median wall time of ``repeat`` jobs after ``warmup`` (submit to completion); GB/s are 10^9
+bytes of block data per second.
 
-``--sweep`` adds synthetic single-tensor jobs of scattered chunks from 4 KiB to 2 MiB per
-direction and mechanism; from them :func:`derive_thresholds` finds the chunk sizes where one
-mechanism overtakes another, and ``--write-thresholds FILE`` stores them as the thresholds that
-``mechanism="auto"`` uses (``KVOFF_TRANSFER_THRESHOLDS=FILE``; see :mod:`kvoff.transfer`).
+On a GPU it also measures ``gemm_slowdown``: an 8192³ bf16 GEMM loop on its own stream, timed
+alone and while the mechanism's jobs stream (time with / time alone − 1), which is what the
+engine's forward pass pays for the transfer; and **engine-step job sizes** (1, 4, 16, 64, 256
+blocks, as an engine issues them, launch overhead included) next to a contiguous copy of the same
+bytes.
+
+``--sweep`` (GPU) adds single-tensor jobs of scattered chunks from 4 KiB to 2 MiB per direction
+and mechanism; with the slowdowns and the staged efficiency measured above they make the
+thresholds ``mechanism="auto"`` decides from (:func:`derive_thresholds`;
+``--write-thresholds FILE``, then ``KVOFF_TRANSFER_THRESHOLDS=FILE``; see :mod:`kvoff.transfer`).
+
+Without a GPU the same layouts and mechanisms run with CPU tensors (``staged`` included, through
+a CPU staging buffer) against one contiguous ``memcpy`` (one thread) and torch's ``copy_`` of the
+same bytes; there is no GEMM slowdown and no ``both`` (CPU copies run in the calling thread).
 """
 
 from __future__ import annotations
@@ -40,10 +48,19 @@ from typing import Any
 import torch
 
 from kvoff.ops import batch_copy_supported, copy_blocks
+from kvoff.staging import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES
 from kvoff.tools.bench import run_info
-from kvoff.transfer import DirectionThresholds, TransferThresholds, choose_mechanism
+from kvoff.transfer import (
+    COPY_MECHANISMS,
+    MEASURED_MECHANISMS,
+    DirectionThresholds,
+    TransferThresholds,
+    default_thresholds,
+)
+from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
 __all__ = [
+    "JOB_SIZES",
     "SWEEP_CHUNK_BYTES",
     "TRANSFER_PRESETS",
     "TransferBenchParams",
@@ -53,22 +70,32 @@ __all__ = [
     "run_transfer_bench",
 ]
 
-GPU_MECHANISMS: tuple[str, ...] = ("per_block", "memcpy", "batch", "kernel", "auto")
-"""Mechanisms timed on a GPU, in table order (``per_block`` is the naive baseline)."""
-
-CPU_MECHANISMS: tuple[str, ...] = ("per_block", "auto")
-"""Mechanisms timed on CPU: the naive per-block loop and the parallel gather/scatter."""
+MECHANISMS_BY_LAYOUT: dict[str, tuple[str, ...]] = {
+    "layer_major": ("per_block", "memcpy", "batch", "kernel", "staged", "auto"),
+    "block_contiguous": ("per_block", "memcpy", "batch", "kernel", "auto"),
+}
+"""Mechanisms timed per GPU layout, in table order (staging a block-contiguous cache would
+only add a pass)."""
 
 SWEEP_CHUNK_BYTES: tuple[int, ...] = tuple(4096 << k for k in range(10))  # 4 KiB .. 2 MiB
 
+JOB_SIZES: tuple[int, ...] = (1, 4, 16, 64, 256)
+"""Blocks per job of the engine-step section (an engine stores a few blocks per step)."""
+
+GEMM_SIZE = 8192
+"""M = N = K of the bf16 GEMM whose slowdown is measured."""
+
 TARGETS = {
-    "scattered_vs_contiguous_gpu": 0.90,
-    "both_directions_vs_one": 1.7,
-    "small_chunks_vs_per_block": 5.0,
-    "kernel_sm_fraction_max": 0.10,
-    "cpu_gather_vs_memcpy": 0.80,
+    "layer_major_auto_vs_contiguous": 0.95,
+    "layer_major_auto_both_vs_contiguous": 0.90,
+    "layer_major_auto_gemm_slowdown_max": 0.03,
+    "block_contiguous_auto_vs_contiguous": 0.97,
+    "block_contiguous_auto_gemm_slowdown_max": 0.02,
+    "small_chunks_auto_vs_contiguous": 0.90,
+    "job_16_blocks_time_vs_contiguous_max": 1.2,
 }
-"""The targets of issue 5, reported next to the measured ratios (never asserted)."""
+"""The targets of issue 12 (H100 or H200), reported next to the measured ratios (never
+asserted)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +104,7 @@ class TransferPreset:
     (one per block) are ``chunk_bytes`` long.
 
     Attributes:
-        name: preset name (``--preset``).
+        name: preset name (``--presets``).
         num_layers: layers copied per job.
         tensors_per_layer: 2 when K and V are separate tensors (``kv_first`` layouts such as
             vLLM's FlashAttention cache), 1 when one row holds the layer's whole block.
@@ -94,52 +121,41 @@ class TransferPreset:
     description: str
 
     @property
+    def num_tensors(self) -> int:
+        """Copied tensors (regions of a layer-major block)."""
+        return self.num_layers * self.tensors_per_layer
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes one block moves over all tensors."""
-        return self.num_layers * self.tensors_per_layer * self.chunk_bytes
+        """Bytes one block moves over all tensors (one slot sub-block)."""
+        return self.num_tensors * self.chunk_bytes
 
 
 TRANSFER_PRESETS: dict[str, TransferPreset] = {
     p.name: p
     for p in (
         TransferPreset(
-            "llama-3-8b",
-            32,
-            2,
-            32768,
-            16,
+            "llama-3-8b", 32, 2, 32768, 16,
             "Llama-3-8B, 16-token blocks, K and V separate: 16 tokens × 8 KV heads × head_dim "
-            "128 × 2 bytes (bf16) = 32 KiB per K or V chunk, 32 layers (64 KiB per layer)",
+            "128 × 2 bytes (bf16) = 32 KiB per K or V chunk, 32 layers (2 MiB per block)",
         ),
         TransferPreset(
-            "qwen2.5-1.5b",
-            28,
-            2,
-            8192,
-            16,
+            "qwen2.5-1.5b", 28, 2, 8192, 16,
             "Qwen2.5-1.5B (GQA 6:1), 16-token blocks: 16 × 2 KV heads × 128 × 2 bytes = 8 KiB "
             "per K or V chunk, 28 layers",
         ),
         TransferPreset(
-            "qwen2.5-0.5b",
-            24,
-            2,
-            4096,
-            16,
+            "qwen2.5-0.5b", 24, 2, 4096, 16,
             "Qwen2.5-0.5B (GQA 7:1), 16-token blocks: 16 × 2 KV heads × 64 × 2 bytes = 4 KiB "
             "per K or V chunk, 24 layers",
         ),
         TransferPreset(
-            "deepseek-v3-mla",
-            61,
-            1,
-            73728,
-            64,
+            "deepseek-v3-mla", 61, 1, 73728, 64,
             "DeepSeek-V3 MLA, 64-token blocks: 64 tokens × (512 latent + 64 RoPE) × 2 bytes = "
             "72 KiB per layer (one compressed KV tensor), 61 layers",
         ),
     )
-}
+}  # fmt: skip
 
 DEFAULT_PRESETS: tuple[str, ...] = ("llama-3-8b", "qwen2.5-1.5b", "qwen2.5-0.5b", "deepseek-v3-mla")
 
@@ -150,17 +166,24 @@ class TransferBenchParams:
 
     Attributes:
         presets: preset names (:data:`TRANSFER_PRESETS`).
+        layouts: GPU layouts (:data:`kvoff.worker.GPU_LAYOUTS`).
         num_blocks: blocks per job (``None``: chosen per preset so that a job moves about
             ``target_bytes``).
         target_bytes: bytes per job when ``num_blocks`` is None.
-        repeat: timed calls per measurement (median reported).
-        warmup: untimed calls before.
+        repeat: timed jobs per measurement (median reported).
+        warmup: untimed jobs before.
         seed: seed of the random block ids.
         sweep: also run the chunk-size sweep (GPU only) and derive thresholds.
-        kernel_blocks: thread blocks of the SM kernel (0: 10 % of the SMs).
+        kernel_blocks: thread blocks of the SM kernel (0: 10 % of the SMs); applies to the
+            ``kernel`` rows only.
+        gemm: measure the concurrent GEMM slowdown (GPU only).
+        job_sizes: blocks per job of the engine-step section (empty: skip it).
+        staging_bytes: the worker's staging buffer, both directions (bytes).
+        staging_piece_bytes: bytes per piece of a staged job.
     """
 
     presets: tuple[str, ...] = DEFAULT_PRESETS
+    layouts: tuple[str, ...] = GPU_LAYOUTS
     num_blocks: int | None = None
     target_bytes: int = 512 << 20
     repeat: int = 10
@@ -168,6 +191,10 @@ class TransferBenchParams:
     seed: int = 0
     sweep: bool = False
     kernel_blocks: int = 0
+    gemm: bool = True
+    job_sizes: tuple[int, ...] = JOB_SIZES
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    staging_piece_bytes: int = DEFAULT_STAGING_PIECE_BYTES
 
     def blocks_for(self, preset: TransferPreset) -> int:
         """Blocks per job for ``preset``."""
@@ -176,276 +203,488 @@ class TransferBenchParams:
         return max(8, self.target_bytes // preset.bytes_per_block)
 
 
-# ----------------------------------------------------------------------------- tensors
-
-
-@dataclass
-class _Job:
-    gpu: list[torch.Tensor]  # (rows, chunk_bytes) uint8, one per tensor, on the "GPU" side
-    cpu: list[torch.Tensor]  # (rows, chunk_bytes) uint8 views of the (pinned) pool
-    gpu_ids: torch.Tensor
-    cpu_ids: torch.Tensor
-    num_bytes: int
-    num_chunks: int
-
-
-def _make_job(num_tensors: int, chunk_bytes: int, n: int, device: torch.device, seed: int) -> _Job:
-    """``num_tensors`` GPU-side and CPU-side tensors of ``2n`` rows each, and ``n`` random
-    distinct row ids on each side (scattered: adjacent pairs are rare)."""
-    rows = 2 * n
-    gen = torch.Generator().manual_seed(seed)
-    gpu = [
-        torch.randint(0, 256, (rows, chunk_bytes), dtype=torch.uint8, generator=gen).to(device)
-        for _ in range(num_tensors)
-    ]
-    pin = device.type == "cuda"
-    cpu = [
-        torch.zeros((rows, chunk_bytes), dtype=torch.uint8, pin_memory=pin)
-        for _ in range(num_tensors)
-    ]
-    gpu_ids = torch.randperm(rows, generator=gen)[:n]
-    cpu_ids = torch.randperm(rows, generator=gen)[:n]
-    adjacent = int(((gpu_ids[1:] - gpu_ids[:-1] == 1) & (cpu_ids[1:] - cpu_ids[:-1] == 1)).sum())
-    return _Job(
-        gpu, cpu, gpu_ids, cpu_ids, n * chunk_bytes * num_tensors, (n - adjacent) * num_tensors
-    )
+# ----------------------------------------------------------------------------- helpers
 
 
 def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-# ----------------------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _time_cpu(fn: Callable[[], None], repeat: int, warmup: int) -> float:
+def _median_seconds(
+    fn: Callable[[], None], device: torch.device, repeat: int, warmup: int
+) -> float:
+    """Median wall time of ``fn`` (which must block until its work is done)."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeat):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
-def _time_cuda(
-    fns: Sequence[tuple[Callable[[], None], torch.cuda.Stream]], repeat: int, warmup: int
-) -> float:
-    """Median seconds from the first stream's start to the last stream's end of one round in
-    which every ``fn`` runs on its stream concurrently."""
-    device_stream = torch.cuda.current_stream()
-    samples = []
-    for r in range(warmup + repeat):
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(device_stream)
-        ends = []
-        for fn, stream in fns:
-            stream.wait_event(start)
-            with torch.cuda.stream(stream):
-                fn()
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(stream)
-                ends.append(end)
-        for end in ends:
-            end.synchronize()
-        if r >= warmup:
-            samples.append(max(start.elapsed_time(end) for end in ends) / 1e3)
-    return statistics.median(samples)
+@dataclass
+class _Setup:
+    """A registered worker over one preset in one layout, and the ids of its jobs."""
+
+    worker: OffloadingWorker
+    store: tuple[GPUBlockSpec, CPUBlockSpec]
+    load: tuple[CPUBlockSpec, GPUBlockSpec]
+    gpu_rows: list[torch.Tensor]
+    num_bytes: int
+    store_gpu: torch.Tensor
+    store_cpu: torch.Tensor
+    load_gpu: torch.Tensor
+    load_cpu: torch.Tensor
 
 
-def _copy_fn(job: _Job, direction: str, mechanism: str, kernel_blocks: int) -> Callable[[], None]:
-    if direction == "store":
-        return lambda: copy_blocks(
-            job.gpu,
-            job.cpu,
-            job.gpu_ids,
-            job.cpu_ids,
-            mechanism=mechanism,
-            kernel_blocks=kernel_blocks,
+class _Jobs:
+    """Unique job ids for one worker."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next
+
+
+def _setup(
+    preset: TransferPreset,
+    layout: str,
+    n: int,
+    device: torch.device,
+    seed: int,
+    mechanism: str,
+    p: TransferBenchParams,
+) -> _Setup:
+    """A worker with ``2n`` GPU and CPU rows; stores read GPU rows ``perm[:n]`` into CPU slots
+    ``perm'[:n]``, loads write the other halves (no job reads what another writes)."""
+    rows = 2 * n
+    gen = torch.Generator().manual_seed(seed)
+    t = preset.num_tensors
+    if layout == "block_contiguous":
+        buf = torch.randint(
+            0, 256, (rows, t * preset.chunk_bytes), dtype=torch.uint8, generator=gen
         )
-    return lambda: copy_blocks(
-        job.cpu,
-        job.gpu,
-        job.cpu_ids,
-        job.gpu_ids,
+        buf = buf.to(device)
+        kv = {
+            f"t{k}": buf[:, k * preset.chunk_bytes : (k + 1) * preset.chunk_bytes] for k in range(t)
+        }
+    else:
+        kv = {
+            f"t{k}": torch.randint(0, 256, (rows, preset.chunk_bytes), dtype=torch.uint8,
+                                   generator=gen).to(device)
+            for k in range(t)
+        }  # fmt: skip
+    worker = OffloadingWorker(
+        rows, rows, 1,
+        pin_memory=device.type == "cuda",
         mechanism=mechanism,
-        kernel_blocks=kernel_blocks,
+        staging_bytes=p.staging_bytes,
+        staging_piece_bytes=p.staging_piece_bytes,
+    )  # fmt: skip
+    worker.register_kv_caches(kv)
+    assert worker.gpu_layouts == [layout], (worker.gpu_layouts, layout)
+    gpu_perm = torch.randperm(rows, generator=gen)
+    cpu_perm = torch.randperm(rows, generator=gen)
+    sg, lg = gpu_perm[:n], gpu_perm[n:]
+    sc, lc = cpu_perm[:n], cpu_perm[n:]
+    return _Setup(
+        worker,
+        (GPUBlockSpec.single_group(sg.tolist()), CPUBlockSpec(tuple(sc.tolist()))),
+        (CPUBlockSpec(tuple(lc.tolist())), GPUBlockSpec.single_group(lg.tolist())),
+        worker.gpu_tensors(),
+        n * preset.bytes_per_block,
+        sg, sc, lg, lc,
+    )  # fmt: skip
+
+
+def _run_jobs(s: _Setup, jobs: _Jobs, directions: Sequence[str], copies: int = 1) -> list[str]:
+    """Submit ``copies`` jobs per direction (interleaved), wait for all; returns mechanisms.
+
+    Raises:
+        RuntimeError: when a job failed (a benchmark of failed copies is worthless).
+    """
+    ids = []
+    for _ in range(copies):
+        for d in directions:
+            jid = jobs()
+            src, dst = s.store if d == "store" else s.load
+            s.worker.transfer_async(jid, src, dst)
+            ids.append(jid)
+    results = s.worker.wait(ids)
+    bad = [r for r in results if not r.success]
+    if bad:
+        raise RuntimeError(f"kvoff bench transfer: a job failed: {bad[0].error}")
+    return [r.mechanism for r in results]
+
+
+def _verify(s: _Setup, jobs: _Jobs, preset: TransferPreset) -> None:
+    """Byte-exact check of one store and one load through the worker.
+
+    Raises:
+        RuntimeError: naming the preset and the mechanism when bytes differ.
+    """
+    w = s.worker
+    _run_jobs(s, jobs, ["store"])
+    pool = w.cpu_pool.view(-1, w.bytes_per_gpu_block)[s.store_cpu]  # (n, sub-block)
+    off = 0
+    for rows in s.gpu_rows:
+        want = rows[s.store_gpu.to(rows.device)].cpu()
+        if not torch.equal(pool[:, off : off + rows.shape[1]], want):
+            raise RuntimeError(
+                f"kvoff bench transfer: {preset.name} store ({w.mechanism}) is wrong"
+            )
+        off += rows.shape[1]
+    slots = w.cpu_pool.view(-1, w.bytes_per_gpu_block)
+    gen = torch.Generator().manual_seed(len(s.load_cpu))
+    slots[s.load_cpu] = torch.randint(0, 256, (len(s.load_cpu), slots.shape[1]),
+                                      dtype=torch.uint8, generator=gen)  # fmt: skip
+    _run_jobs(s, jobs, ["load"])
+    pool = slots[s.load_cpu]
+    off = 0
+    for rows in s.gpu_rows:
+        got = rows[s.load_gpu.to(rows.device)].cpu()
+        if not torch.equal(got, pool[:, off : off + rows.shape[1]]):
+            raise RuntimeError(f"kvoff bench transfer: {preset.name} load ({w.mechanism}) is wrong")
+        off += rows.shape[1]
+
+
+# ----------------------------------------------------------------------------- contiguous
+
+
+def _contiguous(num_bytes: int, device: torch.device, p: TransferBenchParams) -> dict[str, float]:
+    """The ceiling: one contiguous copy of ``num_bytes`` (GPU: pinned host ↔ device on side
+    streams; CPU: one libc memcpy on one thread, and torch's ``copy_``)."""
+    if device.type == "cuda":
+        host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        dev2 = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def on(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+
+        def store() -> None:
+            on(s1, host, dev)
+            s1.synchronize()
+
+        def load() -> None:
+            on(s2, dev2, host2)
+            s2.synchronize()
+
+        def both() -> None:
+            on(s1, host, dev)
+            on(s2, dev2, host2)
+            s1.synchronize()
+            s2.synchronize()
+
+        t = {k: _median_seconds(f, device, p.repeat, p.warmup)
+             for k, f in (("store", store), ("load", load), ("both", both))}  # fmt: skip
+        return {
+            "store_gbps": _gbps(num_bytes, t["store"]),
+            "load_gbps": _gbps(num_bytes, t["load"]),
+            "both_gbps": _gbps(2 * num_bytes, t["both"]),
+        }
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    memmove = ctypes.memmove
+    one = _median_seconds(
+        lambda: memmove(dst.data_ptr(), src.data_ptr(), num_bytes), device, p.repeat, p.warmup
     )
+    torch_copy = _median_seconds(lambda: dst.copy_(src), device, p.repeat, p.warmup)
+    return {"memcpy_gbps": _gbps(num_bytes, one), "torch_copy_gbps": _gbps(num_bytes, torch_copy)}
 
 
-def _resolve_auto(job: _Job, direction: str, batch: bool) -> str:
-    return choose_mechanism(
-        job.num_bytes / max(job.num_chunks, 1),
-        job.num_chunks,
-        direction,  # type: ignore[arg-type]
-        batch_supported=batch,
-    )
+def _contiguous_job_seconds(num_bytes: int, device: torch.device, p: TransferBenchParams) -> dict:
+    """Wall seconds of one contiguous copy of ``num_bytes`` per direction, launch included."""
+    if device.type == "cuda":
+        host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+            def run() -> None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+
+            return run
+
+        return {
+            "store": _median_seconds(copy(host, dev), device, p.repeat, p.warmup),
+            "load": _median_seconds(copy(dev, host), device, p.repeat, p.warmup),
+        }
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t = _median_seconds(lambda: dst.copy_(src), device, p.repeat, p.warmup)
+    return {"store": t, "load": t}
 
 
-# ----------------------------------------------------------------------------- GPU
+# ----------------------------------------------------------------------------- GEMM
 
 
-def _gpu_contiguous(num_bytes: int, device: torch.device, repeat: int, warmup: int) -> dict:
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    store = _time_cuda([(lambda: host.copy_(dev, non_blocking=True), s1)], repeat, warmup)
-    load = _time_cuda([(lambda: dev.copy_(host, non_blocking=True), s1)], repeat, warmup)
-    host2 = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    both = _time_cuda(
-        [
-            (lambda: host.copy_(dev, non_blocking=True), s1),
-            (lambda: dev.copy_(host2, non_blocking=True), s2),
-        ],
-        repeat,
-        warmup,
-    )
-    return {
-        "store_gbps": _gbps(num_bytes, store),
-        "load_gbps": _gbps(num_bytes, load),
-        "both_gbps": _gbps(2 * num_bytes, both),
-    }
+class _Gemm:
+    """An 8192³ bf16 GEMM loop on its own stream (the engine's forward pass stand-in)."""
+
+    def __init__(self, device: torch.device, size: int = GEMM_SIZE) -> None:
+        gen = torch.Generator(device=device).manual_seed(1)
+        self.a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.a)
+        self.stream = torch.cuda.Stream(device)
+        self.device = device
+
+    def run(self, count: int) -> float:
+        """Enqueue ``count`` GEMMs; returns a callable-free measurement: milliseconds per GEMM
+        (blocks until they are done)."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            for _ in range(count):
+                torch.matmul(self.a, self.b, out=self.out)
+            end.record(self.stream)
+        end.synchronize()
+        return start.elapsed_time(end) / count
 
 
-def _gpu_preset(
-    preset: TransferPreset, p: TransferBenchParams, device: torch.device, batch: bool
+def _gemm_slowdown(gemm: _Gemm, s: _Setup, jobs: _Jobs, directions: Sequence[str],
+                   job_seconds: float, count: int = 20) -> float:  # fmt: skip
+    """GEMM time while jobs of ``directions`` stream, over its time alone, minus one. Enough
+    jobs are queued first to outlast the GEMM loop, so every GEMM runs beside a transfer."""
+    gemm.run(3)  # warm
+    alone = statistics.median(gemm.run(count) for _ in range(3))
+    window = alone * count / 1e3
+    copies = max(2, min(256, int(2 * window / max(job_seconds, 1e-6)) + 1))
+    ids = []
+    for _ in range(copies):
+        for d in directions:
+            jid = jobs()
+            src, dst = s.store if d == "store" else s.load
+            s.worker.transfer_async(jid, src, dst)
+            ids.append(jid)
+    with_transfers = gemm.run(count)
+    s.worker.wait(ids)
+    return with_transfers / alone - 1
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def _bench_layout(
+    preset: TransferPreset,
+    layout: str,
+    p: TransferBenchParams,
+    device: torch.device,
+    gemm: _Gemm | None,
 ) -> dict[str, Any]:
     n = p.blocks_for(preset)
-    tensors = preset.num_layers * preset.tensors_per_layer
-    store_job = _make_job(tensors, preset.chunk_bytes, n, device, p.seed)
-    load_job = _make_job(tensors, preset.chunk_bytes, n, device, p.seed + 1)
-    s_store, s_load = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    ceiling = _gpu_contiguous(store_job.num_bytes, device, p.repeat, p.warmup)
+    gpu = device.type == "cuda"
+    ceiling = _contiguous(n * preset.bytes_per_block, device, p)
     mechanisms: dict[str, Any] = {}
-    for m in GPU_MECHANISMS:
-        store_fn = _copy_fn(store_job, "store", m, p.kernel_blocks)
-        load_fn = _copy_fn(load_job, "load", m, p.kernel_blocks)
-        t_store = _time_cuda([(store_fn, s_store)], p.repeat, p.warmup)
-        t_load = _time_cuda([(load_fn, s_load)], p.repeat, p.warmup)
-        t_both = _time_cuda([(store_fn, s_store), (load_fn, s_load)], p.repeat, p.warmup)
-        row = {
-            "store_gbps": _gbps(store_job.num_bytes, t_store),
-            "load_gbps": _gbps(load_job.num_bytes, t_load),
-            "both_gbps": _gbps(store_job.num_bytes + load_job.num_bytes, t_both),
-        }
+    for m in MECHANISMS_BY_LAYOUT[layout]:
+        s = _setup(preset, layout, n, device, p.seed, m, p)
+        jobs = _Jobs()
+        _verify(s, jobs, preset)
+        directions = ("store", "load", "both") if gpu else ("store", "load")
+        row: dict[str, Any] = {}
+        resolved: dict[str, str] = {}
+        for d in directions:
+            ds = ["store", "load"] if d == "both" else [d]
+            got: list[str] = []
+
+            def run(
+                ds: list[str] = ds, got: list[str] = got, s: _Setup = s, jobs: _Jobs = jobs
+            ) -> None:
+                got[:] = _run_jobs(s, jobs, ds)
+
+            secs = _median_seconds(run, device, p.repeat, p.warmup)
+            row[f"{d}_gbps"] = _gbps(s.num_bytes * len(ds), secs)
+            row[f"{d}_seconds"] = secs
+            if d != "both":
+                resolved[d] = got[0]
         if m == "auto":
-            row["resolved"] = {
-                "store": _resolve_auto(store_job, "store", batch),
-                "load": _resolve_auto(load_job, "load", batch),
-            }
+            row["resolved"] = resolved
+        if gemm is not None:
+            row["gemm_slowdown"] = {
+                d: _gemm_slowdown(gemm, s, jobs, ["store", "load"] if d == "both" else [d],
+                                  row[f"{d}_seconds"])
+                for d in directions
+            }  # fmt: skip
+        s.worker.close()
         mechanisms[m] = row
+        _sync(device)
+        if gpu:
+            torch.cuda.empty_cache()
+    base = mechanisms["per_block"]
     for row in mechanisms.values():
-        row["store_vs_contiguous"] = row["store_gbps"] / ceiling["store_gbps"]
-        row["load_vs_contiguous"] = row["load_gbps"] / ceiling["load_gbps"]
-        row["both_vs_one_direction"] = row["both_gbps"] / max(row["store_gbps"], row["load_gbps"])
-        row["store_vs_per_block"] = row["store_gbps"] / mechanisms["per_block"]["store_gbps"]
-        row["load_vs_per_block"] = row["load_gbps"] / mechanisms["per_block"]["load_gbps"]
-    return {
+        if gpu:
+            row["store_vs_contiguous"] = row["store_gbps"] / ceiling["store_gbps"]
+            row["load_vs_contiguous"] = row["load_gbps"] / ceiling["load_gbps"]
+            row["both_vs_contiguous"] = row["both_gbps"] / ceiling["both_gbps"]
+            row["both_vs_one_direction"] = row["both_gbps"] / max(
+                row["store_gbps"], row["load_gbps"]
+            )
+        else:
+            row["store_vs_memcpy"] = row["store_gbps"] / ceiling["memcpy_gbps"]
+            row["load_vs_memcpy"] = row["load_gbps"] / ceiling["memcpy_gbps"]
+        row["store_vs_per_block"] = row["store_gbps"] / base["store_gbps"]
+        row["load_vs_per_block"] = row["load_gbps"] / base["load_gbps"]
+    entry: dict[str, Any] = {
         "preset": asdict(preset),
+        "gpu_layout": layout,
         "num_blocks": n,
-        "bytes_per_job": store_job.num_bytes,
-        "chunks_per_job": store_job.num_chunks,
+        "bytes_per_job": n * preset.bytes_per_block,
+        "chunks_per_job": n * (preset.num_tensors if layout == "layer_major" else 1),
         "contiguous": ceiling,
         "mechanisms": mechanisms,
     }
+    if p.job_sizes:
+        entry["job_sizes"] = _bench_job_sizes(preset, layout, p, device)
+    return entry
+
+
+def _bench_job_sizes(
+    preset: TransferPreset, layout: str, p: TransferBenchParams, device: torch.device
+) -> list[dict[str, Any]]:
+    """Wall time of ``auto`` jobs of each size (submit to completion) against a contiguous
+    copy of the same bytes."""
+    out = []
+    s = _setup(preset, layout, max(p.job_sizes), device, p.seed + 7, "auto", p)
+    jobs = _Jobs()
+    for size in p.job_sizes:
+        sub = _Setup(
+            s.worker,
+            (GPUBlockSpec.single_group(s.store_gpu[:size].tolist()),
+             CPUBlockSpec(tuple(s.store_cpu[:size].tolist()))),
+            (CPUBlockSpec(tuple(s.load_cpu[:size].tolist())),
+             GPUBlockSpec.single_group(s.load_gpu[:size].tolist())),
+            s.gpu_rows, size * preset.bytes_per_block,
+            s.store_gpu[:size], s.store_cpu[:size], s.load_gpu[:size], s.load_cpu[:size],
+        )  # fmt: skip
+        contiguous = _contiguous_job_seconds(sub.num_bytes, device, p)
+        row: dict[str, Any] = {"blocks": size, "bytes": sub.num_bytes}
+        for d in ("store", "load"):
+            got: list[str] = []
+
+            def run(d: str = d, got: list[str] = got, sub: _Setup = sub) -> None:
+                got[:] = _run_jobs(sub, jobs, [d])
+
+            secs = _median_seconds(run, device, p.repeat, p.warmup)
+            row[f"{d}_us"] = secs * 1e6
+            row[f"contiguous_{d}_us"] = contiguous[d] * 1e6
+            row[f"{d}_time_vs_contiguous"] = secs / contiguous[d]
+            row[f"{d}_mechanism"] = got[0]
+        out.append(row)
+    s.worker.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- sweep
 
 
 def _gpu_sweep(p: TransferBenchParams, device: torch.device) -> list[dict[str, Any]]:
+    """Single-tensor jobs of scattered chunks, per chunk size, direction and mechanism, moved
+    by the op directly (256 MiB per job)."""
     rows = []
     total = 256 << 20
-    s = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device)
     for chunk in SWEEP_CHUNK_BYTES:
         n = max(8, total // chunk)
-        job = _make_job(1, chunk, n, device, p.seed)
-        entry: dict[str, Any] = {"chunk_bytes": chunk, "num_chunks": job.num_chunks}
+        gen = torch.Generator().manual_seed(p.seed)
+        g = torch.randint(0, 256, (2 * n, chunk), dtype=torch.uint8, generator=gen).to(device)
+        c = torch.zeros((2 * n, chunk), dtype=torch.uint8, pin_memory=True)
+        gi = torch.randperm(2 * n, generator=gen)[:n]
+        ci = torch.randperm(2 * n, generator=gen)[:n]
+        entry: dict[str, Any] = {"chunk_bytes": chunk, "num_chunks": n}
         for direction in ("store", "load"):
-            for m in ("memcpy", "batch", "kernel"):
-                t = _time_cuda(
-                    [(_copy_fn(job, direction, m, p.kernel_blocks), s)], p.repeat, p.warmup
+            for m in MEASURED_MECHANISMS:
+                args = ([g], [c], gi, ci) if direction == "store" else ([c], [g], ci, gi)
+
+                def run(args: tuple = args, m: str = m) -> None:
+                    with torch.cuda.stream(stream):
+                        copy_blocks(*args, mechanism=m, kernel_blocks=p.kernel_blocks)
+                    stream.synchronize()
+
+                entry[f"{direction}_{m}_gbps"] = _gbps(
+                    n * chunk, _median_seconds(run, device, p.repeat, p.warmup)
                 )
-                entry[f"{direction}_{m}_gbps"] = _gbps(job.num_bytes, t)
         rows.append(entry)
     return rows
 
 
-def derive_thresholds(sweep: Sequence[dict[str, Any]], source: str) -> TransferThresholds:
-    """Thresholds from a sweep (rows of ``chunk_bytes`` and ``{direction}_{mechanism}_gbps``,
-    ascending chunk sizes): per direction, the smallest swept chunk size from which the batch
-    call is at least as fast as the kernel (``kernel_below_bytes``), from which copy calls reach
-    98 % of the batch call (``batch_below_bytes``), and from which copy calls are at least as
-    fast as the kernel (``kernel_below_bytes_without_batch``); one past the largest size when
-    that never happens.
+def derive_thresholds(
+    sweep: Sequence[dict[str, Any]],
+    slowdowns: dict[str, dict[str, float]],
+    staged_efficiency: dict[str, float],
+    source: str,
+) -> TransferThresholds:
+    """Thresholds from a chunk sweep and the measured costs.
+
+    Args:
+        sweep: rows of ``chunk_bytes`` and ``{direction}_{mechanism}_gbps`` (mechanism in
+            ``memcpy``, ``batch``, ``kernel``), any order.
+        slowdowns: per direction, per mechanism (``memcpy``, ``batch``, ``kernel``, ``staged``)
+            the measured ``gemm_slowdown``.
+        staged_efficiency: per direction, staged GB/s over the copy-engine GB/s of whole
+            sub-blocks (clamped into ``(0, 1]``).
+        source: where the numbers come from.
 
     Raises:
-        ValueError: for an empty sweep.
+        ValueError: for an empty sweep, or missing mechanisms or directions.
     """
     if not sweep:
         raise ValueError("the sweep is empty: run kvoff bench transfer --sweep on a GPU")
-    beyond = 2 * int(sweep[-1]["chunk_bytes"])
-
-    def first(direction: str, better: str, than: str, factor: float = 1.0) -> int:
-        for row in sweep:
-            if row[f"{direction}_{better}_gbps"] >= factor * row[f"{direction}_{than}_gbps"]:
-                return int(row["chunk_bytes"])
-        return beyond
-
+    rows = sorted(sweep, key=lambda r: r["chunk_bytes"])
     per: dict[str, DirectionThresholds] = {}
     for d in ("store", "load"):
-        kernel_below = first(d, "batch", "kernel")
+        missing = [m for m in COPY_MECHANISMS if m not in slowdowns.get(d, {})]
+        if missing or d not in staged_efficiency:
+            raise ValueError(
+                f"{d}: slowdowns of {missing} or the staged efficiency are missing; measure "
+                "every mechanism (run the presets with --gemm)"
+            )
         per[d] = DirectionThresholds(
-            kernel_below_bytes=kernel_below,
-            batch_below_bytes=max(kernel_below, first(d, "memcpy", "batch", 0.98)),
-            kernel_below_bytes_without_batch=first(d, "memcpy", "kernel"),
+            chunk_bytes=tuple(int(r["chunk_bytes"]) for r in rows),
+            gbps={m: tuple(float(r[f"{d}_{m}_gbps"]) for r in rows) for m in MEASURED_MECHANISMS},
+            gemm_slowdown={m: max(0.0, float(slowdowns[d][m])) for m in COPY_MECHANISMS},
+            staged_efficiency=min(1.0, max(1e-3, float(staged_efficiency[d]))),
         )
     return TransferThresholds(store=per["store"], load=per["load"], source=source)
 
 
-# ----------------------------------------------------------------------------- CPU
-
-
-def _cpu_preset(preset: TransferPreset, p: TransferBenchParams) -> dict[str, Any]:
-    n = p.blocks_for(preset)
-    tensors = preset.num_layers * preset.tensors_per_layer
-    cpu = torch.device("cpu")
-    job = _make_job(tensors, preset.chunk_bytes, n, cpu, p.seed)
-    src = torch.randint(0, 256, (job.num_bytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    memmove = ctypes.memmove
-    one_memcpy = _time_cpu(
-        lambda: memmove(dst.data_ptr(), src.data_ptr(), job.num_bytes), p.repeat, p.warmup
-    )
-    torch_copy = _time_cpu(lambda: dst.copy_(src), p.repeat, p.warmup)
-    mechanisms = {}
-    for m in CPU_MECHANISMS:
-        t_store = _time_cpu(_copy_fn(job, "store", m, 0), p.repeat, p.warmup)
-        t_load = _time_cpu(_copy_fn(job, "load", m, 0), p.repeat, p.warmup)
-        mechanisms[m] = {
-            "store_gbps": _gbps(job.num_bytes, t_store),
-            "load_gbps": _gbps(job.num_bytes, t_load),
-        }
-    memcpy_gbps = _gbps(job.num_bytes, one_memcpy)
-    for row in mechanisms.values():
-        row["store_vs_memcpy"] = row["store_gbps"] / memcpy_gbps
-        row["load_vs_memcpy"] = row["load_gbps"] / memcpy_gbps
-        row["store_vs_per_block"] = row["store_gbps"] / mechanisms["per_block"]["store_gbps"]
-        row["load_vs_per_block"] = row["load_gbps"] / mechanisms["per_block"]["load_gbps"]
-    # Byte-exact check of the timed copies (a benchmark of wrong copies is worthless).
-    copy_blocks(job.gpu, job.cpu, job.gpu_ids, job.cpu_ids)
-    for g, c in zip(job.gpu, job.cpu, strict=True):
-        if not torch.equal(g[job.gpu_ids], c[job.cpu_ids]):
-            raise RuntimeError(f"kvoff bench transfer: the gather of {preset.name} is wrong")
-    return {
-        "preset": asdict(preset),
-        "num_blocks": n,
-        "bytes_per_job": job.num_bytes,
-        "chunks_per_job": job.num_chunks,
-        "contiguous": {
-            "memcpy_gbps": memcpy_gbps,
-            "torch_copy_gbps": _gbps(job.num_bytes, torch_copy),
-        },
-        "mechanisms": mechanisms,
-    }
+def _costs_from_presets(doc: dict[str, Any]) -> tuple[dict, dict]:
+    """Per direction: the worst measured gemm_slowdown of each mechanism over the presets
+    (``staged`` from layer-major rows), and staged GB/s over the best copy-engine GB/s of the
+    same preset's block-contiguous layout (whole sub-blocks: what staging DMAs)."""
+    slow: dict[str, dict[str, float]] = {"store": {}, "load": {}}
+    eff: dict[str, list[float]] = {"store": [], "load": []}
+    by_preset: dict[str, dict[str, Any]] = {}
+    for entry in doc["presets"]:
+        by_preset.setdefault(entry["preset"]["name"], {})[entry["gpu_layout"]] = entry
+        for m, row in entry["mechanisms"].items():
+            if m in COPY_MECHANISMS and "gemm_slowdown" in row:
+                for d in ("store", "load"):
+                    slow[d][m] = max(slow[d].get(m, 0.0), row["gemm_slowdown"][d])
+    for layouts in by_preset.values():
+        if {"layer_major", "block_contiguous"} <= set(layouts):
+            staged = layouts["layer_major"]["mechanisms"]["staged"]
+            ce = layouts["block_contiguous"]["mechanisms"]
+            for d in ("store", "load"):
+                best = max(ce["memcpy"][f"{d}_gbps"], ce["batch"][f"{d}_gbps"])
+                eff[d].append(staged[f"{d}_gbps"] / best)
+    return slow, {d: min(v) for d, v in eff.items() if v}
 
 
 # ----------------------------------------------------------------------------- run
@@ -465,8 +704,8 @@ def _nvidia_driver() -> str | None:
     return out.strip().splitlines()[0] if out.strip() else None
 
 
-def _device_info(device: torch.device | None) -> dict[str, Any]:
-    if device is None:
+def _device_info(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
         return {"kind": "cpu", "torch_threads": torch.get_num_threads()}
     props = torch.cuda.get_device_properties(device)
     return {
@@ -494,45 +733,59 @@ def run_transfer_bench(
     Args:
         params: what to run.
         json_path: where to write the results (directories are created).
-        write_thresholds: where to write thresholds derived from the sweep (needs a GPU and
-            ``params.sweep``).
+        write_thresholds: where to write thresholds derived from the sweep and the measured
+            costs (needs a GPU, ``params.sweep``, ``params.gemm`` and both layouts).
         argv: the command line recorded in ``run.command``.
         log: progress messages.
-        device: the CUDA device (default: ``cuda`` when available, else the CPU mode).
+        device: the device of the GPU side (default: ``cuda`` when available, else the CPU).
 
     Raises:
-        ValueError: for an unknown preset, or ``write_thresholds`` without a GPU sweep.
+        ValueError: for an unknown preset or layout, or ``write_thresholds`` without what it
+            needs.
+        RuntimeError: when a timed copy is not byte-exact or a job fails.
     """
     for name in params.presets:
         if name not in TRANSFER_PRESETS:
             raise ValueError(
                 f"unknown transfer preset {name!r}; choose from {sorted(TRANSFER_PRESETS)}"
             )
-    if device is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    if write_thresholds is not None and (device is None or not params.sweep):
+    for layout in params.layouts:
+        if layout not in GPU_LAYOUTS:
+            raise ValueError(f"unknown GPU layout {layout!r}; choose from {list(GPU_LAYOUTS)}")
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    gpu = device.type == "cuda"
+    if write_thresholds is not None and not (
+        gpu and params.sweep and params.gemm and set(params.layouts) == set(GPU_LAYOUTS)
+    ):
         raise ValueError(
-            "--write-thresholds needs a GPU and --sweep: thresholds come from measured crossovers"
+            "--write-thresholds needs a GPU, --sweep, the GEMM slowdowns and both layouts: "
+            "thresholds come from measured bandwidths and costs"
         )
     doc: dict[str, Any] = {
         "benchmark": "kvoff bench transfer",
         "run": run_info(argv),
         "device": _device_info(device),
         "parameters": asdict(params),
-        "units": "GB/s = 10^9 bytes of block data per second; median of `repeat` calls",
+        "units": (
+            "GB/s = 10^9 bytes of block data per second, median wall time of `repeat` jobs "
+            "(submit to completion); gemm_slowdown = GEMM time with transfers / alone - 1"
+        ),
         "targets": TARGETS,
+        "thresholds_used": default_thresholds().source,
         "presets": [],
     }
-    batch = device is not None and batch_copy_supported()
+    gemm = _Gemm(device) if gpu and params.gemm else None
     for name in params.presets:
         preset = TRANSFER_PRESETS[name]
-        log(f"{name}: {params.blocks_for(preset)} blocks")
-        if device is None:
-            doc["presets"].append(_cpu_preset(preset, params))
-        else:
-            doc["presets"].append(_gpu_preset(preset, params, device, batch))
-            torch.cuda.empty_cache()
-    if device is not None:
+        for layout in params.layouts:
+            log(f"{name} {layout}: {params.blocks_for(preset)} blocks")
+            doc["presets"].append(_bench_layout(preset, layout, params, device, gemm))
+    if gpu:
         kernel_blocks = params.kernel_blocks or max(
             1, torch.cuda.get_device_properties(device).multi_processor_count // 10
         )
@@ -544,16 +797,18 @@ def run_transfer_bench(
         if params.sweep:
             log("sweep")
             doc["sweep"] = _gpu_sweep(params, device)
-            info = doc["device"]
-            thresholds = derive_thresholds(
-                doc["sweep"],
-                f"measured on {info['name']} (CUDA {info['cuda_runtime']}, driver "
-                f"{info['driver']}) by `{doc['run']['command']}` on {doc['run']['date']}",
-            )
-            doc["thresholds"] = thresholds.to_json()
-            if write_thresholds is not None:
-                write_thresholds.parent.mkdir(parents=True, exist_ok=True)
-                write_thresholds.write_text(json.dumps(thresholds.to_json(), indent=2) + "\n")
+            slow, eff = _costs_from_presets(doc)
+            if all(set(COPY_MECHANISMS) <= set(slow[d]) for d in slow) and len(eff) == 2:
+                info = doc["device"]
+                thresholds = derive_thresholds(
+                    doc["sweep"], slow, eff,
+                    f"measured on {info['name']} (CUDA {info['cuda_runtime']}, driver "
+                    f"{info['driver']}) by `{doc['run']['command']}` on {doc['run']['date']}",
+                )  # fmt: skip
+                doc["thresholds"] = thresholds.to_json()
+                if write_thresholds is not None:
+                    write_thresholds.parent.mkdir(parents=True, exist_ok=True)
+                    write_thresholds.write_text(json.dumps(thresholds.to_json(), indent=2) + "\n")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -561,7 +816,7 @@ def run_transfer_bench(
 
 
 def format_transfer_table(doc: dict[str, Any]) -> str:
-    """The results as text tables: GB/s per mechanism and direction, and the ratios."""
+    """The results as text tables: GB/s per layout, mechanism and direction, and the ratios."""
     lines = []
     gpu = doc["device"]["kind"] == "cuda"
     where = (
@@ -574,7 +829,7 @@ def format_transfer_table(doc: dict[str, Any]) -> str:
         pr = entry["preset"]
         lines.append("")
         lines.append(
-            f"{pr['name']}: {entry['num_blocks']} scattered blocks x "
+            f"{pr['name']} ({entry['gpu_layout']}): {entry['num_blocks']} scattered blocks x "
             f"{pr['num_layers'] * pr['tensors_per_layer']} tensors x {pr['chunk_bytes']} B "
             f"= {entry['bytes_per_job'] / 2**20:.0f} MiB per job"
         )
@@ -585,35 +840,41 @@ def format_transfer_table(doc: dict[str, Any]) -> str:
                 f"  both {c['both_gbps']:.1f}"
             )
             lines.append(
-                f"  {'mechanism':<10} {'store':>7} {'load':>7} {'both':>7} {'st/ceil':>8} "
-                f"{'ld/ceil':>8} {'both/1':>7} {'st/naive':>9} {'ld/naive':>9}"
+                f"  {'mechanism':<22} {'store':>6} {'load':>6} {'both':>6} {'st/ceil':>7} "
+                f"{'ld/ceil':>7} {'both/ceil':>9} {'gemm st/ld/both':>17}"
             )
-            for m, r in entry["mechanisms"].items():
-                label = (
-                    m if m != "auto" else f"auto({r['resolved']['store']}/{r['resolved']['load']})"
-                )
-                lines.append(
-                    f"  {label:<10} {r['store_gbps']:7.1f} {r['load_gbps']:7.1f} "
-                    f"{r['both_gbps']:7.1f} {r['store_vs_contiguous']:8.2f} "
-                    f"{r['load_vs_contiguous']:8.2f} {r['both_vs_one_direction']:7.2f} "
-                    f"{r['store_vs_per_block']:9.1f} {r['load_vs_per_block']:9.1f}"
-                )
         else:
             lines.append(
                 f"  one contiguous memcpy: {c['memcpy_gbps']:.1f}   torch copy_: "
                 f"{c['torch_copy_gbps']:.1f}"
             )
             lines.append(
-                f"  {'mechanism':<10} {'gather':>7} {'scatter':>8} {'gather/memcpy':>14} "
-                f"{'scatter/memcpy':>15} {'vs naive':>9}"
+                f"  {'mechanism':<22} {'store':>6} {'load':>6} {'st/memcpy':>9} {'ld/memcpy':>9} "
+                f"{'vs naive':>8}"
             )
-            for m, r in entry["mechanisms"].items():
-                label = "parallel" if m == "auto" else m
+        for m, r in entry["mechanisms"].items():
+            label = m if m != "auto" else f"auto({r['resolved']['store']}/{r['resolved']['load']})"
+            if gpu:
+                gs = r.get("gemm_slowdown")
+                slow = f"{gs['store']:+.0%}/{gs['load']:+.0%}/{gs['both']:+.0%}" if gs else "-"
                 lines.append(
-                    f"  {label:<10} {r['store_gbps']:7.1f} {r['load_gbps']:8.1f} "
-                    f"{r['store_vs_memcpy']:14.2f} {r['load_vs_memcpy']:15.2f} "
-                    f"{r['store_vs_per_block']:9.1f}"
+                    f"  {label:<22} {r['store_gbps']:6.1f} {r['load_gbps']:6.1f} "
+                    f"{r['both_gbps']:6.1f} {r['store_vs_contiguous']:7.2f} "
+                    f"{r['load_vs_contiguous']:7.2f} {r['both_vs_contiguous']:9.2f} {slow:>17}"
                 )
+            else:
+                lines.append(
+                    f"  {label:<22} {r['store_gbps']:6.1f} {r['load_gbps']:6.1f} "
+                    f"{r['store_vs_memcpy']:9.2f} {r['load_vs_memcpy']:9.2f} "
+                    f"{r['store_vs_per_block']:8.1f}"
+                )
+        for js in entry.get("job_sizes", []):
+            lines.append(
+                f"  job of {js['blocks']:>3} blocks: store {js['store_us']:9.1f} us "
+                f"({js['store_time_vs_contiguous']:.2f}x contiguous, {js['store_mechanism']}), "
+                f"load {js['load_us']:9.1f} us ({js['load_time_vs_contiguous']:.2f}x, "
+                f"{js['load_mechanism']})"
+            )
     if "kernel" in doc:
         k = doc["kernel"]
         lines.append(

@@ -238,19 +238,22 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
     """``kvoff bench transfer``."""
-    from kvoff.tools.bench_transfer import DEFAULT_PRESETS, TRANSFER_PRESETS
+    from kvoff.staging import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES
+    from kvoff.tools.bench_transfer import DEFAULT_PRESETS, JOB_SIZES, TRANSFER_PRESETS
+    from kvoff.worker import GPU_LAYOUTS
 
     tp = bench_sub.add_parser(
         "transfer",
-        help="GPU<->CPU block copies per mechanism against the link's limit (CPU: parallel "
-        "gather vs memcpy)",
+        help="GPU<->CPU block jobs per layout and mechanism against the link's limit, and "
+        "their cost to a concurrent GEMM (CPU: against one memcpy)",
         description=(
-            "Time KV block copies of shape presets (N randomly scattered blocks, all layers per "
-            "call) for every copy mechanism and direction (store, load, both at once), side by "
-            "side with one contiguous pinned copy of the same bytes (the link's ceiling) and the "
-            "naive one-copy-per-block-per-layer baseline. Without a GPU: the parallel "
-            "gather/scatter against one contiguous memcpy of the same bytes. See "
-            "kvoff/tools/bench_transfer.py."
+            "Time worker jobs of shape presets (N randomly scattered blocks, all layers) in "
+            "each GPU layout (layer-major, block-contiguous) for every mechanism (per_block, "
+            "memcpy, batch, kernel, staged, auto) and direction (store, load, both at once), "
+            "side by side with one contiguous copy of the same bytes (the link's ceiling); on a "
+            "GPU also the slowdown of a concurrent 8192^3 bf16 GEMM, and engine-step job sizes. "
+            "Without a GPU the same jobs run with CPU tensors against one contiguous memcpy. "
+            "See kvoff/tools/bench_transfer.py."
         ),
     )
     tp.add_argument(
@@ -282,10 +285,45 @@ def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="thread blocks of the SM kernel (default 0: 10%% of the SMs)",
     )
     tp.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(GPU_LAYOUTS),
+        choices=list(GPU_LAYOUTS),
+        metavar="LAYOUT",
+        help="GPU cache layouts (default: both: " + ", ".join(GPU_LAYOUTS) + ")",
+    )
+    tp.add_argument(
+        "--no-gemm",
+        action="store_true",
+        help="GPU: skip the concurrent-GEMM slowdown measurement",
+    )
+    tp.add_argument(
+        "--job-sizes",
+        type=_positive_int,
+        nargs="*",
+        default=list(JOB_SIZES),
+        metavar="BLOCKS",
+        help="blocks per job of the engine-step section (default: "
+        + " ".join(map(str, JOB_SIZES))
+        + "; none to skip it)",
+    )
+    tp.add_argument(
+        "--staging-mib",
+        type=_non_negative_int,
+        default=DEFAULT_STAGING_BYTES >> 20,
+        help="the worker's staging buffer, both directions, MiB (default: %(default)s)",
+    )
+    tp.add_argument(
+        "--staging-piece-mib",
+        type=_positive_int,
+        default=DEFAULT_STAGING_PIECE_BYTES >> 20,
+        help="bytes per piece of a staged job, MiB (default: %(default)s)",
+    )
+    tp.add_argument(
         "--sweep",
         action="store_true",
         help="GPU: also sweep chunk sizes 4 KiB..2 MiB per mechanism and derive the auto "
-        "thresholds",
+        "thresholds (from these bandwidths and the measured GEMM slowdowns)",
     )
     tp.add_argument(
         "--write-thresholds",
@@ -316,6 +354,11 @@ def _bench_transfer(args: argparse.Namespace, argv: Sequence[str] | None) -> int
         seed=args.seed,
         sweep=args.sweep,
         kernel_blocks=args.kernel_blocks,
+        layouts=tuple(args.layouts),
+        gemm=not args.no_gemm,
+        job_sizes=tuple(args.job_sizes),
+        staging_bytes=args.staging_mib << 20,
+        staging_piece_bytes=args.staging_piece_mib << 20,
     )
     doc = run_transfer_bench(
         params,
