@@ -26,6 +26,10 @@ class ModelPreset:
         head_size: elements per head.
         dtype: KV cache element type.
         description: where the numbers come from.
+        hidden_size: model width (elements), for the replay's prefill-cost GEMMs.
+        intermediate_size: MLP width (elements), the other GEMM dimension.
+        num_params: parameters; a prefill costs about ``2 × num_params`` FLOPs per token
+            (Kaplan et al., "Scaling Laws for Neural Language Models", 2020, section 2.1).
     """
 
     name: str
@@ -34,6 +38,9 @@ class ModelPreset:
     head_size: int
     dtype: torch.dtype
     description: str
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_params: int = 0
 
     def layer_spec(self, block_size: int) -> FullAttentionSpec:
         """The spec of one layer for GPU blocks of ``block_size`` tokens."""
@@ -55,7 +62,11 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             torch.float16,
             "2 layers × 1 KV head × head_size 4, fp16: 32 bytes per token, so a replay of the "
             "whole conversation trace with a 200,000-block pool (512-token blocks) needs about "
-            "3.1 GiB",
+            "3.1 GiB; compute: width 64, MLP 256, 131,072 parameters (2 × (4 × 64² + 3 × 64 × "
+            "256), a made-up model for tests)",
+            64,
+            256,
+            131_072,
         ),
         ModelPreset(
             "llama-3-8b",
@@ -63,7 +74,11 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             8,
             128,
             torch.bfloat16,
-            "Llama-3-8B: 32 layers, 8 KV heads (GQA), head_dim 128, bf16: 128 KiB per token",
+            "Llama-3-8B: 32 layers, 8 KV heads (GQA), head_dim 128, bf16: 128 KiB per token; "
+            "hidden 4096, intermediate 14336, 8.03e9 parameters",
+            4096,
+            14336,
+            8_030_000_000,
         ),
         ModelPreset(
             "qwen2.5-7b",
@@ -71,7 +86,11 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             4,
             128,
             torch.bfloat16,
-            "Qwen2.5-7B: 28 layers, 4 KV heads (GQA 7:1), head_dim 128, bf16: 56 KiB per token",
+            "Qwen2.5-7B: 28 layers, 4 KV heads (GQA 7:1), head_dim 128, bf16: 56 KiB per "
+            "token; hidden 3584, intermediate 18944, 7.62e9 parameters",
+            3584,
+            18944,
+            7_620_000_000,
         ),
     )
 }

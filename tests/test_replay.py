@@ -19,7 +19,7 @@ import torch
 import kvoff
 from kvoff.tools import replay as replay_mod
 from kvoff.tools.replay import ReplayConfig, run_replay
-from kvoff.tools.traces import load_trace
+from kvoff.tools.traces import TraceRequest, load_trace
 
 TRACES = Path(kvoff.__file__).parent / "data" / "traces"
 N = 300
@@ -183,6 +183,116 @@ def test_block_pattern_differs_per_block_and_layer() -> None:
     assert torch.equal(a[0], replay_mod.block_pattern(np.array([7]), np.array([0]), 0, 64)[0])
 
 
+def _numpy_block_pattern(hash_ids, positions, layer, row_bytes):
+    """An independent NumPy SplitMix64 (uint64 arithmetic) of the same definition."""
+    import numpy as np
+
+    u = np.uint64
+
+    def mix(x):
+        with np.errstate(over="ignore"):
+            x = x + u(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> u(30))) * u(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> u(27))) * u(0x94D049BB133111EB)
+            return x ^ (x >> u(31))
+
+    with np.errstate(over="ignore"):
+        seed = mix(np.asarray(hash_ids).astype(u) * u(0xD6E8FEB86659FD93)
+                   ^ np.asarray(positions).astype(u))  # fmt: skip
+        words = mix(np.arange(row_bytes // 8, dtype=u) + u((layer + 1) << 40))
+    return torch.from_numpy((seed[:, None] ^ words[None, :]).view(np.int64)).view(torch.uint8)
+
+
+def test_block_pattern_is_splitmix64_on_int64_tensors() -> None:
+    import numpy as np
+
+    hids = np.array([0, 7, -3, 2**62 + 12345, 2**63 - 1])  # large and negative ids wrap alike
+    pos = np.array([0, 1, 5, 900, 2**40])
+    for layer in (0, 3):
+        assert torch.equal(
+            replay_mod.block_pattern(hids, pos, layer, 48),
+            _numpy_block_pattern(hids, pos, layer, 48),
+        )
+
+
+def test_compute_mode_reports_times_against_recomputing(tmp_path: Path) -> None:
+    res = run_replay(ReplayConfig(cpu_blocks=2000, limit=40, compute=True,
+                                  compute_chunk_tokens=1024))  # fmt: skip
+    s = res.summary()
+    assert res.computed_tokens == res.input_tokens - res.hit_tokens
+    assert res.hit_rate > 0 and res.corrupted_blocks == 0
+    for key in ("time_kvoff_s", "time_recompute_s", "gemm_s", "gemm_alone_s"):
+        assert s[key] > 0, key
+    assert res.speedup == pytest.approx(res.time_recompute_s / res.time_kvoff_s)
+    assert res.ideal_speedup == pytest.approx(1 / (1 - res.hit_rate))
+    assert res.speedup_vs_ideal == pytest.approx(res.speedup / res.ideal_speedup)
+    assert res.gemm_lost_s == pytest.approx(res.gemm_s - res.gemm_alone_s)
+    # tiny: 64 x 256 GEMMs, 8 per chunk = 2 x 131,072 FLOPs per token (2 x parameters)
+    assert res.compute_flops_per_token == 2 * 64 * 256 * 8
+    plain = run_replay(ReplayConfig(cpu_blocks=2000, limit=40))
+    assert plain.time_kvoff_s is None and plain.speedup is None
+    assert plain.per_request_cpu_hit_tokens == res.per_request_cpu_hit_tokens
+
+
+def test_block_contiguous_cache_gives_the_same_replay() -> None:
+    a = run_replay(ReplayConfig(cpu_blocks=300, limit=150, offloaded_block_size=64))
+    b = run_replay(ReplayConfig(cpu_blocks=300, limit=150, offloaded_block_size=64,
+                                gpu_layout="block_contiguous", mechanism="staged"))  # fmt: skip
+    assert b.gpu_layout == "block_contiguous" and b.mechanisms.get("staged", 0) > 0
+    assert a.per_request_cpu_hit_tokens == b.per_request_cpu_hit_tokens
+    assert a.blocks_verified == b.blocks_verified > 0
+    assert a.corrupted_blocks == b.corrupted_blocks == 0
+
+
+def test_stores_in_flight_are_fenced_and_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores that finish late (as on a GPU): the copy itself is deferred until the replay asks
+    for the job. Reusing a GPU block before its store ran would store the next request's bytes
+    under the old key, and later loads would fail the byte check; a lookup of a block still
+    being stored must wait. The results equal the synchronous replay's."""
+    real = replay_mod.OffloadingWorker
+
+    class LateStores(real):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.deferred: dict[int, tuple] = {}
+
+        def transfer_async(self, job_id, src, dst):
+            if isinstance(dst, kvoff.CPUBlockSpec):
+                self.deferred[job_id] = (src, dst)
+                return True
+            return super().transfer_async(job_id, src, dst)
+
+        def get_finished(self):
+            return super().get_finished()  # deferred stores are never done by themselves
+
+        def wait(self, job_ids):
+            job_ids = list(job_ids)
+            for j in job_ids:
+                if j in self.deferred:
+                    super().transfer_async(j, *self.deferred.pop(j))
+            return super().wait(job_ids)
+
+    cfg = ReplayConfig(cpu_blocks=400, limit=200, offloaded_block_size=64)
+    sync = run_replay(cfg)
+    # A then a shorter B with A's prefix: B's GPU-cache hits end inside A's second offloaded
+    # block, its three fresh GPU blocks are A's partial tail (no store reads them: no fence),
+    # and its lookup meets A's second block still being stored: retry after waiting.
+    ab = [TraceRequest(0, 304, 1, (1, 2, 3, 4, 5)), TraceRequest(1, 144, 1, (1, 2, 3))]
+    ab_cfg = ReplayConfig(cpu_blocks=50, offloaded_block_size=64, gpu_prefix_blocks=6,
+                          trace_block_size=64)  # fmt: skip
+    ab_sync = run_replay(ab_cfg, requests=ab)
+    monkeypatch.setattr(replay_mod, "OffloadingWorker", LateStores)
+    late = run_replay(cfg)
+    assert late.fence_waits > 0
+    assert late.corrupted_blocks == 0 and late.blocks_verified == sync.blocks_verified > 0
+    assert late.per_request_cpu_hit_tokens == sync.per_request_cpu_hit_tokens
+    assert late.blocks_stored == sync.blocks_stored
+    ab_late = run_replay(ab_cfg, requests=ab)
+    assert (ab_late.fence_waits, ab_late.lookup_retries) == (0, 1)
+    assert ab_late.per_request_cpu_hit_tokens == ab_sync.per_request_cpu_hit_tokens == [0, 32]
+    assert ab_late.corrupted_blocks == 0 and ab_late.blocks_verified == 2
+
+
 def test_bad_configuration_errors() -> None:
     with pytest.raises(ValueError, match="offloaded_block_size=500"):
         run_replay(ReplayConfig(offloaded_block_size=500, limit=1))
@@ -192,6 +302,15 @@ def test_bad_configuration_errors() -> None:
         run_replay(ReplayConfig(policy="random", limit=1))
     with pytest.raises(ValueError, match="more than 85%"):
         run_replay(ReplayConfig(model="llama-3-8b", cpu_bytes=2**50, limit=1))
+    with pytest.raises(ValueError, match="gpu_layout='diagonal' is not one of"):
+        run_replay(ReplayConfig(gpu_layout="diagonal", limit=1))
+    with pytest.raises(ValueError, match="mechanism='dma' is not one of"):
+        run_replay(ReplayConfig(mechanism="dma", limit=1))
+    with pytest.raises(ValueError, match="device='tpu' is not 'cpu' or 'cuda'"):
+        run_replay(ReplayConfig(device="tpu", limit=1))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda' needs a GPU.*--device cpu"):
+            run_replay(ReplayConfig(device="cuda", limit=1))
 
 
 def test_trace_loader_validates(tmp_path: Path) -> None:

@@ -49,6 +49,8 @@ _non_negative_int = _int_at_least(0)
 def _build_parser() -> argparse.ArgumentParser:
     from kvoff.config import EVICTION_POLICIES
     from kvoff.models import MODEL_PRESETS
+    from kvoff.transfer import ALL_MECHANISMS
+    from kvoff.worker import GPU_LAYOUTS
 
     parser = argparse.ArgumentParser(
         prog="kvoff", description="kvoff: KV-cache offloading for LLM inference engines"
@@ -124,6 +126,36 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=512,
         help="tokens per trace hash id (default: 512, Mooncake)",
+    )
+    rp.add_argument(
+        "--device",
+        default="cpu",
+        help="where the engine's KV cache lives: cpu (default) or cuda: the replay's transfers "
+        "then run on the GPU (pinned pool, the worker's streams, --mechanism)",
+    )
+    rp.add_argument(
+        "--gpu-layout",
+        default="layer_major",
+        choices=list(GPU_LAYOUTS),
+        help="KV cache layout: one tensor per layer (default) or all layers of a block together",
+    )
+    rp.add_argument(
+        "--mechanism",
+        default="auto",
+        choices=list(ALL_MECHANISMS),
+        help="transfer mechanism (default: auto, within the compute-slowdown budget)",
+    )
+    rp.add_argument(
+        "--compute",
+        action="store_true",
+        help="also run each request's prefill cost (2 x parameters FLOPs per computed token as "
+        "GEMMs) and report the time against recomputing every token and the ideal speedup",
+    )
+    rp.add_argument(
+        "--compute-chunk-tokens",
+        type=_positive_int,
+        default=2048,
+        help="tokens per GEMM chunk of the prefill cost (default: 2048)",
     )
     rp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the totals as JSON to FILE"
@@ -544,6 +576,11 @@ def _replay(args: argparse.Namespace) -> int:
         policy=pool.eviction_policy,
         limit=args.limit,
         trace_block_size=args.trace_block_size,
+        device=args.device,
+        gpu_layout=args.gpu_layout,
+        mechanism=args.mechanism,
+        compute=args.compute,
+        compute_chunk_tokens=args.compute_chunk_tokens,
     )
     requests = load_trace(config.trace, config.limit, config.trace_block_size)
     # tqdm's disable=None turns the bar off when stderr is not a terminal
@@ -582,8 +619,22 @@ def _replay(args: argparse.Namespace) -> int:
         f"  verified         {s['blocks_verified']:>14,} blocks, corrupted "
         f"{s['corrupted_blocks']}, failed transfers {s['failed_transfers']}\n"
         f"  evictions        {s['evictions']:>14,}\n"
+        f"  device           {s['device']:>14} ({s['gpu_layout']}; jobs by mechanism: "
+        f"{s['mechanisms']})\n"
         f"  wall             {s['wall_s']:>14.1f} s"
     )
+    if s["time_kvoff_s"] is not None:
+        ideal = s["ideal_speedup"]
+        print(
+            f"  compute          {s['computed_tokens']:>14,} tokens computed, "
+            f"{s['compute_flops_per_token'] / 1e9:.2f} GFLOP per token\n"
+            f"  time with kvoff  {s['time_kvoff_s']:>14.3f} s (loads waited for, GEMMs)\n"
+            f"  time recomputing {s['time_recompute_s']:>14.3f} s (every input token)\n"
+            f"  speedup          {s['speedup']:>14.3f}x   (ideal 1/(1-hit rate) = "
+            + (f"{ideal:.3f}x; {s['speedup_vs_ideal']:.1%} of it)" if ideal else "n/a)")
+            + f"\n  GEMM lost        {s['gemm_lost_s']:>14.3f} s to transfers beside it "
+            f"({s['gemm_s']:.3f} s vs {s['gemm_alone_s']:.3f} s alone)"
+        )
     if args.json is not None:
         record = {"run": _run_info(), "result": s}
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -10,12 +10,17 @@ Each request of a Mooncake-format trace is served like an engine serves a prefil
    (``prepare_load``), loaded CPU→GPU into freshly allocated GPU blocks (a partial first offloaded
    block when ``g`` is not a multiple of the factor), verified byte for byte against the pattern
    they were computed with, and unpinned. ``cpu_hit_tokens`` are the loaded tokens. All of the
-   request's stored keys are then touched so that they are the most recent.
+   request's stored keys are then touched so that they are the most recent. A lookup that says
+   "retry later" (a needed block is still being stored) waits for the stores in flight.
 3. **Compute.** Every GPU block after the hits is "computed": written with a deterministic
-   pattern derived from (hash id, block position, layer).
+   pattern derived from (hash id, block position, layer). With ``compute``, the prefill's cost
+   runs too: GEMMs proportional to the computed tokens on the compute stream.
 4. **Store.** Offloaded blocks that are full and contain computed tokens are stored GPU→CPU in one
    all-or-nothing ``prepare_store`` (when the pool cannot make room, nothing is stored and
-   ``stores_skipped`` counts the blocks), then ``complete_store``.
+   ``stores_skipped`` counts the blocks). The store runs in the background (on a GPU it overlaps
+   the next request); ``complete_store`` runs when the worker reports it finished. A GPU block
+   that is the source of a store in flight is not reused before that store finishes (a fence,
+   DESIGN.md invariant 4).
 5. **Recency.** The request's stored keys are touched last-to-first so that its head is the most
    recent (DESIGN.md invariant 8), and its full GPU blocks enter the GPU prefix cache the same way.
 
@@ -23,6 +28,23 @@ Only full blocks are ever cached. Block hashes: a GPU block at position ``p`` wh
 in trace block ``t`` has the identity ``(hash_ids[t], p)`` — a Mooncake hash id already identifies
 its whole prefix — and its offload key is a 16-byte BLAKE2b digest of that identity and the KV
 cache group index (0 here).
+
+**Devices.** ``device="cpu"`` (the default, what CI runs) keeps the "GPU" cache in CPU tensors.
+``device="cuda"`` keeps it on the GPU, with a pinned pool, the worker's streams and
+``mechanism="auto"``: the replay's transfers are real PCIe traffic. ``gpu_layout`` is
+``layer_major`` (one tensor per layer) or ``block_contiguous`` (one buffer, all layers of a block
+together).
+
+**Compute** (``compute=True``). A prefill of ``T`` tokens costs ``2 × num_params × T`` FLOPs
+(Kaplan et al. 2020): the replay runs that many GEMM FLOPs, as ``(c × hidden) @ (hidden ×
+intermediate)`` GEMMs over chunks of ``c ≤ compute_chunk_tokens`` tokens, on the compute stream,
+for the tokens each request computes. Per request it records (CUDA events; ``perf_counter`` on
+the CPU) the time from the request's start to the end of its GEMMs, which includes waiting for
+its loads, while earlier requests' stores stream beside it. A second pass then times the GEMMs
+alone: for every input token (recomputing everything, the baseline) and for the tokens computed.
+Reported: ``time_kvoff_s`` and ``time_recompute_s``, ``speedup`` (their ratio) against the ideal
+``1 / (1 - hit_rate)`` (``speedup_vs_ideal``), and ``gemm_lost_s``: GEMM time lost to the
+transfers running beside it.
 """
 
 from __future__ import annotations
@@ -44,7 +66,8 @@ from kvoff import _scheduler
 from kvoff.config import OffloadingConfig
 from kvoff.models import ModelPreset, get_model_preset
 from kvoff.tools.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
-from kvoff.worker import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
+from kvoff.transfer import ALL_MECHANISMS
+from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
 __all__ = [
     "ReplayConfig",
@@ -55,7 +78,7 @@ __all__ = [
 ]
 
 DEFAULT_CPU_BYTES = 2 * 1024**3
-_U64 = np.uint64
+DEFAULT_COMPUTE_CHUNK_TOKENS = 2048
 
 
 def offload_key(hash_id: int, position: int, group: int = 0) -> bytes:
@@ -65,20 +88,39 @@ def offload_key(hash_id: int, position: int, group: int = 0) -> bytes:
     return hashlib.blake2b(struct.pack("<qqi", hash_id, position, group), digest_size=16).digest()
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2, _SEED = (
+    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                         0xD6E8FEB86659FD93)
+)  # fmt: skip
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     # SplitMix64 finaliser (Steele, Lea, Flood, "Fast splittable pseudorandom number
-    # generators", OOPSLA 2014); uint64 arithmetic wraps in numpy.
-    with np.errstate(over="ignore"):
-        x = x + _U64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return x ^ (x >> _U64(31))
+    # generators", OOPSLA 2014) on int64 tensors, whose arithmetic wraps modulo 2^64.
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
 
 
 def block_pattern(
-    hash_ids: np.ndarray, positions: np.ndarray, layer: int, row_bytes: int
+    hash_ids: np.ndarray | torch.Tensor,
+    positions: np.ndarray | torch.Tensor,
+    layer: int,
+    row_bytes: int,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """The bytes a "computed" GPU block holds in one layer: ``(n, row_bytes)`` uint8.
+    """The bytes a "computed" GPU block holds in one layer: ``(n, row_bytes)`` uint8 on
+    ``device`` (computed there: on a GPU at memory speed, no host-to-device copy).
 
     Each 8-byte word ``w`` of block ``i`` is ``splitmix64(seed_i) ^ splitmix64(layer, w)`` with
     ``seed_i`` mixed from ``(hash_ids[i], positions[i])``, so every block, layer and word differs
@@ -89,19 +131,20 @@ def block_pattern(
         positions: ``(n,)`` int64 GPU block positions in the request.
         layer: layer index.
         row_bytes: bytes of one block of one layer; a multiple of 8.
+        device: where to build the pattern.
 
     Raises:
         ValueError: when ``row_bytes`` is not a multiple of 8.
     """
     if row_bytes % 8:
         raise ValueError(f"row_bytes must be a multiple of 8, got {row_bytes}")
-    with np.errstate(over="ignore"):
-        seed = _splitmix64(
-            hash_ids.astype(_U64) * _U64(0xD6E8FEB86659FD93) ^ positions.astype(_U64)
-        )
-        words = _splitmix64(np.arange(row_bytes // 8, dtype=_U64) + _U64((layer + 1) << 40))
-    rows = seed[:, None] ^ words[None, :]
-    return torch.from_numpy(rows.view(np.int64)).view(torch.uint8)
+    h = torch.as_tensor(hash_ids, dtype=torch.int64).to(device)
+    p = torch.as_tensor(positions, dtype=torch.int64).to(device)
+    seed = _splitmix64(h * _SEED ^ p)
+    words = _splitmix64(
+        torch.arange(row_bytes // 8, dtype=torch.int64, device=device) + ((layer + 1) << 40)
+    )
+    return (seed[:, None] ^ words[None, :]).view(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -120,6 +163,12 @@ class ReplayConfig:
         policy: eviction policy name.
         limit: replay only the first ``limit`` requests.
         trace_block_size: tokens per trace hash id (512 for Mooncake).
+        device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``): where the "GPU" cache lives.
+        gpu_layout: ``"layer_major"`` or ``"block_contiguous"``.
+        mechanism: the worker's transfer mechanism (``"auto"``: within the default slowdown
+            budget).
+        compute: also run the prefill's GEMMs and report the time against recomputing.
+        compute_chunk_tokens: tokens per GEMM chunk of the prefill cost (a chunked prefill).
     """
 
     trace: str = "conversation"
@@ -132,11 +181,20 @@ class ReplayConfig:
     policy: str = "lru"
     limit: int | None = None
     trace_block_size: int = MOONCAKE_BLOCK_SIZE
+    device: str = "cpu"
+    gpu_layout: str = "layer_major"
+    mechanism: str = "auto"
+    compute: bool = False
+    compute_chunk_tokens: int = DEFAULT_COMPUTE_CHUNK_TOKENS
 
 
 @dataclass
 class ReplayResult:
-    """Totals of a replay (tokens, blocks, bytes, seconds) plus per-request hit tokens."""
+    """Totals of a replay (tokens, blocks, bytes, seconds) plus per-request hit tokens.
+
+    The ``time_*``, ``speedup*`` and ``gemm_*`` fields are set with ``compute`` (seconds; see
+    the module docstring), ``None`` otherwise.
+    """
 
     trace: str
     model: str
@@ -145,6 +203,9 @@ class ReplayResult:
     gpu_prefix_blocks: int
     cpu_blocks: int
     policy: str
+    device: str = "cpu"
+    gpu_layout: str = "layer_major"
+    mechanisms: dict[str, int] = field(default_factory=dict)
     requests: int = 0
     input_tokens: int = 0
     gpu_hit_tokens: int = 0
@@ -165,8 +226,20 @@ class ReplayResult:
     blocks_verified: int = 0
     corrupted_blocks: int = 0
     evictions: int = 0
+    lookup_retries: int = 0
+    fence_waits: int = 0
     gpu_blocks: int = 0
     cpu_pool_bytes: int = 0
+    computed_tokens: int = 0
+    time_kvoff_s: float | None = None
+    time_recompute_s: float | None = None
+    speedup: float | None = None
+    ideal_speedup: float | None = None
+    speedup_vs_ideal: float | None = None
+    gemm_s: float | None = None
+    gemm_alone_s: float | None = None
+    gemm_lost_s: float | None = None
+    compute_flops_per_token: float | None = None
     wall_s: float = 0.0
     per_request_gpu_hit_tokens: list[int] = field(default_factory=list, repr=False)
     per_request_cpu_hit_tokens: list[int] = field(default_factory=list, repr=False)
@@ -177,6 +250,55 @@ class ReplayResult:
         d.pop("per_request_gpu_hit_tokens")
         d.pop("per_request_cpu_hit_tokens")
         return d
+
+
+class _Timer:
+    """Marks on the compute stream (CUDA events) or host timestamps (CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, a: object, b: object) -> float:
+        if self.cuda:
+            b.synchronize()  # type: ignore[attr-defined]
+            return a.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
+        return float(b) - float(a)  # type: ignore[arg-type]
+
+
+class _Prefill:
+    """The prefill's cost: ``2 × num_params`` FLOPs per token as GEMMs on the current stream.
+
+    A chunk of ``c`` tokens runs ``reps = round(num_params / (hidden × intermediate))`` GEMMs
+    ``(c × hidden) @ (hidden × intermediate)`` (bf16 on a GPU, float32 on the CPU)."""
+
+    def __init__(self, preset: ModelPreset, device: torch.device, chunk_tokens: int) -> None:
+        if not (preset.hidden_size and preset.intermediate_size and preset.num_params):
+            raise ValueError(
+                f"model {preset.name!r} has no compute shape (hidden_size, intermediate_size, "
+                "num_params); use a preset that has one for --compute"
+            )
+        h, i = preset.hidden_size, preset.intermediate_size
+        self.reps = max(1, round(preset.num_params / (h * i)))
+        self.flops_per_token = 2.0 * h * i * self.reps
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.x = torch.randn(chunk_tokens, h, dtype=dtype, device=device, generator=gen)
+        self.w = torch.randn(h, i, dtype=dtype, device=device, generator=gen) / h**0.5
+        self.out = torch.empty(chunk_tokens, i, dtype=dtype, device=device)
+        self.chunk = chunk_tokens
+
+    def run(self, tokens: int) -> None:
+        for start in range(0, tokens, self.chunk):
+            c = min(self.chunk, tokens - start)
+            for _ in range(self.reps):
+                torch.matmul(self.x[:c], self.w, out=self.out[:c])
 
 
 class _GPUPrefixCache:
@@ -229,6 +351,37 @@ def _available_memory_bytes() -> int:
         return 0
 
 
+def _device(config: ReplayConfig) -> torch.device:
+    try:
+        device = torch.device(config.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={config.device!r} is not 'cpu' or 'cuda' (or 'cuda:N')")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' needs a GPU and a CUDA build of torch and kvoff, but "
+            "torch.cuda.is_available() is False here; replay with --device cpu"
+        )
+    return device
+
+
+@dataclass
+class _Pending:
+    keys: list[bytes]
+    blocks: int
+    gpu_ids: list[int]
+
+
+@dataclass
+class _Marks:
+    start: object
+    gemm_start: object
+    gemm_end: object
+    input_tokens: int
+    computed_tokens: int
+
+
 def run_replay(
     config: ReplayConfig,
     progress: Callable[[int], None] | None = None,
@@ -246,8 +399,9 @@ def run_replay(
         pattern they were stored with (0 unless something is broken).
 
     Raises:
-        ValueError: for a bad configuration (sizes, policy, model), or when the GPU cache and the
-            CPU pool would not fit in this machine's memory (the message says what to lower).
+        ValueError: for a bad configuration (sizes, policy, model, device, layout, mechanism),
+            ``device="cuda"`` without a GPU, or when the GPU cache and the CPU pool would not
+            fit in this machine's (or GPU's) memory (the message says what to lower).
     """
     t_start = time.perf_counter()
     preset: ModelPreset = get_model_preset(config.model)
@@ -258,6 +412,14 @@ def run_replay(
         raise ValueError(f"gpu_prefix_blocks must be >= 0, got {config.gpu_prefix_blocks}")
     if config.cpu_blocks is not None and config.cpu_bytes is not None:
         raise ValueError("give cpu_blocks or cpu_bytes, not both")
+    if config.gpu_layout not in GPU_LAYOUTS:
+        raise ValueError(f"gpu_layout={config.gpu_layout!r} is not one of {list(GPU_LAYOUTS)}")
+    if config.mechanism not in ALL_MECHANISMS:
+        raise ValueError(f"mechanism={config.mechanism!r} is not one of {list(ALL_MECHANISMS)}")
+    if config.compute_chunk_tokens < 1:
+        raise ValueError(f"compute_chunk_tokens must be >= 1, got {config.compute_chunk_tokens}")
+    device = _device(config)
+    cuda = device.type == "cuda"
     offload_cfg = OffloadingConfig(
         num_cpu_blocks=config.cpu_blocks,
         cpu_bytes_to_use=(
@@ -275,6 +437,7 @@ def run_replay(
         raise ValueError(f"page_size_bytes={page} of model {preset.name!r} is not a multiple of 8")
     bytes_per_gpu_block = page * preset.num_layers
     num_cpu_blocks = offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)
+    prefill = _Prefill(preset, device, config.compute_chunk_tokens) if config.compute else None
 
     reqs = requests if requests is not None else load_trace(config.trace, config.limit, tbs)
     if requests is not None and config.limit is not None:
@@ -284,7 +447,8 @@ def run_replay(
     gpu_bytes = num_gpu_blocks * bytes_per_gpu_block
     cpu_bytes = num_cpu_blocks * bytes_per_gpu_block * factor
     mem = _available_memory_bytes()
-    if mem and gpu_bytes + cpu_bytes > 0.85 * mem:
+    host_bytes = cpu_bytes + (0 if cuda else gpu_bytes)
+    if mem and host_bytes > 0.85 * mem:
         raise ValueError(
             f"model {preset.name!r} needs {gpu_bytes / 2**30:.1f} GiB for the GPU cache "
             f"({num_gpu_blocks} blocks: {config.gpu_prefix_blocks} prefix-cache blocks + "
@@ -293,12 +457,29 @@ def run_replay(
             f"{mem / 2**30:.1f} GiB; lower --cpu-blocks/--cpu-bytes, --gpu-prefix-blocks or "
             "--limit, or use --model tiny"
         )
+    if cuda:
+        free_gpu, _ = torch.cuda.mem_get_info(device)
+        if gpu_bytes > 0.8 * free_gpu:
+            raise ValueError(
+                f"the GPU cache needs {gpu_bytes / 2**30:.1f} GiB ({num_gpu_blocks} blocks), more "
+                f"than 80% of the {free_gpu / 2**30:.1f} GiB free on {device}; lower "
+                "--gpu-prefix-blocks or --limit"
+            )
 
-    kv_caches = {
-        f"layer.{i}": torch.zeros((num_gpu_blocks, page), dtype=torch.uint8)
-        for i in range(preset.num_layers)
-    }
-    worker = OffloadingWorker(num_gpu_blocks, num_cpu_blocks, factor, pin_memory=False)
+    if config.gpu_layout == "block_contiguous":
+        buffer = torch.zeros((num_gpu_blocks, preset.num_layers * page), dtype=torch.uint8,
+                             device=device)  # fmt: skip
+        kv_caches = {
+            f"layer.{i}": buffer[:, i * page : (i + 1) * page] for i in range(preset.num_layers)
+        }
+    else:
+        kv_caches = {
+            f"layer.{i}": torch.zeros((num_gpu_blocks, page), dtype=torch.uint8, device=device)
+            for i in range(preset.num_layers)
+        }
+    worker = OffloadingWorker(
+        num_gpu_blocks, num_cpu_blocks, factor, pin_memory=cuda, mechanism=config.mechanism
+    )
     worker.register_kv_caches(kv_caches)
     gpu_rows = worker.gpu_tensors()
     manager = _scheduler.CPUOffloadingManager(num_cpu_blocks, offload_cfg.eviction_policy)
@@ -313,17 +494,39 @@ def run_replay(
         gpu_prefix_blocks=config.gpu_prefix_blocks,
         cpu_blocks=num_cpu_blocks,
         policy=offload_cfg.eviction_policy,
+        device=str(device),
+        gpu_layout=config.gpu_layout,
         gpu_blocks=num_gpu_blocks,
         cpu_pool_bytes=worker.cpu_pool_bytes,
     )
     seen_keys: set[bytes] = set()
     max_hit_tokens = 0
     job_id = 0
+    pending: dict[int, _Pending] = {}  # stores in flight
+    fences: dict[int, int] = {}  # GPU block -> the store in flight that reads it
+    timer = _Timer(device)
+    marks: list[_Marks] = []
 
-    def patterns(hids: np.ndarray, pos: np.ndarray, layer: int) -> torch.Tensor:
-        return block_pattern(hids, pos, layer, page)
+    def finish(results: Sequence[Any]) -> None:
+        """complete_store for finished stores; their GPU blocks may be reused again."""
+        for r in results:
+            res.mechanisms[r.mechanism] = res.mechanisms.get(r.mechanism, 0) + 1
+            job = pending.pop(r.job_id, None)
+            if job is None:
+                continue
+            manager.complete_store(job.keys, r.success)
+            for b in job.gpu_ids:
+                if fences.get(b) == r.job_id:
+                    del fences[b]
+            if r.success:
+                res.blocks_stored += job.blocks
+                res.bytes_stored += r.num_bytes
+                res.store_seconds += r.seconds
+            else:
+                res.failed_transfers += 1
 
     for n_done, req in enumerate(reqs, 1):
+        finish(worker.get_finished())
         length = req.input_length
         hash_ids = np.asarray(req.hash_ids, dtype=np.int64)
         num_req_blocks = math.ceil(length / bs)  # GPU blocks, the last may be partial
@@ -341,8 +544,9 @@ def run_replay(
             lead += 1
         max_hit_tokens += lead * obs
         seen_keys.update(keys)
+        start_mark = timer.mark() if prefill is not None else None
 
-        # 1. engine's GPU prefix cache
+        # 1. engine's GPU prefix cache; fresh blocks wait for stores that still read them
         idents: list[tuple[int, int]] = []
         g = 0
         if config.gpu_prefix_blocks:
@@ -350,14 +554,23 @@ def run_replay(
             g = gpu_cache.leading_hits(idents)
         table = [gpu_cache.blocks[idents[p]] for p in range(g)]
         table += [free.pop() for _ in range(num_req_blocks - g)]
+        fenced = sorted({fences[b] for b in table[g:] if b in fences})
+        if fenced:
+            res.fence_waits += 1
+            finish(worker.wait(fenced))
 
         # 2. kvoff lookup + load of the blocks after the GPU hits
         g_off = g // factor
         h = manager.lookup(keys[g_off:]) if g_off < num_full_off else 0
-        if h is None:  # pragma: no cover - every job completes before the next request
-            raise RuntimeError("lookup returned None in a synchronous replay")
+        if h is None:  # a needed block is still being stored: wait for the stores, retry
+            res.lookup_retries += 1
+            finish(worker.wait(list(pending)))
+            h = manager.lookup(keys[g_off:])
+            if h is None:  # pragma: no cover - nothing is pending any more
+                raise RuntimeError("lookup still returns 'retry later' with no store in flight")
         load_end = (g_off + h) * factor
         hit_end = g
+        loaded_ok = False
         if load_end > g:
             load_keys = keys[g_off : g_off + h]
             cpu_ids = manager.prepare_load(load_keys)
@@ -369,29 +582,40 @@ def run_replay(
             )
             (result,) = worker.wait([job_id])
             manager.complete_load(load_keys)
+            res.mechanisms[result.mechanism] = res.mechanisms.get(result.mechanism, 0) + 1
             if ok and result.success:
+                loaded_ok = True
                 hit_end = load_end
                 res.blocks_loaded += load_end - g
                 res.bytes_loaded += result.num_bytes
                 res.load_seconds += result.seconds
-                ids = torch.tensor(table[g:load_end], dtype=torch.int64)
-                bad = torch.zeros(load_end - g, dtype=torch.bool)
-                for layer, rows in enumerate(gpu_rows):
-                    want = patterns(block_hids[g:load_end], positions[g:load_end], layer)
-                    bad |= (rows[ids] != want).any(dim=1)
-                res.blocks_verified += load_end - g
-                res.corrupted_blocks += int(bad.sum())
             else:
                 res.failed_transfers += 1
         manager.touch(keys)
 
-        # 3. compute the rest
-        if hit_end < num_req_blocks:
-            ids = torch.tensor(table[hit_end:], dtype=torch.int64)
+        # 3. compute: the prefill's cost (GEMMs for the computed tokens), then the KV it writes
+        computed = length - hit_end * bs
+        if prefill is not None:
+            gemm_start = timer.mark()
+            prefill.run(computed)
+            marks.append(_Marks(start_mark, gemm_start, timer.mark(), length, computed))
+        if loaded_ok:
+            ids = torch.tensor(table[g:load_end], dtype=torch.int64, device=device)
+            bad = torch.zeros(load_end - g, dtype=torch.bool, device=device)
             for layer, rows in enumerate(gpu_rows):
-                rows[ids] = patterns(block_hids[hit_end:], positions[hit_end:], layer)
+                want = block_pattern(block_hids[g:load_end], positions[g:load_end], layer, page,
+                                     device)  # fmt: skip
+                bad |= (rows[ids] != want).any(dim=1)
+            res.blocks_verified += load_end - g
+            res.corrupted_blocks += int(bad.sum())
+        if hit_end < num_req_blocks:
+            ids = torch.tensor(table[hit_end:], dtype=torch.int64, device=device)
+            for layer, rows in enumerate(gpu_rows):
+                rows[ids] = block_pattern(block_hids[hit_end:], positions[hit_end:], layer, page,
+                                          device)  # fmt: skip
+        res.computed_tokens += computed
 
-        # 4. store full offloaded blocks that hold computed tokens
+        # 4. store full offloaded blocks that hold computed tokens, in the background
         first_new = hit_end // factor
         if first_new < num_full_off:
             out = manager.prepare_store(keys[first_new:])
@@ -404,23 +628,18 @@ def run_replay(
                     js = [index[k] for k in out.keys_to_store]
                     gpu_ids = [table[j * factor + i] for j in js for i in range(factor)]
                     job_id += 1
-                    ok = worker.transfer_async(
+                    pending[job_id] = _Pending(list(out.keys_to_store), len(js), gpu_ids)
+                    for b in gpu_ids:
+                        fences[b] = job_id
+                    worker.transfer_async(
                         job_id,
                         GPUBlockSpec.single_group(gpu_ids, block_index=js[0] * factor),
                         CPUBlockSpec(tuple(out.block_ids)),
                     )
-                    (result,) = worker.wait([job_id])
-                    success = ok and result.success
-                    manager.complete_store(out.keys_to_store, success)
-                    if success:
-                        res.blocks_stored += len(js)
-                        res.bytes_stored += result.num_bytes
-                        res.store_seconds += result.seconds
-                    else:
-                        res.failed_transfers += 1
         manager.touch(keys)
 
-        # 5. the engine keeps the full GPU blocks in its prefix cache; the rest is freed
+        # 5. the engine keeps the full GPU blocks in its prefix cache; the rest is freed (a
+        #    freed block under a store in flight is fenced when it is allocated again)
         if config.gpu_prefix_blocks:
             owned = gpu_cache.admit(idents, table[:num_full], set(table))
             free.extend(bid for bid in table if bid not in owned)
@@ -437,11 +656,41 @@ def run_replay(
         res.per_request_cpu_hit_tokens.append(cpu_hit)
         if progress is not None:
             progress(n_done)
+    finish(worker.wait(list(pending)))
 
     res.hit_tokens = res.gpu_hit_tokens + res.cpu_hit_tokens
     res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
     res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
     res.store_gbps = res.bytes_stored / res.store_seconds / 1e9 if res.store_seconds else 0.0
     res.load_gbps = res.bytes_loaded / res.load_seconds / 1e9 if res.load_seconds else 0.0
+    if prefill is not None:
+        _compute_totals(res, prefill, marks, timer)
+    worker.close()
     res.wall_s = time.perf_counter() - t_start
     return res
+
+
+def _compute_totals(
+    res: ReplayResult, prefill: _Prefill, marks: list[_Marks], timer: _Timer
+) -> None:
+    """Fill the compute fields: the kvoff pass's marks, then the GEMMs alone (second pass)."""
+    res.time_kvoff_s = sum(timer.seconds(m.start, m.gemm_end) for m in marks)
+    res.gemm_s = sum(timer.seconds(m.gemm_start, m.gemm_end) for m in marks)
+    full = 0.0
+    alone = 0.0
+    for m in marks:
+        a = timer.mark()
+        prefill.run(m.input_tokens)
+        b = timer.mark()
+        prefill.run(m.computed_tokens)
+        c = timer.mark()
+        full += timer.seconds(a, b)
+        alone += timer.seconds(b, c)
+    res.time_recompute_s = full
+    res.gemm_alone_s = alone
+    res.gemm_lost_s = res.gemm_s - alone
+    res.compute_flops_per_token = prefill.flops_per_token
+    res.speedup = full / res.time_kvoff_s if res.time_kvoff_s else None
+    res.ideal_speedup = 1.0 / (1.0 - res.hit_rate) if res.hit_rate < 1 else None
+    if res.speedup is not None and res.ideal_speedup is not None:
+        res.speedup_vs_ideal = res.speedup / res.ideal_speedup
