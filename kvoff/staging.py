@@ -27,7 +27,7 @@ copy finishes before the call returns and events are never needed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,10 +104,10 @@ class StagedGroup:
             of the CPU pool (row stride: the sub-block).
     """
 
-    gpu_rows: Sequence[torch.Tensor]
-    offsets: Sequence[int]
-    cpu_runs: Sequence[tuple[int, int]]
-    cpu_run_rows: Sequence[torch.Tensor]
+    gpu_rows: list[torch.Tensor]
+    offsets: list[int]
+    cpu_runs: list[tuple[int, int]]
+    cpu_run_rows: list[torch.Tensor]
 
 
 class StagingRing:
@@ -152,6 +152,9 @@ class StagingRing:
         self.ready = [torch.cuda.Event() if cuda else None for _ in range(self.num_slots)]
         self.free = [torch.cuda.Event() if cuda else None for _ in range(self.num_slots)]
         self._next = 0
+        # per (group, slot): the slot's views of the group's regions and of its slot runs, made
+        # once (slicing dozens of views per piece would cost as much host time as the copy)
+        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @property
     def num_bytes(self) -> int:
@@ -164,6 +167,22 @@ class StagingRing:
         self._next = (slot + 1) % self.num_slots
         return slot
 
+    def group_views(
+        self, slot: int, group: StagedGroup
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``slot``'s full-piece views ``(piece_blocks, bytes)`` of ``group``'s copy regions
+        and of its slot runs, at their slot offsets (cached; a piece of fewer blocks uses the
+        first rows)."""
+        key = (id(group), slot)
+        views = self._views.get(key)
+        if views is None:
+            stage = self.view(slot, self.piece_blocks)
+            regions = [stage[:, o : o + r.shape[1]] for o, r in zip(group.offsets, group.gpu_rows,
+                                                                  strict=True)]  # fmt: skip
+            runs = [stage[:, o : o + n] for o, n in group.cpu_runs]
+            views = self._views[key] = (regions, runs)
+        return views
+
     def view(self, slot: int, blocks: int) -> torch.Tensor:
         """The first ``blocks`` sub-blocks of ``slot`` as a ``(blocks, sub_block_bytes)`` view."""
         size = self.piece_blocks * self.sub_block_bytes
@@ -173,19 +192,12 @@ class StagingRing:
         )
 
 
+_LOCAL = np.arange(4096, dtype=np.int64)  # staging rows 0..m-1 of a piece (read-only use)
+
+
 def _pieces(n: int, piece: int) -> Iterator[tuple[int, int]]:
     for a in range(0, n, piece):
         yield a, min(n, a + piece)
-
-
-def _region_views(stage: torch.Tensor, group: StagedGroup) -> list[torch.Tensor]:
-    return [
-        stage[:, o : o + r.shape[1]] for o, r in zip(group.offsets, group.gpu_rows, strict=True)
-    ]
-
-
-def _run_views(stage: torch.Tensor, group: StagedGroup) -> list[torch.Tensor]:
-    return [stage[:, o : o + n] for o, n in group.cpu_runs]
 
 
 def staged_store(
@@ -212,23 +224,15 @@ def staged_store(
     n = len(gpu_ids)
     for a, b in _pieces(n, ring.piece_blocks):
         slot = ring.acquire()
-        stage = ring.view(slot, b - a)
-        local = np.arange(b - a, dtype=np.int64)
+        regions, runs = ring.group_views(slot, group)
+        local = _LOCAL[: b - a] if b - a <= len(_LOCAL) else np.arange(b - a, dtype=np.int64)
         with sm.context():
             sm.wait_event(ring.free[slot])
-            copy_blocks_fast(
-                list(group.gpu_rows), _region_views(stage, group), gpu_ids[a:b], local, sm_mechanism
-            )
+            copy_blocks_fast(group.gpu_rows, regions, gpu_ids[a:b], local, sm_mechanism)
             sm.record(ring.ready[slot])
         with dma.context():
             dma.wait_event(ring.ready[slot])
-            copy_blocks_fast(
-                _run_views(stage, group),
-                list(group.cpu_run_rows),
-                local,
-                cpu_rows[a:b],
-                dma_mechanism,
-            )
+            copy_blocks_fast(runs, group.cpu_run_rows, local, cpu_rows[a:b], dma_mechanism)
             dma.record(ring.free[slot])
 
 
@@ -253,21 +257,13 @@ def staged_load(
     n = len(gpu_ids)
     for a, b in _pieces(n, ring.piece_blocks):
         slot = ring.acquire()
-        stage = ring.view(slot, b - a)
-        local = np.arange(b - a, dtype=np.int64)
+        regions, runs = ring.group_views(slot, group)
+        local = _LOCAL[: b - a] if b - a <= len(_LOCAL) else np.arange(b - a, dtype=np.int64)
         with dma.context():
             dma.wait_event(ring.free[slot])
-            copy_blocks_fast(
-                list(group.cpu_run_rows),
-                _run_views(stage, group),
-                cpu_rows[a:b],
-                local,
-                dma_mechanism,
-            )
+            copy_blocks_fast(group.cpu_run_rows, runs, cpu_rows[a:b], local, dma_mechanism)
             dma.record(ring.ready[slot])
         with sm.context():
             sm.wait_event(ring.ready[slot])
-            copy_blocks_fast(
-                _region_views(stage, group), list(group.gpu_rows), local, gpu_ids[a:b], sm_mechanism
-            )
+            copy_blocks_fast(regions, group.gpu_rows, local, gpu_ids[a:b], sm_mechanism)
             sm.record(ring.free[slot])

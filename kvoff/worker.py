@@ -199,13 +199,7 @@ class _Group:
     def layout(self) -> str:
         return "block_contiguous" if len(self.regions) == 1 else "layer_major"
 
-    def staged(self) -> StagedGroup:
-        return StagedGroup(
-            [r.gpu_rows for r in self.regions],
-            [r.cpu_offset for r in self.regions],
-            self.cpu_runs,
-            self.cpu_run_rows,
-        )
+    staged: StagedGroup | None = None  # what a staged copy of this group needs (made once)
 
 
 @dataclass
@@ -533,6 +527,10 @@ class OffloadingWorker:
             group.cpu_run_rows = [pool_rows(o, n) for o, n in group.cpu_runs]
             group.gpu_side = [r.gpu_rows for r in group.regions]
             group.cpu_side = [r.cpu_rows for r in group.regions]  # type: ignore[misc]
+            group.staged = StagedGroup(
+                group.gpu_side, [r.cpu_offset for r in group.regions], group.cpu_runs,
+                group.cpu_run_rows,
+            )  # fmt: skip
         self._pool = pool
         self._pool_tensor = pool_tensor
         self._canonical_row_bytes = canon_rows
@@ -802,10 +800,12 @@ class OffloadingWorker:
                 sm_mechanism = "kernel" if on_gpu else "memcpy"
                 dma_mechanism = self._dma_mechanism() if on_gpu else "memcpy"
                 how = {"sm_mechanism": sm_mechanism, "dma_mechanism": dma_mechanism}
+                staged = g.staged
+                assert staged is not None  # made at registration
                 if direction == "store":
-                    staged_store(g.staged(), gpu_ids, cpu_rows, ring, sm, dma, **how)
+                    staged_store(staged, gpu_ids, cpu_rows, ring, sm, dma, **how)
                 else:
-                    staged_load(g.staged(), cpu_rows, gpu_ids, ring, sm, dma, **how)
+                    staged_load(staged, cpu_rows, gpu_ids, ring, sm, dma, **how)
                 continue
             with dma.context():
                 if direction == "store":
