@@ -28,9 +28,9 @@ state after the last token of block ``p`` once that block is full.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from kvoff._scheduler import OffloadingEvent, _OffloadingScheduler
 from kvoff.specs import (
@@ -130,16 +130,21 @@ class SchedulerStep:
         scheduled: every request scheduled in this step.
         finished_request_ids: requests finished or aborted since the last step.
         preempted_request_ids: requests preempted in this step (their GPU blocks are freed).
+        rewritten_block_ids: GPU blocks the engine overwrites in this step that are not among
+            the scheduled requests' new blocks (copy-on-write destinations, zeroed blocks): an
+            in-flight job using one is flushed and a remembered id is stale (invariant 4).
     """
 
     scheduled: tuple[ScheduledRequest, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
     preempted_request_ids: tuple[str, ...] = ()
+    rewritten_block_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheduled", tuple(self.scheduled))
         object.__setattr__(self, "finished_request_ids", tuple(self.finished_request_ids))
         object.__setattr__(self, "preempted_request_ids", tuple(self.preempted_request_ids))
+        object.__setattr__(self, "rewritten_block_ids", tuple(self.rewritten_block_ids))
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,17 @@ class ConnectorOutput:
     failed_jobs: tuple[int, ...] = ()
 
 
+_T = TypeVar("_T")
+
+
+def _trusted(cls: type[_T], **fields: Any) -> _T:
+    """A frozen dataclass instance from fields known to be valid (``__post_init__`` skipped)."""
+    obj = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+    return obj
+
+
 def _group_kind(spec: KVCacheSpec) -> tuple[str, int]:
     if isinstance(spec, FullAttentionSpec | MLAAttentionSpec):
         return ("full_attention", 0)
@@ -291,8 +307,7 @@ class OffloadingScheduler:
             num_gpu_blocks=spec.kv_cache_config.num_blocks,
             groups=list(group_kinds(spec)),
         )
-        self._requests: dict[str, RequestLike] = {}
-        self._known: dict[str, int] = {}  # hashes the core has, per request
+        self._requests: dict[str, RequestLike] = {}  # the core reads their new hashes
 
     @classmethod
     def from_config(
@@ -312,14 +327,12 @@ class OffloadingScheduler:
         return cls(spec, enable_events=config.enable_events)
 
     # ------------------------------------------------------------------ requests
-    def _sync(self, request: RequestLike, *, tokens: bool) -> None:
+    def _sync(self, request: RequestLike) -> None:
+        """Hands the core the request's hashes it does not have yet and its token count."""
         rid = request.request_id
-        hashes = request.block_hashes
-        known = self._known.get(rid, 0)
-        if rid not in self._known or len(hashes) > known or tokens:
-            self._core.update_request(rid, known, hashes[known:], request.num_tokens)
-            self._known[rid] = len(hashes)
-            self._requests[rid] = request
+        known = self._core.num_hashes(rid)
+        self._core.update_request(rid, known, request.block_hashes[known:], request.num_tokens)
+        self._requests[rid] = request
 
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
@@ -341,7 +354,7 @@ class OffloadingScheduler:
                 ``num_tokens``; ``num_tokens`` smaller than the hashes cover; an empty hash.
             TypeError: a hash that is neither bytes nor int.
         """
-        self._sync(request, tokens=True)
+        self._sync(request)
         return self._core.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -364,7 +377,7 @@ class OffloadingScheduler:
                 groups, too short for the load, or with ids outside ``[0, num_gpu_blocks)``.
                 Nothing is changed.
         """
-        self._sync(request, tokens=False)
+        self._sync(request)
         self._core.update_state_after_alloc(
             request.request_id, [list(g) for g in block_ids], num_external_tokens
         )
@@ -381,46 +394,85 @@ class OffloadingScheduler:
             ValueError: an unknown or repeated request id, a wrong group count, out-of-range
                 block ids or negative token counts (nothing is changed).
         """
-        for s in step.scheduled:
-            request = self._requests.get(s.request_id)
-            if request is None:
-                raise ValueError(
-                    f"build_connector_meta: request {s.request_id!r} was never passed to "
-                    "get_num_new_matched_tokens or update_state_after_alloc; pass it there "
-                    "first"
-                )
-            if len(request.block_hashes) > self._known[s.request_id]:
-                self._sync(request, tokens=True)
-        n = len(self.spec.kv_cache_config.kv_cache_groups)
-        scheduled = [
-            (
-                s.request_id,
-                s.new_block_ids if s.new_block_ids else [()] * n,
-                s.num_computed_tokens,
-                s.num_scheduled_tokens,
-                s.resumed_from_preemption,
-            )
-            for s in step.scheduled
-        ]
+        scheduled = step.scheduled
+        return self.build_connector_meta_columns(
+            [s.request_id for s in scheduled],
+            [s.new_block_ids or None for s in scheduled],
+            [s.num_computed_tokens for s in scheduled],
+            [s.num_scheduled_tokens for s in scheduled],
+            {s.request_id for s in scheduled if s.resumed_from_preemption},
+            step.finished_request_ids,
+            step.preempted_request_ids,
+            step.rewritten_block_ids,
+        )
+
+    def build_connector_meta_columns(
+        self,
+        request_ids: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Mapping[str, int] | Sequence[int],
+        resumed_request_ids: Collection[str] = (),
+        finished_request_ids: Iterable[str] = (),
+        preempted_request_ids: Iterable[str] = (),
+        rewritten_block_ids: Sequence[int] = (),
+    ) -> ConnectorMetadata:
+        """:meth:`build_connector_meta` with the step in columns, as engines keep it (vLLM's
+        ``CachedRequestData``): no per-request objects are made. The fast path for engine
+        integrations; the same checks and results.
+
+        Args:
+            request_ids: the scheduled requests, one entry each.
+            new_block_ids: per scheduled request, ``None`` (no new blocks) or per KV cache
+                group the new GPU block ids (the whole table when first scheduled or resumed;
+                see :attr:`ScheduledRequest.new_block_ids`).
+            num_computed_tokens: per scheduled request, tokens computed before this step.
+            num_scheduled_tokens: tokens computed in this step: a dict by request id (missing
+                ids: 0) or a sequence aligned with ``request_ids``.
+            resumed_request_ids: the scheduled requests resumed from preemption.
+            finished_request_ids, preempted_request_ids, rewritten_block_ids: as in
+                :class:`SchedulerStep`.
+
+        Raises:
+            ValueError: columns of different lengths, and everything
+                :meth:`build_connector_meta` raises (nothing is changed; new block hashes of
+                the scheduled requests may have been taken, as the next call would).
+            TypeError: a request id that is not a str, a block id or count that is not an int.
+        """
         loads, stores, flush = self._core.build_connector_meta(
-            scheduled, list(step.finished_request_ids), list(step.preempted_request_ids)
+            request_ids,
+            new_block_ids,
+            num_computed_tokens,
+            num_scheduled_tokens,
+            resumed_request_ids,
+            finished_request_ids,
+            preempted_request_ids,
+            rewritten_block_ids,
+            self._requests,
         )
-        for rid in step.finished_request_ids:
-            self._forget(rid)
-        return ConnectorMetadata(
-            tuple(self._job(j) for j in loads), tuple(self._job(j) for j in stores), tuple(flush)
-        )
+        for rid in finished_request_ids:
+            self._requests.pop(rid, None)
+        job = self._job
+        return ConnectorMetadata(tuple(map(job, loads)), tuple(map(job, stores)), tuple(flush))
 
     @staticmethod
     def _job(t: tuple) -> TransferJob:
+        """A job from the core's tuple. The core's jobs are valid by construction (invariant 1
+        holds, ids are in range): the records are made without re-checking them."""
         job_id, rid, is_store, gpu_ids, sizes, indices, cpu_ids, keys = t
-        return TransferJob(
-            job_id,
-            rid,
-            "store" if is_store else "load",
-            GPUBlockSpec(tuple(gpu_ids), tuple(sizes), tuple(indices)),
-            CPUBlockSpec(tuple(cpu_ids)),
-            tuple(keys),
+        return _trusted(
+            TransferJob,
+            job_id=job_id,
+            request_id=rid,
+            direction="store" if is_store else "load",
+            gpu=_trusted(
+                GPUBlockSpec,
+                block_ids=tuple(gpu_ids),
+                group_sizes=tuple(sizes),
+                block_indices=tuple(indices),
+            ),
+            cpu=_trusted(CPUBlockSpec, block_ids=tuple(cpu_ids)),
+            keys=tuple(keys),
         )
 
     def update_connector_output(
@@ -459,23 +511,26 @@ class OffloadingScheduler:
             makes the next step flush those jobs).
         """
         rid = request if isinstance(request, str) else request.request_id
-        self._forget(rid)
-        return self._core.request_finished(rid)
-
-    def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
-        self._known.pop(rid, None)
+        return self._core.request_finished(rid)
 
     def take_events(self) -> list[OffloadingEvent]:
         """``BlockStored`` / ``BlockRemoved`` events (medium ``"CPU"``) since the last call;
         always empty unless ``enable_events``."""
         return self._core.take_events()
 
+    def reset_cache(self) -> int:
+        """Empties the CPU pool of every block no job uses (ready and not pinned by a load),
+        e.g. for an engine's prefix-cache reset; returns how many blocks were dropped (one
+        ``BlockRemoved`` event lists them). Jobs in flight complete as usual."""
+        return int(self._core.reset_cache())
+
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict[str, int]:
         """Counters: lookups, lookup_retries, hit_tokens, load_jobs, store_jobs,
-        blocks_loaded, blocks_stored (GPU blocks), store_refusals, stale_blocks_skipped,
-        jobs_flushed, failed_jobs, and the pool and request gauges."""
+        blocks_loaded, blocks_stored (GPU blocks), store_refusals, blocks_evicted (offloaded
+        blocks), stale_blocks_skipped, jobs_flushed, failed_jobs, and the pool and request
+        gauges."""
         return self._core.stats()
 
     def offload_key(self, request: RequestLike, block: int, group: int = 0) -> bytes:

@@ -941,6 +941,11 @@ class OffloadingWorker:
             job.job_id, job.direction, True, job.num_bytes, seconds, None, job.mechanism
         )
 
+    def pending_jobs(self) -> set[int]:
+        """Ids of submitted jobs whose results were not taken yet (by :meth:`get_finished` or
+        :meth:`wait`): in flight, or finished and queued."""
+        return set(self._in_flight) | {r.job_id for r in self._finished}
+
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, without blocking (CUDA events are polled)."""
         done = self._finished

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvoff/eviction_policy.h"
@@ -312,9 +313,39 @@ std::string doc(const char* head, const char* tail = "") {
 // kvoff.scheduler.OffloadingScheduler (which owns the argument types and their docstrings).
 namespace sched {
 
-std::int64_t to_int64(PyObject* item, const std::string& what) {
+/// Names a value for an error message, built only when one is raised: `what`, `what[i]`,
+/// `what[i][j]`, ... (up to three indices).
+struct Where {
+  const char* what;
+  std::array<Py_ssize_t, 3> index{-1, -1, -1};
+  /// This place indexed once more by `k`.
+  Where at(Py_ssize_t k) const {
+    Where w = *this;
+    for (auto& i : w.index) {
+      if (i < 0) {
+        i = k;
+        break;
+      }
+    }
+    return w;
+  }
+  std::string str() const {
+    std::string out(what);
+    for (const Py_ssize_t i : index) {
+      if (i >= 0) out += "[" + std::to_string(i) + "]";
+    }
+    return out;
+  }
+};
+
+std::int64_t to_int64(PyObject* item, const Where& where) {
+  if (PyLong_CheckExact(item)) {  // the fast path: a plain int
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow == 0 && !(v == -1 && PyErr_Occurred())) return v;
+  }
   if (PyBool_Check(item) || !PyLong_Check(item)) {
-    throw py::type_error(what + " must be an int, got " + Py_TYPE(item)->tp_name + " (" +
+    throw py::type_error(where.str() + " must be an int, got " + Py_TYPE(item)->tp_name + " (" +
                          short_repr(item) + ")");
   }
   int overflow = 0;
@@ -323,53 +354,80 @@ std::int64_t to_int64(PyObject* item, const std::string& what) {
     throw py::error_already_set();
   }
   if (overflow != 0) {
-    throw py::value_error(what + " = " + short_repr(item) + " does not fit in 64 bits");
+    throw py::value_error(where.str() + " = " + short_repr(item) + " does not fit in 64 bits");
   }
   return v;
 }
 
-std::vector<std::int64_t> to_ints(py::handle obj, const std::string& what) {
-  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+std::int64_t to_int64(PyObject* item, const char* what) { return to_int64(item, Where{what}); }
+
+/// A sequence as a fast sequence (a new reference), or a TypeError naming `where`.
+py::object fast_sequence(PyObject* obj, const Where& where, const char* of) {
+  PyObject* seq = PySequence_Fast(obj, "");
   if (seq == nullptr) {
     PyErr_Clear();
-    throw py::type_error(what + " must be a sequence of ints, got " + Py_TYPE(obj.ptr())->tp_name);
+    throw py::type_error(where.str() + " must be a sequence of " + of + ", got " +
+                         Py_TYPE(obj)->tp_name);
   }
-  py::object keep = py::reinterpret_steal<py::object>(seq);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  return py::reinterpret_steal<py::object>(seq);
+}
+
+std::vector<std::int64_t> to_ints(PyObject* obj, const Where& where) {
+  py::object seq = fast_sequence(obj, where, "ints");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
   std::vector<std::int64_t> out(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[static_cast<std::size_t>(i)] = to_int64(items[i], what + "[" + std::to_string(i) + "]");
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* item = items[k];
+    int overflow = 0;
+    long long v = 0;
+    if (PyLong_CheckExact(item) &&
+        ((v = PyLong_AsLongLongAndOverflow(item, &overflow)) != -1 || !PyErr_Occurred()) &&
+        overflow == 0) {
+      out[static_cast<std::size_t>(k)] = v;  // the fast path: a plain int
+      continue;
+    }
+    PyErr_Clear();
+    out[static_cast<std::size_t>(k)] = to_int64(item, where.at(k));
   }
   return out;
 }
 
-std::vector<std::vector<std::int64_t>> to_int_lists(py::handle obj, const std::string& what) {
-  PyObject* seq = PySequence_Fast(obj.ptr(), "");
-  if (seq == nullptr) {
-    PyErr_Clear();
-    throw py::type_error(what + " must be a sequence (one per KV cache group) of sequences of "
-                         "ints, got " + Py_TYPE(obj.ptr())->tp_name);
-  }
-  py::object keep = py::reinterpret_steal<py::object>(seq);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+/// Per KV cache group, a list of ints: `obj` is a sequence (one entry per group) of sequences.
+std::vector<std::vector<std::int64_t>> to_int_lists(PyObject* obj, const Where& where) {
+  py::object seq = fast_sequence(obj, where, "sequences of ints (one per KV cache group)");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
   std::vector<std::vector<std::int64_t>> out(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[static_cast<std::size_t>(i)] =
-        to_ints(items[i], what + "[" + std::to_string(i) + "]");
+  for (Py_ssize_t g = 0; g < n; ++g) {
+    out[static_cast<std::size_t>(g)] = to_ints(items[g], where.at(g));
   }
   return out;
+}
+
+std::vector<std::vector<std::int64_t>> to_int_lists(py::handle obj, const char* what) {
+  return to_int_lists(obj.ptr(), Where{what});
+}
+
+/// A request id (str) as a view of its UTF-8 (valid while the object lives).
+std::string_view id_view(PyObject* item, const Where& where) {
+  if (!PyUnicode_Check(item)) {
+    throw py::type_error(where.str() + " must be a str request id, got " +
+                         Py_TYPE(item)->tp_name + " (" + short_repr(item) + ")");
+  }
+  Py_ssize_t n = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(item, &n);
+  if (data == nullptr) {
+    throw py::error_already_set();
+  }
+  return {data, static_cast<std::size_t>(n)};
 }
 
 std::vector<std::string> to_strs(py::handle obj, const char* what) {
   std::vector<std::string> out;
+  Py_ssize_t i = 0;
   for (py::handle item : obj) {
-    if (!PyUnicode_Check(item.ptr())) {
-      throw py::type_error(std::string(what) + " must hold str request ids, got " +
-                           Py_TYPE(item.ptr())->tp_name);
-    }
-    out.push_back(item.cast<std::string>());
+    out.emplace_back(id_view(item.ptr(), Where{what}.at(i++)));
   }
   return out;
 }
@@ -406,6 +464,108 @@ py::list str_list(const std::vector<std::string>& v) {
     out[i] = py::str(v[i]);
   }
   return out;
+}
+
+/// build_connector_meta from columns (see kvoff.scheduler.OffloadingScheduler.
+/// build_connector_meta_columns): request_ids[i], new_block_ids[i] (None or per group a
+/// sequence of ints), num_computed_tokens[i]; num_scheduled_tokens a dict by request id
+/// (missing: 0) or a sequence aligned with request_ids; resumed_request_ids any container.
+/// When `requests` is a dict (request id -> object with block_hashes and num_tokens), each
+/// scheduled request's new block hashes are added first (update_request). Returns
+/// (load job tuples, store job tuples, job ids to flush).
+py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
+                     py::handle new_block_ids, py::handle num_computed_tokens,
+                     py::handle num_scheduled_tokens, py::handle resumed_request_ids,
+                     py::handle finished, py::handle preempted, py::handle rewritten,
+                     py::handle requests) {
+  const py::object ids = fast_sequence(request_ids.ptr(), Where{"request_ids"}, "str");
+  const py::object blocks =
+      fast_sequence(new_block_ids.ptr(), Where{"new_block_ids"}, "block id lists or None");
+  const py::object computed =
+      fast_sequence(num_computed_tokens.ptr(), Where{"num_computed_tokens"}, "ints");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(ids.ptr());
+  for (const auto& [name, seq] : {std::pair{"new_block_ids", blocks.ptr()},
+                                  std::pair{"num_computed_tokens", computed.ptr()}}) {
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+      throw py::value_error(std::string(name) + " has " +
+                            std::to_string(PySequence_Fast_GET_SIZE(seq)) +
+                            " entries but request_ids has " + std::to_string(n) +
+                            "; give one entry per scheduled request");
+    }
+  }
+  PyObject* scheduled_dict = PyDict_Check(num_scheduled_tokens.ptr()) ? num_scheduled_tokens.ptr()
+                                                                       : nullptr;
+  py::object scheduled_seq;
+  if (scheduled_dict == nullptr) {
+    scheduled_seq = fast_sequence(num_scheduled_tokens.ptr(), Where{"num_scheduled_tokens"},
+                                  "ints (or a dict by request id)");
+    if (PySequence_Fast_GET_SIZE(scheduled_seq.ptr()) != n) {
+      throw py::value_error("num_scheduled_tokens has " +
+                            std::to_string(PySequence_Fast_GET_SIZE(scheduled_seq.ptr())) +
+                            " entries but request_ids has " + std::to_string(n));
+    }
+  }
+  const bool any_resumed = !resumed_request_ids.is_none() && PyObject_IsTrue(resumed_request_ids.ptr());
+  PyObject* request_dict = PyDict_Check(requests.ptr()) ? requests.ptr() : nullptr;
+  static PyObject* const kHashes = PyUnicode_InternFromString("block_hashes");
+  static PyObject* const kTokens = PyUnicode_InternFromString("num_tokens");
+
+  PyObject** id_items = PySequence_Fast_ITEMS(ids.ptr());
+  PyObject** block_items = PySequence_Fast_ITEMS(blocks.ptr());
+  PyObject** computed_items = PySequence_Fast_ITEMS(computed.ptr());
+  std::vector<kvoff::ScheduledRequest> reqs(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* id_obj = id_items[i];
+    const std::string_view id = id_view(id_obj, Where{"request_ids"}.at(i));
+    if (request_dict != nullptr) {  // new block hashes of the engine's request object
+      PyObject* req = PyDict_GetItemWithError(request_dict, id_obj);  // borrowed
+      if (req == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (req != nullptr) {
+        py::object hashes = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kHashes));
+        if (!hashes) throw py::error_already_set();
+        const Py_ssize_t num = PyObject_Size(hashes.ptr());
+        if (num < 0) throw py::error_already_set();
+        const std::size_t known = self.num_hashes(id);
+        if (static_cast<std::size_t>(num) > known) {
+          py::object tail = py::reinterpret_steal<py::object>(
+              PySequence_GetSlice(hashes.ptr(), static_cast<Py_ssize_t>(known), num));
+          if (!tail) throw py::error_already_set();
+          py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kTokens));
+          if (!tokens) throw py::error_already_set();
+          KeyBatch batch(tail);
+          self.update_request(id, known, batch.span(), to_int64(tokens.ptr(), "num_tokens"));
+        }
+      }
+    }
+    kvoff::ScheduledRequest& s = reqs[static_cast<std::size_t>(i)];
+    s.request_id.assign(id);
+    if (block_items[i] != Py_None) {
+      s.new_block_ids = to_int_lists(block_items[i], Where{"new_block_ids"}.at(i));
+    }
+    s.num_computed_tokens = to_int64(computed_items[i], Where{"num_computed_tokens"}.at(i));
+    if (scheduled_dict != nullptr) {
+      PyObject* v = PyDict_GetItemWithError(scheduled_dict, id_obj);
+      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      s.num_scheduled_tokens = v == nullptr ? 0 : to_int64(v, "num_scheduled_tokens");
+    } else {
+      s.num_scheduled_tokens = to_int64(PySequence_Fast_GET_ITEM(scheduled_seq.ptr(), i),
+                                        Where{"num_scheduled_tokens"}.at(i));
+    }
+    if (any_resumed) {
+      const int in = PySequence_Contains(resumed_request_ids.ptr(), id_obj);
+      if (in < 0) throw py::error_already_set();
+      s.resumed_from_preemption = in == 1;
+    }
+  }
+  const auto fin = to_strs(finished, "finished_request_ids");
+  const auto pre = to_strs(preempted, "preempted_request_ids");
+  std::vector<std::int64_t> rewritten_ids = to_ints(rewritten.ptr(), Where{"rewritten_block_ids"});
+  auto meta = self.build_connector_meta(reqs, fin, pre, rewritten_ids);
+  py::list flush(meta.jobs_to_flush.size());
+  for (std::size_t i = 0; i < meta.jobs_to_flush.size(); ++i) {
+    flush[i] = py::int_(meta.jobs_to_flush[i]);
+  }
+  return py::make_tuple(job_list(meta.load_jobs), job_list(meta.store_jobs), flush);
 }
 
 kvoff::GroupKind to_kind(const std::string& name) {
@@ -477,34 +637,19 @@ void bind(py::module_& m) {
           py::arg("request_id"), py::arg("block_ids"), py::arg("num_external_tokens"))
       .def(
           "build_connector_meta",
-          [](OffloadingScheduler& self, py::handle scheduled, py::handle finished,
-             py::handle preempted) {
-            std::vector<kvoff::ScheduledRequest> reqs;
-            for (py::handle item : scheduled) {
-              py::tuple t = py::reinterpret_borrow<py::tuple>(item);
-              if (!PyTuple_Check(item.ptr()) || t.size() != 5) {
-                throw py::type_error(
-                    "scheduled entries must be (request_id, new_block_ids, "
-                    "num_computed_tokens, num_scheduled_tokens, resumed_from_preemption)");
-              }
-              kvoff::ScheduledRequest s;
-              s.request_id = t[0].cast<std::string>();
-              s.new_block_ids = to_int_lists(t[1], "new_block_ids");
-              s.num_computed_tokens = to_int64(t[2].ptr(), "num_computed_tokens");
-              s.num_scheduled_tokens = to_int64(t[3].ptr(), "num_scheduled_tokens");
-              s.resumed_from_preemption = t[4].cast<bool>();
-              reqs.push_back(std::move(s));
-            }
-            const auto fin = to_strs(finished, "finished_request_ids");
-            const auto pre = to_strs(preempted, "preempted_request_ids");
-            auto meta = self.build_connector_meta(reqs, fin, pre);
-            py::list flush(meta.jobs_to_flush.size());
-            for (std::size_t i = 0; i < meta.jobs_to_flush.size(); ++i) {
-              flush[i] = py::int_(meta.jobs_to_flush[i]);
-            }
-            return py::make_tuple(job_list(meta.load_jobs), job_list(meta.store_jobs), flush);
+          [](OffloadingScheduler& self, py::handle request_ids, py::handle new_block_ids,
+             py::handle num_computed_tokens, py::handle num_scheduled_tokens,
+             py::handle resumed_request_ids, py::handle finished, py::handle preempted,
+             py::handle rewritten, py::handle requests) {
+            return build_step(self, request_ids, new_block_ids, num_computed_tokens,
+                              num_scheduled_tokens, resumed_request_ids, finished, preempted,
+                              rewritten, requests);
           },
-          py::arg("scheduled"), py::arg("finished_request_ids"), py::arg("preempted_request_ids"))
+          py::arg("request_ids"), py::arg("new_block_ids"), py::arg("num_computed_tokens"),
+          py::arg("num_scheduled_tokens"), py::arg("resumed_request_ids"),
+          py::arg("finished_request_ids"), py::arg("preempted_request_ids"),
+          py::arg("rewritten_block_ids"), py::arg("requests"))
+      .def("num_hashes", &OffloadingScheduler::num_hashes, py::arg("request_id"))
       .def(
           "update_connector_output",
           [](OffloadingScheduler& self, py::handle reports) {
@@ -537,6 +682,7 @@ void bind(py::module_& m) {
       .def("request_finished", &OffloadingScheduler::request_finished, py::arg("request_id"))
       .def("take_events",
            [](OffloadingScheduler& self) { return events_to_py(self.take_events()); })
+      .def("reset_cache", &OffloadingScheduler::reset_cache)
       .def("stats",
            [](const OffloadingScheduler& self) {
              const auto& s = self.stats();
@@ -549,6 +695,8 @@ void bind(py::module_& m) {
              d["blocks_loaded"] = s.blocks_loaded;
              d["blocks_stored"] = s.blocks_stored;
              d["store_refusals"] = s.store_refusals;
+             d["blocks_evicted"] = s.blocks_evicted;
+             d["blocks_discarded"] = s.blocks_discarded;
              d["stale_blocks_skipped"] = s.stale_blocks_skipped;
              d["jobs_flushed"] = s.jobs_flushed;
              d["failed_jobs"] = s.failed_jobs;
@@ -804,6 +952,22 @@ PYBIND11_MODULE(_scheduler, m) {
                   "Returns the events recorded since the last call, oldest first, and clears "
                   "them: BlockRemoved for evictions (from prepare_store) and BlockStored for "
                   "complete_store(success=True). Always [] when enable_events is False."))
+      .def(
+          "discard",
+          [](CPUOffloadingManager& self, py::handle keys) {
+            KeyBatch batch(keys);
+            return self.discard(batch.span());
+          },
+          py::arg("keys"),
+          py::doc("discard(self, keys) -> int\n\n"
+                  "Drops the ready, unpinned blocks among keys (their data cannot be trusted, "
+                  "e.g. a load of them failed); returns how many. Missing, pending and pinned "
+                  "keys are left as they are. Raises ValueError for an empty key."))
+      .def("clear", &CPUOffloadingManager::clear,
+           py::doc("clear(self) -> int\n\n"
+                   "Drops every ready block that no load pins (one BlockRemoved event lists "
+                   "them) and returns how many blocks. Pending blocks (stores in flight) and "
+                   "pinned blocks stay. O(num_blocks)."))
       .def_property_readonly("num_blocks", &CPUOffloadingManager::num_blocks,
                              py::doc("int: pool size in CPU blocks (slots)."))
       .def_property_readonly("num_free_blocks", &CPUOffloadingManager::num_free_blocks,

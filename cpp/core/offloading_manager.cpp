@@ -490,4 +490,57 @@ std::vector<OffloadingEvent> CPUOffloadingManager::take_events() {
   return std::exchange(events_, {});
 }
 
+std::size_t CPUOffloadingManager::discard(KeySpan keys) {
+  validate_keys(keys, "discard");
+  find_all(keys);
+  std::vector<std::string> removed;
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::uint32_t slot = scratch_slots_[i];
+    if (slot == KeyIndex::kNotFound || !evictable(index_.payload(slot))) {
+      continue;  // missing, pending, pinned, or dropped earlier in this call
+    }
+    if (enable_events_) {
+      removed.emplace_back(index_.key(slot));
+    }
+    policy_->erase(slot, index_.key(slot), /*evicted=*/false);
+    index_.erase(slot);
+    pool_.free(slot);
+    // a later occurrence of the key in this call must not see the freed slot
+    for (std::size_t k = i + 1; k < keys.size(); ++k) {
+      if (scratch_slots_[k] == slot) scratch_slots_[k] = KeyIndex::kNotFound;
+    }
+    ++count;
+  }
+  num_ready_ -= static_cast<std::uint32_t>(count);
+  num_evictable_ -= static_cast<std::uint32_t>(count);
+  record(std::move(removed), /*removed=*/true);
+  return count;
+}
+
+std::size_t CPUOffloadingManager::clear() {
+  std::vector<std::string> removed;
+  std::size_t count = 0;
+  for (std::uint32_t slot = 0; slot < index_.num_slots(); ++slot) {
+    if (!policy_->contains(slot)) {
+      continue;  // free
+    }
+    const std::uint64_t p = index_.payload(slot);
+    if (!evictable(p)) {
+      continue;  // pending, or ready and pinned by a load in flight
+    }
+    if (enable_events_) {
+      removed.emplace_back(index_.key(slot));
+    }
+    policy_->erase(slot, index_.key(slot), /*evicted=*/true);
+    index_.erase(slot);
+    pool_.free(slot);
+    ++count;
+  }
+  num_ready_ -= static_cast<std::uint32_t>(count);
+  num_evictable_ -= static_cast<std::uint32_t>(count);
+  record(std::move(removed), /*removed=*/true);
+  return count;
+}
+
 }  // namespace kvoff

@@ -77,14 +77,19 @@ OffloadingScheduler::~OffloadingScheduler() = default;
 // ------------------------------------------------------------------------------ helpers
 
 OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
-  auto it = requests_.find(std::string(request_id));
+  auto it = requests_.find(request_id);
   return it == requests_.end() ? nullptr : &it->second;
 }
 
 const OffloadingScheduler::Request* OffloadingScheduler::find(
     std::string_view request_id) const noexcept {
-  auto it = requests_.find(std::string(request_id));
+  auto it = requests_.find(request_id);
   return it == requests_.end() ? nullptr : &it->second;
+}
+
+std::size_t OffloadingScheduler::num_hashes(std::string_view request_id) const noexcept {
+  const Request* r = find(request_id);
+  return r == nullptr ? 0 : r->hashes.size();
 }
 
 OffloadingScheduler::Request& OffloadingScheduler::get(std::string_view request_id,
@@ -514,6 +519,7 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
     return;
   }
   r.next_store = full;
+  stats_.blocks_evicted += result->evicted_keys.size();
   manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
   if (result->store_indices.empty()) return;
   std::vector<char> to_store(items.size(), 0);
@@ -568,9 +574,19 @@ void OffloadingScheduler::mark_allocated(std::int64_t block_id, ConnectorMeta& m
 
 ConnectorMeta OffloadingScheduler::build_connector_meta(
     std::span<const ScheduledRequest> scheduled, std::span<const std::string> finished_request_ids,
-    std::span<const std::string> preempted_request_ids) {
+    std::span<const std::string> preempted_request_ids,
+    std::span<const std::int64_t> rewritten_block_ids) {
   constexpr const char* kHook = "build_connector_meta";
   // Validate everything first: a bad step changes nothing.
+  for (std::size_t i = 0; i < rewritten_block_ids.size(); ++i) {
+    const std::int64_t id = rewritten_block_ids[i];
+    if (id < 0 || id >= config_.num_gpu_blocks) {
+      throw std::invalid_argument(
+          std::string(kHook) + ": rewritten_block_ids[" + std::to_string(i) + "] = " +
+          std::to_string(id) + " is outside [0, num_gpu_blocks=" +
+          std::to_string(config_.num_gpu_blocks) + "); pass GPU block ids of this engine");
+    }
+  }
   {
     ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
     for (const auto& s : scheduled) {
@@ -618,6 +634,9 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
     }
     r.scheduled_before = true;
     r.gpu_hit_tokens = 0;
+  }
+  for (const std::int64_t id : rewritten_block_ids) {
+    if (id != 0) mark_allocated(id, meta);
   }
   for (const auto& id : finished_request_ids) {
     if (Request* r = find(id)) release(*r);
@@ -695,6 +714,11 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       --r.stores_in_flight;
     } else {
       manager_.complete_load(keys);
+      if (j.failed) {
+        // The blocks could not be read: never offer them again (a retry of the request would
+        // fail the same way), so that the engine recomputes them and stores them anew.
+        stats_.blocks_discarded += manager_.discard(keys);
+      }
       for (const auto& k : job.keys) {
         auto lk = loading_keys_.find(k);
         if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);

@@ -797,5 +797,58 @@ TEST(ManagerPrefetch, LongRunMatchesAReferenceLRUWhileTheRecencyLogWraps) {
   EXPECT_EQ(m.num_stored_blocks(), lru.size());
 }
 
+
+TEST(CPUOffloadingManagerDiscard, DropsOnlyReadyUnpinnedKeysOnce) {
+  CPUOffloadingManager m(8, "lru", /*enable_events=*/true);
+  const Keys ready{"r0", "r1", "r2"};
+  ASSERT_TRUE(m.prepare_store(ready).has_value());
+  m.complete_store(ready);
+  m.prepare_load(K({"r1"}));
+  ASSERT_TRUE(m.prepare_store(K({"p0"})).has_value());
+  (void)m.take_events();
+  EXPECT_EQ(m.discard(K({"r0", "r0", "r1", "p0", "missing", "r2"})), 2u);
+  EXPECT_EQ(m.state("r0"), BlockState::kMissing);
+  EXPECT_EQ(m.state("r2"), BlockState::kMissing);
+  EXPECT_EQ(m.state("r1"), BlockState::kReady);   // pinned by a load
+  EXPECT_EQ(m.state("p0"), BlockState::kPending);  // a store in flight
+  EXPECT_EQ(m.num_stored_blocks(), 1u);
+  EXPECT_EQ(m.num_free_blocks(), 6u);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(events[0].removed);
+  EXPECT_EQ(events[0].keys.size(), 2u);
+  EXPECT_THROW(m.discard(K({""})), std::invalid_argument);
+}
+
+TEST(CPUOffloadingManagerClear, DropsReadyUnpinnedBlocksOnly) {
+  CPUOffloadingManager m(8, "lru", /*enable_events=*/true);
+  const Keys ready{"r0", "r1", "r2"};
+  ASSERT_TRUE(m.prepare_store(ready).has_value());
+  m.complete_store(ready);
+  const Keys pinned{"r1"};
+  m.prepare_load(pinned);  // a load in flight
+  const Keys pending{"p0"};
+  ASSERT_TRUE(m.prepare_store(pending).has_value());  // a store in flight
+  (void)m.take_events();
+  EXPECT_EQ(m.clear(), 2u);
+  EXPECT_EQ(m.state("r0"), BlockState::kMissing);
+  EXPECT_EQ(m.state("r2"), BlockState::kMissing);
+  EXPECT_EQ(m.state("r1"), BlockState::kReady);
+  EXPECT_EQ(m.state("p0"), BlockState::kPending);
+  EXPECT_EQ(m.num_stored_blocks(), 1u);
+  EXPECT_EQ(m.num_evictable_blocks(), 0u);
+  EXPECT_EQ(m.num_free_blocks(), 6u);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(events[0].removed);
+  EXPECT_EQ(events[0].keys.size(), 2u);
+  // the pool keeps working: freed slots are reused, the pin and the store complete
+  m.complete_load(pinned);
+  m.complete_store(pending);
+  EXPECT_EQ(m.clear(), 2u);
+  EXPECT_EQ(m.num_free_blocks(), 8u);
+  EXPECT_EQ(m.clear(), 0u);
+}
+
 }  // namespace
 }  // namespace kvoff

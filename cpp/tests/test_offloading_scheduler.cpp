@@ -643,6 +643,88 @@ TEST(OffloadingSchedulerFence, StoreSourceReallocatedToAnotherRequestIsFlushed) 
   EXPECT_TRUE(meta.jobs_to_flush.empty());
 }
 
+TEST(OffloadingSchedulerFence, RewrittenBlockOutsideScheduledTablesIsFlushed) {
+  // A copy-on-write destination the engine writes this step belongs to no scheduled request's
+  // new blocks; a store still reading it must be flushed all the same.
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const JobId j = a.store_jobs[0].job_id;
+  EXPECT_TRUE(s.request_finished("A"));
+  const std::vector<std::int64_t> rewritten{0, 9, 6};  // 0: the null block, ignored
+  auto meta = s.build_connector_meta({}, {}, {}, rewritten);
+  EXPECT_EQ(meta.jobs_to_flush, Ids{j});
+  EXPECT_EQ(s.stats().jobs_flushed, 1u);
+}
+
+TEST(OffloadingSchedulerFence, RewrittenBlockOutOfRangeChangesNothing) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  const std::vector<std::int64_t> bad{6, 64};
+  const std::string msg = error_of([&] { s.build_connector_meta({}, {}, {}, bad); });
+  expect_names(msg, {"rewritten_block_ids[1] = 64", "num_gpu_blocks=64"});
+  // nothing changed: block 6 was not marked reallocated, no flush recorded
+  EXPECT_EQ(s.stats().jobs_flushed, 0u);
+  auto meta = step(s, {});
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+}
+
+TEST(OffloadingSchedulerLoad, FailedLoadDropsItsBlocksSoARetryRecomputes) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1", "a2"}, {{1, 2, 3}});
+  add(s, "r", {"a0", "a1", "a2"}, 13);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(12));
+  s.update_state_after_alloc("r", Table{{5, 6, 7, 8}}, 12);
+  auto meta = step(s, {sched("r", {{5, 6, 7, 8}}, 0, 0)});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  auto out = report(s, {meta.load_jobs[0].job_id}, /*success=*/false);
+  EXPECT_EQ(out.failed_loading, Strs{"r"});
+  EXPECT_EQ(s.stats().blocks_discarded, 3u);
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);
+  // the engine retries the request: nothing is offered, it recomputes
+  expect_match(s.get_num_new_matched_tokens("r", 0), miss());
+}
+
+TEST(OffloadingSchedulerLoad, FailedLoadKeepsBlocksAnotherLoadStillPins) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "r", {"a0", "a1"}, 9);
+  add(s, "q", {"a0"}, 5);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  auto meta = step(s, {sched("r", {{5, 6, 7}}, 0, 0)});
+  const JobId jr = meta.load_jobs[0].job_id;
+  expect_match(s.get_num_new_matched_tokens("q", 0), retry());  // a0 is being loaded for r
+  report(s, {jr}, /*success=*/false);
+  EXPECT_EQ(s.stats().blocks_discarded, 2u);
+  expect_match(s.get_num_new_matched_tokens("q", 0), miss());
+}
+
+TEST(OffloadingSchedulerReset, DropsStoredBlocksKeepsJobsInFlight) {
+  SchedulerConfig c = make_config({Full()});
+  c.enable_events = true;
+  OffloadingScheduler s(c);
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});  // two stored blocks
+  add(s, "B", {"b0"}, 4);
+  auto b = step(s, {sched("B", {{3}}, 0, 4)});  // a store in flight
+  ASSERT_EQ(b.store_jobs.size(), 1u);
+  (void)s.take_events();
+  EXPECT_EQ(s.reset_cache(), 2u);
+  EXPECT_EQ(s.manager().num_stored_blocks(), 0u);
+  EXPECT_EQ(s.manager().num_pending_blocks(), 1u);
+  const auto events = s.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(events[0].removed);
+  EXPECT_EQ(events[0].keys.size(), 2u);
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), miss());  // nothing left to hit
+  report(s, {b.store_jobs[0].job_id});  // the store in flight completes as usual
+  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kReady);
+}
+
 TEST(OffloadingSchedulerFence, LoadTargetReallocatedIsFlushed) {
   OffloadingScheduler s(make_config({Full()}));
   seed(s, "seed", {"a0", "a1"}, {{1, 2}});
@@ -732,7 +814,10 @@ TEST(OffloadingSchedulerOutput, FailedLoadIsReportedAndUnpins) {
   EXPECT_TRUE(out.finished_loading.empty());
   EXPECT_EQ(out.failed_jobs, Ids{meta.load_jobs[0].job_id});
   EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
-  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);  // the CPU copy is intact
+  // A failed load may have read a damaged copy: the blocks are dropped, so the
+  // retry recomputes instead of loading them again (and failing forever).
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().state(key("a1", 0)), BlockState::kMissing);
 }
 
 TEST(OffloadingSchedulerOutput, TooManyReportsAreRejectedBeforeAnyChange) {

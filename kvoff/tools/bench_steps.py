@@ -11,7 +11,7 @@ Two timings per step, side by side:
   * ``facade``: :meth:`kvoff.scheduler.OffloadingScheduler.build_connector_meta` from a
     prebuilt :class:`~kvoff.scheduler.SchedulerStep` to a
     :class:`~kvoff.scheduler.ConnectorMetadata` (what an engine pays), and
-  * ``core``: the C++ call alone with prebuilt argument tuples (what the scheduling logic
+  * ``core``: the C++ call alone with prebuilt argument columns (what the scheduling logic
     costs without the Python dataclasses).
 """
 
@@ -159,15 +159,17 @@ def bench_scheduler_steps(
                 r.block_hashes.append(rng.randbytes(16))
             computed[r.request_id] = c + 1
         step = SchedulerStep(tuple(scheduled))
-        # The core call with prebuilt tuples, on a twin step that allocates nothing new:
-        core_args = [
-            (s.request_id, [()] * num_groups, s.num_computed_tokens + 1, 0, False)
-            for s in scheduled
-        ]
+        # The core call with prebuilt columns, on a twin step that allocates nothing new:
+        core_ids = [s.request_id for s in scheduled]
+        core_none = [None] * len(scheduled)
+        core_computed = [s.num_computed_tokens + 1 for s in scheduled]
+        core_zero = [0] * len(scheduled)
         t0 = time.perf_counter()
         meta = sched.build_connector_meta(step)
         t1 = time.perf_counter()
-        sched._core.build_connector_meta(core_args, [], [])
+        sched._core.build_connector_meta(
+            core_ids, core_none, core_computed, core_zero, (), (), (), (), None
+        )
         t2 = time.perf_counter()
         facade_s.append(t1 - t0)
         core_s.append(t2 - t1)

@@ -59,12 +59,23 @@ def _build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser(
         "replay",
-        help="replay a Mooncake-format trace through an engine-style loop",
+        help="replay a Mooncake-format trace through an engine-style loop or a real vLLM engine",
         description=(
-            "Replay a request trace: GPU prefix cache, then kvoff lookups and loads of cached "
-            "prefixes into fresh GPU blocks, computation of the rest, stores of new full "
-            "blocks; every loaded block is verified byte for byte."
+            "Replay a request trace. --engine sim (default): kvoff's engine-style loop: GPU "
+            "prefix cache, then kvoff lookups and loads of cached prefixes into fresh GPU "
+            "blocks, computation of the rest, stores of new full blocks; every loaded block is "
+            "verified byte for byte. --engine vllm: the trace's prompts through a real vLLM "
+            "engine with a tiny random model, once with kvoff (KvoffConnector) and once with "
+            "the engine's own prefix cache only: prefill tokens computed, hits by source, wall "
+            "time, TTFT and whether the outputs agree."
         ),
+    )
+    rp.add_argument(
+        "--engine",
+        default="sim",
+        choices=("sim", "vllm"),
+        help="sim: kvoff's engine-style loop (default); vllm: a real vLLM engine "
+        "(needs the vllm extra)",
     )
     rp.add_argument(
         "--trace",
@@ -79,7 +90,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="KV shape preset (default: tiny)",
     )
     rp.add_argument(
-        "--block-size", type=_positive_int, default=16, help="GPU tokens per block (default: 16)"
+        "--block-size",
+        type=_positive_int,
+        default=None,
+        help="GPU tokens per block (default: 16; 32 with --engine vllm, whose CPU backend "
+        "needs a multiple of 32)",
     )
     rp.add_argument(
         "--offloaded-block-size",
@@ -119,7 +134,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "and KVOFF_* variables); the flags above override it",
     )
     rp.add_argument(
-        "--limit", type=_positive_int, default=None, help="replay only the first N requests"
+        "--limit",
+        type=_positive_int,
+        default=None,
+        help="replay only the first N requests (default: all; 200 with --engine vllm)",
     )
     rp.add_argument(
         "--trace-block-size",
@@ -161,6 +179,46 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", type=Path, default=None, metavar="FILE", help="write the totals as JSON to FILE"
     )
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    vg = rp.add_argument_group("--engine vllm")
+    vg.add_argument(
+        "--tokens-per-hash",
+        type=_positive_int,
+        default=32,
+        help="prompt tokens per trace hash id (scales the trace down; default: 32)",
+    )
+    vg.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=16,
+        help="tokens generated per request (greedy; default: 16)",
+    )
+    vg.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=8,
+        help="requests in flight, added in trace order as others finish (default: 8)",
+    )
+    vg.add_argument(
+        "--gpu-blocks",
+        type=_int_at_least(2),
+        default=None,
+        help="vLLM's num_gpu_blocks_override (default: room for --concurrency of the longest "
+        "requests)",
+    )
+    vg.add_argument(
+        "--engine-model",
+        default="llama",
+        help="a tiny random model (llama, mistral, gemma3; written on first use under "
+        "~/.cache/kvoff) or a model folder (default: llama)",
+    )
+    vg.add_argument("--dtype", default="float32", help="the engine's dtype (default: float32)")
+    vg.add_argument(
+        "--runs",
+        nargs="+",
+        default=["kvoff", "engine_only"],
+        choices=("kvoff", "engine_only"),
+        help="which runs (default: both)",
+    )
     _add_plan_parser(sub)
     _add_bench_parser(sub)
     ip = sub.add_parser(
@@ -546,7 +604,65 @@ def _run_info() -> dict[str, object]:
     return info
 
 
+_SIM_ONLY = {
+    "cpu_blocks": None, "gpu_prefix_blocks": 0, "device": "cpu", "gpu_layout": "layer_major",
+    "mechanism": "auto", "compute": False, "model": "tiny",
+}  # fmt: skip
+
+
+def _replay_vllm(args: argparse.Namespace) -> int:
+    """``kvoff replay --engine vllm``."""
+    from kvoff.config import OffloadingConfig
+    from kvoff.tools.replay import DEFAULT_CPU_BYTES
+    from kvoff.tools.replay_vllm import VllmReplayConfig, format_vllm_replay, run_vllm_replay
+
+    for name, default in _SIM_ONLY.items():
+        if getattr(args, name) != default:
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to --engine sim only; with --engine vllm "
+                "the engine owns the GPU cache, the transfers and the model (see --engine-model)"
+            )
+    flags = {
+        "cpu_bytes_to_use": args.cpu_bytes,
+        "offloaded_block_size": args.offloaded_block_size,
+        "eviction_policy": args.policy,
+    }
+    pool = OffloadingConfig.load(
+        args.config,
+        defaults={"cpu_bytes_to_use": DEFAULT_CPU_BYTES},
+        **{k: v for k, v in flags.items() if v is not None},
+    )
+    config = VllmReplayConfig(
+        trace=args.trace,
+        limit=args.limit or 200,
+        trace_block_size=args.trace_block_size,
+        tokens_per_hash=args.tokens_per_hash,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        block_size=args.block_size or 32,
+        num_gpu_blocks=args.gpu_blocks,
+        cpu_bytes=pool.cpu_bytes_to_use or DEFAULT_CPU_BYTES,
+        offloaded_block_size=pool.offloaded_block_size,
+        eviction_policy=pool.eviction_policy,
+        model=args.engine_model,
+        dtype=args.dtype,
+        engines=tuple(dict.fromkeys(args.runs)),
+    )
+    result = run_vllm_replay(
+        config, log=None if args.no_progress else lambda m: print(f"  {m}", file=sys.stderr)
+    )
+    print(format_vllm_replay(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"run": _run_info(), "result": result}, indent=2) + "\n")
+        print(f"  JSON written to {args.json}")
+    exact = all(r["accounting_exact"] for r in result["runs"].values())
+    return 0 if exact and result.get("outputs_equal", True) else 1
+
+
 def _replay(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _replay_vllm(args)
     from tqdm import tqdm
 
     from kvoff.config import OffloadingConfig
@@ -568,7 +684,7 @@ def _replay(args: argparse.Namespace) -> int:
     config = ReplayConfig(
         trace=args.trace,
         model=args.model,
-        block_size=args.block_size,
+        block_size=args.block_size or 16,
         offloaded_block_size=pool.offloaded_block_size or 512,
         gpu_prefix_blocks=args.gpu_prefix_blocks,
         cpu_blocks=pool.num_cpu_blocks,

