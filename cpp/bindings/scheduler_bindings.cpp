@@ -864,13 +864,15 @@ PYBIND11_MODULE(_scheduler, m) {
         }
         const auto c = static_cast<std::uint32_t>(capacity);
         return py::make_tuple(kvoff::ProbationEvictionPolicy::ghost_set_of(k, c),
+                              kvoff::ProbationEvictionPolicy::ghost_tag_of(k),
                               kvoff::ProbationEvictionPolicy::ghost_sets_for(c));
       },
       py::arg("key"), py::arg("capacity"),
-      py::doc("_probation_ghost_set(key: bytes | int, capacity: int) -> tuple[int, int]\n\n"
-              "The ghost-table set of `key` in a probation policy of `capacity` slots, and the "
-              "number of sets (kvoff/eviction_policy.h). For the tests' model of the policy; "
-              "private (underscore): not a stable API.\n\n"
+      py::doc("_probation_ghost_set(key: bytes | int, capacity: int) -> tuple[int, int, int]"
+              "\n\n"
+              "Where `key`'s ghosts live in a probation policy of `capacity` slots: (set, 16-bit "
+              "tag, number of sets) (kvoff/eviction_policy.h). For the tests' model of the "
+              "policy; private (underscore): not a stable API.\n\n"
               "Raises:\n"
               "    ValueError: an empty key, or capacity 0 or above 2**31-1.\n"
               "    TypeError: a key that is not bytes or int."));

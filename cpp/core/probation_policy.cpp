@@ -106,6 +106,10 @@ std::size_t ProbationEvictionPolicy::ghost_set_of(std::string_view key,
   return static_cast<std::size_t>(hash_key(key)) & (ghost_sets_for(capacity) - 1);
 }
 
+std::uint16_t ProbationEvictionPolicy::ghost_tag_of(std::string_view key) noexcept {
+  return tag_of(hash_key(key));
+}
+
 std::uint16_t ProbationEvictionPolicy::epoch(std::size_t list) const noexcept {
   return static_cast<std::uint16_t>(evictions_[list] >> epoch_shift_);
 }

@@ -360,6 +360,9 @@ class ProbationEvictionPolicy final : public EvictionPolicy {
   static std::size_t ghost_sets_for(std::uint32_t capacity) noexcept;
   /// The set where `key`'s ghosts live in a policy of `capacity` slots: hash_key(key) mod S.
   static std::size_t ghost_set_of(std::string_view key, std::uint32_t capacity) noexcept;
+  /// The 16-bit tag that stands for `key` in its ghost set (never 0). Two keys with the same
+  /// set and tag share their ghosts.
+  static std::uint16_t ghost_tag_of(std::string_view key) noexcept;
   std::size_t probation_size() const noexcept { return probation_size_; }
   std::size_t protected_size() const noexcept { return protected_size_; }
   /// kProbation, kProtected or kNone (also for slot >= capacity).
