@@ -5,17 +5,21 @@ window and a Mamba group, block_size_factor 1..3, tiny CPU and GPU pools so that
 store refusals, block reuse and fences happen) and interleaves new requests sharing random
 prefixes, engine steps, job reports in random order (partial rank reports, failures),
 preemptions and aborts. The harness checks every invariant after every step and every report,
-and verifies the bytes of every load.
+and verifies the bytes of every load. The machine runs once per registered eviction policy
+(``_scheduler.eviction_policies()``), each with the full example budget.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_harness import EngineSim, GroupDesc
+
+from kvoff import _scheduler
 
 BASES = [[1000 * (i + 1) + t for t in range(32)] for i in range(3)]
 MAX_PROMPT = 20
@@ -23,7 +27,10 @@ MAX_OUTPUT = 4
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Drives one simulated engine with random operations."""
+    """Drives one simulated engine with random operations, its CPU pool evicting with the
+    policy ``POLICY`` (one subclass per registered policy below)."""
+
+    POLICY = "lru"
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +49,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_cache=st.booleans(),
         free_early=st.booleans(),
         window=st.integers(2, 9),
-        policy=st.sampled_from(["lru", "arc"]),
     )
     def setup(
         self,
@@ -57,7 +63,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_cache: bool,
         free_early: bool,
         window: int,
-        policy: str,
     ) -> None:
         """Build the simulated engine."""
         groups = {
@@ -83,7 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             async_scheduling=async_scheduling,
             auto_complete=False,
             free_early=free_early,
-            eviction_policy=policy,
+            eviction_policy=self.POLICY,
         )
 
     def _live(self, *statuses: str) -> list[str]:
@@ -165,15 +170,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert sorted(self.sim.free) == list(range(1, self.sim.num_gpu_blocks))
 
 
-# 500 runs x up to 60 rules (thousands of engine steps) take several seconds (more with
-# KVOFF_SM_EXAMPLES=N); shrinking is
-# left out so that a failing run also stays within the CI budget (the scenarios in
-# test_scheduler_scenarios.py are the minimal reproductions).
-SchedulerMachine.TestCase.settings = settings(
+# 500 runs x up to 60 rules (thousands of engine steps) per policy take several seconds (more
+# with KVOFF_SM_EXAMPLES=N); shrinking is left out so that a failing run also stays within the CI
+# budget (the scenarios in test_scheduler_scenarios.py are the minimal reproductions).
+_settings = settings(
     max_examples=int(os.environ.get("KVOFF_SM_EXAMPLES", "500")),
     stateful_step_count=60,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestSchedulerStateMachine = SchedulerMachine.TestCase
+
+
+def _machine(policy: str) -> type[SchedulerMachine]:
+    machine = type(f"SchedulerMachine_{policy}", (SchedulerMachine,), {"POLICY": policy})
+    machine.TestCase.settings = _settings
+    return machine
+
+
+@pytest.mark.parametrize("policy", _scheduler.eviction_policies())
+def test_scheduler_state_machine(policy: str) -> None:
+    """Random engine runs with every registered eviction policy keep every invariant."""
+    _machine(policy).TestCase().runTest()

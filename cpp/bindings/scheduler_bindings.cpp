@@ -288,7 +288,8 @@ head. O(1) per key. Not thread-safe.
 
 Args:
     num_blocks (int): pool size in CPU blocks (slots), 1 .. 2**31-1.
-    eviction_policy (str): a name from ``eviction_policies()`` (currently "lru").
+    eviction_policy (str): a name from ``eviction_policies()``: "lru" (the default), "arc" or
+        "probation" (README "Eviction policies against Belady's MIN").
     enable_events (bool): record ``OffloadingEvent``s for ``take_events()``.
 
 Raises:
@@ -752,7 +753,7 @@ PYBIND11_MODULE(_scheduler, m) {
       },
         py::doc("eviction_policies() -> list[str]\n\n"
                 "Names accepted by CPUOffloadingManager(eviction_policy=...), from the C++ "
-                "policy registry (currently ['lru'])."));
+                "policy registry, in registration order: ['lru', 'arc', 'probation']."));
 
   // ---- PrepareStoreOutput
   py::class_<PrepareStoreOutput>(
@@ -903,6 +904,8 @@ PYBIND11_MODULE(_scheduler, m) {
           py::doc(doc("touch(self, keys: Sequence[bytes | int]) -> None\n\n"
                       "Marks held keys (ready or pending) most recently used, last to first, so "
                       "keys[0] ends the most recent: a prefix's tail is evicted before its head. "
+                      "A ready key's use is a reuse (the probation policy protects it); a "
+                      "pending key is being stored by the caller, so its use only orders it. "
                       "Keys not held are ignored.")
                       .c_str()))
       .def(
@@ -980,7 +983,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_property_readonly(
           "eviction_policy",
           [](const CPUOffloadingManager& self) { return std::string(self.eviction_policy_name()); },
-          py::doc("str: the eviction policy's name (\"lru\")."))
+          py::doc("str: the eviction policy's name (\"lru\", \"arc\" or \"probation\")."))
       .def_property_readonly("enable_events", &CPUOffloadingManager::events_enabled,
                              py::doc("bool: whether events are recorded."))
       .def(
@@ -1012,6 +1015,31 @@ PYBIND11_MODULE(_scheduler, m) {
       });
 
   sched::bind(m);  // _OffloadingScheduler
+
+  // ===================================================================== test hooks
+  m.def(
+      "_probation_ghost_set",
+      [](py::handle key, std::int64_t capacity) {
+        std::array<char, 8> buf{};
+        const std::string_view k = to_key(key.ptr(), "key", -1, buf);
+        if (capacity < 1 || capacity > kvoff::kMaxNumBlocks) {
+          throw py::value_error("capacity must be in [1, 2**31-1], got " +
+                                std::to_string(capacity));
+        }
+        const auto c = static_cast<std::uint32_t>(capacity);
+        return py::make_tuple(kvoff::ProbationEvictionPolicy::ghost_set_of(k, c),
+                              kvoff::ProbationEvictionPolicy::ghost_tag_of(k),
+                              kvoff::ProbationEvictionPolicy::ghost_sets_for(c));
+      },
+      py::arg("key"), py::arg("capacity"),
+      py::doc("_probation_ghost_set(key: bytes | int, capacity: int) -> tuple[int, int, int]"
+              "\n\n"
+              "Where `key`'s ghosts live in a probation policy of `capacity` slots: (set, 16-bit "
+              "tag, number of sets) (kvoff/eviction_policy.h). For the tests' model of the "
+              "policy; private (underscore): not a stable API.\n\n"
+              "Raises:\n"
+              "    ValueError: an empty key, or capacity 0 or above 2**31-1.\n"
+              "    TypeError: a key that is not bytes or int."));
 
   // ===================================================================== benchmark driver
   // `kvoff bench scheduler` (kvoff/bench.py): the manager's in-core path, timed in C++ with

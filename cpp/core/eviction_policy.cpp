@@ -407,12 +407,15 @@ struct Registration {
 };
 
 // Add new policies here (name, factory). The first entry is the default.
-constexpr std::array<Registration, 2> kPolicies{{
+constexpr std::array<Registration, 3> kPolicies{{
     {"lru", [](std::uint32_t capacity) -> std::unique_ptr<EvictionPolicy> {
        return std::make_unique<LRUEvictionPolicy>(capacity);
      }},
     {"arc", [](std::uint32_t capacity) -> std::unique_ptr<EvictionPolicy> {
        return std::make_unique<ARCEvictionPolicy>(capacity);
+     }},
+    {"probation", [](std::uint32_t capacity) -> std::unique_ptr<EvictionPolicy> {
+       return std::make_unique<ProbationEvictionPolicy>(capacity);
      }},
 }};
 

@@ -288,10 +288,16 @@ void CPUOffloadingManager::touch(KeySpan keys) {
     }
   }
   // Last to first: keys[0] ends the most recent, so a prefix's tail is evicted before its head.
+  // A pending key is being stored by the request that uses it: ordered, but no reuse.
   for (std::size_t i = keys.size(); i-- > 0;) {
-    if (scratch_slots_[i] != KeyIndex::kNotFound) {
-      policy_->touch(scratch_slots_[i]);
-      note_recent(scratch_slots_[i]);
+    const std::uint32_t slot = scratch_slots_[i];
+    if (slot != KeyIndex::kNotFound) {
+      if (state_bits(index_.payload(slot)) == BlockState::kPending) {
+        policy_->touch_pending(slot);
+      } else {
+        policy_->touch(slot);
+      }
+      note_recent(slot);
     }
   }
 }
@@ -396,10 +402,12 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   // when they are used (a burst of hundreds of prefetches would evict its own first lines).
   for (std::size_t k = 0; k < std::min(num_victims, kCommitAhead); ++k) {
     index_.prefetch_erase(scratch_victims_[k]);
+    policy_->prefetch_evict(scratch_victims_[k]);
   }
   for (std::size_t k = 0; k < num_victims; ++k) {
     if (k + kCommitAhead < num_victims) {
       index_.prefetch_erase(scratch_victims_[k + kCommitAhead]);
+      policy_->prefetch_evict(scratch_victims_[k + kCommitAhead]);
     }
     const std::uint32_t victim = scratch_victims_[k];
     const std::string_view key = index_.key(victim);
@@ -414,10 +422,12 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   }
   for (std::size_t j = 0; j < std::min(need, kCommitAhead); ++j) {
     index_.prefetch_insert(scratch_hashes_[scratch_new_[j]]);
+    policy_->prefetch_key(scratch_hashes_[scratch_new_[need - 1 - j]]);  // entered last first
   }
   for (std::size_t j = 0; j < need; ++j) {
     if (j + kCommitAhead < need) {
       index_.prefetch_insert(scratch_hashes_[scratch_new_[j + kCommitAhead]]);
+      policy_->prefetch_key(scratch_hashes_[scratch_new_[need - 1 - j - kCommitAhead]]);
     }
     const std::uint32_t i = scratch_new_[j];
     const std::uint32_t slot =

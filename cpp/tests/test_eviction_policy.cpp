@@ -1,4 +1,5 @@
-// EvictionPolicy interface: LRU and ARC order, victim selection, and the factory by name.
+// EvictionPolicy interface: LRU, ARC and probation order, victim selection, and the factory by
+// name.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -70,8 +71,8 @@ TEST(LRUEvictionPolicy, MisuseThrowsAndChangesNothing) {
 }
 
 TEST(EvictionPolicyFactory, MakesRegisteredPolicies) {
-  EXPECT_EQ(eviction_policy_names(), (std::vector<std::string>{"lru", "arc"}));
-  for (const char* name : {"lru", "arc"}) {
+  EXPECT_EQ(eviction_policy_names(), (std::vector<std::string>{"lru", "arc", "probation"}));
+  for (const char* name : {"lru", "arc", "probation"}) {
     auto p = make_eviction_policy(name, 16);
     ASSERT_NE(p, nullptr);
     EXPECT_EQ(p->name(), name);
@@ -89,11 +90,14 @@ TEST(EvictionPolicyFactory, UnknownNameListsChoices) {
     EXPECT_NE(msg.find("'mru'"), std::string::npos) << msg;
     EXPECT_NE(msg.find("'lru'"), std::string::npos) << msg;
     EXPECT_NE(msg.find("'arc'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'probation'"), std::string::npos) << msg;
   }
   EXPECT_THROW(make_eviction_policy("LRU ", 4), std::invalid_argument);
   EXPECT_THROW(make_eviction_policy("lru", 0), std::invalid_argument);
   EXPECT_THROW(make_eviction_policy("arc", 0), std::invalid_argument);
   EXPECT_THROW(make_eviction_policy("arc", 0x80000000u), std::invalid_argument);
+  EXPECT_THROW(make_eviction_policy("probation", 0), std::invalid_argument);
+  EXPECT_THROW(make_eviction_policy("probation", 0x80000000u), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------------------------------- ARC

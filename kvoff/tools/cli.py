@@ -8,6 +8,10 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvoff.tools.replay import ReplayConfig
 
 __all__ = ["main", "parse_bytes"]
 
@@ -122,8 +126,9 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--policy",
         default=None,
-        choices=list(EVICTION_POLICIES),
-        help="eviction policy (default: lru)",
+        choices=[*EVICTION_POLICIES, "min"],
+        help="eviction policy (default: lru); min: Belady's offline optimum, simulated (see "
+        "kvoff/tools/belady.py)",
     )
     rp.add_argument(
         "--config",
@@ -218,6 +223,29 @@ def _build_parser() -> argparse.ArgumentParser:
         default=["kvoff", "engine_only"],
         choices=("kvoff", "engine_only"),
         help="which runs (default: both)",
+    )
+    rp.add_argument(
+        "--sweep-capacity",
+        default=None,
+        metavar="N,N,...",
+        help="replay once per policy (--policies) and CPU pool size (these CPU block counts) "
+        "and print the hit rates as a table (--json: as JSON); replaces --cpu-blocks, "
+        "--cpu-bytes and --policy",
+    )
+    rp.add_argument(
+        "--policies",
+        default=None,
+        metavar="P,P,...",
+        help="with --sweep-capacity: the policies (default: lru,arc,probation,min; min is "
+        "Belady's offline optimum)",
+    )
+    rp.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="with --sweep-capacity: draw the hit-rate curves into FILE (needs matplotlib: "
+        'pip install "kvoff[plot]")',
     )
     _add_plan_parser(sub)
     _add_bench_parser(sub)
@@ -606,7 +634,8 @@ def _run_info() -> dict[str, object]:
 
 _SIM_ONLY = {
     "cpu_blocks": None, "gpu_prefix_blocks": 0, "device": "cpu", "gpu_layout": "layer_major",
-    "mechanism": "auto", "compute": False, "model": "tiny",
+    "mechanism": "auto", "compute": False, "model": "tiny", "sweep_capacity": None,
+    "policies": None, "plot": None,
 }  # fmt: skip
 
 
@@ -660,6 +689,33 @@ def _replay_vllm(args: argparse.Namespace) -> int:
     return 0 if exact and result.get("outputs_equal", True) else 1
 
 
+def _sweep(args: argparse.Namespace, config: ReplayConfig) -> int:
+    """``kvoff replay --sweep-capacity``: the table, then --json and --plot."""
+    from kvoff.tools.policy_sweep import (
+        DEFAULT_SWEEP_POLICIES,
+        format_sweep_table,
+        parse_capacities,
+        parse_policies,
+        plot_sweep,
+        run_policy_sweep,
+    )
+
+    capacities = parse_capacities(args.sweep_capacity)
+    policies = parse_policies(args.policies) if args.policies else DEFAULT_SWEEP_POLICIES
+    log = None if args.no_progress else lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)
+    sweep = run_policy_sweep(config, capacities, policies, log=log)
+    print(format_sweep_table(sweep))
+    if args.json is not None:
+        record = {"run": _run_info(), "sweep": sweep.to_dict()}
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"  JSON written to {args.json}")
+    if args.plot is not None:
+        plot_sweep(sweep, args.plot)
+        print(f"  curves drawn in {args.plot}")
+    corrupted = sum(p.corrupted_blocks for p in sweep.points)
+    return 1 if corrupted else 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return _replay_vllm(args)
@@ -669,12 +725,22 @@ def _replay(args: argparse.Namespace) -> int:
     from kvoff.tools.replay import DEFAULT_CPU_BYTES, ReplayConfig, run_replay
     from kvoff.tools.traces import load_trace
 
+    sweeping = args.sweep_capacity is not None
+    if not sweeping and (args.policies is not None or args.plot is not None):
+        raise ValueError(
+            "--policies and --plot belong to a sweep; add --sweep-capacity N,N,... (CPU blocks)"
+        )
+    if sweeping and (args.cpu_blocks or args.cpu_bytes or args.policy):
+        raise ValueError(
+            "--sweep-capacity sets the pool size and the policy of every replay; drop "
+            "--cpu-blocks, --cpu-bytes and --policy (use --policies for the policies)"
+        )
     # pool settings: flags > KVOFF_* environment > --config file > replay defaults
     flags = {
         "num_cpu_blocks": args.cpu_blocks,
         "cpu_bytes_to_use": args.cpu_bytes,
         "offloaded_block_size": args.offloaded_block_size,
-        "eviction_policy": args.policy,
+        "eviction_policy": None if args.policy == "min" else args.policy,
     }
     pool = OffloadingConfig.load(
         args.config,
@@ -689,7 +755,7 @@ def _replay(args: argparse.Namespace) -> int:
         gpu_prefix_blocks=args.gpu_prefix_blocks,
         cpu_blocks=pool.num_cpu_blocks,
         cpu_bytes=pool.cpu_bytes_to_use,
-        policy=pool.eviction_policy,
+        policy="min" if args.policy == "min" else pool.eviction_policy,
         limit=args.limit,
         trace_block_size=args.trace_block_size,
         device=args.device,
@@ -698,6 +764,8 @@ def _replay(args: argparse.Namespace) -> int:
         compute=args.compute,
         compute_chunk_tokens=args.compute_chunk_tokens,
     )
+    if sweeping:
+        return _sweep(args, config)
     requests = load_trace(config.trace, config.limit, config.trace_block_size)
     # tqdm's disable=None turns the bar off when stderr is not a terminal
     with tqdm(
@@ -718,6 +786,26 @@ def _replay(args: argparse.Namespace) -> int:
         result = run_replay(config, progress=progress, requests=requests)
     s = result.summary()
     gib = 2**30
+    if s["device"] == "offline":  # Belady's MIN: simulated, no bytes moved
+        print(
+            f"kvoff replay: {s['requests']} requests of trace {s['trace']!r}, Belady's MIN "
+            f"(offline optimum, simulated: no bytes moved), block_size {s['block_size']}, "
+            f"offloaded_block_size {s['offloaded_block_size']}\n"
+            f"  pool: {s['cpu_blocks']} CPU blocks, GPU prefix cache "
+            f"{s['gpu_prefix_blocks']} blocks\n"
+            f"  input tokens     {s['input_tokens']:>14,}\n"
+            f"  GPU hit tokens   {s['gpu_hit_tokens']:>14,}\n"
+            f"  kvoff hit tokens {s['cpu_hit_tokens']:>14,}\n"
+            f"  hit rate         {s['hit_rate']:>14.4%}   (full-block maximum "
+            f"{s['max_hit_rate']:.4%})\n"
+            f"  stored           {s['blocks_stored']:>14,} blocks; {s['stores_skipped']} "
+            "skipped (no room)\n"
+            f"  evictions        {s['evictions']:>14,}"
+        )
+        if args.json is not None:
+            args.json.write_text(json.dumps({"run": _run_info(), "result": s}, indent=2) + "\n")
+            print(f"  JSON written to {args.json}")
+        return 0
     print(
         f"kvoff replay: {s['requests']} requests of trace {s['trace']!r}, model {s['model']}, "
         f"block_size {s['block_size']}, offloaded_block_size {s['offloaded_block_size']}\n"

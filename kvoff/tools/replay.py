@@ -160,7 +160,8 @@ class ReplayConfig:
             (0 disables it).
         cpu_blocks: kvoff pool size in offloaded blocks (exclusive with ``cpu_bytes``).
         cpu_bytes: kvoff pool size in bytes; when neither is given, 2 GiB.
-        policy: eviction policy name.
+        policy: eviction policy name, or ``"min"``: Belady's offline optimum, simulated by
+            :func:`kvoff.tools.belady.run_min_replay` (no bytes move).
         limit: replay only the first ``limit`` requests.
         trace_block_size: tokens per trace hash id (512 for Mooncake).
         device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``): where the "GPU" cache lives.
@@ -403,6 +404,10 @@ def run_replay(
             ``device="cuda"`` without a GPU, or when the GPU cache and the CPU pool would not
             fit in this machine's (or GPU's) memory (the message says what to lower).
     """
+    if config.policy == "min":  # Belady's MIN: an offline simulation of the same loop
+        from kvoff.tools.belady import run_min_replay
+
+        return run_min_replay(config, progress=progress, requests=requests)
     t_start = time.perf_counter()
     preset: ModelPreset = get_model_preset(config.model)
     bs = config.block_size

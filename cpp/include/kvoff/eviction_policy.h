@@ -2,8 +2,8 @@
 //
 // A policy tracks a set of slots (CPU block ids) in its own order and proposes victims; the
 // offloading manager decides which slots may be evicted (ready, not pinned by a load, not part
-// of the current store) and commits the evictions. Policies: LRU and ARC. New policies implement
-// EvictionPolicy and register a factory in make_eviction_policy.
+// of the current store) and commits the evictions. Policies: LRU, ARC and probation. New
+// policies implement EvictionPolicy and register a factory in make_eviction_policy.
 #pragma once
 
 #include <cstddef>
@@ -43,10 +43,11 @@ class SlotPredicate {
 /// The interface of an eviction policy over slots [0, capacity).
 ///
 /// The manager calls insert() when a key gets a slot (at prepare_store, pending blocks
-/// included), touch() when a key is used, erase() when a slot's key goes away, and
-/// select_victims() (which must not change any state) before committing evictions with
-/// erase(..., evicted=true). Policies that keep ghost entries of evicted keys (ARC) receive the
-/// key bytes in insert() and erase().
+/// included), touch() when a ready key is used, touch_pending() when a key whose store has not
+/// completed is used (by the request that is storing it), erase() when a slot's key goes away,
+/// and select_victims() (which must not change any state) before committing evictions with
+/// erase(..., evicted=true). Policies that keep ghost entries of evicted keys (ARC, probation)
+/// receive the key bytes in insert() and erase().
 ///
 /// Implementations throw std::out_of_range for a slot >= capacity and std::invalid_argument
 /// when a slot is inserted twice or a slot that is not tracked is touched or erased; the policy
@@ -66,9 +67,13 @@ class EvictionPolicy {
 
   /// Starts tracking `slot`, whose block has key `key`, as the most recently used slot.
   virtual void insert(std::uint32_t slot, std::string_view key) = 0;
-  /// Records a use of tracked `slot` (for LRU: makes it the most recently used; for ARC: moves
-  /// it to the most recent end of T2).
+  /// Records a use of tracked `slot` whose block is ready (a lookup hit or a block the request
+  /// holds): for LRU it becomes the most recently used; for ARC it moves to the most recent end
+  /// of T2; for probation it is a reuse.
   virtual void touch(std::uint32_t slot) = 0;
+  /// Records a use of tracked `slot` whose store has not completed (prepare_store'd, pending):
+  /// the request writing the block uses it, which orders it but is no reuse. Default: touch().
+  virtual void touch_pending(std::uint32_t slot) { touch(slot); }
   /// Stops tracking `slot` (key `key`). `evicted` is true when the slot was chosen by
   /// select_victims and is being evicted, false when its block is dropped for another reason
   /// (a failed store).
@@ -77,6 +82,13 @@ class EvictionPolicy {
   /// Hint that `slot` is about to be touched or erased (a policy may prefetch its state).
   /// Must accept any slot < capacity, tracked or not. Default: nothing.
   virtual void prefetch(std::uint32_t /*slot*/) const noexcept {}
+  /// Hint that a key with hash_key(key) == `key_hash` is about to be inserted (a policy with
+  /// ghost entries may prefetch where it looks them up). Default: nothing.
+  virtual void prefetch_key(std::uint64_t /*key_hash*/) const noexcept {}
+  /// Hint that `slot`, just returned by select_victims, is about to be erased as evicted (a
+  /// policy with ghost entries may prefetch where it will write one). Must accept any slot <
+  /// capacity. Default: nothing.
+  virtual void prefetch_evict(std::uint32_t /*slot*/) const noexcept {}
 
   /// Appends to `out`, in eviction order, up to `count` tracked slots for which `can_evict`
   /// returns true, and returns how many it appended. Changes no state: evicting the returned
@@ -251,7 +263,163 @@ class ARCEvictionPolicy final : public EvictionPolicy {
   Array<std::uint32_t> buckets_;  // 3c+1, linear probing: node index or b1_head_ (empty)
 };
 
-/// Names accepted by make_eviction_policy, in registration order ({"lru", "arc"}).
+/// Probation (kvoff's policy for prefix caches): LRU, except that blocks that have not been
+/// reused since they were stored are on probation and leave first while they hold more than an
+/// adaptive budget of the pool. Over slots [0, capacity), c = capacity.
+///
+/// Why (measured with `kvoff replay`, README "Eviction policies against Belady's MIN"): in
+/// multi-turn traffic most stored blocks are never read again, and a conversation's next turn
+/// comes hundreds of requests later. When the pool holds fewer blocks than arrive between two
+/// turns, LRU keeps exactly the newest blocks, whose next turn is still far away, and loses
+/// nearly every reuse. Keeping reused ("proven") blocks ahead of unproven ones lets a pool hold
+/// live conversations across their turn gaps; when the pool is large enough for LRU to keep
+/// them anyway, the budget grows to the whole pool and the policy is LRU.
+///
+/// State. Every tracked slot is in one of two lists, each ordered by a recency stamp (a 64-bit
+/// clock that every insert, touch and touch_pending advances):
+///  * probation: blocks not reused since they were stored (inserted without a ghost hit);
+///  * protected: blocks reused at least once (touched while ready), or stored again soon after
+///    they were evicted ("second sight", a ghost hit; cf. ARC's B1/B2 -> T2, Megiddo & Modha,
+///    FAST 2003, and S3-FIFO's ghost queue, Yang et al., SOSP 2023).
+/// The budget b in [0, c] is the number of slots probation may hold before its blocks are
+/// evicted ahead of older protected ones. It starts at c (pure LRU).
+///
+/// Ghosts. An evicted key leaves a ghost: 32 bits of its hash and its eviction number in its
+/// list (probation and protected evictions are counted separately). Ghosts live in a
+/// set-associative table of S = max(1, bit_ceil(c) / 2) sets; set = hash_key(key) mod S; each
+/// set keeps 4 ghosts per list (one 64-byte line), replacing the oldest of its list when full.
+/// So each list remembers about its last 2c evicted keys (4S >= 2c); a ghost whose age (later
+/// evictions from its list) is 2c or more is expired.
+///
+/// Operations (all O(1); no allocation after construction):
+///  * insert(slot, key): the ghosts of the key are removed. A ghost younger than W = ceil(c / 4)
+///    evictions of its list is a marginal hit (Qureshi & Patt, "Utility-Based Cache
+///    Partitioning", MICRO 2006: a hit that W more slots for that list would have given): a
+///    probation ghost raises b by D = ceil(c / W), a protected ghost lowers it by D (clamped to
+///    [0, c]), so W marginal hits of one kind sweep b across the whole pool. A ghost younger than
+///    2c admits the slot to protected; otherwise it enters probation. Either way it is the most
+///    recent slot of its list.
+///  * touch(slot): the slot becomes the most recent of protected (from probation: promoted).
+///  * touch_pending(slot): the slot becomes the most recent of its own list (no promotion).
+///  * erase(slot, key, evicted): the slot leaves its list; when evicted, the key becomes the
+///    newest ghost of that list. erase(..., false) (a failed store) leaves no ghost. b is
+///    unchanged.
+///  * select_victims(count, can_evict, out), one victim at a time, with n_p = |probation| minus
+///    the probation victims already chosen in this call: when n_p > b, the least recent
+///    evictable slot of probation; otherwise the least recently stamped of the two lists' least
+///    recent evictable slots (global LRU). When the chosen list has no evictable slot, the
+///    other's; when neither has one, selection stops. This is what erase(victim, key, true)
+///    calls in that order evict (erase changes n_p, not b or stamps).
+///
+/// With b = c the victims are those of LRU over the same operations (every slot is stamped when
+/// LRU would make it most recent). Prefix order (DESIGN.md invariant 8): within a list the order
+/// is the stamp order, so keys touched or inserted last to first are evicted tail first.
+///
+/// Constants: W = c/4 and D = c/W (the budget's learning window and step) and the 2c ghost
+/// horizon (ARC's directory of 2c keys) are fractions of the pool size fixed in advance, not
+/// fitted to a trace; the budget itself is learned online.
+///
+/// Memory: 25 bytes per slot (two 4-byte links, an 8-byte stamp, the 8-byte key hash, a 1-byte
+/// list tag) plus the ghost table, 64 x S bytes (32 to 64 bytes per slot), allocated at
+/// construction.
+class ProbationEvictionPolicy final : public EvictionPolicy {
+ public:
+  /// Which list a slot is in, or which list a ghost came from.
+  enum class List : std::uint8_t { kNone = 0, kProbation = 1, kProtected = 2 };
+
+  /// Creates an empty policy for slots [0, capacity) with budget b = capacity.
+  /// Throws std::invalid_argument when capacity is 0 or above 2^31-1.
+  explicit ProbationEvictionPolicy(std::uint32_t capacity);
+
+  std::string_view name() const noexcept override { return "probation"; }
+  std::uint32_t capacity() const noexcept override { return capacity_; }
+  std::size_t size() const noexcept override { return probation_size_ + protected_size_; }
+  bool contains(std::uint32_t slot) const noexcept override {
+    return slot < capacity_ && nodes_[slot].list != List::kNone;
+  }
+  void insert(std::uint32_t slot, std::string_view key) override;
+  void touch(std::uint32_t slot) override;
+  void touch_pending(std::uint32_t slot) override;
+  void erase(std::uint32_t slot, std::string_view key, bool evicted) override;
+  void prefetch(std::uint32_t slot) const noexcept override;
+  void prefetch_key(std::uint64_t key_hash) const noexcept override;
+  void prefetch_evict(std::uint32_t slot) const noexcept override;
+  std::size_t select_victims(std::size_t count, SlotPredicate can_evict,
+                             std::vector<std::uint32_t>& out) const override;
+
+  // Introspection (tests, debugging).
+  /// The budget b, in slots: probation blocks beyond it are evicted first. In [0, capacity].
+  std::uint32_t budget() const noexcept { return budget_; }
+  /// W: a ghost younger than this many evictions of its list moves the budget.
+  std::uint32_t window() const noexcept { return window_; }
+  /// D: how far one marginal ghost hit moves the budget, in slots.
+  std::uint32_t step() const noexcept { return step_; }
+  /// Ghost sets S (each holds 4 ghosts per list).
+  std::size_t ghost_sets() const noexcept { return ghost_sets_.size(); }
+  /// S for a policy of `capacity` slots: max(1, bit_ceil(capacity) / 2).
+  static std::size_t ghost_sets_for(std::uint32_t capacity) noexcept;
+  /// The set where `key`'s ghosts live in a policy of `capacity` slots: hash_key(key) mod S.
+  static std::size_t ghost_set_of(std::string_view key, std::uint32_t capacity) noexcept;
+  /// The 16-bit tag that stands for `key` in its ghost set (never 0). Two keys with the same
+  /// set and tag share their ghosts.
+  static std::uint16_t ghost_tag_of(std::string_view key) noexcept;
+  std::size_t probation_size() const noexcept { return probation_size_; }
+  std::size_t protected_size() const noexcept { return protected_size_; }
+  /// kProbation, kProtected or kNone (also for slot >= capacity).
+  List list_of(std::uint32_t slot) const noexcept {
+    return slot < capacity_ ? nodes_[slot].list : List::kNone;
+  }
+  /// The slots of kProbation or kProtected, least recent first. O(size of the list).
+  std::vector<std::uint32_t> slots(List list) const;
+  /// The list of `key`'s youngest unexpired ghost (kNone if it has none), and that ghost's age
+  /// in evictions of its list (0: the latest eviction).
+  std::pair<List, std::uint32_t> ghost_of(std::string_view key) const noexcept;
+
+ private:
+  struct alignas(32) Node {  // 32 bytes: one slot's state never straddles a cache line
+    std::uint32_t prev;
+    std::uint32_t next;
+    std::uint64_t stamp;  // clock value of the slot's latest insert or touch
+    std::uint64_t hash;   // hash_key of the slot's key (where its ghost will go)
+    List list;            // kNone when not tracked
+  };
+  static constexpr std::size_t kGhostWays = 8;  // ghosts per list per set
+  struct alignas(64) GhostSet {
+    // Per list (index 0: probation, 1: protected): 16-bit hash tags (0: empty) and the
+    // eviction epoch of each ghost. 64 bytes: one cache line.
+    std::uint16_t tag[2][kGhostWays];
+    std::uint16_t epoch[2][kGhostWays];
+  };
+
+  void check_slot(std::uint32_t slot, const char* op) const;
+  void check_tracked(std::uint32_t slot, const char* op) const;
+  void link_most_recent(std::uint32_t slot, List list) noexcept;
+  void unlink(std::uint32_t slot) noexcept;
+  std::size_t set_index(std::uint64_t hash) const noexcept;
+  static std::uint16_t tag_of(std::uint64_t hash) noexcept;
+  std::uint16_t epoch(std::size_t list) const noexcept;  // current epoch of a list, mod 2^16
+  void add_ghost(std::uint64_t hash, List list) noexcept;
+
+  std::uint32_t capacity_;
+  std::uint32_t probation_head_;  // sentinel == capacity_ (next = least recent, prev = most)
+  std::uint32_t protected_head_;  // sentinel == capacity_ + 1
+  std::size_t probation_size_ = 0;
+  std::size_t protected_size_ = 0;
+  std::uint64_t clock_ = 0;
+  std::uint32_t budget_;
+  std::uint32_t window_;
+  std::uint32_t step_;
+  std::uint32_t epoch_shift_;     // an epoch is 2^epoch_shift_ evictions of a list
+  std::uint32_t horizon_epochs_;  // ghosts this many epochs old or older are expired (2c)
+  std::uint32_t window_epochs_;   // ghosts younger than this move the budget (W)
+  std::uint64_t evictions_[2] = {0, 0};  // per list
+  template <typename T>
+  using Array = std::vector<T, LargePageAllocator<T>>;
+  Array<Node> nodes_;   // capacity_ + 2 entries (two sentinels)
+  Array<GhostSet> ghost_sets_;
+};
+
+/// Names accepted by make_eviction_policy, in registration order ({"lru", "arc", "probation"}).
 std::vector<std::string> eviction_policy_names();
 
 /// Creates the policy registered under `name` for slots [0, capacity).

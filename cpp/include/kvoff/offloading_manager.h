@@ -98,7 +98,8 @@ using KeySpan = std::span<const std::string_view>;
 class CPUOffloadingManager {
  public:
   /// Creates a manager for a pool of `num_blocks` slots using the eviction policy registered as
-  /// `eviction_policy` ("lru"); with `enable_events` it records OffloadingEvents.
+  /// `eviction_policy` ("lru", "arc", "probation"); with `enable_events` it records
+  /// OffloadingEvents.
   /// Throws std::invalid_argument when num_blocks < 1 or num_blocks > 2^31-1 (naming the
   /// value) or when the policy name is unknown (listing the choices).
   explicit CPUOffloadingManager(std::int64_t num_blocks, std::string_view eviction_policy = "lru",
@@ -124,7 +125,9 @@ class CPUOffloadingManager {
   void complete_load(KeySpan keys);
 
   /// Marks held keys (ready or pending) as used, processing them last to first so that keys[0]
-  /// ends the most recently used. Keys not held are ignored.
+  /// ends the most recently used. Keys not held are ignored. A ready key's use goes to the
+  /// policy's touch() (a reuse), a pending key's to touch_pending() (the request storing it
+  /// uses it: ordered, but no reuse).
   /// Throws std::invalid_argument, changing nothing, for an empty key.
   void touch(KeySpan keys);
 
