@@ -34,6 +34,7 @@ BASE_DEPENDENCIES: tuple[str, ...] = (
     "pydantic-settings>=2.4",  # 2.4: sources see the higher levels (current_state)
     "pyyaml>=6",
     "tqdm>=4.60",
+    "xxhash>=3",  # block checksums and layout fingerprints of the secondary tiers
 )
 
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.\d+)*")

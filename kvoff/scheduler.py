@@ -439,6 +439,42 @@ class OffloadingScheduler:
                 the scheduled requests may have been taken, as the next call would).
             TypeError: a request id that is not a str, a block id or count that is not an int.
         """
+        loads, stores, flush = self.build_connector_meta_tuples(
+            request_ids,
+            new_block_ids,
+            num_computed_tokens,
+            num_scheduled_tokens,
+            resumed_request_ids,
+            finished_request_ids,
+            preempted_request_ids,
+            rewritten_block_ids,
+        )
+        job = self.job_from_tuple
+        return ConnectorMetadata(tuple(map(job, loads)), tuple(map(job, stores)), tuple(flush))
+
+    def build_connector_meta_tuples(
+        self,
+        request_ids: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Mapping[str, int] | Sequence[int],
+        resumed_request_ids: Collection[str] = (),
+        finished_request_ids: Iterable[str] = (),
+        preempted_request_ids: Iterable[str] = (),
+        rewritten_block_ids: Sequence[int] = (),
+    ) -> tuple[list[tuple], list[tuple], list[int]]:
+        """:meth:`build_connector_meta_columns` without making :class:`TransferJob` records:
+        for integrations that ship the jobs to workers in other processes (the records are then
+        made there, off the engine's scheduling path, with :meth:`job_from_tuple`).
+
+        Returns:
+            ``(load_jobs, store_jobs, jobs_to_flush)``; each job is a tuple ``(job_id,
+            request_id, is_store, gpu_block_ids, group_sizes, block_indices, cpu_block_ids,
+            keys)`` (lists of ints; keys are bytes).
+
+        Raises:
+            As :meth:`build_connector_meta_columns`.
+        """
         loads, stores, flush = self._core.build_connector_meta(
             request_ids,
             new_block_ids,
@@ -452,13 +488,17 @@ class OffloadingScheduler:
         )
         for rid in finished_request_ids:
             self._requests.pop(rid, None)
-        job = self._job
-        return ConnectorMetadata(tuple(map(job, loads)), tuple(map(job, stores)), tuple(flush))
+        return loads, stores, flush
 
     @staticmethod
-    def _job(t: tuple) -> TransferJob:
-        """A job from the core's tuple. The core's jobs are valid by construction (invariant 1
-        holds, ids are in range): the records are made without re-checking them."""
+    def job_from_tuple(t: tuple) -> TransferJob:
+        """A :class:`TransferJob` from a job tuple of :meth:`build_connector_meta_tuples`. The
+        core's jobs are valid by construction (invariant 1 holds, ids are in range): the
+        records are made without re-checking them.
+
+        Raises:
+            ValueError: ``t`` does not have the 8 fields of a job tuple.
+        """
         job_id, rid, is_store, gpu_ids, sizes, indices, cpu_ids, keys = t
         return _trusted(
             TransferJob,

@@ -40,6 +40,7 @@ fails such requests instead).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -258,15 +259,28 @@ class KvoffConnectorMetadata(KVConnectorMetadata):
     """What the scheduler role hands to every worker for one step (picklable).
 
     Attributes:
-        load_jobs: loads to submit before the forward pass (kvoff :class:`kvoff.TransferJob`).
-        store_jobs: stores to submit after it.
+        load_job_tuples: loads to submit before the forward pass, as job tuples
+            (:meth:`kvoff.OffloadingScheduler.build_connector_meta_tuples`; ``load_jobs`` gives
+            them as :class:`kvoff.TransferJob`).
+        store_job_tuples: stores to submit after it (``store_jobs``).
         jobs_to_flush: in-flight job ids whose GPU blocks are rewritten this step: wait for
             them before the forward pass (DESIGN.md invariant 4).
     """
 
-    load_jobs: tuple[TransferJob, ...] = ()
-    store_jobs: tuple[TransferJob, ...] = ()
+    load_job_tuples: tuple[tuple, ...] = ()
+    store_job_tuples: tuple[tuple, ...] = ()
     jobs_to_flush: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def load_jobs(self) -> tuple[TransferJob, ...]:
+        """The loads as :class:`kvoff.TransferJob` records (made on first use: on the workers,
+        off the engine's scheduling path)."""
+        return tuple(map(OffloadingScheduler.job_from_tuple, self.load_job_tuples))
+
+    @functools.cached_property
+    def store_jobs(self) -> tuple[TransferJob, ...]:
+        """The stores as :class:`kvoff.TransferJob` records (made on first use)."""
+        return tuple(map(OffloadingScheduler.job_from_tuple, self.store_job_tuples))
 
 
 @dataclass
@@ -520,7 +534,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         copies = out.kv_cache_block_copies
-        meta = self.scheduler.build_connector_meta_columns(
+        loads, stores, flush = self.scheduler.build_connector_meta_tuples(
             ids,
             blocks,
             computed,
@@ -530,7 +544,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             out.preempted_req_ids or (),
             [c.dst_block_id for c in copies] if copies else (),
         )
-        return KvoffConnectorMetadata(meta.load_jobs, meta.store_jobs, meta.jobs_to_flush)
+        return KvoffConnectorMetadata(tuple(loads), tuple(stores), tuple(flush))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Counts the ranks' job reports; jobs reported by every rank complete."""

@@ -255,20 +255,25 @@ class _Timed:
     def __init__(self, connector: Any) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self.per_hook: dict[str, float] = {}
         for name in _SCHEDULER_HOOKS:
             fn = getattr(connector, name, None)
             if fn is not None:
-                setattr(connector, name, self._wrap(fn))
+                setattr(connector, name, self._wrap(name, fn))
 
-    def _wrap(self, fn: Callable) -> Callable:
+    def _wrap(self, name: str, fn: Callable) -> Callable:
         clock = time.perf_counter
+        per_hook = self.per_hook
+        per_hook[name] = 0.0
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += clock() - t0
+                dt = clock() - t0
+                self.seconds += dt
+                per_hook[name] += dt
                 self.calls += 1
 
         return timed
@@ -321,6 +326,8 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
     scheduler, hasher, num_gpu_blocks = _engine(connector, running, total, p)
     conn = scheduler.connector
     timer = _Timed(conn) if conn is not None else None
+    hook_s: dict[str, float] = {}
+    timed_steps = 0
     submitted = 0
 
     def submit(n: int) -> None:
@@ -353,6 +360,7 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
         while len(step_s) < p.steps:
             if timer is not None:
                 timer.seconds = 0.0
+                timer.per_hook.update(dict.fromkeys(timer.per_hook, 0.0))
             t0 = clock()
             out = scheduler.schedule()
             ids = list(out.num_scheduled_tokens)
@@ -380,6 +388,10 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
             if warm:
                 step_s.append(t1 - t0)
                 conn_s.append(timer.seconds if timer is not None else 0.0)
+                timed_steps += 1
+                if timer is not None:
+                    for name, sec in timer.per_hook.items():
+                        hook_s[name] = hook_s.get(name, 0.0) + sec
                 schedule.append(tuple(sorted(out.num_scheduled_tokens.items())))
             else:
                 finished = submitted - scheduler.get_num_unfinished_requests()
@@ -400,6 +412,9 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
         "step_us": statistics.median(step_s) * 1e6,
         "connector_us": statistics.median(conn_s) * 1e6,
         "connector_us_mean": statistics.fmean(conn_s) * 1e6,
+        "hook_us_mean": {
+            k: v / max(timed_steps, 1) * 1e6 for k, v in sorted(hook_s.items()) if v > 0
+        },
         "scheduled_tokens_per_step": statistics.fmean(sum(n for _, n in s) for s in schedule),
         "requests_submitted": submitted,
         "hit_tokens": hit_tokens,

@@ -184,6 +184,50 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", type=Path, default=None, metavar="FILE", help="write the totals as JSON to FILE"
     )
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tg = rp.add_argument_group("secondary tiers (below the CPU pool)")
+    tg.add_argument(
+        "--disk-path",
+        default=None,
+        metavar="DIR",
+        help="a disk tier in DIR (one file of block slots; with --disk-bytes)",
+    )
+    tg.add_argument(
+        "--disk-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="size of the disk tier (e.g. 8GiB; per engine)",
+    )
+    tg.add_argument(
+        "--remote-url",
+        default=None,
+        metavar="URL",
+        help="a shared tier on a Redis Cluster, e.g. redis://127.0.0.1:7000",
+    )
+    tg.add_argument(
+        "--remote-namespace",
+        default="kvoff-replay",
+        help="key prefix in the remote tier (default: kvoff-replay)",
+    )
+    tg.add_argument(
+        "--remote-timeout",
+        type=float,
+        default=0.25,
+        metavar="SECONDS",
+        help="a remote operation slower than this is a miss (default: 0.25)",
+    )
+    tg.add_argument(
+        "--engines",
+        type=_positive_int,
+        default=1,
+        help="split the trace across N engines that share the remote tier (default: 1)",
+    )
+    tg.add_argument(
+        "--assign",
+        choices=("round_robin", "session"),
+        default="round_robin",
+        help="with --engines: request i to engine i mod N, or by session (first hash id)",
+    )
     vg = rp.add_argument_group("--engine vllm")
     vg.add_argument(
         "--tokens-per-hash",
@@ -275,6 +319,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """The ``bench`` subcommand and its ``scheduler`` benchmark."""
     from kvoff import _scheduler
     from kvoff.tools.bench import DEFAULT_POOL_SIZES, DEFAULT_STEP_SHAPES, LARGE_POOL_SIZE
+    from kvoff.tools.bench_vllm import DEFAULT_RUNNING
 
     bp = sub.add_parser("bench", help="benchmarks", description="kvoff benchmarks")
     bench_sub = bp.add_subparsers(dest="bench_command", required=True)
@@ -349,9 +394,79 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="decode steps timed per shape (default: 64)",
     )
     sp.add_argument(
+        "--vs-vllm",
+        action="store_true",
+        help="instead: kvoff side by side with vLLM's own offloading under a real vLLM "
+        "Scheduler (connector cost per engine step, same schedule check) and the CPU manager "
+        "through Python (needs the vllm extra; see kvoff/tools/bench_vllm.py)",
+    )
+    sp.add_argument(
+        "--running",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="with --vs-vllm: running requests per measurement (default: "
+        + " ".join(str(n) for n in DEFAULT_RUNNING)
+        + ")",
+    )
+    sp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
     _add_bench_transfer_parser(bench_sub)
+    _add_bench_tiers_parser(bench_sub)
+
+
+def _add_bench_tiers_parser(bench_sub: argparse._SubParsersAction) -> None:
+    """``kvoff bench tiers``."""
+    tp = bench_sub.add_parser(
+        "tiers",
+        help="secondary tiers: disk against dd, Redis Cluster GB/s and lookup cost, and the "
+        "engine thread's cost with tiers on against off",
+        description=(
+            "Time the disk tier's sequential block writes and reads against dd with O_DIRECT on "
+            "the same file system, in the same run; a Redis Cluster tier's put and get GB/s and "
+            "per-key lookup cost (a local 3-master cluster is started when --remote-url is not "
+            "given and redis-server is installed); and the engine thread's manager calls through "
+            "the tiered pool against the bare manager, rounds alternated. See "
+            "kvoff/tools/bench_tiers.py and kvoff/tools/bench_tiered_pool.py."
+        ),
+    )
+    tp.add_argument(
+        "--disk-path", default=None, metavar="DIR", help="file system to measure (default: /tmp)"
+    )
+    tp.add_argument("--remote-url", default=None, metavar="URL", help="a Redis Cluster to use")
+    tp.add_argument(
+        "--no-remote", action="store_true", help="skip Redis (no local cluster is started)"
+    )
+    tp.add_argument(
+        "--block-sizes",
+        type=parse_bytes,
+        nargs="+",
+        default=None,
+        metavar="BYTES",
+        help="payload bytes per block (default: 64KiB 512KiB 2MiB)",
+    )
+    tp.add_argument(
+        "--total-bytes",
+        type=parse_bytes,
+        default=512 << 20,
+        metavar="BYTES",
+        help="bytes written and read per block size on disk (default: 512MiB)",
+    )
+    tp.add_argument(
+        "--remote-total-bytes",
+        type=parse_bytes,
+        default=256 << 20,
+        metavar="BYTES",
+        help="bytes per block size on Redis (default: 256MiB)",
+    )
+    tp.add_argument(
+        "--lookup-batch", type=_positive_int, default=256, help="keys per lookup (default: 256)"
+    )
+    tp.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
+    )
 
 
 def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -502,7 +617,64 @@ def _step_shape(text: str) -> tuple[int, int]:
     return b, g
 
 
+def _bench_vs_vllm(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``kvoff bench scheduler --vs-vllm``."""
+    from kvoff.tools.bench_vllm import VsVllmParams, run_vs_vllm
+
+    params = VsVllmParams(
+        steps=args.decode_steps,
+        seed=args.seed,
+        **({"running": tuple(args.running)} if args.running else {}),
+    )
+    run_vs_vllm(
+        params,
+        json_path=args.json,
+        argv=argv,
+        log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
+    return 0
+
+
+def _bench_tiers(args: argparse.Namespace) -> int:
+    """``kvoff bench tiers``."""
+    import tempfile
+
+    from kvoff.tools.bench_tiered_pool import bench_engine_calls
+    from kvoff.tools.bench_tiers import DEFAULT_BLOCK_SIZES, format_bench_tiers, run_bench_tiers
+
+    log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="kvoff-bench-tiers-", dir=args.disk_path) as tmp:
+        log(f"disk and Redis tiers (disk: {tmp})")
+        result = run_bench_tiers(
+            tmp,
+            None if args.no_remote else args.remote_url,
+            tuple(args.block_sizes or DEFAULT_BLOCK_SIZES),
+            args.total_bytes,
+            args.lookup_batch,
+            remote_total_bytes=args.remote_total_bytes,
+            start_local_redis=not args.no_remote,
+        )
+        log("engine thread: tiers off vs on")
+        engine = bench_engine_calls(disk_path=tmp)
+    result["engine_thread"] = engine
+    print(format_bench_tiers(result))
+    print(
+        f"engine thread per round (lookup + store + touch of 32 keys): tiers off "
+        f"{engine['tiers_off_us_per_round']:.1f} us, on {engine['tiers_on_us_per_round']:.1f} "
+        f"us ({engine['ratio']:.3f}x; target <= 1.05x)"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  JSON written to {args.json}")
+    return 0
+
+
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    if args.vs_vllm:
+        return _bench_vs_vllm(args, argv)
+    if args.running is not None:
+        raise ValueError("--running applies to --vs-vllm only")
     from kvoff.tools.bench import (
         DEFAULT_POOL_SIZES,
         DEFAULT_STEP_SHAPES,
@@ -635,7 +807,8 @@ def _run_info() -> dict[str, object]:
 _SIM_ONLY = {
     "cpu_blocks": None, "gpu_prefix_blocks": 0, "device": "cpu", "gpu_layout": "layer_major",
     "mechanism": "auto", "compute": False, "model": "tiny", "sweep_capacity": None,
-    "policies": None, "plot": None,
+    "policies": None, "plot": None, "disk_path": None, "disk_bytes": None, "remote_url": None,
+    "engines": 1,
 }  # fmt: skip
 
 
@@ -763,6 +936,13 @@ def _replay(args: argparse.Namespace) -> int:
         mechanism=args.mechanism,
         compute=args.compute,
         compute_chunk_tokens=args.compute_chunk_tokens,
+        disk_path=args.disk_path,
+        disk_bytes=args.disk_bytes,
+        remote_url=args.remote_url,
+        remote_namespace=args.remote_namespace,
+        remote_timeout_s=args.remote_timeout,
+        engines=args.engines,
+        assign=args.assign,
     )
     if sweeping:
         return _sweep(args, config)
@@ -827,6 +1007,8 @@ def _replay(args: argparse.Namespace) -> int:
         f"{s['mechanisms']})\n"
         f"  wall             {s['wall_s']:>14.1f} s"
     )
+    if s["tiers"]:
+        print(_format_tiers(s))
     if s["time_kvoff_s"] is not None:
         ideal = s["ideal_speedup"]
         print(
@@ -843,7 +1025,31 @@ def _replay(args: argparse.Namespace) -> int:
         record = {"run": _run_info(), "result": s}
         args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"  JSON written to {args.json}")
-    return 1 if s["corrupted_blocks"] or s["failed_transfers"] else 0
+    bad = s["corrupted_blocks"] or s["failed_transfers"]
+    return 1 if bad else 0
+
+
+def _format_tiers(s: dict) -> str:
+    """The replay's per-tier lines: hit tokens by source, then each tier's reads, writes,
+    promotions, drops and rejected blocks."""
+    t = s["tiers"]
+    hits = ", ".join(f"{k} {v:,}" for k, v in s["tier_hit_tokens"].items())
+    lines = [
+        f"  engines          {s['engines']:>14}",
+        f"  hit tokens by    {'source':>14}: {hits}",
+        f"  write-through    {t['writes_queued']:>14,} blocks queued, "
+        f"{t['writes_dropped_queue_full']:,} dropped (queue full); {t['probes']:,} tier probes",
+    ]
+    for name, x in t["tiers"].items():
+        lines.append(
+            f"  {name:<16} {x['promoted_blocks']:>14,} blocks promoted at "
+            f"{x['promotion_gbps']:.2f} GB/s; read {x['bytes_read'] / 2**30:.2f} GiB at "
+            f"{x['read_gbps']:.2f} GB/s, wrote {x['blocks_written']:,} blocks "
+            f"({x['bytes_written'] / 2**30:.2f} GiB at {x['write_gbps']:.2f} GB/s); dropped "
+            f"writes {x['writes_dropped']:,}; corrupted blocks rejected "
+            f"{x['corrupted_blocks']:,}; timeouts {x.get('timeouts', 0):,}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -860,6 +1066,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _info(args)
         if args.command == "bench" and args.bench_command == "transfer":
             return _bench_transfer(args, argv)
+        if args.command == "bench" and args.bench_command == "tiers":
+            return _bench_tiers(args)
         if args.command == "bench":
             return _bench(args, argv)
     except (ValueError, FileNotFoundError) as exc:

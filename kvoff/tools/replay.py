@@ -65,6 +65,8 @@ import torch
 from kvoff import _scheduler
 from kvoff.config import OffloadingConfig
 from kvoff.models import ModelPreset, get_model_preset
+from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+from kvoff.tiers.coordinator import TieredPool
 from kvoff.tools.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
 from kvoff.transfer import ALL_MECHANISMS
 from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
@@ -170,6 +172,22 @@ class ReplayConfig:
             budget).
         compute: also run the prefill's GEMMs and report the time against recomputing.
         compute_chunk_tokens: tokens per GEMM chunk of the prefill cost (a chunked prefill).
+        disk_path: a folder for a disk tier below the CPU pool (with ``disk_bytes``; one
+            sub-folder per engine when ``engines > 1``).
+        disk_bytes: bytes of the disk tier (per engine).
+        remote_url: ``redis://host:port`` of a Redis Cluster shared by the engines.
+        remote_namespace: key prefix in the remote tier (runs with the same namespace, model
+            and layout share blocks).
+        remote_timeout_s: seconds after which a remote operation is a miss (or a dropped
+            write).
+        engines: engines the trace is split across (each with its own GPU cache, CPU pool and
+            disk tier; all share the remote tier), served one request at a time in trace order.
+        assign: ``"round_robin"`` (request ``i`` to engine ``i mod N``) or ``"session"`` (by
+            the request's first hash id: requests that share a first block, a conversation or
+            a system prompt, go to the same engine).
+        tier_write_queue_blocks: blocks in write-through at most (default: a quarter of the CPU
+            pool, at most 1024); the replay waits for room rather than dropping (it has no
+            compute between requests to hide the writes behind).
     """
 
     trace: str = "conversation"
@@ -187,6 +205,18 @@ class ReplayConfig:
     mechanism: str = "auto"
     compute: bool = False
     compute_chunk_tokens: int = DEFAULT_COMPUTE_CHUNK_TOKENS
+    disk_path: str | None = None
+    disk_bytes: int | None = None
+    remote_url: str | None = None
+    remote_namespace: str = "kvoff-replay"
+    remote_timeout_s: float = 0.25
+    engines: int = 1
+    assign: str = "round_robin"
+    tier_write_queue_blocks: int | None = None
+
+
+ASSIGNMENTS = ("round_robin", "session")
+"""How ``--engines N`` splits the trace."""
 
 
 @dataclass
@@ -241,6 +271,10 @@ class ReplayResult:
     gemm_alone_s: float | None = None
     gemm_lost_s: float | None = None
     compute_flops_per_token: float | None = None
+    engines: int = 1
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, Any] = field(default_factory=dict)
+    tier_corrupted_blocks: int = 0
     wall_s: float = 0.0
     per_request_gpu_hit_tokens: list[int] = field(default_factory=list, repr=False)
     per_request_cpu_hit_tokens: list[int] = field(default_factory=list, repr=False)
@@ -251,6 +285,129 @@ class ReplayResult:
         d.pop("per_request_gpu_hit_tokens")
         d.pop("per_request_cpu_hit_tokens")
         return d
+
+
+@dataclass
+class _Engine:
+    """One engine of the replay: its worker (GPU cache and CPU pool), manager, tiers, GPU
+    block allocator and prefix cache, and its stores in flight."""
+
+    worker: OffloadingWorker
+    gpu_rows: list[torch.Tensor]
+    manager: Any
+    pool: TieredPool | None
+    free: list[int]
+    gpu_cache: _GPUPrefixCache
+    pending: dict[int, _Pending] = field(default_factory=dict)  # stores in flight
+    fences: dict[int, int] = field(default_factory=dict)  # GPU block -> store reading it
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.worker.close()
+
+
+def _make_tiers(config: ReplayConfig, engine: int, fmt: BlockFormat) -> list[Any]:
+    """The engine's secondary tiers: disk (its own folder), then remote (shared)."""
+    tiers: list[Any] = []
+    if config.disk_path is not None:
+        from kvoff.tiers.disk import DiskTier
+
+        path = (
+            os.path.join(config.disk_path, f"engine-{engine}")
+            if config.engines > 1
+            else (config.disk_path)
+        )
+        tiers.append(DiskTier(path, int(config.disk_bytes or 0), fmt))
+    if config.remote_url is not None:
+        from kvoff.tiers.redis_cluster import RedisClusterTier
+
+        tiers.append(
+            RedisClusterTier(
+                config.remote_url,
+                fmt,
+                namespace=config.remote_namespace,
+                timeout_s=config.remote_timeout_s,
+            )
+        )
+    return tiers
+
+
+def _make_engine(
+    config: ReplayConfig, index: int, device: torch.device, num_gpu_blocks: int,
+    num_cpu_blocks: int, factor: int, page: int, num_layers: int, policy: str,
+    fingerprint: bytes,
+) -> _Engine:  # fmt: skip
+    """Engine ``index``: GPU cache in ``config.gpu_layout``, worker, manager and tiers."""
+    if config.gpu_layout == "block_contiguous":
+        buffer = torch.zeros((num_gpu_blocks, num_layers * page), dtype=torch.uint8,
+                             device=device)  # fmt: skip
+        kv_caches = {f"layer.{i}": buffer[:, i * page : (i + 1) * page] for i in range(num_layers)}
+    else:
+        kv_caches = {
+            f"layer.{i}": torch.zeros((num_gpu_blocks, page), dtype=torch.uint8, device=device)
+            for i in range(num_layers)
+        }
+    worker = OffloadingWorker(
+        num_gpu_blocks, num_cpu_blocks, factor, pin_memory=device.type == "cuda",
+        mechanism=config.mechanism,
+    )  # fmt: skip
+    worker.register_kv_caches(kv_caches)
+    manager = _scheduler.CPUOffloadingManager(num_cpu_blocks, policy)
+    pool = None
+    fmt = BlockFormat(fingerprint, worker.slot_bytes)
+    tiers = _make_tiers(config, index, fmt)
+    if tiers:
+        slots = worker.cpu_pool.numpy()
+        queue = config.tier_write_queue_blocks or max(1, min(1024, num_cpu_blocks // 4))
+        pool = TieredPool(manager, slots.__getitem__, tiers, write_queue_blocks=queue,
+                          wait_when_full=True)  # fmt: skip
+    free = list(range(num_gpu_blocks - 1, 0, -1))
+    return _Engine(worker, worker.gpu_tensors(), manager, pool, free,
+                   _GPUPrefixCache(config.gpu_prefix_blocks, free))  # fmt: skip
+
+
+def _engine_of(req: TraceRequest, i: int, config: ReplayConfig) -> int:
+    """The engine that serves request ``i`` (see ``ReplayConfig.assign``)."""
+    if config.engines == 1:
+        return 0
+    if config.assign == "session" and req.hash_ids:
+        return int(req.hash_ids[0]) % config.engines
+    return i % config.engines
+
+
+def _tier_totals(res: ReplayResult, engines: Sequence[_Engine]) -> None:
+    """Per-tier totals over the engines: the pool's counters and the tiers' own stats summed
+    (``*_gbps`` recomputed from the sums), plus the L1 hit tokens."""
+    pools = [e.pool for e in engines if e.pool is not None]
+    if not pools:
+        return
+    totals: dict[str, Any] = {}
+    for pool in pools:
+        st = pool.stats()
+        for k, v in st.items():
+            if k == "tiers":
+                for name, tier in v.items():
+                    t = totals.setdefault("tiers", {}).setdefault(name, {})
+                    for tk, tv in tier.items():
+                        if isinstance(tv, bool) or not isinstance(tv, int | float):
+                            t[tk] = tv
+                        elif not tk.endswith("_gbps"):
+                            t[tk] = t.get(tk, 0) + tv
+            elif isinstance(v, int | float):
+                totals[k] = totals.get(k, 0) + v
+    for t in totals.get("tiers", {}).values():
+        rates = (
+            ("read", "bytes_read", "read_seconds"),
+            ("write", "bytes_written", "write_seconds"),
+            ("promotion", "promoted_bytes", "promotion_seconds"),
+        )
+        for what, nbytes, sec in rates:
+            if sec in t:
+                t[f"{what}_gbps"] = t[nbytes] / t[sec] / 1e9 if t[sec] else 0.0
+        res.tier_corrupted_blocks += int(t.get("corrupted_blocks", 0))
+    res.tiers = totals
+    res.tier_hit_tokens.setdefault("L1", 0)
 
 
 class _Timer:
@@ -404,6 +561,11 @@ def run_replay(
             ``device="cuda"`` without a GPU, or when the GPU cache and the CPU pool would not
             fit in this machine's (or GPU's) memory (the message says what to lower).
     """
+    tiered = config.disk_path is not None or config.remote_url is not None
+    if config.policy == "min" and (tiered or config.engines > 1):
+        raise ValueError(
+            "policy 'min' simulates one CPU pool offline; drop the tiers and --engines"
+        )
     if config.policy == "min":  # Belady's MIN: an offline simulation of the same loop
         from kvoff.tools.belady import run_min_replay
 
@@ -423,6 +585,14 @@ def run_replay(
         raise ValueError(f"mechanism={config.mechanism!r} is not one of {list(ALL_MECHANISMS)}")
     if config.compute_chunk_tokens < 1:
         raise ValueError(f"compute_chunk_tokens must be >= 1, got {config.compute_chunk_tokens}")
+    if config.engines < 1:
+        raise ValueError(f"engines must be >= 1, got {config.engines}")
+    if config.assign not in ASSIGNMENTS:
+        raise ValueError(f"assign={config.assign!r} is not one of {list(ASSIGNMENTS)}")
+    if (config.disk_path is None) != (config.disk_bytes is None):
+        raise ValueError(
+            "a disk tier needs both disk_path and disk_bytes (--disk-path DIR --disk-bytes 8GiB)"
+        )
     device = _device(config)
     cuda = device.type == "cuda"
     offload_cfg = OffloadingConfig(
@@ -452,7 +622,7 @@ def run_replay(
     gpu_bytes = num_gpu_blocks * bytes_per_gpu_block
     cpu_bytes = num_cpu_blocks * bytes_per_gpu_block * factor
     mem = _available_memory_bytes()
-    host_bytes = cpu_bytes + (0 if cuda else gpu_bytes)
+    host_bytes = config.engines * (cpu_bytes + (0 if cuda else gpu_bytes))
     if mem and host_bytes > 0.85 * mem:
         raise ValueError(
             f"model {preset.name!r} needs {gpu_bytes / 2**30:.1f} GiB for the GPU cache "
@@ -471,26 +641,15 @@ def run_replay(
                 "--gpu-prefix-blocks or --limit"
             )
 
-    if config.gpu_layout == "block_contiguous":
-        buffer = torch.zeros((num_gpu_blocks, preset.num_layers * page), dtype=torch.uint8,
-                             device=device)  # fmt: skip
-        kv_caches = {
-            f"layer.{i}": buffer[:, i * page : (i + 1) * page] for i in range(preset.num_layers)
-        }
-    else:
-        kv_caches = {
-            f"layer.{i}": torch.zeros((num_gpu_blocks, page), dtype=torch.uint8, device=device)
-            for i in range(preset.num_layers)
-        }
-    worker = OffloadingWorker(
-        num_gpu_blocks, num_cpu_blocks, factor, pin_memory=cuda, mechanism=config.mechanism
-    )
-    worker.register_kv_caches(kv_caches)
-    gpu_rows = worker.gpu_tensors()
-    manager = _scheduler.CPUOffloadingManager(num_cpu_blocks, offload_cfg.eviction_policy)
-
-    free = list(range(num_gpu_blocks - 1, 0, -1))
-    gpu_cache = _GPUPrefixCache(config.gpu_prefix_blocks, free)
+    fingerprint = layout_fingerprint(
+        model=preset.name, num_layers=preset.num_layers, page_size_bytes=page, block_size=bs,
+        offloaded_block_size=obs, dtype="uint8-pattern", world_size=1, rank=0,
+    )  # fmt: skip
+    engines = [
+        _make_engine(config, e, device, num_gpu_blocks, num_cpu_blocks, factor, page,
+                     preset.num_layers, offload_cfg.eviction_policy, fingerprint)
+        for e in range(config.engines)
+    ]  # fmt: skip
     res = ReplayResult(
         trace=config.trace,
         model=preset.name,
@@ -502,24 +661,27 @@ def run_replay(
         device=str(device),
         gpu_layout=config.gpu_layout,
         gpu_blocks=num_gpu_blocks,
-        cpu_pool_bytes=worker.cpu_pool_bytes,
+        cpu_pool_bytes=engines[0].worker.cpu_pool_bytes,
+        engines=config.engines,
     )
     seen_keys: set[bytes] = set()
     max_hit_tokens = 0
     job_id = 0
-    pending: dict[int, _Pending] = {}  # stores in flight
-    fences: dict[int, int] = {}  # GPU block -> the store in flight that reads it
     timer = _Timer(device)
     marks: list[_Marks] = []
 
-    def finish(results: Sequence[Any]) -> None:
-        """complete_store for finished stores; their GPU blocks may be reused again."""
+    def finish(e: _Engine, results: Sequence[Any]) -> None:
+        """complete_store for finished stores (then their write-through to the tiers); their
+        GPU blocks may be reused again."""
+        pending, fences = e.pending, e.fences
         for r in results:
             res.mechanisms[r.mechanism] = res.mechanisms.get(r.mechanism, 0) + 1
             job = pending.pop(r.job_id, None)
             if job is None:
                 continue
-            manager.complete_store(job.keys, r.success)
+            e.manager.complete_store(job.keys, r.success)
+            if r.success and e.pool is not None:
+                e.pool.on_stored(job.keys)
             for b in job.gpu_ids:
                 if fences.get(b) == r.job_id:
                     del fences[b]
@@ -530,8 +692,12 @@ def run_replay(
             else:
                 res.failed_transfers += 1
 
-    for n_done, req in enumerate(reqs, 1):
-        finish(worker.get_finished())
+    def serve(e: _Engine, req: TraceRequest) -> None:
+        """One request on engine ``e`` (steps 1-5 of the module docstring)."""
+        nonlocal job_id, max_hit_tokens
+        worker, manager, pending, fences = e.worker, e.manager, e.pending, e.fences
+        free, gpu_cache, gpu_rows = e.free, e.gpu_cache, e.gpu_rows
+        finish(e, worker.get_finished())
         length = req.input_length
         hash_ids = np.asarray(req.hash_ids, dtype=np.int64)
         num_req_blocks = math.ceil(length / bs)  # GPU blocks, the last may be partial
@@ -562,17 +728,22 @@ def run_replay(
         fenced = sorted({fences[b] for b in table[g:] if b in fences})
         if fenced:
             res.fence_waits += 1
-            finish(worker.wait(fenced))
+            finish(e, worker.wait(fenced))
 
         # 2. kvoff lookup + load of the blocks after the GPU hits
         g_off = g // factor
-        h = manager.lookup(keys[g_off:]) if g_off < num_full_off else 0
-        if h is None:  # a needed block is still being stored: wait for the stores, retry
+        lookup = manager.lookup if e.pool is None else e.pool.lookup
+        h = lookup(keys[g_off:]) if g_off < num_full_off else 0
+        tries = 0
+        while h is None:  # a block is being stored or promoted from a tier: wait, retry
             res.lookup_retries += 1
-            finish(worker.wait(list(pending)))
-            h = manager.lookup(keys[g_off:])
-            if h is None:  # pragma: no cover - nothing is pending any more
-                raise RuntimeError("lookup still returns 'retry later' with no store in flight")
+            tries += 1
+            finish(e, worker.wait(list(pending)))
+            if e.pool is not None:
+                e.pool.wait_reads()
+            h = (lookup if tries < 4 else manager.lookup)(keys[g_off:])
+            if h is None and tries >= 4:  # pragma: no cover - nothing is in flight any more
+                raise RuntimeError("lookup still returns 'retry later' with nothing in flight")
         load_end = (g_off + h) * factor
         hit_end = g
         loaded_ok = False
@@ -591,6 +762,11 @@ def run_replay(
             if ok and result.success:
                 loaded_ok = True
                 hit_end = load_end
+                if e.pool is not None:  # hit tokens by where each offloaded block came from
+                    for j, key in enumerate(load_keys, g_off):
+                        blocks = min((j + 1) * factor, load_end) - max(j * factor, g)
+                        src = e.pool.take_source(key)
+                        res.tier_hit_tokens[src] = res.tier_hit_tokens.get(src, 0) + blocks * bs
                 res.blocks_loaded += load_end - g
                 res.bytes_loaded += result.num_bytes
                 res.load_seconds += result.seconds
@@ -659,10 +835,15 @@ def run_replay(
         res.cpu_hit_tokens += cpu_hit
         res.per_request_gpu_hit_tokens.append(gpu_hit)
         res.per_request_cpu_hit_tokens.append(cpu_hit)
+
+    for n_done, req in enumerate(reqs, 1):
+        serve(engines[_engine_of(req, n_done - 1, config)], req)
         if progress is not None:
             progress(n_done)
-    finish(worker.wait(list(pending)))
-
+    for e in engines:
+        finish(e, e.worker.wait(list(e.pending)))
+        if e.pool is not None:
+            e.pool.wait()
     res.hit_tokens = res.gpu_hit_tokens + res.cpu_hit_tokens
     res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
     res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
@@ -670,7 +851,9 @@ def run_replay(
     res.load_gbps = res.bytes_loaded / res.load_seconds / 1e9 if res.load_seconds else 0.0
     if prefill is not None:
         _compute_totals(res, prefill, marks, timer)
-    worker.close()
+    _tier_totals(res, engines)
+    for e in engines:
+        e.close()
     res.wall_s = time.perf_counter() - t_start
     return res
 

@@ -1,0 +1,175 @@
+"""The interface of a secondary tier (below kvoff's CPU pool, L1) and shared helpers.
+
+A secondary tier keeps whole offloaded blocks, one object per CPU pool slot, each written with
+the header of :mod:`kvoff.tiers.block_format`. All operations take batches of offload keys
+(``bytes``, 1..64 long) and are thread-safe: the coordinator calls :meth:`SecondaryTier.get`
+from one background thread and :meth:`SecondaryTier.put` from another at the same time.
+
+Failure model: I/O conditions (absent block, corrupt block, foreign fingerprint, timeout, node
+down, disk full, unwritable path) are never exceptions. ``get`` answers False, ``put`` answers
+False and counts the write in ``stats()["writes_dropped"]``. Exceptions are reserved for
+programming errors (an ``out`` buffer of the wrong size, mismatched argument lengths).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvoff.tiers.block_format import BlockFormat
+
+STAT_KEYS: tuple[str, ...] = (
+    "hits",  # get(): blocks served (bytes copied into `outs`, valid)
+    "misses",  # get(): blocks not served (absent, corrupt, foreign, timeout, error)
+    "lookups",  # contains(): keys asked
+    "lookup_hits",  # contains(): keys answered True
+    "blocks_read",  # blocks whose bytes were read back from the medium
+    "blocks_written",  # blocks stored
+    "bytes_read",  # bytes read back (header + payload)
+    "bytes_written",  # bytes stored (header + payload)
+    "read_seconds",  # wall seconds inside get() calls
+    "write_seconds",  # wall seconds inside put() calls
+    "writes_dropped",  # put() keys answered False (full, unwritable, timeout, error)
+    "corrupted_blocks",  # blocks rejected for a bad header or payload checksum (never served)
+    "fingerprint_mismatches",  # blocks of another model / layout / rank seen and not served
+    "timeouts",  # operations that ran into the tier's timeout
+    "evictions",  # blocks removed: evict() calls and the tier's own eviction
+    "io_errors",  # OSError / connection errors met (each is also a miss or a dropped write)
+)
+"""Counters every tier reports (extras are tier-specific)."""
+
+
+class TierStats:
+    """Thread-safe counters: ``add(hits=3, bytes_read=...)``, ``snapshot() -> dict``."""
+
+    def __init__(self, extra: Sequence[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int | float] = {k: 0 for k in (*STAT_KEYS, *extra)}
+        for k in ("read_seconds", "write_seconds"):
+            self._values[k] = 0.0
+
+    def add(self, **deltas: float) -> None:
+        """Add ``deltas`` to the named counters (unknown names are created)."""
+        with self._lock:
+            for k, v in deltas.items():
+                self._values[k] = self._values.get(k, 0) + v
+
+    def set(self, **values: float) -> None:
+        """Set the named gauges (e.g. ``blocks`` held, ``direct_io``)."""
+        with self._lock:
+            self._values.update(values)
+
+    def snapshot(self) -> dict[str, int | float]:
+        """A copy of all counters."""
+        with self._lock:
+            return dict(self._values)
+
+
+def byte_view(arr: Any, nbytes: int, what: str, *, writable: bool = False) -> memoryview:
+    """A flat writable-or-not uint8 memoryview of ``arr`` (numpy array or bytes-like).
+
+    Raises:
+        ValueError: not C-contiguous, not ``nbytes`` bytes, or read-only when ``writable``.
+    """
+    if isinstance(arr, np.ndarray):
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous (a pool slot view), got {arr.strides}")
+        if writable and not arr.flags.writeable:
+            raise ValueError(f"{what} is read-only; pass a writable uint8 array")
+        arr = arr.reshape(-1)
+        if arr.dtype != np.uint8:
+            arr = arr.view(np.uint8)
+    view = memoryview(arr)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if view.nbytes != nbytes:
+        raise ValueError(f"{what} is {view.nbytes} bytes; the tier's payload_bytes is {nbytes}")
+    if writable and view.readonly:
+        raise ValueError(f"{what} is read-only; pass a writable uint8 array")
+    return view
+
+
+def check_batch(keys: Sequence[bytes], bufs: Sequence[Any] | None, what: str) -> None:
+    """Raise ValueError unless ``keys`` are bytes of 1..64 and ``bufs`` (if given) match in
+    number."""
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray)) or not 1 <= len(k) <= 64:
+            raise ValueError(f"offload keys must be bytes of 1..64, got {k!r}")
+    if bufs is not None and len(bufs) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(bufs)} {what}; pass one per key")
+
+
+class SecondaryTier(ABC):
+    """A store of whole blocks below the CPU pool (disk, a shared Redis Cluster, ...).
+
+    Attributes:
+        name: short tier name for reports (``"disk"``, ``"remote"``).
+        fmt: the block format: fingerprint and payload size every block must match.
+
+    Every method is thread-safe and answers per key; none raises for I/O conditions.
+    """
+
+    name: str
+    fmt: BlockFormat
+
+    @abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is probably held (an index or EXISTS answer; the bytes are only
+        verified by :meth:`get`). Returns one bool per key; never raises for I/O conditions."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
+        """Read blocks into ``outs``.
+
+        Args:
+            keys: offload keys.
+            outs: one writable, C-contiguous uint8 array of ``fmt.payload_bytes`` per key (a view
+                into a CPU pool slot; need not be aligned).
+
+        Returns:
+            One bool per key: True = ``outs[i]`` holds the block, byte-exact and verified
+            (header, fingerprint, key, length, checksum). False = not served (absent, corrupt,
+            foreign fingerprint, timeout, node down, I/O error); ``outs[i]`` may then hold
+            anything. A corrupt or foreign block is dropped and counted.
+
+        Raises:
+            ValueError: an ``outs`` entry of the wrong size / layout, or len(outs) != len(keys).
+        """
+
+    @abstractmethod
+    def put(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray]) -> list[bool]:
+        """Store blocks.
+
+        Args:
+            keys: offload keys.
+            payloads: one C-contiguous array of ``fmt.payload_bytes`` bytes per key.
+
+        Returns:
+            One bool per key: True = stored (or already held), False = dropped (full,
+            unwritable, timeout, error) and counted in ``stats()["writes_dropped"]``.
+
+        Raises:
+            ValueError: a payload of the wrong size / layout, or len(payloads) != len(keys).
+        """
+
+    @abstractmethod
+    def evict(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks; returns how many of ``keys`` were present. Never raises for I/O."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int | float]:
+        """Counters (:data:`STAT_KEYS` at least, plus tier-specific ones)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files, threads and connections. Later calls answer False / drop."""
+
+    def __enter__(self) -> SecondaryTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,410 @@
+"""The CPU pool (L1) and the secondary tiers below it: asynchronous promotion on L1 misses and
+bounded write-through of stored blocks.
+
+:class:`TieredPool` wraps kvoff's :class:`~kvoff.CPUOffloadingManager` (L1: it owns the slots and
+every decision about them) and a list of :class:`~kvoff.tiers.base.SecondaryTier` (disk, then a
+shared store). The engine thread calls it; tier I/O runs on background threads and never blocks
+the engine's step:
+
+* **Lookup** (:meth:`TieredPool.lookup`): the manager answers from L1. When L1 misses a block of
+  the asked keys, the tiers are probed in the background (``contains``, first tier first) and the
+  call returns ``None`` ("retry later", as for a block still being stored). When the probe is
+  back, the leading run of keys some tier holds gets L1 slots (``prepare_store``, which may evict)
+  and is read into them (``get``); ``complete_store`` makes them L1 blocks (**promotion**). The
+  retry then finds them in L1 and loads them to the GPU as usual. A block a tier cannot serve
+  (absent, corrupt, wrong fingerprint, timeout) is a miss: ``complete_store(..., False)`` drops
+  its slot, so wrong bytes are never served.
+* **Write-through** (:meth:`TieredPool.on_stored`): after a store to L1 completes, its blocks are
+  pinned (``prepare_load``: not evicted while read) and written to every tier by one writer
+  thread per tier; they are unpinned when every tier is done. The queue is bounded in blocks:
+  a store that does not fit is dropped and counted (``writes_dropped_queue_full``), never
+  waited for. Write-back (write to a tier only on L1 eviction) would need the manager to hand
+  evicted slots over before reusing them (an eviction callback that defers the slot's reuse
+  until the write is done); kvoff's manager reuses an evicted slot at once, so write-through is
+  the policy for every tier.
+
+Background work is applied on the engine thread in :meth:`TieredPool.poll` (called by
+``lookup`` and ``on_stored``, and by the engine once per step), so the manager is only ever
+called from one thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvoff.tiers.base import SecondaryTier
+
+__all__ = ["DEFAULT_WRITE_QUEUE_BLOCKS", "MAX_PROBE_BLOCKS", "TieredPool"]
+
+DEFAULT_WRITE_QUEUE_BLOCKS = 1024
+"""Blocks waiting for write-through at most (pinned in L1 meanwhile); more are dropped."""
+MAX_PROBE_BLOCKS = 4096
+"""Keys probed per L1 miss at most (a longer request promotes the rest on a later miss)."""
+_ANSWERED_CAP = 65536
+
+
+@dataclass
+class _Read:
+    """One promotion: phase 1 probes (``contains``), phase 2 reads into L1 slots (``get``)."""
+
+    keys: list[bytes]
+    future: Future
+    t0: float
+    phase: int = 1
+    keys_to_store: list[bytes] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Write:
+    """One write-through: the keys pinned in L1, their slots, and the tiers still writing."""
+
+    keys: list[bytes]
+    block_ids: list[int]
+    remaining: int
+    results: list[list[bool] | None] = field(default_factory=list)
+
+
+_STOP = object()
+
+
+class TieredPool:
+    """kvoff's CPU pool (L1) with secondary tiers below it (see the module docstring).
+
+    Args:
+        manager: the L1 manager (:class:`kvoff.CPUOffloadingManager`); only this object calls it
+            while the pool is open.
+        slot: CPU block id -> that slot's bytes, a writable ``(payload_bytes,)`` uint8 array
+            (a view into the CPU pool, e.g. ``worker.cpu_pool.numpy()[i]``).
+        tiers: the secondary tiers, fastest first (disk, then remote); every tier's
+            ``fmt.payload_bytes`` must equal the slot size.
+        write_queue_blocks: blocks in write-through at most (each pinned in L1 until every
+            tier wrote it); a store that would exceed it is dropped and counted.
+        wait_when_full: wait for room instead of dropping (replays only: a replay has no
+            compute between requests, so it would outrun any tier; an engine never waits).
+
+    Raises:
+        ValueError: ``write_queue_blocks < 1``; tiers with different payload sizes or names.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        slot: Callable[[int], np.ndarray],
+        tiers: Sequence[SecondaryTier],
+        *,
+        write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
+        wait_when_full: bool = False,
+    ) -> None:
+        if write_queue_blocks < 1:
+            raise ValueError(
+                f"write_queue_blocks must be >= 1, got {write_queue_blocks}; it bounds the blocks "
+                "pinned in L1 for write-through"
+            )
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must differ, got {names}")
+        sizes = {t.fmt.payload_bytes for t in tiers}
+        if len(sizes) > 1:
+            raise ValueError(f"tiers disagree on the block size: {sorted(sizes)} bytes")
+        self.manager = manager
+        self.tiers = list(tiers)
+        self._slot = slot
+        self._cap = write_queue_blocks
+        self._wait_when_full = wait_when_full
+        self._queued = 0
+        self._reads: list[_Read] = []
+        self._reading: set[bytes] = set()
+        self._answered: OrderedDict[bytes, None] = OrderedDict()
+        self._sources: OrderedDict[bytes, str] = OrderedDict()
+        self._writes_in_flight = 0
+        self._done: queue.SimpleQueue[tuple[_Write, int, list[bool] | None]] = queue.SimpleQueue()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoff-tier-read")
+        # One writer thread per tier, fed by a queue (cheaper for the engine thread than an
+        # executor's futures); finished writes come back through self._done.
+        self._write_qs: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in self.tiers]
+        self._writers = [
+            threading.Thread(target=self._writer, args=(i,), name=f"kvoff-tier-write-{t.name}",
+                             daemon=True)
+            for i, t in enumerate(self.tiers)
+        ]  # fmt: skip
+        for th in self._writers:
+            th.start()
+        self.counters: dict[str, dict[str, float]] = {
+            t.name: {
+                "promoted_blocks": 0, "promoted_bytes": 0, "promotion_seconds": 0.0,
+                "promotion_failures": 0, "written_blocks": 0, "write_failures": 0,
+            }
+            for t in self.tiers
+        }  # fmt: skip
+        self.probes = 0
+        self.lookup_retries = 0
+        self.writes_queued = 0
+        self.writes_dropped_queue_full = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ engine thread
+
+    def lookup(self, keys: Sequence[bytes]) -> int | None:
+        """How many leading ``keys`` L1 holds now, or ``None``: retry later (a block is being
+        stored, or the tiers are being asked for the first missing one and may promote it).
+
+        Args:
+            keys: offload keys of one request, in order (bytes).
+
+        Returns:
+            Leading keys ready in L1 (blocks), or ``None``.
+
+        Raises:
+            TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`.
+        """
+        self.poll()
+        h = self.manager.lookup(keys)
+        if h is None or h >= len(keys) or not self.tiers:
+            return h
+        first = keys[h]
+        if first in self._reading:
+            self.lookup_retries += 1
+            return None
+        if first in self._answered:  # the tiers were asked for it since the last lookup
+            del self._answered[first]
+            return h
+        probe = list(keys[h : h + MAX_PROBE_BLOCKS])
+        self.probes += 1
+        self._reading.update(probe)
+        self._reads.append(
+            _Read(probe, self._reader.submit(self._probe, probe), time.perf_counter())
+        )
+        return None
+
+    def on_stored(self, keys: Sequence[bytes]) -> bool:
+        """Write-through of blocks just stored in L1 (after ``complete_store(keys, True)``).
+
+        Args:
+            keys: the stored offload keys (L1 blocks, ready).
+
+        Returns:
+            ``True`` when all were queued; ``False`` when some were dropped (no tiers, or the
+            write-through queue had no room for them: counted in
+            ``writes_dropped_queue_full``). Keys are queued in chunks of at most
+            ``write_queue_blocks``.
+
+        Raises:
+            ValueError: a key is not ready in L1 (nothing is pinned).
+        """
+        self.poll()
+        if not self.tiers or not keys:
+            return False
+        keys = list(keys)
+        queued_all = True
+        for i in range(0, len(keys), self._cap):  # chunks that fit the queue
+            chunk = keys[i : i + self._cap]
+            while self._wait_when_full and self._queued and self._queued + len(chunk) > self._cap:
+                self._apply_write(*self._done.get())
+            if self._queued + len(chunk) > self._cap:
+                self.writes_dropped_queue_full += len(chunk)
+                queued_all = False
+                continue
+            ids = self.manager.prepare_load(chunk)  # pinned until every tier wrote them
+            job = _Write(chunk, ids, len(self.tiers))
+            for q in self._write_qs:
+                q.put(job)
+            self._writes_in_flight += 1
+            self._queued += len(chunk)
+            self.writes_queued += len(chunk)
+        return queued_all
+
+    def poll(self) -> None:
+        """Applies finished background work to L1: probes become reads into L1 slots, reads
+        become L1 blocks (or drop their slots), written blocks are unpinned. Never waits."""
+        if self._reads:
+            still = []
+            for r in self._reads:
+                if not r.future.done() or not self._finish_read(r):
+                    still.append(r)
+            self._reads = still
+        done = self._done
+        while not done.empty():
+            self._apply_write(*done.get_nowait())
+
+    def wait_reads(self) -> None:
+        """Blocks until no promotion is in flight (for replays and tests; an engine polls)."""
+        while self._reads:
+            wait([r.future for r in self._reads])
+            self.poll()
+
+    def wait(self) -> None:
+        """Blocks until no promotion and no write-through is in flight."""
+        self.wait_reads()
+        while self._writes_in_flight:
+            self._apply_write(*self._done.get())
+        self.poll()
+
+    def take_source(self, key: bytes) -> str:
+        """Where the L1 block ``key`` came from: the name of the tier that promoted it (once:
+        the record is taken), else ``"L1"``."""
+        return self._sources.pop(key, "L1")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``probes``, ``lookup_retries``, ``writes_queued``,
+        ``writes_dropped_queue_full``, ``write_queue_blocks`` (in flight now), and per tier
+        (``tiers[name]``) the pool's ``promoted_blocks`` / ``promoted_bytes`` /
+        ``promotion_seconds`` / ``promotion_gbps`` / ``promotion_failures`` / ``written_blocks``
+        / ``write_failures`` merged with the tier's own :meth:`SecondaryTier.stats`."""
+        tiers = {}
+        for t in self.tiers:
+            c = dict(self.counters[t.name])
+            sec = c["promotion_seconds"]
+            c["promotion_gbps"] = c["promoted_bytes"] / sec / 1e9 if sec else 0.0
+            tiers[t.name] = {**t.stats(), **c}
+        return {
+            "probes": self.probes,
+            "lookup_retries": self.lookup_retries,
+            "writes_queued": self.writes_queued,
+            "writes_dropped_queue_full": self.writes_dropped_queue_full,
+            "write_queue_blocks": self._queued,
+            "tiers": tiers,
+        }
+
+    def close(self) -> None:
+        """Waits for the work in flight, stops the threads and closes the tiers. Idempotent."""
+        if self._closed:
+            return
+        self.wait()
+        self._reader.shutdown()
+        for q in self._write_qs:
+            q.put(_STOP)
+        for th in self._writers:
+            th.join()
+        for t in self.tiers:
+            t.close()
+        self._closed = True
+
+    # ------------------------------------------------------------------ internals
+
+    def _answer(self, key: bytes) -> None:
+        self._answered[key] = None
+        if len(self._answered) > _ANSWERED_CAP:
+            self._answered.popitem(last=False)
+
+    def _finish_read(self, r: _Read) -> bool:
+        """Applies a finished phase; ``True`` when the promotion is over."""
+        if r.phase == 1:
+            sources: list[int] = r.future.result()
+            n = len(sources)
+            out = self.manager.prepare_store(r.keys[:n]) if n else None
+            if out is None or not out.keys_to_store:
+                self._reading.difference_update(r.keys)
+                self._answer(r.keys[n] if n < len(r.keys) and out is not None else r.keys[0])
+                return True
+            src = dict(zip(r.keys[:n], sources, strict=True))
+            r.keys_to_store = list(out.keys_to_store)
+            r.sources = [src[k] for k in r.keys_to_store]
+            outs = [self._slot(b) for b in out.block_ids]
+            r.phase = 2
+            r.future = self._reader.submit(self._read, r.keys_to_store, r.sources, outs)
+            r.t0 = time.perf_counter()
+            return False
+        ok: list[bool] = r.future.result()
+        good = [k for k, g in zip(r.keys_to_store, ok, strict=True) if g]
+        bad = [k for k, g in zip(r.keys_to_store, ok, strict=True) if not g]
+        if good:
+            self.manager.complete_store(good, True)
+        if bad:
+            self.manager.complete_store(bad, False)
+        seconds = time.perf_counter() - r.t0
+        size = self.tiers[0].fmt.payload_bytes
+        for k, s, g in zip(r.keys_to_store, r.sources, ok, strict=True):
+            c = self.counters[self.tiers[s].name]
+            if g:
+                c["promoted_blocks"] += 1
+                c["promoted_bytes"] += size
+                self._sources[k] = self.tiers[s].name
+                if len(self._sources) > _ANSWERED_CAP:
+                    self._sources.popitem(last=False)
+            else:
+                c["promotion_failures"] += 1
+        for s in set(r.sources):
+            self.counters[self.tiers[s].name]["promotion_seconds"] += seconds
+        self._reading.difference_update(r.keys)
+        failed = next((k for k, g in zip(r.keys_to_store, ok, strict=True) if not g), None)
+        if failed is not None:
+            self._answer(failed)
+        else:  # the first key after the promoted run (the retry's first L1 miss)
+            stop = r.keys.index(r.keys_to_store[-1]) + 1
+            if stop < len(r.keys):
+                self._answer(r.keys[stop])
+        return True
+
+    def _apply_write(self, w: _Write, tier_index: int, done: list[bool] | None) -> None:
+        """One tier finished writing ``w`` (``done``: per key; None: it raised). When every
+        tier did, the blocks are unpinned."""
+        c = self.counters[self.tiers[tier_index].name]
+        good = sum(1 for d in done if d) if done is not None else 0
+        c["written_blocks"] += good
+        c["write_failures"] += len(w.keys) - good
+        w.remaining -= 1
+        if w.remaining == 0:
+            self.manager.complete_load(w.keys)
+            self._queued -= len(w.keys)
+            self._writes_in_flight -= 1
+
+    # ------------------------------------------------------------------ background threads
+
+    def _writer(self, index: int) -> None:
+        """Writer thread of tier ``index``: writes queued blocks from their L1 slots."""
+        tier, q, done = self.tiers[index], self._write_qs[index], self._done
+        while True:
+            job = q.get()
+            if job is _STOP:
+                return
+            try:
+                result: list[bool] | None = tier.put(
+                    job.keys, [self._slot(b) for b in job.block_ids]
+                )
+            except Exception:  # a tier must not raise; if it does, the blocks count as failed
+                result = None
+            done.put((job, index, result))
+
+    def _probe(self, keys: list[bytes]) -> list[int]:
+        """Tier index of each key of the leading run some tier holds (first tier first)."""
+        found: list[int | None] = [None] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            rest = [j for j, f in enumerate(found) if f is None]
+            if not rest:
+                break
+            try:
+                present = tier.contains([keys[j] for j in rest])
+            except Exception:  # a tier must not raise; treat as absent
+                continue
+            for j, p in zip(rest, present, strict=True):
+                if p:
+                    found[j] = i
+        run: list[int] = []
+        for f in found:
+            if f is None:
+                break
+            run.append(f)
+        return run
+
+    def _read(self, keys: list[bytes], sources: list[int], outs: list[np.ndarray]) -> list[bool]:
+        """Reads each key from its tier into its L1 slot; ``False`` where the tier could not."""
+        ok = [False] * len(keys)
+        for s in sorted(set(sources)):
+            idx = [i for i, src in enumerate(sources) if src == s]
+            try:
+                got = self.tiers[s].get([keys[i] for i in idx], [outs[i] for i in idx])
+            except Exception:
+                continue
+            for i, g in zip(idx, got, strict=True):
+                ok[i] = bool(g)
+        return ok

@@ -1,0 +1,692 @@
+"""The local disk tier: whole blocks in fixed-size slots of one preallocated file.
+
+File layout (one file per tier, ``<path>/<file_name>``, default ``kvoff-blocks.slots``)::
+
+    offset 0                 : superblock, SUPERBLOCK_BYTES (4096): magic b"KVOFFDSK", version,
+                               HEADER_BYTES, slot_bytes, payload_bytes, xxh3_64 of those fields
+    offset 4096 + i*slot_bytes: slot i = block header (HEADER_BYTES = 4096) + payload, the payload
+                               zero-padded to a multiple of 4096 bytes
+
+so every slot, header and payload is 4 KiB-aligned and the file is written and read with
+``O_DIRECT`` (no page cache; aligned bounce buffers from ``mmap``) when the file system allows it
+(tmpfs does not: then buffered I/O, reported as ``stats()["direct_io"] == 0``). A batch runs on a
+thread pool of ``io_threads``; ``os.pwrite`` / ``os.preadv`` release the GIL.
+
+Index and eviction: an in-memory ``OrderedDict`` key → slot in LRU order (``get`` and a ``put`` of
+a held key refresh a block; ``contains`` does not). A ``put`` that finds no free slot evicts the
+least recently used block that is neither being read nor part of the same ``put`` batch.
+
+Restart: a new :class:`DiskTier` on the same file rebuilds its index by scanning the slot headers
+(not the payloads: the payload checksum is verified by every ``get``). A header of another
+fingerprint is not indexed (counted in ``fingerprint_mismatches``) and its slot is reused; an
+invalid header is a free slot. The rebuilt LRU order is the write order (header ``stamp``). A file
+written with another payload size (its superblock's ``slot_bytes`` / ``payload_bytes`` differ) is
+treated as foreign and **recreated empty** (``stats()["recreated_files"] == 1``): its blocks
+could never be served under this layout anyway, just as blocks of another fingerprint are
+overwritten. A file that is not a kvoff disk tier (no superblock magic, not all zeros) is refused
+with ValueError.
+
+Crash safety: a block's payload is written first, its header second; ``evict`` zeroes the header.
+A torn write leaves an old or missing header, or a header whose payload checksum does not match:
+a miss at ``get``, counted in ``corrupted_blocks``, never served.
+
+Failures: an unwritable path (say its parent is a regular file), a full disk (ENOSPC), the file
+size limit (EFBIG), I/O errors: ``put`` drops the blocks (``writes_dropped``, ``io_errors``),
+``get`` misses; nothing raises. If the file cannot be created at all the tier stays
+``unavailable`` (``stats()["unavailable"] == 1``, :attr:`DiskTier.error` says why). Note that a
+process which does not ignore ``SIGXFSZ`` is killed by the kernel when it exceeds RLIMIT_FSIZE.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import heapq
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
+
+from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch
+from kvoff.tiers.block_format import (
+    HEADER_BYTES,
+    BlockFormat,
+    check_block,
+    decode_header,
+    encode_header,
+)
+
+log = logging.getLogger("kvoff.tiers.disk")
+
+ALIGN = 4096
+"""Alignment of offsets, lengths and buffers for O_DIRECT (covers 512 B and 4 KiB devices)."""
+SUPERBLOCK_BYTES = 4096
+"""Bytes before the first slot (the file header)."""
+SUPER_MAGIC = b"KVOFFDSK"
+SUPER_VERSION = 1
+_SUPER = struct.Struct("<8sIIQQ")
+DEFAULT_FILE_NAME = "kvoff-blocks.slots"
+_ZERO_HEADER = bytes(HEADER_BYTES)
+
+T = TypeVar("T")
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def slot_bytes_for(fmt: BlockFormat) -> int:
+    """Bytes of one disk slot: header + payload rounded up to 4096."""
+    return HEADER_BYTES + round_up(fmt.payload_bytes)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+class _Refused(Exception):
+    """Open was refused for a reason the caller must fix (raised as ValueError)."""
+
+
+class DiskTier(SecondaryTier):
+    """Blocks in fixed-size slots of one preallocated file, O_DIRECT, LRU, restart-safe.
+
+    Args:
+        path: directory of the tier (created if missing). Every engine process / rank needs its
+            own ``path`` or ``file_name``; the file is locked (``flock``) while open.
+        capacity_bytes: bytes the file may take (``disk_bytes``), superblock included; the tier
+            holds ``(capacity_bytes - 4096) // slot_bytes`` blocks.
+        fmt: block format (fingerprint, payload bytes).
+        io_threads: threads doing the I/O of one batch in parallel (>= 1).
+        direct: True = require O_DIRECT, False = buffered I/O, None = O_DIRECT if the file system
+            supports it, else buffered.
+        file_name: name of the slot file inside ``path`` (extra to the tier interface).
+
+    Raises:
+        ValueError: capacity smaller than one slot, io_threads < 1, ``path`` exists and is not a
+            directory, ``direct=True`` on a file system without O_DIRECT, the file is locked by
+            another DiskTier, or the file exists and is not a kvoff disk tier file.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        fmt: BlockFormat,
+        *,
+        io_threads: int = 4,
+        direct: bool | None = None,
+        file_name: str = DEFAULT_FILE_NAME,
+    ) -> None:
+        if not isinstance(fmt, BlockFormat):
+            raise ValueError(f"fmt must be a kvoff.tiers.BlockFormat, got {fmt!r}")
+        self.fmt = fmt
+        self.slot_bytes = slot_bytes_for(fmt)
+        need = SUPERBLOCK_BYTES + self.slot_bytes
+        if not isinstance(capacity_bytes, int) or capacity_bytes < need:
+            raise ValueError(
+                f"disk_bytes={capacity_bytes!r} is smaller than one block: the disk tier needs "
+                f"{need} bytes for one slot ({SUPERBLOCK_BYTES} file header + {HEADER_BYTES} block "
+                f"header + payload {fmt.payload_bytes} rounded up to {ALIGN}); raise disk_bytes "
+                f"to at least {need} (a useful tier holds many blocks)"
+            )
+        if not isinstance(io_threads, int) or io_threads < 1:
+            raise ValueError(f"io_threads={io_threads!r} must be an int >= 1")
+        self.num_slots = (capacity_bytes - SUPERBLOCK_BYTES) // self.slot_bytes
+        self.capacity_bytes = capacity_bytes
+        self.dir = Path(path)
+        self.file = self.dir / file_name
+        self.error: str | None = None
+        self._stats = TierStats(
+            extra=("blocks", "capacity_blocks", "direct_io", "preallocated", "unavailable")
+        )
+        self._stats.set(capacity_blocks=self.num_slots, slot_bytes=self.slot_bytes)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
+        self._closed = False
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._free: list[int] = []  # heap: lowest slot first keeps a sparse file compact
+        self._readers: dict[int, int] = {}
+        self._doomed: set[int] = set()  # dropped from the index while being read
+        self._pending: set[int] = set()  # being written (not yet indexed)
+        self._releasing: set[int] = set()  # header being zeroed before the slot is freed
+        self._stamp = 0
+        self._tls = threading.local()
+        self._fd = -1
+        self.direct = False
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-disk")
+        try:
+            self._open(direct)
+        except _Refused as e:
+            self._pool.shutdown(wait=False)
+            raise ValueError(str(e)) from None
+        except OSError as e:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self.error = f"disk tier at {self.file} is unavailable: {e}; its writes are dropped"
+            log.warning("%s", self.error)
+            self._stats.set(unavailable=1, direct_io=0)
+            self._free = []
+
+    # ------------------------------------------------------------------ opening and scanning
+
+    def _open(self, direct: bool | None) -> None:
+        if self.dir.exists() and not self.dir.is_dir():
+            raise _Refused(
+                f"disk_path {self.dir} exists and is not a directory; pass a directory (the tier "
+                f"creates {self.file.name} inside it)"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        fd = -1
+        if direct is not False and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(self.file, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+        if fd < 0:
+            if direct is True:
+                raise _Refused(
+                    f"the file system of {self.dir} does not support O_DIRECT (tmpfs, some network "
+                    f"file systems); pass direct=None to fall back to buffered I/O or use another "
+                    f"disk_path"
+                )
+            fd = os.open(self.file, flags, 0o644)
+            self.direct = False
+        self._fd = fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _Refused(
+                f"{self.file} is in use by another DiskTier (flock); give every engine process and "
+                f"rank its own disk_path or file_name, or close the other tier first"
+            ) from None
+        size = os.fstat(fd).st_size
+        sb = self._buffer(SUPERBLOCK_BYTES)
+        n = 0
+        if size > 0:
+            try:
+                n = os.preadv(fd, [sb], 0)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL) or direct is True:
+                    raise
+                self._reopen_buffered()  # O_DIRECT accepted at open(), refused at read
+                n = os.preadv(self._fd, [sb], 0)
+        existing = size > 0 and n == SUPERBLOCK_BYTES and bytes(sb[:8]) == SUPER_MAGIC
+        if existing and not self._superblock_matches(sb):
+            log.warning(
+                "%s was written for another block size; recreating it empty (its blocks cannot be "
+                "served with payload_bytes=%d)",
+                self.file,
+                self.fmt.payload_bytes,
+            )
+            self._stats.set(recreated_files=1)
+            existing = False
+        elif size > 0 and not existing and any(bytes(sb[:n])):
+            raise _Refused(
+                f"{self.file} exists and is not a kvoff disk tier file (no {SUPER_MAGIC!r} "
+                f"header); choose another disk_path or file_name, or delete that file"
+            )
+        if not existing:
+            os.ftruncate(self._fd, 0)  # new, zero-filled (crashed while created) or foreign
+            self._write_superblock()
+        self._stats.set(direct_io=int(self.direct))
+        self._size_file()
+        scanned = 0
+        if existing:
+            scanned = min(self.num_slots, max(0, (size - SUPERBLOCK_BYTES) // self.slot_bytes))
+            self._scan(scanned)
+        used = set(self._index.values())
+        self._free = [s for s in range(self.num_slots) if s not in used]
+        heapq.heapify(self._free)
+        self._stats.set(blocks=len(self._index))
+
+    def _reopen_buffered(self) -> None:
+        fd = os.open(self.file, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own lock is per file description
+        os.close(self._fd)
+        self._fd = fd
+        self.direct = False
+
+    def _superblock_fields(self) -> bytes:
+        return _SUPER.pack(
+            SUPER_MAGIC, SUPER_VERSION, HEADER_BYTES, self.slot_bytes, self.fmt.payload_bytes
+        )
+
+    def _superblock_matches(self, sb: memoryview) -> bool:
+        fields = self._superblock_fields()
+        (stored_sum,) = struct.unpack_from("<Q", sb, _SUPER.size)
+        return bytes(sb[: _SUPER.size]) == fields and stored_sum == xxhash.xxh3_64_intdigest(fields)
+
+    def _write_superblock(self) -> None:
+        sb = self._buffer(SUPERBLOCK_BYTES)
+        fields = self._superblock_fields()
+        sb[:] = bytes(SUPERBLOCK_BYTES)
+        sb[: _SUPER.size] = fields
+        struct.pack_into("<Q", sb, _SUPER.size, xxhash.xxh3_64_intdigest(fields))
+        try:
+            self._pwrite_all(sb, 0)
+        except OSError as e:
+            if not (self.direct and e.errno == errno.EINVAL):
+                raise
+            self._reopen_buffered()
+            self._pwrite_all(sb, 0)
+
+    def _size_file(self) -> None:
+        """Preallocate the file to its capacity (fallocate), or leave it sparse if refused."""
+        target = SUPERBLOCK_BYTES + self.num_slots * self.slot_bytes
+        size = os.fstat(self._fd).st_size
+        if size > target:
+            os.ftruncate(self._fd, target)
+            size = target
+        preallocated = 1
+        if size < target:
+            try:
+                os.posix_fallocate(self._fd, size, target - size)
+            except OSError as e:
+                preallocated = 0
+                log.info("%s: not preallocated (%s); slots are allocated as written", self.file, e)
+        self._stats.set(preallocated=preallocated)
+
+    def _scan(self, count: int) -> None:
+        """Rebuild the index from the headers of slots ``0..count-1``."""
+        found: dict[bytes, tuple[int, int]] = {}
+        stale: list[int] = []
+        corrupt = foreign = 0
+
+        def read_header(slot: int) -> bytes | None:
+            buf = self._bounce()[:HEADER_BYTES]
+            try:
+                n = os.preadv(self._fd, [buf], self._offset(slot))
+            except OSError:
+                return None
+            return bytes(buf) if n == HEADER_BYTES else None
+
+        headers = self._pool.map(read_header, range(count), chunksize=64)
+        for slot, header in enumerate(headers):
+            if header is None or not any(header[:8]):
+                continue
+            info, reason = decode_header(header)
+            if info is None:
+                corrupt += reason != "magic"
+                continue
+            if info.fingerprint != self.fmt.fingerprint:
+                foreign += 1
+                continue
+            if info.payload_bytes != self.fmt.payload_bytes:
+                corrupt += 1
+                continue
+            prev = found.get(info.key)
+            if prev is not None:  # a duplicate (concurrent puts of one key, or a crash): newest
+                stale.append(prev[1] if prev[0] <= info.stamp else slot)
+                if prev[0] > info.stamp:
+                    continue
+            found[info.key] = (info.stamp, slot)
+        order = sorted(found.items(), key=lambda kv: kv[1])
+        self._index = OrderedDict((key, slot) for key, (_, slot) in order)
+        self._stamp = max((stamp for stamp, _ in found.values()), default=0)
+        for slot in stale:
+            self._zero_header(slot)
+        self._stats.add(corrupted_blocks=corrupt, fingerprint_mismatches=foreign)
+        self._stats.set(scanned_slots=count, recovered_blocks=len(self._index))
+
+    # ------------------------------------------------------------------ I/O helpers
+
+    def _offset(self, slot: int) -> int:
+        return SUPERBLOCK_BYTES + slot * self.slot_bytes
+
+    @staticmethod
+    def _buffer(nbytes: int) -> memoryview:
+        """A page-aligned writable buffer (anonymous mmap), as required by O_DIRECT."""
+        return memoryview(mmap.mmap(-1, round_up(nbytes)))[:nbytes]
+
+    def _bounce(self) -> memoryview:
+        """This thread's slot-sized aligned bounce buffer."""
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            buf = self._tls.buf = self._buffer(self.slot_bytes)
+        return buf
+
+    def _pwrite_all(self, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < buf.nbytes:
+            n = os.pwrite(self._fd, buf[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, "short write")
+            done += n
+
+    def _aligned(self, view: memoryview) -> bool:
+        """Whether ``view`` can be used for I/O as is (O_DIRECT needs 4 KiB alignment)."""
+        if not self.direct:
+            return True
+        return view.nbytes % ALIGN == 0 and _address(view) % ALIGN == 0
+
+    def _zero_header(self, slot: int) -> bool:
+        try:
+            buf = self._bounce()[:HEADER_BYTES]
+            buf[:] = _ZERO_HEADER
+            self._pwrite_all(buf, self._offset(slot))
+            return True
+        except OSError:
+            return False
+
+    def _write_block(self, slot: int, key: bytes, payload: memoryview, stamp: int) -> str | None:
+        """Write payload, then header. Returns None, or the OSError text."""
+        try:
+            header = encode_header(self.fmt, key, payload, stamp=stamp)
+            off = self._offset(slot)
+            if self._aligned(payload):
+                self._pwrite_all(payload, off + HEADER_BYTES)
+            else:
+                buf = self._bounce()
+                pb = self.fmt.payload_bytes
+                buf[HEADER_BYTES : HEADER_BYTES + pb] = payload
+                buf[HEADER_BYTES + pb :] = bytes(self.slot_bytes - HEADER_BYTES - pb)
+                self._pwrite_all(buf[HEADER_BYTES:], off + HEADER_BYTES)
+            hbuf = self._bounce()[:HEADER_BYTES]
+            hbuf[:] = header
+            self._pwrite_all(hbuf, off)
+            return None
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+
+    def _read_block(self, slot: int, key: bytes, out: memoryview) -> str | None:
+        """Read and verify one block into ``out``. Returns None if served, else the reason
+        (a :func:`check_block` reason, or ``"io"``)."""
+        pb = self.fmt.payload_bytes
+        buf = self._bounce()
+        try:
+            if self._aligned(out):  # straight into the caller's buffer
+                header, payload = buf[:HEADER_BYTES], out
+                n = os.preadv(self._fd, [header, out], self._offset(slot))
+            else:
+                header, payload = buf[:HEADER_BYTES], buf[HEADER_BYTES : HEADER_BYTES + pb]
+                n = os.preadv(self._fd, [buf], self._offset(slot))
+        except OSError:
+            return "io"
+        if n < HEADER_BYTES + pb:
+            return "length"
+        reason = check_block(self.fmt, key, header, payload)
+        if reason is None and payload is not out:
+            out[:] = payload
+        return reason
+
+    def _run(self, fn: Callable[..., T], jobs: list[tuple[Any, ...]]) -> list[T]:
+        if len(jobs) == 1:
+            return [fn(*jobs[0])]
+        futures = [self._pool.submit(fn, *job) for job in jobs]
+        return [f.result() for f in futures]
+
+    def _enter(self) -> bool:
+        """Count an operation in flight (close waits for it); False once closed/unavailable."""
+        with self._lock:
+            if self._closed or self._fd < 0:
+                return False
+            self._inflight += 1
+            return True
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    # ------------------------------------------------------------------ slot bookkeeping
+
+    def _take_slot(self, protected: set[bytes]) -> int | None:
+        """A free slot, else the LRU victim's (not being read, not in ``protected``); lock held."""
+        if self._free:
+            return heapq.heappop(self._free)
+        for key, slot in self._index.items():
+            if key not in protected and not self._readers.get(slot):
+                del self._index[key]
+                self._stats.add(evictions=1)
+                return slot
+        return None
+
+    def _release(self, slots: list[int]) -> None:
+        """Zero the headers of ``slots`` (outside the lock), then free them."""
+        if not slots:
+            return
+        for slot in slots:
+            self._zero_header(slot)
+        with self._lock:
+            for slot in slots:
+                self._releasing.discard(slot)
+                heapq.heappush(self._free, slot)
+
+    # ------------------------------------------------------------------ the tier interface
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is in the index (its bytes are verified by :meth:`get`)."""
+        with self._lock:
+            found = [bytes(k) in self._index for k in keys]
+        self._stats.add(lookups=len(found), lookup_hits=sum(found))
+        return found
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
+        """Read and verify blocks into ``outs`` (see :meth:`SecondaryTier.get`)."""
+        check_batch(keys, outs, "outs")
+        views = [byte_view(o, self.fmt.payload_bytes, "outs[i]", writable=True) for o in outs]
+        results = [False] * len(keys)
+        if not self._enter():
+            self._stats.add(misses=len(keys))
+            return results
+        t0 = time.perf_counter()
+        try:
+            jobs: list[tuple[int, bytes, memoryview]] = []
+            where: list[int] = []
+            with self._lock:
+                for i, k in enumerate(keys):
+                    slot = self._index.get(bytes(k))
+                    if slot is not None:
+                        self._index.move_to_end(bytes(k))
+                        self._readers[slot] = self._readers.get(slot, 0) + 1
+                        jobs.append((slot, bytes(k), views[i]))
+                        where.append(i)
+            reasons = self._run(self._read_block, jobs)
+            release: list[int] = []
+            counts = dict.fromkeys(("corrupted_blocks", "fingerprint_mismatches", "io_errors"), 0)
+            with self._lock:
+                for i, (slot, key, _), reason in zip(where, jobs, reasons, strict=True):
+                    self._readers[slot] -= 1
+                    if reason is None:
+                        results[i] = True
+                    else:
+                        counts[
+                            {"fingerprint": "fingerprint_mismatches", "io": "io_errors"}.get(
+                                reason, "corrupted_blocks"
+                            )
+                        ] += 1
+                        if self._index.get(key) == slot:
+                            del self._index[key]
+                            self._doomed.add(slot)
+                    if not self._readers[slot]:
+                        del self._readers[slot]
+                        if slot in self._doomed:
+                            self._doomed.discard(slot)
+                            self._releasing.add(slot)
+                            release.append(slot)
+                self._stats.set(blocks=len(self._index))
+            self._release(release)
+            hits = sum(results)
+            self._stats.add(
+                hits=hits,
+                misses=len(keys) - hits,
+                blocks_read=len(jobs),
+                bytes_read=len(jobs) * (HEADER_BYTES + self.fmt.payload_bytes),
+                read_seconds=time.perf_counter() - t0,
+                **counts,
+            )
+            return results
+        finally:
+            self._exit()
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray]) -> list[bool]:
+        """Store blocks, evicting LRU blocks when full (see :meth:`SecondaryTier.put`). A key
+        already held is refreshed, not rewritten."""
+        check_batch(keys, payloads, "payloads")
+        views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
+        results = [False] * len(keys)
+        if not self._enter():
+            self._stats.add(writes_dropped=len(keys))
+            return results
+        t0 = time.perf_counter()
+        try:
+            jobs: list[tuple[int, bytes, memoryview, int]] = []
+            where: list[int] = []
+            same_as: dict[int, int] = {}  # a repeated key in the batch answers like its first
+            with self._lock:
+                protected = {bytes(k) for k in keys if bytes(k) in self._index}
+                first: dict[bytes, int] = {}
+                for i, k in enumerate(keys):
+                    key = bytes(k)
+                    if key in protected:
+                        self._index.move_to_end(key)
+                        results[i] = True
+                        continue
+                    if key in first:
+                        same_as[i] = first[key]
+                        continue
+                    first[key] = i
+                    slot = self._take_slot(protected)
+                    if slot is None:
+                        continue
+                    self._pending.add(slot)
+                    self._stamp = max(time.time_ns(), self._stamp + 1)
+                    jobs.append((slot, key, views[i], self._stamp))
+                    where.append(i)
+            errors = self._run(self._write_block, jobs)
+            release: list[int] = []
+            with self._lock:
+                for i, (slot, key, _, _), err in zip(where, jobs, errors, strict=True):
+                    self._pending.discard(slot)
+                    if err is None and key not in self._index:
+                        self._index[key] = slot
+                        results[i] = True
+                    else:  # failed (header may be stale), or a concurrent put won: free it
+                        results[i] = err is None
+                        self._releasing.add(slot)
+                        release.append(slot)
+                for i, j in same_as.items():
+                    results[i] = results[j]
+                self._stats.set(blocks=len(self._index))
+            self._release(release)
+            written = sum(1 for e in errors if e is None)
+            self._stats.add(
+                blocks_written=written,
+                bytes_written=written * (HEADER_BYTES + self.fmt.payload_bytes),
+                writes_dropped=len(keys) - sum(results),
+                io_errors=len(errors) - written,
+                write_seconds=time.perf_counter() - t0,
+            )
+            if written < len(errors):
+                log.debug("disk tier %s: %s", self.file, next(e for e in errors if e))
+            return results
+        finally:
+            self._exit()
+
+    def evict(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks (header zeroed on disk so a restart does not bring them back); returns
+        how many were present."""
+        if not self._enter():
+            return 0
+        try:
+            release: list[int] = []
+            present = 0
+            with self._lock:
+                for k in keys:
+                    slot = self._index.pop(bytes(k), None)
+                    if slot is None:
+                        continue
+                    present += 1
+                    if self._readers.get(slot):
+                        self._doomed.add(slot)
+                    else:
+                        self._releasing.add(slot)
+                        release.append(slot)
+                self._stats.set(blocks=len(self._index))
+            self._release(release)
+            self._stats.add(evictions=present)
+            return present
+        finally:
+            self._exit()
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters of :data:`kvoff.tiers.base.STAT_KEYS` plus ``blocks`` (held),
+        ``capacity_blocks``, ``slot_bytes``, ``direct_io`` (1 = O_DIRECT), ``preallocated``
+        (1 = fallocate succeeded), ``unavailable`` (1 = the file could not be opened),
+        ``recreated_files``, ``scanned_slots``, ``recovered_blocks`` (index rebuilt at open)."""
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Wait for operations in flight, stop the I/O threads, close (and unlock) the file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._inflight:
+                self._idle.wait()
+        self._pool.shutdown(wait=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # ------------------------------------------------------------------ introspection (tests)
+
+    def held_keys(self) -> list[bytes]:
+        """Held keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot holding ``key``, or None."""
+        with self._lock:
+            return self._index.get(bytes(key))
+
+    def slot_offset(self, slot: int) -> int:
+        """File offset (bytes) of slot ``slot``'s header; its payload follows at +HEADER_BYTES."""
+        return self._offset(slot)
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError unless every slot is in exactly one state (indexed, free, being
+        written, being read after removal, being released) and each indexed slot's header on
+        disk names its key under this tier's fingerprint. Call it while the tier is idle."""
+        with self._lock:
+            indexed = list(self._index.values())
+            states = [
+                indexed,
+                list(self._free),
+                list(self._pending),
+                list(self._doomed),
+                list(self._releasing),
+            ]
+            every = [s for group in states for s in group]
+            assert len(every) == len(set(every)), f"a slot is in two states: {states}"
+            if self._fd >= 0:
+                assert set(every) == set(range(self.num_slots)), "a slot is lost"
+            items = list(self._index.items())
+        buf = self._bounce()[:HEADER_BYTES]
+        for key, slot in items:
+            assert os.preadv(self._fd, [buf], self._offset(slot)) == HEADER_BYTES
+            info, reason = decode_header(buf)
+            assert info is not None, f"slot {slot} of {key.hex()} has a bad header: {reason}"
+            assert info.key == key, f"slot {slot} holds {info.key.hex()}, indexed as {key.hex()}"
+            assert info.fingerprint == self.fmt.fingerprint

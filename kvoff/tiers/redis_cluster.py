@@ -1,0 +1,661 @@
+"""The shared tier on a Redis Cluster, and a throwaway local cluster for tests and benchmarks.
+
+:class:`RedisClusterTier` keeps one Redis string per block::
+
+    key   = f"{namespace}:{fingerprint.hex()}:{offload_key.hex()}"   (the fingerprint covers rank)
+    value = block header (HEADER_BYTES) + payload                     (kvoff.tiers.block_format)
+
+so engines of the same model and layout share blocks, and engines of another layout never see
+them. Everything on the wire is redis-py: the cluster client (:class:`redis.cluster.RedisCluster`)
+discovers the nodes and the slot map (``CLUSTER SLOTS``); the tier routes each key with
+redis-py's ``key_slot`` (CRC16 mod 16384, the Redis Cluster spec) to the master of its slot and
+sends one non-transactional pipeline per master (``EXISTS`` / ``GET`` / ``SET ... PX`` / ``DEL``,
+at most ``max_batch`` keys or ``max_batch_bytes`` of values per round trip) on redis-py's client
+for that node. The masters of one batch are served in parallel from a thread pool.
+
+Failure model: a node that refuses connections, resets them, or does not answer within
+``timeout_s`` (redis-py ``socket_timeout`` / ``socket_connect_timeout``; no retries: the node
+clients run with ``Retry(NoBackoff(), 0)``) fails only its own keys: ``get``/``contains`` answer
+False, ``put`` drops and counts, nothing raises. The node then sits out a ``cooldown_s``
+cool-down (its keys miss at once, ``stats()["node_skips"]``) and the slot map is refreshed in the
+background (a failover may have moved its slots). A timed-out call is counted in ``timeouts``.
+Redirections (MOVED/ASK during resharding), OOM and other per-key errors are misses too.
+
+Eviction is left to Redis: run the cluster with ``maxmemory <bytes>`` and
+``maxmemory-policy allkeys-lru`` (or ``allkeys-lfu``), and optionally a TTL (``ttl_s``: ``SET PX``).
+For one lost master to lose only its own slots, set ``cluster-require-full-coverage no`` (and
+``cluster-allow-reads-when-down yes``) on the servers; otherwise Redis answers CLUSTERDOWN for every
+slot after ``cluster-node-timeout``, which the tier reports as misses.
+
+:class:`LocalRedisCluster` starts ``redis-server`` processes in cluster mode on free localhost
+ports in a temporary directory and joins them with ``redis-cli --cluster create``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch
+from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat, check_block, encode_header
+
+log = logging.getLogger("kvoff.tiers.redis")
+
+_NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """Startup nodes and connection options from ``redis://[user:pass@]host:port[,host:port...]``
+    (``rediss://`` for TLS).
+
+    Returns:
+        ``([(host, port), ...], {"username", "password", "ssl"} options)``.
+
+    Raises:
+        ValueError: not a redis:// or rediss:// URL, or a node without host or port.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(
+            f"remote_url={url!r} is not a Redis Cluster URL; pass redis://host:port (several "
+            f"startup nodes: redis://h1:7000,h2:7000; TLS: rediss://...)"
+        )
+    scheme, rest = url.split("://", 1)
+    if scheme not in ("redis", "rediss"):
+        raise ValueError(f"remote_url={url!r}: scheme must be redis:// or rediss://, got {scheme}")
+    auth = ""
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+    rest = rest.split("/", 1)[0].split("?", 1)[0]
+    nodes = []
+    for part in rest.split(","):
+        try:
+            parsed = urlsplit(f"//{part}")
+            host, port = parsed.hostname, parsed.port
+        except ValueError as e:
+            raise ValueError(f"remote_url={url!r}: bad node {part!r} ({e})") from None
+        if not host or port is None:
+            raise ValueError(
+                f"remote_url={url!r}: node {part!r} needs host:port (e.g. redis://10.0.0.5:7000)"
+            )
+        nodes.append((host, port))
+    options: dict[str, Any] = {"ssl": scheme == "rediss"}
+    if auth:
+        user, _, password = auth.partition(":")
+        options["username"] = unquote(user) or None
+        options["password"] = unquote(password) or None
+    return nodes, options
+
+
+class RedisClusterTier(SecondaryTier):
+    """Blocks shared through a Redis Cluster (see the module docstring for the key scheme).
+
+    Args:
+        url: ``redis://host:port`` of one or more cluster nodes (``rediss://`` for TLS;
+            ``user:password@`` allowed).
+        fmt: block format; its fingerprint is part of every key.
+        namespace: key prefix (no spaces or ``:``).
+        ttl_s: time to live of stored blocks in seconds (None: until Redis evicts them).
+        timeout_s: per-node socket connect / read timeout in seconds; a node slower than this
+            fails its keys of the call (a miss / a dropped write).
+        max_batch: keys per pipeline round trip to one node.
+        max_batch_bytes: value bytes per pipeline round trip (bounds memory; extra).
+        cooldown_s: seconds a failed node's keys miss at once before it is tried again (extra).
+        io_threads: threads serving the nodes of one batch in parallel (extra).
+
+    Raises:
+        ValueError: bad URL, namespace, ttl_s, timeout_s, max_batch. An unreachable cluster is
+            not an error: the tier answers misses (``stats()["unavailable"] == 1``) and retries
+            every ``cooldown_s``.
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        url: str,
+        fmt: BlockFormat,
+        *,
+        namespace: str = "kvoff",
+        ttl_s: float | None = None,
+        timeout_s: float = 0.25,
+        max_batch: int = 256,
+        max_batch_bytes: int = 64 << 20,
+        cooldown_s: float = 1.0,
+        io_threads: int = 4,
+    ) -> None:
+        if not isinstance(fmt, BlockFormat):
+            raise ValueError(f"fmt must be a kvoff.tiers.BlockFormat, got {fmt!r}")
+        self.nodes, self._options = parse_cluster_url(url)
+        if not namespace or any(c in namespace for c in " :\n\t"):
+            raise ValueError(f"namespace={namespace!r} must be non-empty, without spaces or ':'")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s={ttl_s!r} must be > 0 seconds, or None for no expiry")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds (e.g. 0.25)")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (e.g. 256)")
+        if max_batch_bytes < fmt.object_bytes:
+            raise ValueError(f"max_batch_bytes={max_batch_bytes} is below one block object")
+        if io_threads < 1 or cooldown_s < 0:
+            raise ValueError(f"io_threads={io_threads} must be >= 1, cooldown_s >= 0")
+        self.fmt = fmt
+        self.url = url
+        self.prefix = f"{namespace}:{fmt.fingerprint.hex()}:".encode()
+        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self.timeout_s = float(timeout_s)
+        self.max_batch = max_batch
+        self.max_batch_bytes = max_batch_bytes
+        self.cooldown_s = cooldown_s
+        self.error: str | None = None
+        self._stats = TierStats(extra=("node_skips", "topology_refreshes", "unavailable"))
+        self._lock = threading.Lock()
+        self._down_until: dict[str, float] = {}
+        self._refreshing = False
+        self._next_connect = 0.0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-redis")
+        self._rc: RedisCluster | None = None
+        self._table: tuple[Any, list[ClusterNode | None]] | None = None
+        self._client()
+
+    # ------------------------------------------------------------------ connection management
+
+    def _client(self) -> RedisCluster | None:
+        """The cluster client, (re)connecting at most once per cool-down; None if unreachable."""
+        rc = self._rc
+        if rc is not None or self._closed:
+            return rc
+        with self._lock:
+            if self._rc is not None or time.monotonic() < self._next_connect:
+                return self._rc
+            self._next_connect = time.monotonic() + self.cooldown_s
+        try:
+            rc = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
+                require_full_coverage=False,
+                retry=Retry(NoBackoff(), 0),
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                socket_keepalive=True,
+                **self._options,
+            )
+        except Exception as e:  # redis-py raises several types for an unreachable cluster
+            self.error = f"Redis Cluster at {self.url} unreachable: {type(e).__name__}: {e}"
+            log.warning("%s; its keys miss, retrying every %.1f s", self.error, self.cooldown_s)
+            self._stats.set(unavailable=1)
+            return None
+        with self._lock:
+            if self._rc is None:
+                self._rc, rc = rc, None
+        if rc is not None:
+            rc.close()
+        self.error = None
+        self._stats.set(unavailable=0)
+        return self._rc
+
+    def _node_failed(self, name: str) -> None:
+        with self._lock:
+            self._down_until[name] = time.monotonic() + self.cooldown_s
+        self._request_refresh()
+
+    def _request_refresh(self) -> None:
+        """Reload the slot map in the background (one reload at a time)."""
+        with self._lock:
+            if self._refreshing or self._closed:
+                return
+            self._refreshing = True
+        self._stats.add(topology_refreshes=1)
+        threading.Thread(target=self._refresh, name="kvoff-redis-refresh", daemon=True).start()
+
+    def _refresh(self) -> None:
+        """Reload the slot map (a failover may have moved the failed node's slots)."""
+        try:
+            rc = self._rc
+            if rc is not None and not self._closed:
+                rc.nodes_manager.initialize()
+        except Exception as e:  # any failure just leaves the old map
+            log.debug("slot map refresh failed: %s", e)
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def _slot_table(self, rc: RedisCluster) -> list[ClusterNode | None]:
+        """Master of each of the 16384 slots, from redis-py's slot map; rebuilt whenever redis-py
+        reloads the map (a routing lookup per key through ``get_node_from_slot`` costs more than
+        the rest of a pipelined EXISTS)."""
+        cache = rc.nodes_manager.slots_cache
+        table = self._table
+        if table is not None and table[0] is cache:
+            return table[1]
+        nodes: list[ClusterNode | None] = [None] * 16384
+        for slot, owners in list(cache.items()):
+            if owners:
+                nodes[slot] = owners[0]  # the primary comes first
+        self._table = (cache, nodes)
+        return nodes
+
+    def _rkey(self, key: bytes) -> bytes:
+        return self.prefix + bytes(key).hex().encode()
+
+    def node_of(self, key: bytes) -> str | None:
+        """``host:port`` of the master serving ``key`` (for tests and diagnostics)."""
+        rc = self._client()
+        if rc is None:
+            return None
+        node = self._slot_table(rc)[key_slot(self._rkey(key))]
+        return None if node is None else node.name
+
+    # ------------------------------------------------------------------ batching
+
+    def _run(
+        self, op: str, keys: Sequence[bytes], values: Sequence[Any] | None = None
+    ) -> list[Any]:
+        """Run ``op`` (get / exists / set / del) for every key; one result per key: the reply,
+        or an Exception instance when the key's node failed or was skipped."""
+        results: list[Any] = [None] * len(keys)
+        rc = self._client()
+        if rc is None:
+            return [ConnectionError("cluster unreachable")] * len(keys)
+        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        now = time.monotonic()
+        skipped = 0
+        table = self._slot_table(rc)
+        for i, key in enumerate(keys):
+            node = table[key_slot(self._rkey(key))]
+            if node is None:
+                results[i] = ConnectionError("slot not covered by the cluster")
+                continue
+            if self._down_until.get(node.name, 0.0) > now:
+                results[i] = ConnectionError(f"{node.name} cooling down")
+                skipped += 1
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        if skipped:
+            self._stats.add(node_skips=skipped)
+        tasks = [(node, idx, op, keys, values, results) for node, idx in groups.values()]
+        if len(tasks) == 1:
+            self._node_task(*tasks[0])
+        elif tasks:
+            for f in [self._pool.submit(self._node_task, *t) for t in tasks]:
+                f.result()
+        return results
+
+    def _chunks(self, idx: list[int], values: Sequence[Any] | None) -> list[list[int]]:
+        per_key = self.fmt.object_bytes if values is not None else 64
+        step = max(1, min(self.max_batch, self.max_batch_bytes // per_key))
+        return [idx[i : i + step] for i in range(0, len(idx), step)]
+
+    def _node_task(
+        self,
+        node: ClusterNode,
+        idx: list[int],
+        op: str,
+        keys: Sequence[bytes],
+        values: Sequence[Any] | None,
+        results: list[Any],
+    ) -> None:
+        client = node.redis_connection
+        for n, chunk in enumerate(self._chunks(idx, values)):
+            if client is None:
+                err: Exception = ConnectionError(f"no client for {node.name}")
+            else:
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    for i in chunk:
+                        rkey = self._rkey(keys[i])
+                        if op == "get":
+                            pipe.get(rkey)
+                        elif op == "exists":
+                            pipe.exists(rkey)
+                        elif op == "set":
+                            assert values is not None
+                            pipe.set(rkey, values[i], px=self.ttl_ms)
+                        else:
+                            pipe.delete(rkey)
+                    replies = pipe.execute(raise_on_error=False)
+                    moved = False
+                    for i, reply in zip(chunk, replies, strict=True):
+                        results[i] = reply
+                        if isinstance(reply, redis.ResponseError):
+                            moved = moved or str(reply).startswith(("MOVED", "ASK", "CLUSTERDOWN"))
+                    if moved:  # resharding or failover: these keys miss, the map is reloaded
+                        self._request_refresh()
+                    continue
+                except redis.TimeoutError as e:
+                    self._stats.add(timeouts=1)
+                    err = e
+                except (*_NODE_ERRORS, redis.RedisError) as e:
+                    err = e
+            # this node failed: its keys of this call fail, the node cools down
+            self._stats.add(io_errors=1)
+            for rest in self._chunks(idx, values)[n:]:
+                for i in rest:
+                    results[i] = err
+            log.debug("node %s failed: %s", node.name, err)
+            self._node_failed(node.name)
+            return
+
+    # ------------------------------------------------------------------ the tier interface
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Pipelined EXISTS per key; False for keys of failed / slow nodes."""
+        check_batch(keys, None, "")
+        if self._closed:
+            return [False] * len(keys)
+        found = [r == 1 for r in self._run("exists", keys)]
+        self._stats.add(lookups=len(found), lookup_hits=sum(found))
+        return found
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
+        """Pipelined GET, verified (header, fingerprint, key, length, checksum) and copied into
+        ``outs``. A corrupt value is deleted from the cluster and counted."""
+        check_batch(keys, outs, "outs")
+        views = [byte_view(o, self.fmt.payload_bytes, "outs[i]", writable=True) for o in outs]
+        if self._closed:
+            self._stats.add(misses=len(keys))
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        replies = self._run("get", keys)
+        served = [False] * len(keys)
+        bad: list[bytes] = []
+        counts = {"corrupted_blocks": 0, "fingerprint_mismatches": 0}
+        read = nbytes = 0
+        for i, reply in enumerate(replies):
+            if not isinstance(reply, (bytes, bytearray)):
+                continue
+            read += 1
+            nbytes += len(reply)
+            value = memoryview(reply)
+            reason = check_block(
+                self.fmt, bytes(keys[i]), value[:HEADER_BYTES], value[HEADER_BYTES:]
+            )
+            if reason is None:
+                views[i][:] = value[HEADER_BYTES:]
+                served[i] = True
+            else:
+                counts[
+                    "fingerprint_mismatches" if reason == "fingerprint" else "corrupted_blocks"
+                ] += 1
+                bad.append(bytes(keys[i]))
+        if bad:
+            self._run("del", bad)
+        hits = sum(served)
+        self._stats.add(
+            hits=hits,
+            misses=len(keys) - hits,
+            blocks_read=read,
+            bytes_read=nbytes,
+            read_seconds=time.perf_counter() - t0,
+            **counts,
+        )
+        return served
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray]) -> list[bool]:
+        """Pipelined ``SET key header+payload [PX ttl]``; False (dropped, counted) for keys of
+        failed / slow nodes and rejected writes (e.g. OOM without an eviction policy)."""
+        check_batch(keys, payloads, "payloads")
+        views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
+        if self._closed:
+            self._stats.add(writes_dropped=len(keys))
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        values = []
+        for k, v in zip(keys, views, strict=True):
+            buf = bytearray(self.fmt.object_bytes)
+            buf[:HEADER_BYTES] = encode_header(self.fmt, bytes(k), v, stamp=time.time_ns())
+            buf[HEADER_BYTES:] = v
+            values.append(memoryview(buf))
+        stored = [r is True for r in self._run("set", keys, values)]
+        n = sum(stored)
+        self._stats.add(
+            blocks_written=n,
+            bytes_written=n * self.fmt.object_bytes,
+            writes_dropped=len(keys) - n,
+            write_seconds=time.perf_counter() - t0,
+        )
+        return stored
+
+    def evict(self, keys: Sequence[bytes]) -> int:
+        """Pipelined DEL; returns how many keys existed (keys of failed nodes count as absent)."""
+        check_batch(keys, None, "")
+        if self._closed:
+            return 0
+        removed = sum(1 for r in self._run("del", keys) if r == 1)
+        self._stats.add(evictions=removed)
+        return removed
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters of :data:`kvoff.tiers.base.STAT_KEYS` plus ``node_skips`` (keys that missed
+        at once because their node was cooling down), ``topology_refreshes`` and ``unavailable``
+        (1 while no node of the cluster answers). ``timeouts`` counts node round trips that ran
+        into ``timeout_s``; ``io_errors`` counts every failed node round trip."""
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Close the connections; later calls miss / drop."""
+        with self._lock:
+            self._closed = True
+            rc, self._rc = self._rc, None
+        self._pool.shutdown(wait=True)
+        if rc is not None:
+            rc.close()
+
+
+# ---------------------------------------------------------------------- local cluster for tests
+
+
+def redis_server_skip_reason() -> str | None:
+    """Why a local Redis Cluster cannot be started here (None when it can)."""
+    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
+    if missing:
+        return (
+            f"{' and '.join(missing)} not found: install Redis 7 (Debian: apt-get install "
+            f"redis-server; `bash .ci/setup` does it)"
+        )
+    return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` ports P with P and its cluster bus port P + 10000 free on 127.0.0.1."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    ports: list[int] = []
+    while len(ports) < n:
+        p = rng.randrange(20000, 40000)
+        if p not in ports and _port_free(p) and _port_free(p + 10000):
+            ports.append(p)
+    return ports
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of ``masters`` redis-server processes on 127.0.0.1, no replicas.
+
+    Each node runs in cluster mode with no persistence (``--save ""``, ``--appendonly no``),
+    ``--enable-debug-command yes`` (tests send ``DEBUG SLEEP``), ``--maxmemory`` with
+    ``allkeys-lru``, and ``cluster-require-full-coverage no`` so a killed master loses only its
+    own slots. Use as a context manager; :meth:`kill` SIGKILLs one master.
+
+    Args:
+        masters: number of masters (>= 3, as redis-cli requires).
+        maxmemory: per-node ``maxmemory`` (Redis syntax, e.g. ``"256mb"``).
+        directory: where node files and logs go (a fresh temporary directory if None; removed
+            by :meth:`stop` only if created here).
+        startup_timeout_s: seconds to wait for the servers and for ``cluster_state:ok``.
+
+    Raises:
+        RuntimeError (from :meth:`start`): redis-server / redis-cli missing or the cluster did
+            not come up (the message includes the tail of the node logs).
+    """
+
+    def __init__(
+        self,
+        masters: int = 3,
+        *,
+        maxmemory: str = "256mb",
+        directory: str | Path | None = None,
+        startup_timeout_s: float = 30.0,
+    ) -> None:
+        self.masters = masters
+        self.maxmemory = maxmemory
+        self._own_dir = directory is None
+        self.directory = Path(directory) if directory else None
+        self.startup_timeout_s = startup_timeout_s
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:P`` of the first master."""
+        return f"redis://127.0.0.1:{self.ports[0]}"
+
+    def client(self, index: int, **kwargs: Any) -> redis.Redis:
+        """A plain redis-py client of node ``index``."""
+        return redis.Redis(host="127.0.0.1", port=self.ports[index], **kwargs)
+
+    def index_of(self, node_name: str) -> int:
+        """The node index of ``"127.0.0.1:P"``."""
+        return self.ports.index(int(node_name.rsplit(":", 1)[1]))
+
+    def start(self) -> LocalRedisCluster:
+        """Start the servers, create the cluster, wait for ``cluster_state:ok`` everywhere."""
+        reason = redis_server_skip_reason()
+        if reason:
+            raise RuntimeError(reason)
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix="kvoff-redis-"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.ports = _free_ports(self.masters)
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            for p in self.ports:
+                self.procs.append(self._start_node(p))
+            for i in range(self.masters):
+                self._wait(lambda i=i: self.client(i, socket_timeout=1).ping(), deadline)
+            addrs = [f"127.0.0.1:{p}" for p in self.ports]
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *addrs,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+            for i in range(self.masters):
+                self._wait(lambda i=i: self._node_ok(i), deadline)
+        except BaseException as e:
+            logs = self._log_tail()
+            self.stop()
+            if isinstance(e, Exception):
+                raise RuntimeError(f"local Redis Cluster did not start: {e}\n{logs}") from e
+            raise
+        return self
+
+    def _start_node(self, port: int) -> subprocess.Popen[bytes]:
+        assert self.directory is not None
+        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+        args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+        args += ["--dir", str(self.directory), "--save", "", "--appendonly", "no"]
+        args += ["--enable-debug-command", "yes", "--maxmemory", self.maxmemory]
+        args += ["--maxmemory-policy", "allkeys-lru", "--cluster-require-full-coverage", "no"]
+        args += ["--cluster-allow-reads-when-down", "yes", "--cluster-node-timeout", "5000"]
+        args += ["--logfile", f"redis-{port}.log", "--daemonize", "no"]
+        return subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.directory
+        )
+
+    def _node_ok(self, index: int) -> bool:
+        info = self.client(index, socket_timeout=1).cluster("INFO")
+        if isinstance(info, (bytes, str)):
+            text = info.decode() if isinstance(info, bytes) else info
+            info = dict(line.split(":", 1) for line in text.split() if ":" in line)
+        return (
+            str(info.get("cluster_state")) == "ok"
+            and int(info.get("cluster_slots_ok", 0)) == 16384
+            and int(info.get("cluster_known_nodes", 0)) == self.masters
+        )
+
+    def _wait(self, probe: Any, deadline: float) -> None:
+        while True:
+            try:
+                if probe():
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("timed out waiting for the Redis Cluster")
+            time.sleep(0.05)
+
+    def _log_tail(self) -> str:
+        if self.directory is None:
+            return ""
+        out = []
+        for p in self.ports:
+            log_file = self.directory / f"redis-{p}.log"
+            if log_file.exists():
+                out.append(
+                    f"--- redis-{p}.log\n" + "\n".join(log_file.read_text().splitlines()[-8:])
+                )
+        return "\n".join(out)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL master ``index`` (its slots stay uncovered: there are no replicas)."""
+        proc = self.procs[index]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Stop every server and remove the directory if this object created it."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+        if self._own_dir and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

