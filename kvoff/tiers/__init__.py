@@ -6,6 +6,8 @@
   raising for I/O conditions).
 * :mod:`kvoff.tiers.disk`: :class:`DiskTier`, slots in one preallocated file, O_DIRECT, LRU,
   index rebuilt from the headers after a restart.
+* :mod:`kvoff.tiers.coordinator`: :class:`TieredPool`, the CPU pool (L1) with tiers below it:
+  asynchronous promotion on L1 misses and bounded write-through.
 * :mod:`kvoff.tiers.redis_cluster`: :class:`RedisClusterTier` on redis-py's cluster client, and
   :class:`LocalRedisCluster`, a throwaway localhost cluster for tests and benchmarks.
 
@@ -22,6 +24,7 @@ from kvoff.tiers.block_format import (
     encode_header,
     layout_fingerprint,
 )
+from kvoff.tiers.coordinator import TieredPool
 from kvoff.tiers.disk import DiskTier
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "BlockFormat",
     "DiskTier",
     "SecondaryTier",
+    "TieredPool",
     "check_block",
     "encode_header",
     "layout_fingerprint",

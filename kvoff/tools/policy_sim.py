@@ -1,0 +1,182 @@
+"""Hit-rate sweeps of the eviction policies without moving bytes.
+
+``kvoff replay --sweep-capacity`` replays every point with real stores and loads (about 6 min per
+point for the conversation trace on a 2-core CPU box). The hit rate depends only on the
+manager's decisions, so :func:`run_manager_replay` makes the same manager calls as
+:func:`kvoff.tools.replay.run_replay` (same offload keys, lookup, ``touch``, one all-or-nothing
+``prepare_store``, ``touch``, then ``complete_store`` before the next request, as the CPU
+replay's stores finish) on the C++ ``CPUOffloadingManager`` alone; ``tests/test_policy_sim.py``
+checks that its counts equal the replay's. The GPU prefix cache is not modelled
+(``gpu_prefix_blocks`` must be 0, the replay's default).
+
+``python -m kvoff.tools.policy_sim --trace T --sweep-capacity 1000,3000 --policies lru,min
+[--json F.json] [--plot F.png]`` prints the table of ``kvoff replay --sweep-capacity`` and writes
+the same JSON (``run``: machine, date, command; ``sweep``) and curves; ``min`` is
+:func:`kvoff.tools.belady.run_min_replay`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvoff.tools.belady import MIN_POLICY, run_min_replay
+from kvoff.tools.policy_sweep import (
+    PolicySweep,
+    SweepPoint,
+    format_sweep_table,
+    parse_capacities,
+    parse_policies,
+    plot_sweep,
+)
+from kvoff.tools.replay import ReplayConfig, ReplayResult, offload_key
+from kvoff.tools.traces import TraceRequest, load_trace
+
+__all__ = ["main", "run_manager_replay", "run_manager_sweep"]
+
+
+def run_manager_replay(
+    config: ReplayConfig, requests: list[TraceRequest] | None = None
+) -> ReplayResult:
+    """The hit counts of ``run_replay(config)`` from the manager alone (module docstring).
+
+    Raises:
+        ValueError: ``gpu_prefix_blocks`` != 0, no ``cpu_blocks``, or block sizes that do not
+            divide.
+    """
+    from kvoff import _scheduler
+
+    if config.policy == MIN_POLICY:
+        return run_min_replay(config, requests=requests)
+    if config.gpu_prefix_blocks or not config.cpu_blocks:
+        raise ValueError("run_manager_replay needs gpu_prefix_blocks=0 and cpu_blocks")
+    bs, obs, tbs = config.block_size, config.offloaded_block_size, config.trace_block_size
+    if obs % bs:
+        raise ValueError(f"offloaded_block_size {obs} is not a multiple of block_size {bs}")
+    factor = obs // bs
+    t0 = time.perf_counter()
+    reqs = requests if requests is not None else load_trace(config.trace, config.limit, tbs)
+    if config.limit is not None:
+        reqs = reqs[: config.limit]
+    policy = config.policy or "lru"
+    manager = _scheduler.CPUOffloadingManager(config.cpu_blocks, policy)
+    res = ReplayResult(
+        trace=config.trace,
+        model=config.model,
+        block_size=bs,
+        offloaded_block_size=obs,
+        gpu_prefix_blocks=0,
+        cpu_blocks=config.cpu_blocks,
+        policy=policy,
+        device="manager-only",
+        gpu_layout=config.gpu_layout,
+        gpu_blocks=0,
+        cpu_pool_bytes=0,
+    )
+    seen: set[bytes] = set()
+    max_hit_tokens = 0
+    for req in reqs:
+        n = req.input_length // obs
+        # the offloaded block j ends with GPU block (j + 1) * factor - 1, whose last token lies
+        # in trace block ((j + 1) * obs - 1) // tbs
+        keys = [
+            offload_key(req.hash_ids[((j + 1) * obs - 1) // tbs], (j + 1) * factor - 1)
+            for j in range(n)
+        ]
+        lead = 0
+        while lead < n and keys[lead] in seen:
+            lead += 1
+        max_hit_tokens += lead * obs
+        seen.update(keys)
+        h = manager.lookup(keys) if n else 0
+        if h:
+            manager.prepare_load(keys[:h])
+            manager.complete_load(keys[:h])
+        manager.touch(keys)
+        stored: list[bytes] = []
+        if h < n:
+            out = manager.prepare_store(keys[h:])
+            if out is None:
+                res.stores_skipped += n - h
+            else:
+                res.evictions += len(out.evicted_keys)
+                res.blocks_stored += len(out.keys_to_store)
+                stored = list(out.keys_to_store)
+        manager.touch(keys)
+        if stored:
+            manager.complete_store(stored, True)
+        res.requests += 1
+        res.input_tokens += req.input_length
+        res.cpu_hit_tokens += h * obs
+        res.blocks_loaded += h * factor
+        res.computed_tokens += req.input_length - h * obs
+    res.hit_tokens = res.cpu_hit_tokens
+    res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
+    res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def run_manager_sweep(
+    base: ReplayConfig, capacities: Sequence[int], policies: Sequence[str], log=None
+) -> PolicySweep:
+    """:func:`kvoff.tools.policy_sweep.run_policy_sweep` with :func:`run_manager_replay`."""
+    requests = load_trace(base.trace, base.limit, base.trace_block_size)
+    points = []
+    result = None
+    for policy in policies:
+        for c in capacities:
+            config = dataclasses.replace(base, cpu_blocks=c, cpu_bytes=None, policy=policy)
+            result = run_manager_replay(config, requests)
+            points.append(SweepPoint.from_result(result))
+            if log is not None:
+                log(f"{policy:>10} {c:>9,}: hit rate {result.hit_rate:.4f} ({result.wall_s:.1f} s)")
+    assert result is not None
+    return PolicySweep(
+        config=dataclasses.replace(base, cpu_blocks=capacities[0], cpu_bytes=None),
+        capacities=tuple(capacities),
+        policies=tuple(policies),
+        requests=result.requests,
+        input_tokens=result.input_tokens,
+        max_hit_rate=result.max_hit_rate,
+        points=tuple(points),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvoff.tools.policy_sim")
+    parser.add_argument("--trace", default="conversation", help="bundled name or JSONL path")
+    parser.add_argument("--sweep-capacity", required=True, metavar="N,N,...")
+    parser.add_argument("--policies", default="lru,arc,probation,min", metavar="P,P,...")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args(argv)
+    base = ReplayConfig(trace=args.trace, limit=args.limit)
+    sweep = run_manager_sweep(
+        base,
+        parse_capacities(args.sweep_capacity),
+        parse_policies(args.policies),
+        log=lambda m: print(f"  {m}", file=sys.stderr, flush=True),
+    )
+    print(format_sweep_table(sweep))
+    if args.json is not None:
+        from kvoff.tools.bench import run_info
+
+        argv_ = list(sys.argv[1:] if argv is None else argv)
+        info = run_info(argv_)
+        info["command"] = "python -m kvoff.tools.policy_sim " + " ".join(argv_)
+        info["simulation"] = "manager only (kvoff.tools.policy_sim); min: kvoff.tools.belady"
+        args.json.write_text(json.dumps({"run": info, "sweep": sweep.to_dict()}, indent=2) + "\n")
+    if args.plot is not None:
+        plot_sweep(sweep, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
