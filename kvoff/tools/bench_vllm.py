@@ -321,13 +321,17 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
     g = p.output_tokens
     lengths = [max(1, g // 2 + (i * 37) % g) for i in range(g)]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
-    total = 2 * running + 8 + (2 * (3 * g // 2 + p.steps) * running) // g
+    # steps to prefill a whole batch (8192 + running tokens per step, see _engine): requests
+    # finish meanwhile, so the warm-up consumes more of the stream at large batches
+    prefill_steps = -(-running * p.prompt_tokens // (8192 + running))
+    total = 2 * running + 8 + (2 * (3 * g // 2 + p.steps + prefill_steps) * running) // g
     prompts = _prompts(p, running, total)
     scheduler, hasher, num_gpu_blocks = _engine(connector, running, total, p)
     conn = scheduler.connector
     timer = _Timed(conn) if conn is not None else None
     hook_s: dict[str, float] = {}
     timed_steps = 0
+    running_sum = 0
     submitted = 0
 
     def submit(n: int) -> None:
@@ -393,9 +397,13 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
                     for name, sec in timer.per_hook.items():
                         hook_s[name] = hook_s.get(name, 0.0) + sec
                 schedule.append(tuple(sorted(out.num_scheduled_tokens.items())))
+                running_sum += len(ids)
             else:
                 finished = submitted - scheduler.get_num_unfinished_requests()
-                warm = finished >= running and len(scheduler.running) >= running
+                # warm: the batch turned over and is (nearly) full; at large batches the GPU
+                # blocks keep a few requests waiting at any step (``mean_running`` says how many
+                # ran)
+                warm = finished >= running and len(scheduler.running) >= running - running // 8
             submit(running + 8 - len(scheduler.running) - len(scheduler.waiting))
             if not scheduler.has_requests() and submitted >= total:
                 raise RuntimeError("bench: the request stream ran dry before the timed steps")
@@ -412,6 +420,7 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
         "step_us": statistics.median(step_s) * 1e6,
         "connector_us": statistics.median(conn_s) * 1e6,
         "connector_us_mean": statistics.fmean(conn_s) * 1e6,
+        "mean_running": running_sum / max(timed_steps, 1),
         "hook_us_mean": {
             k: v / max(timed_steps, 1) * 1e6 for k, v in sorted(hook_s.items()) if v > 0
         },
