@@ -284,12 +284,12 @@ class ARCEvictionPolicy final : public EvictionPolicy {
 /// The budget b in [0, c] is the number of slots probation may hold before its blocks are
 /// evicted ahead of older protected ones. It starts at c (pure LRU).
 ///
-/// Ghosts. An evicted key leaves a ghost: 32 bits of its hash and its eviction number in its
-/// list (probation and protected evictions are counted separately). Ghosts live in a
+/// Ghosts. An evicted key leaves a ghost: a 16-bit tag of its hash and a 16-bit epoch of its
+/// eviction number in its list (probation and protected evictions are counted separately). Ghosts live in a
 /// set-associative table of S = max(1, bit_ceil(c) / 2) sets; set = hash_key(key) mod S; each
-/// set keeps 4 ghosts per list (one 64-byte line), replacing the oldest of its list when full.
-/// So each list remembers about its last 2c evicted keys (4S >= 2c); a ghost whose age (later
-/// evictions from its list) is 2c or more is expired.
+/// set keeps kGhostWays = 8 ghosts per list (one 64-byte line), replacing the oldest of its list
+/// when full. So each list remembers at least its last 2c evicted keys (8S >= 2c); a ghost whose
+/// age (later evictions from its list) is 2c or more is expired.
 ///
 /// Operations (all O(1); no allocation after construction):
 ///  * insert(slot, key): the ghosts of the key are removed. A ghost younger than W = ceil(c / 4)
@@ -354,7 +354,7 @@ class ProbationEvictionPolicy final : public EvictionPolicy {
   std::uint32_t window() const noexcept { return window_; }
   /// D: how far one marginal ghost hit moves the budget, in slots.
   std::uint32_t step() const noexcept { return step_; }
-  /// Ghost sets S (each holds 4 ghosts per list).
+  /// Ghost sets S (each holds kGhostWays = 8 ghosts per list).
   std::size_t ghost_sets() const noexcept { return ghost_sets_.size(); }
   /// S for a policy of `capacity` slots: max(1, bit_ceil(capacity) / 2).
   static std::size_t ghost_sets_for(std::uint32_t capacity) noexcept;
