@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvoff.config import OffloadingConfig
 from kvoff.models import get_model_preset
 from kvoff.tools.traces import TraceRequest, load_trace
 
@@ -226,7 +225,7 @@ def run_min_replay(
     Raises:
         ValueError: for bad sizes (block sizes, pool size, model), as the replay.
     """
-    from kvoff.tools.replay import DEFAULT_CPU_BYTES, ReplayResult
+    from kvoff.tools.replay import ReplayResult, pool_config
 
     t_start = time.perf_counter()
     if config.gpu_prefix_blocks < 0:
@@ -236,15 +235,7 @@ def run_min_replay(
 
     preset = get_model_preset(config.model)
     bs = config.block_size
-    pool_cfg = OffloadingConfig(
-        num_cpu_blocks=config.cpu_blocks,
-        cpu_bytes_to_use=(
-            config.cpu_bytes
-            if config.cpu_bytes is not None or config.cpu_blocks is not None
-            else DEFAULT_CPU_BYTES
-        ),
-        offloaded_block_size=config.offloaded_block_size,
-    )
+    pool_cfg = pool_config(config)
     factor = pool_cfg.block_size_factor(bs)
     bytes_per_gpu_block = preset.layer_spec(bs).page_size_bytes * preset.num_layers
     num_cpu_blocks = pool_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)

@@ -82,21 +82,8 @@ def bench_disk(
         cap = SUPERBLOCK_BYTES + n * slot_bytes_for(fmt)
         tier = DiskTier(work / "tier", cap, fmt, io_threads=io_threads)
         try:
-            src = _aligned_blocks(min(batch, n), block_size, seed=block_size)
             keys = [_key(i) for i in range(n)]
-            t0 = time.perf_counter()
-            stored = 0
-            for start in range(0, n, batch):
-                ks = keys[start : start + batch]
-                stored += sum(tier.put(ks, [src[j % len(src)] for j in range(len(ks))]))
-            write_s = time.perf_counter() - t0
-            outs = _aligned_blocks(min(batch, n), block_size, seed=1)
-            t0 = time.perf_counter()
-            served = 0
-            for start in range(0, n, batch):
-                ks = keys[start : start + batch]
-                served += sum(tier.get(ks, outs[: len(ks)]))
-            read_s = time.perf_counter() - t0
+            stored, write_s, served, read_s = _put_then_get(tier, keys, block_size, batch)
             stats = tier.stats()
         finally:
             tier.close()
@@ -123,6 +110,28 @@ def bench_disk(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _put_then_get(
+    tier: Any, keys: list[bytes], block_size: int, batch: int
+) -> tuple[int, float, int, float]:
+    """Writes every key (``batch`` per ``put``), then reads every key back (``batch`` per
+    ``get``). Returns (blocks stored, put seconds, blocks served, get seconds)."""
+    n = len(keys)
+    src = _aligned_blocks(min(batch, n), block_size, seed=block_size)
+    t0 = time.perf_counter()
+    stored = 0
+    for start in range(0, n, batch):
+        ks = keys[start : start + batch]
+        stored += sum(tier.put(ks, [src[j % len(src)] for j in range(len(ks))]))
+    put_s = time.perf_counter() - t0
+    outs = _aligned_blocks(min(batch, n), block_size, seed=1)
+    t0 = time.perf_counter()
+    served = 0
+    for start in range(0, n, batch):
+        ks = keys[start : start + batch]
+        served += sum(tier.get(ks, outs[: len(ks)]))
+    return stored, put_s, served, time.perf_counter() - t0
+
+
 def bench_redis(
     url: str,
     block_size: int,
@@ -140,21 +149,9 @@ def bench_redis(
     tier = RedisClusterTier(url, fmt, namespace="kvoff-bench", timeout_s=5.0)
     keys = [_key(i) for i in range(n)]
     try:
-        src = _aligned_blocks(min(batch, n), block_size, seed=block_size)
-        tier.put(keys[:batch], src[: len(keys[:batch])])  # warm-up: connections
-        t0 = time.perf_counter()
-        stored = 0
-        for start in range(0, n, batch):
-            ks = keys[start : start + batch]
-            stored += sum(tier.put(ks, [src[j % len(src)] for j in range(len(ks))]))
-        put_s = time.perf_counter() - t0
-        outs = _aligned_blocks(min(batch, n), block_size, seed=1)
-        t0 = time.perf_counter()
-        served = 0
-        for start in range(0, n, batch):
-            ks = keys[start : start + batch]
-            served += sum(tier.get(ks, outs[: len(ks)]))
-        get_s = time.perf_counter() - t0
+        warm = _aligned_blocks(min(batch, n), block_size, seed=block_size)
+        tier.put(keys[:batch], warm[: len(keys[:batch])])  # warm-up: connections
+        stored, put_s, served, get_s = _put_then_get(tier, keys, block_size, batch)
         lookup_keys = [keys[i % n] if i % 2 == 0 else _key(10**9 + i) for i in range(lookup_batch)]
         tier.contains(lookup_keys)
         t0 = time.perf_counter()

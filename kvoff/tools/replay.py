@@ -540,6 +540,25 @@ class _Marks:
     computed_tokens: int
 
 
+def pool_config(config: ReplayConfig, policy: str | None = None) -> OffloadingConfig:
+    """The CPU pool of a replay: ``cpu_blocks`` or ``cpu_bytes`` (2 GiB when neither is given),
+    ``offloaded_block_size`` and, when given, the eviction ``policy``.
+
+    Raises:
+        kvoff.config.ConfigError: a bad size or policy (the message names the field).
+    """
+    cpu_bytes = config.cpu_bytes
+    if cpu_bytes is None and config.cpu_blocks is None:
+        cpu_bytes = DEFAULT_CPU_BYTES
+    extra = {} if policy is None else {"eviction_policy": policy}
+    return OffloadingConfig(
+        num_cpu_blocks=config.cpu_blocks,
+        cpu_bytes_to_use=cpu_bytes,
+        offloaded_block_size=config.offloaded_block_size,
+        **extra,
+    )
+
+
 def run_replay(
     config: ReplayConfig,
     progress: Callable[[int], None] | None = None,
@@ -595,16 +614,7 @@ def run_replay(
         )
     device = _device(config)
     cuda = device.type == "cuda"
-    offload_cfg = OffloadingConfig(
-        num_cpu_blocks=config.cpu_blocks,
-        cpu_bytes_to_use=(
-            config.cpu_bytes
-            if config.cpu_bytes is not None or config.cpu_blocks is not None
-            else DEFAULT_CPU_BYTES
-        ),
-        offloaded_block_size=obs,
-        eviction_policy=config.policy,
-    )
+    offload_cfg = pool_config(config, config.policy)
     factor = offload_cfg.block_size_factor(bs)
     spec = preset.layer_spec(bs)
     page = spec.page_size_bytes
