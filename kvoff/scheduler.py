@@ -32,7 +32,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from kvoff._scheduler import OffloadingEvent, _OffloadingScheduler
+from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
 from kvoff.specs import (
     FullAttentionSpec,
     MambaSpec,
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from kvoff.specs import KVCacheConfig, KVCacheSpec
 
 __all__ = [
+    "COUNTER_NAMES",
     "ConnectorMetadata",
     "ConnectorOutput",
     "JobReport",
@@ -368,7 +369,8 @@ class OffloadingScheduler:
         Args:
             request: the request.
             block_ids: per KV cache group, the request's whole block table (GPU block ids in
-                logical order; 0 for null blocks, which are never loaded).
+                logical order; 0 for null blocks, which are never loaded). May be empty (no
+                group at all) when ``num_external_tokens`` is 0: nothing is loaded.
             num_external_tokens: 0 (load nothing), or exactly the ``n`` returned by the last
                 :meth:`get_num_new_matched_tokens` for this request.
 
@@ -462,6 +464,8 @@ class OffloadingScheduler:
         finished_request_ids: Iterable[str] = (),
         preempted_request_ids: Iterable[str] = (),
         rewritten_block_ids: Sequence[int] = (),
+        *,
+        with_keys: bool = True,
     ) -> tuple[list[tuple], list[tuple], list[int]]:
         """:meth:`build_connector_meta_columns` without making :class:`TransferJob` records:
         for integrations that ship the jobs to workers in other processes (the records are then
@@ -470,7 +474,9 @@ class OffloadingScheduler:
         Returns:
             ``(load_jobs, store_jobs, jobs_to_flush)``; each job is a tuple ``(job_id,
             request_id, is_store, gpu_block_ids, group_sizes, block_indices, cpu_block_ids,
-            keys)`` (lists of ints; keys are bytes).
+            keys)`` (lists of ints; keys are bytes). ``with_keys=False`` leaves the keys
+            out (an empty list) for workers that only copy blocks (kvoff's vLLM connector):
+            the scheduler keeps them.
 
         Raises:
             As :meth:`build_connector_meta_columns`.
@@ -485,6 +491,7 @@ class OffloadingScheduler:
             preempted_request_ids,
             rewritten_block_ids,
             self._requests,
+            with_keys,
         )
         for rid in finished_request_ids:
             self._requests.pop(rid, None)
@@ -539,6 +546,20 @@ class OffloadingScheduler:
         )
         return ConnectorOutput(tuple(loaded), tuple(failed), tuple(stored), tuple(done), tuple(bad))
 
+    def update_connector_output_counts(self, counts: Mapping[int, Sequence[int]]) -> None:
+        """:meth:`update_connector_output` with the reports already summed per job, as
+        integrations aggregate them across ranks: ``{job_id: (ranks that succeeded, ranks that
+        failed)}``. The fast path for engines that learn completions elsewhere (vLLM learns
+        finished loads from the workers): nothing is returned.
+
+        Raises:
+            TypeError: ``counts`` is not a dict, or a count is not an int.
+            ValueError: a negative job id or count, a pair that is not two counts, and
+                everything :meth:`update_connector_output` raises (nothing is changed).
+        """
+        if counts:
+            self._core.update_connector_output_counts(counts)
+
     def request_finished(self, request: RequestLike | str) -> bool:
         """The request finished or was aborted (queued or running).
 
@@ -572,6 +593,11 @@ class OffloadingScheduler:
         blocks), stale_blocks_skipped, jobs_flushed, failed_jobs, and the pool and request
         gauges."""
         return self._core.stats()
+
+    def counters(self) -> tuple[int, ...]:
+        """The monotonic counters of :meth:`stats` as one tuple, in the order of
+        :data:`COUNTER_NAMES` (cheap enough to read every engine step)."""
+        return self._core.counters()
 
     def offload_key(self, request: RequestLike, block: int, group: int = 0) -> bytes:
         """The offload key of offloaded block ``block`` of ``group`` for ``request``.

@@ -285,6 +285,39 @@ def test_world_size_two_completion_and_failure() -> None:
     sim.drain()
 
 
+def test_summed_reports_complete_like_single_ones_and_bad_counts_change_nothing() -> None:
+    """update_connector_output_counts (vLLM's connector: reports summed over ranks) completes
+    a job only when every rank reported, fails it when one rank failed, and refuses bad counts
+    without changing anything; counters() is stats() in COUNTER_NAMES order. (The simulator is
+    bypassed: no step follows.)"""
+    from kvoff.scheduler import COUNTER_NAMES
+
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, world_size=2,
+                    auto_complete=False)  # fmt: skip
+    s = sim.sched
+    sim.add_request("a", list(range(9)))
+    (store,) = sim.step().meta.store_jobs
+    keys = list(store.keys)
+    before = snapshot(s, keys, ["a"])
+    for bad, exc, match in (
+        ({12345: (1, 0)}, ValueError, "job 12345"),
+        ({store.job_id: (2, 1)}, ValueError, "3 times"),
+        ({store.job_id: (1,)}, ValueError, "succeeded, failed"),
+        ({store.job_id: (-1, 0)}, ValueError, "succeeded, failed"),
+        ([(store.job_id, True)], TypeError, "dict"),
+    ):
+        with pytest.raises(exc, match=match):
+            s.update_connector_output_counts(bad)
+        assert snapshot(s, keys, ["a"]) == before
+    s.update_connector_output_counts({store.job_id: (1, 0)})
+    assert s.block_state(keys[0]) == "pending"  # one rank of two
+    s.update_connector_output_counts({store.job_id: [0, 1]})  # the other rank failed
+    assert all(s.block_state(k) == "missing" for k in keys)  # a failed store is no hit
+    stats = s.stats()
+    assert s.counters() == tuple(stats[n] for n in COUNTER_NAMES)
+    assert stats["failed_jobs"] == 1 and stats["store_jobs"] == 1
+
+
 # ---------------------------------------------------------------------- hybrid
 def test_hybrid_full_sliding_window_mamba() -> None:
     groups = (FULL, GroupDesc("sliding_window", 6), GroupDesc("mamba"))

@@ -445,16 +445,19 @@ py::list int64_list(const std::vector<std::int64_t>& v) {
   return out;
 }
 
-py::tuple job_tuple(const kvoff::TransferJob& j) {
+/// A job as a tuple; `with_keys` false leaves its keys out (an empty list): workers that
+/// only copy blocks do not need them.
+py::tuple job_tuple(const kvoff::TransferJob& j, bool with_keys = true) {
   return py::make_tuple(j.job_id, j.request_id, j.is_store, int64_list(j.gpu_block_ids),
                         int64_list(j.group_sizes), int64_list(j.block_indices),
-                        to_int_list(j.cpu_block_ids), to_bytes_list(j.keys));
+                        to_int_list(j.cpu_block_ids),
+                        with_keys ? to_bytes_list(j.keys) : py::list());
 }
 
-py::list job_list(const std::vector<kvoff::TransferJob>& jobs) {
+py::list job_list(const std::vector<kvoff::TransferJob>& jobs, bool with_keys = true) {
   py::list out(jobs.size());
   for (std::size_t i = 0; i < jobs.size(); ++i) {
-    out[i] = job_tuple(jobs[i]);
+    out[i] = job_tuple(jobs[i], with_keys);
   }
   return out;
 }
@@ -478,7 +481,7 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                      py::handle new_block_ids, py::handle num_computed_tokens,
                      py::handle num_scheduled_tokens, py::handle resumed_request_ids,
                      py::handle finished, py::handle preempted, py::handle rewritten,
-                     py::handle requests) {
+                     py::handle requests, bool with_keys) {
   const py::object ids = fast_sequence(request_ids.ptr(), Where{"request_ids"}, "str");
   const py::object blocks =
       fast_sequence(new_block_ids.ptr(), Where{"new_block_ids"}, "block id lists or None");
@@ -517,32 +520,8 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   std::vector<kvoff::ScheduledRequest> reqs(static_cast<std::size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* id_obj = id_items[i];
-    const std::string_view id = id_view(id_obj, Where{"request_ids"}.at(i));
-    if (request_dict != nullptr) {  // new block hashes of the engine's request object
-      PyObject* req = PyDict_GetItemWithError(request_dict, id_obj);  // borrowed
-      if (req == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      if (req != nullptr) {
-        py::object hashes = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kHashes));
-        if (!hashes) throw py::error_already_set();
-        const Py_ssize_t num = PyObject_Size(hashes.ptr());
-        if (num < 0) throw py::error_already_set();
-        const std::size_t known = self.num_hashes(id);
-        if (static_cast<std::size_t>(num) > known) {
-          py::object tail = py::reinterpret_steal<py::object>(
-              PySequence_GetSlice(hashes.ptr(), static_cast<Py_ssize_t>(known), num));
-          if (!tail) throw py::error_already_set();
-          py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kTokens));
-          if (!tokens) throw py::error_already_set();
-          KeyBatch batch(tail);
-          self.update_request(id, known, batch.span(), to_int64(tokens.ptr(), "num_tokens"));
-        }
-      }
-    }
     kvoff::ScheduledRequest& s = reqs[static_cast<std::size_t>(i)];
-    s.request_id.assign(id);
-    if (block_items[i] != Py_None) {
-      s.new_block_ids = to_int_lists(block_items[i], Where{"new_block_ids"}.at(i));
-    }
+    const std::string_view id = id_view(id_obj, Where{"request_ids"}.at(i));
     s.num_computed_tokens = to_int64(computed_items[i], Where{"num_computed_tokens"}.at(i));
     if (scheduled_dict != nullptr) {
       PyObject* v = PyDict_GetItemWithError(scheduled_dict, id_obj);
@@ -551,6 +530,10 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
     } else {
       s.num_scheduled_tokens = to_int64(PySequence_Fast_GET_ITEM(scheduled_seq.ptr(), i),
                                         Where{"num_scheduled_tokens"}.at(i));
+    }
+    s.request_id.assign(id);
+    if (block_items[i] != Py_None) {
+      s.new_block_ids = to_int_lists(block_items[i], Where{"new_block_ids"}.at(i));
     }
     if (any_resumed) {
       const int in = PySequence_Contains(resumed_request_ids.ptr(), id_obj);
@@ -561,12 +544,41 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   const auto fin = to_strs(finished, "finished_request_ids");
   const auto pre = to_strs(preempted, "preempted_request_ids");
   std::vector<std::int64_t> rewritten_ids = to_ints(rewritten.ptr(), Where{"rewritten_block_ids"});
-  auto meta = self.build_connector_meta(reqs, fin, pre, rewritten_ids);
+  // New block hashes come from the engine's request objects (`requests`), read only when the
+  // core needs more than it has (once per offloaded block in decode, not every step).
+  kvoff::OffloadingScheduler::HashSource source;
+  if (request_dict != nullptr) {
+    source = [request_dict](std::string_view id, std::size_t known,
+                            kvoff::OffloadingScheduler::HashSink& sink) {
+      py::object key = py::reinterpret_steal<py::object>(
+          PyUnicode_FromStringAndSize(id.data(), static_cast<Py_ssize_t>(id.size())));
+      if (!key) throw py::error_already_set();
+      PyObject* req = PyDict_GetItemWithError(request_dict, key.ptr());  // borrowed
+      if (req == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return;  // not an engine request object: hashes come through update_request
+      }
+      py::object hashes = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kHashes));
+      if (!hashes) throw py::error_already_set();
+      const Py_ssize_t num = PyObject_Size(hashes.ptr());
+      if (num < 0) throw py::error_already_set();
+      if (static_cast<std::size_t>(num) <= known) return;  // none yet (async scheduling)
+      py::object tail = py::reinterpret_steal<py::object>(
+          PySequence_GetSlice(hashes.ptr(), static_cast<Py_ssize_t>(known), num));
+      if (!tail) throw py::error_already_set();
+      py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kTokens));
+      if (!tokens) throw py::error_already_set();
+      KeyBatch batch(tail);
+      sink.add(batch.span(), to_int64(tokens.ptr(), "num_tokens"));
+    };
+  }
+  auto meta = self.build_connector_meta(reqs, fin, pre, rewritten_ids, source);
   py::list flush(meta.jobs_to_flush.size());
   for (std::size_t i = 0; i < meta.jobs_to_flush.size(); ++i) {
     flush[i] = py::int_(meta.jobs_to_flush[i]);
   }
-  return py::make_tuple(job_list(meta.load_jobs), job_list(meta.store_jobs), flush);
+  return py::make_tuple(job_list(meta.load_jobs, with_keys), job_list(meta.store_jobs, with_keys),
+                        flush);
 }
 
 kvoff::GroupKind to_kind(const std::string& name) {
@@ -579,6 +591,10 @@ kvoff::GroupKind to_kind(const std::string& name) {
 
 void bind(py::module_& m) {
   using kvoff::OffloadingScheduler;
+  m.attr("COUNTER_NAMES") = py::make_tuple(
+      "lookups", "lookup_retries", "hit_tokens", "load_jobs", "store_jobs", "blocks_loaded",
+      "blocks_stored", "store_refusals", "blocks_evicted", "blocks_discarded",
+      "stale_blocks_skipped", "jobs_flushed", "failed_jobs");
   py::class_<OffloadingScheduler>(
       m, "_OffloadingScheduler",
       "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
@@ -641,15 +657,15 @@ void bind(py::module_& m) {
           [](OffloadingScheduler& self, py::handle request_ids, py::handle new_block_ids,
              py::handle num_computed_tokens, py::handle num_scheduled_tokens,
              py::handle resumed_request_ids, py::handle finished, py::handle preempted,
-             py::handle rewritten, py::handle requests) {
+             py::handle rewritten, py::handle requests, bool with_keys) {
             return build_step(self, request_ids, new_block_ids, num_computed_tokens,
                               num_scheduled_tokens, resumed_request_ids, finished, preempted,
-                              rewritten, requests);
+                              rewritten, requests, with_keys);
           },
           py::arg("request_ids"), py::arg("new_block_ids"), py::arg("num_computed_tokens"),
           py::arg("num_scheduled_tokens"), py::arg("resumed_request_ids"),
           py::arg("finished_request_ids"), py::arg("preempted_request_ids"),
-          py::arg("rewritten_block_ids"), py::arg("requests"))
+          py::arg("rewritten_block_ids"), py::arg("requests"), py::arg("with_keys") = true)
       .def("num_hashes", &OffloadingScheduler::num_hashes, py::arg("request_id"))
       .def(
           "update_connector_output",
@@ -680,6 +696,34 @@ void bind(py::module_& m) {
                                   str_list(out.finished_storing), done, failed);
           },
           py::arg("reports"))
+      .def(
+          "update_connector_output_counts",
+          [](OffloadingScheduler& self, py::handle counts) {
+            // {job_id: (ranks that succeeded, ranks that failed)} -> one report per rank
+            if (!PyDict_Check(counts.ptr())) {
+              throw py::type_error(std::string("counts must be a dict {job_id: (succeeded, "
+                                               "failed)}, got ") +
+                                   Py_TYPE(counts.ptr())->tp_name);
+            }
+            std::vector<kvoff::JobReport> reps;
+            PyObject* key = nullptr;
+            PyObject* value = nullptr;
+            Py_ssize_t pos = 0;
+            while (PyDict_Next(counts.ptr(), &pos, &key, &value)) {
+              const std::int64_t id = to_int64(key, "job_id");
+              const std::vector<std::int64_t> pair = to_ints(value, Where{"counts[job]"});
+              if (id < 0 || pair.size() != 2 || pair[0] < 0 || pair[1] < 0) {
+                throw py::value_error(
+                    "counts[" + std::to_string(id) +
+                    "] must be a job id >= 0 mapped to (succeeded, failed) rank counts >= 0");
+              }
+              for (std::int64_t k = 0; k < pair[0] + pair[1]; ++k) {
+                reps.push_back(kvoff::JobReport{static_cast<kvoff::JobId>(id), k < pair[0]});
+              }
+            }
+            self.update_connector_output(reps);
+          },
+          py::arg("counts"))
       .def("request_finished", &OffloadingScheduler::request_finished, py::arg("request_id"))
       .def("take_events",
            [](OffloadingScheduler& self) { return events_to_py(self.take_events()); })
@@ -709,6 +753,15 @@ void bind(py::module_& m) {
              d["num_stored_blocks"] = mgr.num_stored_blocks();
              d["num_pending_blocks"] = mgr.num_pending_blocks();
              return d;
+           })
+      .def("counters",
+           [](const OffloadingScheduler& self) {
+             const auto& s = self.stats();
+             // the order of COUNTER_NAMES
+             return py::make_tuple(s.lookups, s.lookup_retries, s.hit_tokens, s.load_jobs,
+                                   s.store_jobs, s.blocks_loaded, s.blocks_stored,
+                                   s.store_refusals, s.blocks_evicted, s.blocks_discarded,
+                                   s.stale_blocks_skipped, s.jobs_flushed, s.failed_jobs);
            })
       .def("block_state",
            [](const OffloadingScheduler& self, py::handle key) {

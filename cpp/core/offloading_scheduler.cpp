@@ -173,19 +173,18 @@ std::int64_t OffloadingScheduler::next_store_block(std::string_view request_id) 
 
 // ------------------------------------------------------------------------------- requests
 
-void OffloadingScheduler::update_request(std::string_view request_id, std::size_t start,
-                                         std::span<const std::string_view> new_hashes,
-                                         std::int64_t num_tokens) {
-  constexpr const char* kHook = "update_request";
-  Request* r = find(request_id);
+void OffloadingScheduler::check_hashes(const Request* r, std::string_view request_id,
+                                       std::size_t start,
+                                       std::span<const std::string_view> new_hashes,
+                                       std::int64_t num_tokens, const char* hook) const {
   if (r != nullptr && r->finished) {
     throw std::invalid_argument(hook_error(
-        kHook, request_id, "the request was finished; a new request needs a new id"));
+        hook, request_id, "the request was finished; a new request needs a new id"));
   }
   const std::size_t known = r == nullptr ? 0 : r->hashes.size();
   if (start > known) {
     throw std::invalid_argument(hook_error(
-        kHook, request_id,
+        hook, request_id,
         "block hashes start at index " + std::to_string(start) + " but only " +
             std::to_string(known) + " are known; pass the hashes from index " +
             std::to_string(known)));
@@ -193,7 +192,7 @@ void OffloadingScheduler::update_request(std::string_view request_id, std::size_
   for (std::size_t i = 0; i < new_hashes.size(); ++i) {
     if (new_hashes[i].empty()) {
       throw std::invalid_argument(hook_error(
-          kHook, request_id,
+          hook, request_id,
           "block hash " + std::to_string(start + i) + " is empty; hashes are bytes or ints"));
     }
   }
@@ -201,22 +200,43 @@ void OffloadingScheduler::update_request(std::string_view request_id, std::size_
   if (num_tokens < 0 ||
       static_cast<std::int64_t>(total) * config_.hash_block_size > num_tokens) {
     throw std::invalid_argument(hook_error(
-        kHook, request_id,
+        hook, request_id,
         "num_tokens " + std::to_string(num_tokens) + " is negative or smaller than the " +
             std::to_string(total) + " block hashes cover (" +
             std::to_string(static_cast<std::int64_t>(total) * config_.hash_block_size) +
             " tokens at hash_block_size " + std::to_string(config_.hash_block_size) + ")"));
   }
+}
+
+void OffloadingScheduler::append_hashes(Request& r, std::size_t start,
+                                        std::span<const std::string_view> new_hashes,
+                                        std::int64_t num_tokens) {
+  const std::size_t known = r.hashes.size();
+  r.hashes.reserve(std::max(known, start + new_hashes.size()));
+  for (std::size_t i = known - start; i < new_hashes.size(); ++i) {
+    r.hashes.emplace_back(new_hashes[i]);
+  }
+  r.num_tokens = num_tokens;
+}
+
+void OffloadingScheduler::update_request(std::string_view request_id, std::size_t start,
+                                         std::span<const std::string_view> new_hashes,
+                                         std::int64_t num_tokens) {
+  Request* r = find(request_id);
+  check_hashes(r, request_id, start, new_hashes, num_tokens, "update_request");
   if (r == nullptr) {
     r = &requests_[std::string(request_id)];
     r->id = std::string(request_id);
     r->table.resize(config_.groups.size());
   }
-  r->hashes.reserve(total);
-  for (std::size_t i = known - start; i < new_hashes.size(); ++i) {
-    r->hashes.emplace_back(new_hashes[i]);
-  }
-  r->num_tokens = num_tokens;
+  append_hashes(*r, start, new_hashes, num_tokens);
+}
+
+void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_hashes,
+                                        std::int64_t num_tokens) {
+  scheduler_.check_hashes(&request_, request_.id, start_, new_hashes, num_tokens,
+                          "build_connector_meta (hash source)");
+  scheduler_.append_hashes(request_, start_, new_hashes, num_tokens);
 }
 
 MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view request_id,
@@ -373,7 +393,10 @@ void OffloadingScheduler::update_state_after_alloc(
     std::int64_t num_external_tokens) {
   constexpr const char* kHook = "update_state_after_alloc";
   Request& r = get(request_id, kHook);
-  validate_block_ids(block_ids_per_group, kHook, request_id);
+  // Nothing to load: the table is not needed (engines may skip building it).
+  if (num_external_tokens != 0 || !block_ids_per_group.empty()) {
+    validate_block_ids(block_ids_per_group, kHook, request_id);
+  }
   if (num_external_tokens == 0) {
     r.match.reset();
     r.gpu_hit_tokens = r.last_computed_tokens;
@@ -575,7 +598,7 @@ void OffloadingScheduler::mark_allocated(std::int64_t block_id, ConnectorMeta& m
 ConnectorMeta OffloadingScheduler::build_connector_meta(
     std::span<const ScheduledRequest> scheduled, std::span<const std::string> finished_request_ids,
     std::span<const std::string> preempted_request_ids,
-    std::span<const std::int64_t> rewritten_block_ids) {
+    std::span<const std::int64_t> rewritten_block_ids, const HashSource& hash_source) {
   constexpr const char* kHook = "build_connector_meta";
   // Validate everything first: a bad step changes nothing.
   for (std::size_t i = 0; i < rewritten_block_ids.size(); ++i) {
@@ -587,10 +610,25 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
           std::to_string(config_.num_gpu_blocks) + "); pass GPU block ids of this engine");
     }
   }
+  // Each scheduled request is looked up once; the pointers stay valid through this call
+  // (requests are erased only at its end, and unordered_map nodes do not move).
+  std::vector<Request*> resolved;
+  resolved.reserve(scheduled.size());
   {
     ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
     for (const auto& s : scheduled) {
       Request& r = get(s.request_id, kHook);
+      resolved.push_back(&r);
+      if (hash_source && s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0) {
+        // Pull hashes only when the blocks full after this step need more than are known (in
+        // decode: once per offloaded block, not every step).
+        const std::int64_t full = (s.num_computed_tokens + s.num_scheduled_tokens) /
+                                  offloaded_block_size_ * offloaded_block_size_;
+        if (static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size < full) {
+          HashSink sink(*this, r);
+          hash_source(s.request_id, r.hashes.size(), sink);
+        }
+      }
       if (r.validation_stamp == validation_stamp_) {
         throw std::invalid_argument(
             hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
@@ -617,8 +655,9 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
     }
   }
   // New block tables and allocations; fences for reallocated blocks.
-  for (const auto& s : scheduled) {
-    Request& r = *find(s.request_id);
+  for (std::size_t i = 0; i < scheduled.size(); ++i) {
+    const ScheduledRequest& s = scheduled[i];
+    Request& r = *resolved[i];
     const bool whole_table = s.resumed_from_preemption || !r.scheduled_before;
     const std::int64_t cached_blocks = whole_table ? r.gpu_hit_tokens / config_.gpu_block_size : 0;
     for (std::size_t g = 0; g < s.new_block_ids.size(); ++g) {
@@ -668,10 +707,11 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
   meta.jobs_to_flush.erase(std::unique(meta.jobs_to_flush.begin(), meta.jobs_to_flush.end()),
                            meta.jobs_to_flush.end());
   stats_.jobs_flushed += meta.jobs_to_flush.size();
-  for (const auto& s : scheduled) {
-    Request* r = find(s.request_id);
-    if (r == nullptr || r->finished) continue;
-    build_stores(*r, s.num_computed_tokens + s.num_scheduled_tokens, meta.store_jobs);
+  for (std::size_t i = 0; i < scheduled.size(); ++i) {
+    const ScheduledRequest& s = scheduled[i];
+    Request& r = *resolved[i];
+    if (r.finished) continue;  // finished (or preempted and finished) in this very step
+    build_stores(r, s.num_computed_tokens + s.num_scheduled_tokens, meta.store_jobs);
   }
   for (const auto& id : finished_request_ids) erase_if_done(id);
   return meta;

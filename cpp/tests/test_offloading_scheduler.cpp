@@ -516,6 +516,88 @@ TEST(OffloadingSchedulerStore, CappedByKnownHashes) {
   EXPECT_EQ(s.next_store_block("r"), 4);
 }
 
+TEST(OffloadingSchedulerStore, HashSourceIsAskedOnlyWhenFullBlocksNeedMoreHashes) {
+  OffloadingScheduler s(make_config({Full()}));  // 4-token blocks
+  add(s, "r", {"a0"}, 5);
+  const Strs all = hashes("a", 3);  // the engine's request: grows while it runs
+  std::int64_t engine_tokens = 5;
+  std::vector<std::pair<std::string, std::size_t>> asked;
+  OffloadingScheduler::HashSource source = [&](std::string_view id, std::size_t known,
+                                               OffloadingScheduler::HashSink& sink) {
+    asked.emplace_back(std::string(id), known);
+    const auto have = static_cast<std::size_t>(engine_tokens / 4);
+    std::vector<std::string_view> views(all.begin() + static_cast<std::ptrdiff_t>(known),
+                                        all.begin() + static_cast<std::ptrdiff_t>(have));
+    sink.add(views, engine_tokens);
+  };
+  // 5 tokens after the step: one full block, its hash is known: no question.
+  std::vector<ScheduledRequest> st{sched("r", {{5, 6}}, 0, 5)};
+  auto meta = s.build_connector_meta(st, {}, {}, {}, source);
+  EXPECT_TRUE(asked.empty());
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  // Decode to 7 tokens: still one full block: no question.
+  engine_tokens = 7;
+  st = {sched("r", Table{{}}, 5, 2)};
+  meta = s.build_connector_meta(st, {}, {}, {}, source);
+  EXPECT_TRUE(asked.empty());
+  EXPECT_TRUE(meta.store_jobs.empty());
+  // 8 tokens: the second block is full and its hash is pulled once, then stored.
+  engine_tokens = 8;
+  st = {sched("r", Table{{}}, 7, 1)};
+  meta = s.build_connector_meta(st, {}, {}, {}, source);
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], (std::pair<std::string, std::size_t>{"r", 1}));
+  EXPECT_EQ(s.num_hashes("r"), 2u);
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {6}, {1}, {1}, {key("a1", 0)});
+}
+
+TEST(OffloadingSchedulerStore, HashSourceWithoutNewHashesStoresNothingMore) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "r", {"a0"}, 8);
+  int calls = 0;
+  OffloadingScheduler::HashSource source = [&](std::string_view, std::size_t,
+                                               OffloadingScheduler::HashSink&) { ++calls; };
+  std::vector<ScheduledRequest> st{sched("r", {{5, 6}}, 0, 8)};
+  auto meta = s.build_connector_meta(st, {}, {}, {}, source);
+  EXPECT_EQ(calls, 1);  // asked, gave nothing (async scheduling): capped by known hashes
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "r", {5}, {1}, {0}, {key("a0", 0)});
+}
+
+TEST(OffloadingSchedulerStore, BadHashFromSourceIsRejectedNamingIt) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "r", {"a0"}, 8);
+  OffloadingScheduler::HashSource source = [](std::string_view, std::size_t known,
+                                              OffloadingScheduler::HashSink& sink) {
+    const std::vector<std::string_view> bad{""};
+    EXPECT_EQ(known, 1u);
+    sink.add(bad, 8);
+  };
+  std::vector<ScheduledRequest> st{sched("r", {{5, 6}}, 0, 8)};
+  try {
+    s.build_connector_meta(st, {}, {}, {}, source);
+    FAIL() << "an empty hash was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("block hash 1 is empty"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(s.num_hashes("r"), 1u);
+  EXPECT_EQ(s.next_store_block("r"), 0);  // the step changed nothing
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+}
+
+TEST(OffloadingSchedulerLoad, NoLoadNeedsNoBlockTable) {
+  OffloadingScheduler s(make_config({Full(), SW(4)}));
+  add(s, "r", {"a0", "a1"}, 8);
+  ASSERT_EQ(s.get_num_new_matched_tokens("r", 0).num_tokens, std::optional<std::int64_t>(0));
+  s.update_state_after_alloc("r", Table{}, 0);  // no group at all: fine when nothing loads
+  EXPECT_EQ(s.num_jobs_in_flight(), 0u);
+  EXPECT_THROW(s.update_state_after_alloc("r", Table{{1}}, 0), std::invalid_argument)
+      << "a table with the wrong group count is still refused";
+}
+
 TEST(OffloadingSchedulerStore, RefusedStoreIsRetriedNextStepWithoutAdvancing) {
   OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/2));
   add(s, "A", {"a0", "a1"}, 8);

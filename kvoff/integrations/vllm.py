@@ -95,6 +95,7 @@ from kvoff._scheduler import CPUOffloadingManager
 from kvoff.config import OffloadingConfig
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.scheduler import (
+    COUNTER_NAMES,
     OffloadingScheduler,
     TransferJob,
 )
@@ -261,7 +262,8 @@ class KvoffConnectorMetadata(KVConnectorMetadata):
     Attributes:
         load_job_tuples: loads to submit before the forward pass, as job tuples
             (:meth:`kvoff.OffloadingScheduler.build_connector_meta_tuples`; ``load_jobs`` gives
-            them as :class:`kvoff.TransferJob`).
+            them as :class:`kvoff.TransferJob`). Without keys (empty): the workers copy blocks,
+            the scheduler role keeps the keys.
         store_job_tuples: stores to submit after it (``store_jobs``).
         jobs_to_flush: in-flight job ids whose GPU blocks are rewritten this step: wait for
             them before the forward pass (DESIGN.md invariant 4).
@@ -336,9 +338,14 @@ _COUNTERS: tuple[tuple[str, str], ...] = (
     ("stale_blocks_skipped", "Remembered GPU blocks found reallocated and never stored"),
     ("jobs_flushed", "In-flight jobs waited for because their GPU blocks were reused"),
     ("failed_jobs", "Jobs that failed on at least one rank"),
+    ("blocks_discarded", "Offloaded blocks dropped because a load of them failed"),
     ("load_bytes", "Bytes loaded CPU to GPU (all ranks)"),
     ("store_bytes", "Bytes stored GPU to CPU (all ranks)"),
 )
+
+
+#: The workers' transfer totals, after the scheduler's COUNTER_NAMES in the connector's stats.
+_TRANSFER_TOTALS = ("load_bytes", "store_bytes", "load_seconds", "store_seconds")
 
 
 @dataclass
@@ -449,8 +456,11 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_meta = KvoffWorkerMetadata()
         self._flushed: list[Any] = []  # results taken by fences, reported with the next ones
         self._load_errors: set[int] = set()
-        self._stats_seen: dict[str, int] = {}
-        self._transfer_totals: dict[str, float] = {}
+        # counters: the scheduler's (COUNTER_NAMES), then bytes and seconds moved by the
+        # workers; the values at the last get_kv_connector_stats
+        self._stat_names = (*COUNTER_NAMES, *_TRANSFER_TOTALS)
+        self._transfer_totals = [0, 0, 0.0, 0.0]  # _TRANSFER_TOTALS
+        self._stats_seen: tuple[float, ...] = (0,) * len(self._stat_names)
         if role == KVConnectorRole.SCHEDULER:
             events = self._config.enable_events or bool(
                 getattr(vllm_config, "kv_events_config", None)
@@ -516,8 +526,10 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Builds the request's load job (``blocks``: the request's whole block table)."""
+        # Nothing to load (the usual case): the block table is not needed, nor built.
+        table = blocks.get_block_ids(allow_none=True) if num_external_tokens else None
         self.scheduler.update_state_after_alloc(
-            request, blocks.get_block_ids(allow_none=True) or ((),) * self._groups,
+            request, table or ((),) * self._groups if num_external_tokens else (),
             num_external_tokens,
         )  # fmt: skip
 
@@ -543,6 +555,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             out.finished_req_ids,
             out.preempted_req_ids or (),
             [c.dst_block_id for c in copies] if copies else (),
+            with_keys=False,
         )
         return KvoffConnectorMetadata(tuple(loads), tuple(stores), tuple(flush))
 
@@ -553,14 +566,12 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if not isinstance(meta, KvoffWorkerMetadata):
             raise TypeError(f"expected KvoffWorkerMetadata, got {type(meta).__name__}")
-        reports = [
-            (job, ok) for job, (good, bad) in meta.reports.items()
-            for ok in [True] * good + [False] * bad
-        ]  # fmt: skip
-        if reports:
-            self.scheduler.update_connector_output(reports)
-        for key in ("load_bytes", "store_bytes", "load_seconds", "store_seconds"):
-            self._transfer_totals[key] = self._transfer_totals.get(key, 0) + getattr(meta, key)
+        self.scheduler.update_connector_output_counts(meta.reports)
+        t = self._transfer_totals
+        t[0] += meta.load_bytes
+        t[1] += meta.store_bytes
+        t[2] += meta.load_seconds
+        t[3] += meta.store_seconds
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -574,7 +585,8 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` for hybrid (several KV cache groups) models."""
-        return self.request_finished(request, [])
+        self.scheduler.request_finished(request)
+        return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvoff's ``BlockStored`` / ``BlockRemoved`` events as vLLM's, medium ``"CPU"``, one
@@ -599,14 +611,15 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         """The counters (:data:`_COUNTERS`) since the last call; ``None`` when none moved."""
         if self._scheduler is None:
             return None
-        now = {**self.scheduler.stats(), **self._transfer_totals}
-        delta = {
-            name: now.get(name, 0) - self._stats_seen.get(name, 0)
-            for name in (*(n for n, _ in _COUNTERS), "load_seconds", "store_seconds")
-        }
+        now = self._scheduler.counters() + tuple(self._transfer_totals)
+        seen = self._stats_seen
+        if now == seen:
+            return None
         self._stats_seen = now
-        stats = KvoffConnectorStats(data={k: v for k, v in delta.items() if v})
-        return None if stats.is_empty() else stats
+        names = self._stat_names
+        return KvoffConnectorStats(
+            data={names[i]: v - seen[i] for i, v in enumerate(now) if v != seen[i]}
+        )
 
     @classmethod
     def build_kv_connector_stats(

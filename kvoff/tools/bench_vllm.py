@@ -250,11 +250,14 @@ def _prompts(p: VsVllmParams, running: int, count: int) -> list[list[int]]:
 
 
 class _Timed:
-    """Wraps the connector's scheduler hooks on the instance and sums their time per step."""
+    """Wraps the connector's scheduler hooks on the instance and sums their time per step. A
+    hook called from inside another (e.g. ``request_finished_all_groups`` calling
+    ``request_finished``) is counted once, in the outer hook."""
 
     def __init__(self, connector: Any) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self._depth = 0
         self.per_hook: dict[str, float] = {}
         for name in _SCHEDULER_HOOKS:
             fn = getattr(connector, name, None)
@@ -267,11 +270,15 @@ class _Timed:
         per_hook[name] = 0.0
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # nested: the outer hook's time includes it
+                return fn(*args, **kwargs)
+            self._depth += 1
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 dt = clock() - t0
+                self._depth -= 1
                 self.seconds += dt
                 per_hook[name] += dt
                 self.calls += 1

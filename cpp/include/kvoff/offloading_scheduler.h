@@ -174,7 +174,27 @@ struct SchedulerStats {
 ///    std::invalid_argument naming the bad value; the scheduler is then unchanged.
 /// Not thread-safe: call it from the engine's scheduler thread.
 class OffloadingScheduler {
+  struct Request;  // defined in the private section below
+
  public:
+  /// Takes new block hashes of one request for build_connector_meta's hash source.
+  class HashSink {
+   public:
+    /// Appends hashes from the index the source was given (views valid during the call) and
+    /// sets the request's token count; throws std::invalid_argument as update_request does.
+    void add(std::span<const std::string_view> new_hashes, std::int64_t num_tokens);
+
+   private:
+    friend class OffloadingScheduler;
+    HashSink(OffloadingScheduler& scheduler, OffloadingScheduler::Request& request)
+        : scheduler_(scheduler), request_(request), start_(request.hashes.size()) {}
+    OffloadingScheduler& scheduler_;
+    OffloadingScheduler::Request& request_;
+    std::size_t start_;
+  };
+  /// build_connector_meta's source of missing block hashes: (request id, hashes known, sink).
+  using HashSource = std::function<void(std::string_view, std::size_t, HashSink&)>;
+
   /// Throws std::invalid_argument (naming the value) for a config out of range: sizes < 1,
   /// gpu_block_size not a multiple of hash_block_size, no group or more than 256, a sliding
   /// window < 1, an unknown eviction policy.
@@ -202,7 +222,7 @@ class OffloadingScheduler {
   /// After the engine allocated the request's blocks: builds its load job(s) (emitted by the
   /// next build_connector_meta) for `num_external_tokens`, which must be 0 or the value the
   /// last get_num_new_matched_tokens returned. block_ids_per_group: the request's whole block
-  /// table per group. Pins the loaded CPU blocks (prepare_load) and touches their keys.
+  /// table per group (may be empty, no group at all, when num_external_tokens is 0). Pins the loaded CPU blocks (prepare_load) and touches their keys.
   /// Throws std::invalid_argument (changing nothing) for an unknown request, a token count
   /// that does not match, a table too short or with out-of-range ids, a wrong group count.
   void update_state_after_alloc(std::string_view request_id,
@@ -217,10 +237,21 @@ class OffloadingScheduler {
   /// it zeroes): fenced and marked reallocated like new blocks (invariant 4). Throws
   /// std::invalid_argument (changing nothing) for an unknown or repeated request id, a wrong
   /// group count, out-of-range block ids or negative token counts.
+  ///
+  /// `hash_source` (optional): called, before anything else changes, for each scheduled
+  /// request whose blocks full after this step (num_computed_tokens + num_scheduled_tokens,
+  /// rounded down to offloaded blocks) need more block hashes than are known, with the request
+  /// id and the number of hashes known; it may pass the hashes from that index on and the
+  /// token count to HashSink::add, as update_request would take them. Engines whose requests
+  /// grow hashes while they run (vLLM) then hand over hashes once per offloaded block instead
+  /// of looking every request up every step. Hashes taken this way stay even if the step is
+  /// then refused (the next call would take them anyway); HashSink::add throws as
+  /// update_request does.
   ConnectorMeta build_connector_meta(std::span<const ScheduledRequest> scheduled,
                                      std::span<const std::string> finished_request_ids = {},
                                      std::span<const std::string> preempted_request_ids = {},
-                                     std::span<const std::int64_t> rewritten_block_ids = {});
+                                     std::span<const std::int64_t> rewritten_block_ids = {},
+                                     const HashSource& hash_source = {});
 
   /// Counts reports from ranks; a job completes when world_size reports arrived. Completed
   /// stores run complete_store (success only if every rank succeeded), loads complete_load.
@@ -308,6 +339,13 @@ class OffloadingScheduler {
   /// The offload key of offloaded block j of group g (hash bytes + one group byte).
   std::string make_key(const Request& r, std::int64_t j, std::size_t g) const;
   std::int64_t known_blocks(const Request& r, std::int64_t tokens) const noexcept;
+  /// Throws std::invalid_argument (as update_request) unless the hashes can be appended.
+  void check_hashes(const Request* r, std::string_view request_id, std::size_t start,
+                    std::span<const std::string_view> new_hashes, std::int64_t num_tokens,
+                    const char* hook) const;
+  /// Appends the hashes not known yet (after check_hashes) and sets num_tokens.
+  void append_hashes(Request& r, std::size_t start, std::span<const std::string_view> new_hashes,
+                     std::int64_t num_tokens);
   void validate_block_ids(std::span<const std::vector<std::int64_t>> ids, const char* what,
                           std::string_view request_id) const;
   std::vector<TransferJob> make_jobs(std::string_view request_id, bool is_store,
