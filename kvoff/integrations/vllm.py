@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -526,12 +526,10 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Builds the request's load job (``blocks``: the request's whole block table)."""
-        # Nothing to load (the usual case): the block table is not needed, nor built.
-        table = blocks.get_block_ids(allow_none=True) if num_external_tokens else None
-        self.scheduler.update_state_after_alloc(
-            request, table or ((),) * self._groups if num_external_tokens else (),
-            num_external_tokens,
-        )  # fmt: skip
+        table: Sequence[Sequence[int]] = ()  # nothing to load (the usual case): no table
+        if num_external_tokens:
+            table = blocks.get_block_ids(allow_none=True) or ((),) * self._groups
+        self.scheduler.update_state_after_alloc(request, table, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvoffConnectorMetadata:
         """One step's loads, stores and fences (:class:`KvoffConnectorMetadata`)."""
