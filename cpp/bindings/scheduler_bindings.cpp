@@ -531,7 +531,7 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
       s.num_scheduled_tokens = to_int64(PySequence_Fast_GET_ITEM(scheduled_seq.ptr(), i),
                                         Where{"num_scheduled_tokens"}.at(i));
     }
-    s.request_id.assign(id);
+    s.request_id = id;  // a view of the str object, alive through the call
     if (block_items[i] != Py_None) {
       s.new_block_ids = to_int_lists(block_items[i], Where{"new_block_ids"}.at(i));
     }
@@ -548,12 +548,10 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   // core needs more than it has (once per offloaded block in decode, not every step).
   kvoff::OffloadingScheduler::HashSource source;
   if (request_dict != nullptr) {
-    source = [request_dict](std::string_view id, std::size_t known,
-                            kvoff::OffloadingScheduler::HashSink& sink) {
-      py::object key = py::reinterpret_steal<py::object>(
-          PyUnicode_FromStringAndSize(id.data(), static_cast<Py_ssize_t>(id.size())));
-      if (!key) throw py::error_already_set();
-      PyObject* req = PyDict_GetItemWithError(request_dict, key.ptr());  // borrowed
+    source = [request_dict, id_items](std::size_t index, std::string_view, std::size_t known,
+                                      kvoff::OffloadingScheduler::HashSink& sink) {
+      // the scheduled request's own id object (its hash is cached: no new str per lookup)
+      PyObject* req = PyDict_GetItemWithError(request_dict, id_items[index]);  // borrowed
       if (req == nullptr) {
         if (PyErr_Occurred()) throw py::error_already_set();
         return;  // not an engine request object: hashes come through update_request

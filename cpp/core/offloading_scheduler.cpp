@@ -53,7 +53,7 @@ SchedulerConfig validated(SchedulerConfig c) {
   return c;
 }
 
-std::vector<std::string_view> views_of(const std::vector<std::string>& keys) {
+std::vector<std::string_view> views_of(const KeyList& keys) {
   return {keys.begin(), keys.end()};
 }
 
@@ -126,14 +126,19 @@ std::int64_t OffloadingScheduler::first_needed_sub_block(std::size_t g) const no
   return (offloaded_block_size_ - needed) / config_.gpu_block_size;
 }
 
-std::string OffloadingScheduler::make_key(const Request& r, std::int64_t j,
-                                          std::size_t g) const {
-  const std::string& h = r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)];
-  std::string key;
-  key.reserve(h.size() + 1);
-  key.append(h);
-  key.push_back(static_cast<char>(static_cast<unsigned char>(g)));
-  return key;
+void OffloadingScheduler::append_key(KeyList& out, const Request& r, std::int64_t j,
+                                     std::size_t g) const {
+  const std::string_view h =
+      r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)];
+  const char group = static_cast<char>(static_cast<unsigned char>(g));
+  out.push_back(h, std::string_view(&group, 1));
+}
+
+std::string_view OffloadingScheduler::key_in(std::string& buf, const Request& r,
+                                             std::int64_t j, std::size_t g) const {
+  buf.assign(r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)]);
+  buf.push_back(static_cast<char>(static_cast<unsigned char>(g)));
+  return buf;
 }
 
 std::int64_t OffloadingScheduler::known_blocks(const Request& r,
@@ -212,9 +217,8 @@ void OffloadingScheduler::append_hashes(Request& r, std::size_t start,
                                         std::span<const std::string_view> new_hashes,
                                         std::int64_t num_tokens) {
   const std::size_t known = r.hashes.size();
-  r.hashes.reserve(std::max(known, start + new_hashes.size()));
   for (std::size_t i = known - start; i < new_hashes.size(); ++i) {
-    r.hashes.emplace_back(new_hashes[i]);
+    r.hashes.push_back(new_hashes[i]);
   }
   r.num_tokens = num_tokens;
 }
@@ -273,10 +277,11 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   const auto width = static_cast<std::size_t>(n_max - c0);
   // status[g][j - c0]: -1 unknown, 0 missing, 1 ready, 2 busy (pending, or loading elsewhere).
   std::vector<std::vector<std::int8_t>> status(num_groups, std::vector<std::int8_t>(width, -1));
+  std::string buf;
   auto status_of = [&](std::size_t g, std::int64_t j) -> std::int8_t {
     std::int8_t& s = status[g][static_cast<std::size_t>(j - c0)];
     if (s < 0) {
-      const std::string key = make_key(r, j, g);
+      const std::string_view key = key_in(buf, r, j, g);
       const BlockState st = manager_.state(key);
       if (st == BlockState::kMissing) {
         s = 0;
@@ -356,9 +361,9 @@ std::vector<TransferJob> OffloadingScheduler::make_jobs(std::string_view request
       job.group_sizes[g] = static_cast<std::int64_t>(s.gpu_ids.size());
       job.block_indices[g] = s.first_logical;
       job.gpu_block_ids.insert(job.gpu_block_ids.end(), s.gpu_ids.begin(), s.gpu_ids.end());
-      for (auto& key : s.keys) {
+      for (const std::string_view key : s.keys) {
         job.cpu_block_ids.push_back(manager_.block_id(key).value());
-        job.keys.push_back(std::move(key));
+        job.keys.push_back(key);
       }
     }
   }
@@ -447,7 +452,7 @@ void OffloadingScheduler::update_state_after_alloc(
       }
       const std::int64_t j = l / f;
       if (cur->gpu_ids.empty() || (l - 1) / f != j) {
-        cur->keys.push_back(make_key(r, j, g));
+        append_key(cur->keys, r, j, g);
         touched.emplace_back(j, g);
       }
       cur->gpu_ids.push_back(id);
@@ -458,16 +463,19 @@ void OffloadingScheduler::update_state_after_alloc(
     r.gpu_hit_tokens = r.last_computed_tokens;
     return;
   }
-  std::vector<std::string> keys;
+  std::vector<std::string_view> keys;
   for (const auto& s : segments) keys.insert(keys.end(), s.keys.begin(), s.keys.end());
-  manager_.prepare_load(views_of(keys));  // throws (changing nothing) if a key is not ready
+  manager_.prepare_load(keys);  // throws (changing nothing) if a key is not ready
   // -- no exception below this line except std::bad_alloc --
   std::sort(touched.begin(), touched.end());
-  std::vector<std::string> touch_keys;
-  touch_keys.reserve(touched.size());
-  for (const auto& [j, g] : touched) touch_keys.push_back(make_key(r, j, g));
+  KeyList touch_keys;
+  for (const auto& [j, g] : touched) append_key(touch_keys, r, j, g);
   manager_.touch(views_of(touch_keys));
-  for (const auto& k : keys) ++loading_keys_[k];
+  for (const std::string_view k : keys) {
+    auto it = loading_keys_.find(k);
+    if (it == loading_keys_.end()) it = loading_keys_.emplace(std::string(k), 0).first;
+    ++it->second;
+  }
   for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
     r.unemitted_loads.push_back(add_job(std::move(job)));
     pending_loads_.push_back(r.unemitted_loads.back());
@@ -484,7 +492,7 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
     if (it == jobs_.end()) continue;
     const auto keys = views_of(it->second.job.keys);
     manager_.complete_load(keys);
-    for (const auto& k : it->second.job.keys) {
+    for (const std::string_view k : it->second.job.keys) {
       auto lk = loading_keys_.find(k);
       if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
     }
@@ -510,7 +518,8 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
     std::int64_t first_sub;
   };
   std::vector<Item> items;
-  std::vector<std::string> keys;
+  KeyList& keys = store_keys_;  // scratch: its memory is reused from call to call
+  keys.clear();
   for (std::int64_t j = r.next_store; j < full; ++j) {
     for (std::size_t g = 0; g < num_groups; ++g) {
       const std::int64_t k0 = first_needed_sub_block(g);
@@ -528,14 +537,15 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
       }
       if (!live) continue;
       items.push_back(Item{j, g, k0});
-      keys.push_back(make_key(r, j, g));
+      append_key(keys, r, j, g);
     }
   }
   if (items.empty()) {
     r.next_store = full;
     return;
   }
-  const auto key_views = views_of(keys);
+  auto& key_views = store_key_views_;
+  key_views.assign(keys.begin(), keys.end());
   auto result = manager_.prepare_store(key_views);
   if (!result) {  // no room: nothing changed, retry next step (invariant 6)
     ++stats_.store_refusals;
@@ -626,7 +636,8 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
                                   offloaded_block_size_ * offloaded_block_size_;
         if (static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size < full) {
           HashSink sink(*this, r);
-          hash_source(s.request_id, r.hashes.size(), sink);
+          hash_source(static_cast<std::size_t>(&s - scheduled.data()), s.request_id,
+                      r.hashes.size(), sink);
         }
       }
       if (r.validation_stamp == validation_stamp_) {
@@ -759,7 +770,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
         // fail the same way), so that the engine recomputes them and stores them anew.
         stats_.blocks_discarded += manager_.discard(keys);
       }
-      for (const auto& k : job.keys) {
+      for (const std::string_view k : job.keys) {
         auto lk = loading_keys_.find(k);
         if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
       }

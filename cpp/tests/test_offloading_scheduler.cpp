@@ -64,10 +64,11 @@ void add(OffloadingScheduler& s, std::string_view id, const Strs& hs, std::int64
   s.update_request(id, start, views, num_tokens);
 }
 
-ScheduledRequest sched(std::string id, Table new_ids, std::int64_t computed,
+/// `id` must outlive the step it is scheduled in (string literals, or a caller's string).
+ScheduledRequest sched(std::string_view id, Table new_ids, std::int64_t computed,
                        std::int64_t scheduled, bool resumed = false) {
   ScheduledRequest r;
-  r.request_id = std::move(id);
+  r.request_id = id;
   r.new_block_ids = std::move(new_ids);
   r.num_computed_tokens = computed;
   r.num_scheduled_tokens = scheduled;
@@ -119,7 +120,7 @@ void expect_job(const OffloadingScheduler& s, const TransferJob& j, bool is_stor
   EXPECT_EQ(j.gpu_block_ids, gpu);
   EXPECT_EQ(j.group_sizes, group_sizes);
   EXPECT_EQ(j.block_indices, block_indices);
-  EXPECT_EQ(j.keys, keys);
+  EXPECT_EQ(j.keys.to_strings(), keys);
 }
 
 /// Stores `hs` for the table through a throwaway request and completes every store.
@@ -522,8 +523,10 @@ TEST(OffloadingSchedulerStore, HashSourceIsAskedOnlyWhenFullBlocksNeedMoreHashes
   const Strs all = hashes("a", 3);  // the engine's request: grows while it runs
   std::int64_t engine_tokens = 5;
   std::vector<std::pair<std::string, std::size_t>> asked;
-  OffloadingScheduler::HashSource source = [&](std::string_view id, std::size_t known,
+  OffloadingScheduler::HashSource source = [&](std::size_t index, std::string_view id,
+                                               std::size_t known,
                                                OffloadingScheduler::HashSink& sink) {
+    EXPECT_EQ(index, 0u);  // its position in the step's scheduled list
     asked.emplace_back(std::string(id), known);
     const auto have = static_cast<std::size_t>(engine_tokens / 4);
     std::vector<std::string_view> views(all.begin() + static_cast<std::ptrdiff_t>(known),
@@ -557,7 +560,7 @@ TEST(OffloadingSchedulerStore, HashSourceWithoutNewHashesStoresNothingMore) {
   OffloadingScheduler s(make_config({Full()}));
   add(s, "r", {"a0"}, 8);
   int calls = 0;
-  OffloadingScheduler::HashSource source = [&](std::string_view, std::size_t,
+  OffloadingScheduler::HashSource source = [&](std::size_t, std::string_view, std::size_t,
                                                OffloadingScheduler::HashSink&) { ++calls; };
   std::vector<ScheduledRequest> st{sched("r", {{5, 6}}, 0, 8)};
   auto meta = s.build_connector_meta(st, {}, {}, {}, source);
@@ -569,7 +572,7 @@ TEST(OffloadingSchedulerStore, HashSourceWithoutNewHashesStoresNothingMore) {
 TEST(OffloadingSchedulerStore, BadHashFromSourceIsRejectedNamingIt) {
   OffloadingScheduler s(make_config({Full()}));
   add(s, "r", {"a0"}, 8);
-  OffloadingScheduler::HashSource source = [](std::string_view, std::size_t known,
+  OffloadingScheduler::HashSource source = [](std::size_t, std::string_view, std::size_t known,
                                               OffloadingScheduler::HashSink& sink) {
     const std::vector<std::string_view> bad{""};
     EXPECT_EQ(known, 1u);

@@ -129,6 +129,15 @@ class KeyList {
     bytes_.append(key.data(), key.size());
     ends_.push_back(bytes_.size());
   }
+  /// Appends one key made of `head` followed by `tail` (e.g. a block hash and a group byte).
+  /// Throws std::bad_alloc.
+  void push_back(std::string_view head, std::string_view tail) {
+    bytes_.append(head.data(), head.size());
+    bytes_.append(tail.data(), tail.size());
+    ends_.push_back(bytes_.size());
+  }
+  /// The same keys in the same order.
+  friend bool operator==(const KeyList& a, const KeyList& b) noexcept = default;
   /// Removes every key (keeps the memory).
   void clear() noexcept {
     bytes_.clear();

@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvoff/key.h"
 #include "kvoff/offloading_manager.h"
 
 namespace kvoff {
@@ -72,7 +73,7 @@ using JobId = std::uint64_t;
 /// block_indices[g] the logical index (position in the request, in GPU blocks) of group g's
 /// first block; within a group the logical indices are consecutive. CPU side: cpu_block_ids
 /// holds, group by group, the CPU slot of every offloaded block the group's blocks fall in, and
-/// keys the offload key of each of those slots (same order).
+/// keys the offload key of each of those slots (same order; one buffer, see KeyList).
 struct TransferJob {
   JobId job_id = 0;
   std::string request_id;
@@ -81,12 +82,13 @@ struct TransferJob {
   std::vector<std::int64_t> group_sizes;
   std::vector<std::int64_t> block_indices;
   std::vector<std::uint32_t> cpu_block_ids;
-  std::vector<std::string> keys;
+  KeyList keys;
 };
 
 /// What a step's scheduling output says about one scheduled request.
 struct ScheduledRequest {
-  std::string request_id;
+  /// The request's id; the caller keeps the bytes alive during the build_connector_meta call.
+  std::string_view request_id;
   /// Per group: block ids newly allocated to the request this step, appended to its block
   /// table — or, for a request scheduled for the first time or resumed from preemption, its
   /// whole block table.
@@ -192,8 +194,9 @@ class OffloadingScheduler {
     OffloadingScheduler::Request& request_;
     std::size_t start_;
   };
-  /// build_connector_meta's source of missing block hashes: (request id, hashes known, sink).
-  using HashSource = std::function<void(std::string_view, std::size_t, HashSink&)>;
+  /// build_connector_meta's source of missing block hashes: (index of the request in the
+  /// step's scheduled list, its id, hashes known, sink).
+  using HashSource = std::function<void(std::size_t, std::string_view, std::size_t, HashSink&)>;
 
   /// Throws std::invalid_argument (naming the value) for a config out of range: sizes < 1,
   /// gpu_block_size not a multiple of hash_block_size, no group or more than 256, a sliding
@@ -299,7 +302,7 @@ class OffloadingScheduler {
   };
   struct Request {
     std::string id;
-    std::vector<std::string> hashes;
+    KeyList hashes;
     std::int64_t num_tokens = 0;
     std::vector<std::vector<TableEntry>> table;  // per group
     std::int64_t next_store = 0;                 // offloaded block index
@@ -326,7 +329,7 @@ class OffloadingScheduler {
     std::int64_t first_logical;
     std::vector<std::int64_t> gpu_ids;
     std::vector<std::uint32_t> cpu_ids;
-    std::vector<std::string> keys;
+    KeyList keys;
   };
 
   Request* find(std::string_view request_id) noexcept;
@@ -336,8 +339,11 @@ class OffloadingScheduler {
   std::int64_t needed_tokens(std::size_t g) const noexcept;
   /// First sub-block (0..factor) of an offloaded block that lookups of group g can need.
   std::int64_t first_needed_sub_block(std::size_t g) const noexcept;
-  /// The offload key of offloaded block j of group g (hash bytes + one group byte).
-  std::string make_key(const Request& r, std::int64_t j, std::size_t g) const;
+  /// Appends the offload key of offloaded block j of group g (hash bytes + one group byte).
+  void append_key(KeyList& out, const Request& r, std::int64_t j, std::size_t g) const;
+  /// That key in `buf` (its memory reused from call to call), as a view of it.
+  std::string_view key_in(std::string& buf, const Request& r, std::int64_t j,
+                          std::size_t g) const;
   std::int64_t known_blocks(const Request& r, std::int64_t tokens) const noexcept;
   /// Throws std::invalid_argument (as update_request) unless the hashes can be appended.
   void check_hashes(const Request* r, std::string_view request_id, std::size_t start,
@@ -376,7 +382,10 @@ class OffloadingScheduler {
   std::unordered_map<std::string, Request, IdHash, std::equal_to<>> requests_;
   std::unordered_map<JobId, Job> jobs_;
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
-  std::unordered_map<std::string, std::uint32_t> loading_keys_;  // key -> loads in flight
+  // key -> loads in flight (looked up by views, without a copy)
+  std::unordered_map<std::string, std::uint32_t, IdHash, std::equal_to<>> loading_keys_;
+  KeyList store_keys_;              // build_stores' scratch (memory kept between calls)
+  std::vector<std::string_view> store_key_views_;
   std::vector<std::uint32_t> alloc_step_;  // per GPU block: step of its last allocation
   std::vector<JobId> store_fence_;         // per GPU block: newest in-flight store reading it
   std::vector<JobId> load_fence_;          // per GPU block: newest in-flight load writing it
