@@ -88,10 +88,11 @@ std::string_view to_key(PyObject* item, const char* what, Py_ssize_t index,
 }
 
 /// A batch of keys converted from any Python sequence of bytes / int, without copying bytes
-/// keys. Keeps the sequence alive while the views are used.
+/// keys. Keeps the sequence alive while the views are used. With `start`, the batch is the
+/// sequence's items from that index on (no slice is made).
 class KeyBatch {
  public:
-  explicit KeyBatch(py::handle obj) {
+  explicit KeyBatch(py::handle obj, Py_ssize_t start = 0) : start_(start) {
     PyObject* o = obj.ptr();
     if (PyBytes_Check(o) || PyByteArray_Check(o) || PyUnicode_Check(o) || PyLong_Check(o) ||
         PyAnySet_Check(o) || PyDict_Check(o)) {
@@ -110,8 +111,9 @@ class KeyBatch {
                            Py_TYPE(o)->tp_name);
     }
     seq_ = py::reinterpret_steal<py::object>(seq);
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
+    start_ = std::min(std::max<Py_ssize_t>(start_, 0), PySequence_Fast_GET_SIZE(seq));
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) - start_;
+    PyObject** items = PySequence_Fast_ITEMS(seq) + start_;
     views_.reserve(static_cast<std::size_t>(n));
     std::array<char, 8> scratch{};
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -121,7 +123,7 @@ class KeyBatch {
                             static_cast<std::size_t>(PyBytes_GET_SIZE(item)));
         continue;
       }
-      const std::string_view v = to_key(item, "keys", i, scratch);
+      const std::string_view v = to_key(item, "keys", i + start_, scratch);
       if (PyBytes_Check(item)) {
         views_.push_back(v);
         continue;
@@ -141,7 +143,7 @@ class KeyBatch {
   /// of the batch are returned as the same objects (no copy).
   py::list items_as_bytes(const std::vector<std::uint32_t>& positions) const {
     py::list out(positions.size());
-    PyObject** items = PySequence_Fast_ITEMS(seq_.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq_.ptr()) + start_;
     for (std::size_t j = 0; j < positions.size(); ++j) {
       const std::uint32_t i = positions[j];
       PyObject* b = nullptr;
@@ -160,6 +162,7 @@ class KeyBatch {
 
  private:
   py::object seq_;
+  Py_ssize_t start_ = 0;  // index in seq_ of the batch's first key
   std::vector<std::string_view> views_;
   std::unique_ptr<std::array<char, 8>[]> ints_;
   std::size_t num_ints_ = 0;
@@ -561,12 +564,9 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
       const Py_ssize_t num = PyObject_Size(hashes.ptr());
       if (num < 0) throw py::error_already_set();
       if (static_cast<std::size_t>(num) <= known) return;  // none yet (async scheduling)
-      py::object tail = py::reinterpret_steal<py::object>(
-          PySequence_GetSlice(hashes.ptr(), static_cast<Py_ssize_t>(known), num));
-      if (!tail) throw py::error_already_set();
       py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kTokens));
       if (!tokens) throw py::error_already_set();
-      KeyBatch batch(tail);
+      KeyBatch batch(hashes, static_cast<Py_ssize_t>(known));  // the new ones only
       sink.add(batch.span(), to_int64(tokens.ptr(), "num_tokens"));
     };
   }
@@ -709,8 +709,16 @@ void bind(py::module_& m) {
             Py_ssize_t pos = 0;
             while (PyDict_Next(counts.ptr(), &pos, &key, &value)) {
               const std::int64_t id = to_int64(key, "job_id");
-              const std::vector<std::int64_t> pair = to_ints(value, Where{"counts[job]"});
-              if (id < 0 || pair.size() != 2 || pair[0] < 0 || pair[1] < 0) {
+              std::array<std::int64_t, 2> pair{-1, -1};
+              if ((PyList_CheckExact(value) && PyList_GET_SIZE(value) == 2) ||
+                  (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 2)) {
+                PyObject** two = PySequence_Fast_ITEMS(value);  // the fast path: no copy
+                pair = {to_int64(two[0], "counts[job][0]"), to_int64(two[1], "counts[job][1]")};
+              } else {
+                const auto v = to_ints(value, Where{"counts[job]"});
+                if (v.size() == 2) pair = {v[0], v[1]};
+              }
+              if (id < 0 || pair[0] < 0 || pair[1] < 0) {
                 throw py::value_error(
                     "counts[" + std::to_string(id) +
                     "] must be a job id >= 0 mapped to (succeeded, failed) rank counts >= 0");

@@ -361,10 +361,14 @@ std::vector<TransferJob> OffloadingScheduler::make_jobs(std::string_view request
       job.group_sizes[g] = static_cast<std::int64_t>(s.gpu_ids.size());
       job.block_indices[g] = s.first_logical;
       job.gpu_block_ids.insert(job.gpu_block_ids.end(), s.gpu_ids.begin(), s.gpu_ids.end());
-      for (const std::string_view key : s.keys) {
-        job.cpu_block_ids.push_back(manager_.block_id(key).value());
-        job.keys.push_back(key);
+      if (s.cpu_ids.size() == s.keys.size()) {  // slots known (prepare_store gave them)
+        job.cpu_block_ids.insert(job.cpu_block_ids.end(), s.cpu_ids.begin(), s.cpu_ids.end());
+      } else {
+        for (const std::string_view key : s.keys) {
+          job.cpu_block_ids.push_back(manager_.block_id(key).value());
+        }
       }
+      for (const std::string_view key : s.keys) job.keys.push_back(key);
     }
   }
   return jobs;
@@ -555,15 +559,19 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   stats_.blocks_evicted += result->evicted_keys.size();
   manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
   if (result->store_indices.empty()) return;
-  std::vector<char> to_store(items.size(), 0);
-  for (const std::uint32_t i : result->store_indices) to_store[i] = 1;
+  // The slot prepare_store allocated for each item it stores (kNoSlot: already held).
+  constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
+  std::vector<std::uint32_t> slot(items.size(), kNoSlot);
+  for (std::size_t i = 0; i < result->store_indices.size(); ++i) {
+    slot[result->store_indices[i]] = result->block_ids[i];
+  }
   std::vector<Segment> segments;
   std::vector<std::ptrdiff_t> open(num_groups, -1);  // index of the group's open run
   std::vector<std::int64_t> open_end(num_groups, -1);
   // Items are ordered by j, then g: build per-group contiguous runs.
   for (std::size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
-    if (to_store[i] == 0) {
+    if (slot[i] == kNoSlot) {
       open[it.g] = -1;
       continue;
     }
@@ -578,6 +586,7 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
       s.gpu_ids.push_back(table[static_cast<std::size_t>(it.j * f + k)].block_id);
     }
     s.keys.push_back(keys[i]);
+    s.cpu_ids.push_back(slot[i]);
     open_end[it.g] = (it.j + 1) * f;
   }
   for (auto& job : make_jobs(r.id, /*is_store=*/true, segments)) {
@@ -731,8 +740,11 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
 // ------------------------------------------------------------------------------ completion
 
 ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const JobReport> reports) {
-  {
-    std::unordered_map<JobId, std::uint32_t> counts;
+  // Validate first (a bad report changes nothing); each job is looked up once. Reports of this
+  // call are counted in Job::new_reports, cleared again on the way out.
+  std::vector<Job*> resolved;
+  resolved.reserve(reports.size());
+  try {
     for (const auto& rep : reports) {
       auto it = jobs_.find(rep.job_id);
       if (it == jobs_.end() || !it->second.emitted) {
@@ -741,7 +753,9 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
             " is not in flight (never emitted, already completed, or cancelled); report only "
             "jobs from build_connector_meta, once per rank");
       }
-      const std::uint32_t n = ++counts[rep.job_id] + it->second.reports;
+      Job& j = it->second;
+      resolved.push_back(&j);
+      const std::uint64_t n = ++j.new_reports + std::uint64_t{j.reports};
       if (n > static_cast<std::uint64_t>(config_.world_size)) {
         throw std::invalid_argument(
             "update_connector_output: job " + std::to_string(rep.job_id) + " reported " +
@@ -749,10 +763,15 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
             std::to_string(config_.world_size) + "; each rank reports a job once");
       }
     }
+  } catch (...) {
+    for (Job* j : resolved) j->new_reports = 0;
+    throw;
   }
+  for (Job* j : resolved) j->new_reports = 0;
   ConnectorOutput out;
-  for (const auto& rep : reports) {
-    Job& j = jobs_.at(rep.job_id);
+  for (std::size_t i = 0; i < reports.size(); ++i) {
+    const JobReport& rep = reports[i];
+    Job& j = *resolved[i];  // still there: a job is erased only at its last report
     ++j.reports;
     j.failed = j.failed || !rep.success;
     if (j.reports < static_cast<std::uint64_t>(config_.world_size)) continue;
@@ -786,11 +805,10 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       out.failed_jobs.push_back(job.job_id);
       ++stats_.failed_jobs;
     }
-    const std::string request_id = job.request_id;
     jobs_.erase(rep.job_id);
     if (r.finished && r.loads_in_flight == 0 && r.stores_in_flight == 0) {
-      out.finished_storing.push_back(request_id);  // request_finished returned true for it
-      requests_.erase(request_id);
+      out.finished_storing.push_back(r.id);  // request_finished returned true for it
+      requests_.erase(requests_.find(r.id));
     }
   }
   return out;

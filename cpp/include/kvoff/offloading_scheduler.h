@@ -320,6 +320,7 @@ class OffloadingScheduler {
   struct Job {
     TransferJob job;
     std::uint32_t reports = 0;
+    std::uint32_t new_reports = 0;  // update_connector_output's count while it validates
     bool failed = false;
     bool emitted = false;
   };
