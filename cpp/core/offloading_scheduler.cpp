@@ -126,17 +126,19 @@ std::int64_t OffloadingScheduler::first_needed_sub_block(std::size_t g) const no
   return (offloaded_block_size_ - needed) / config_.gpu_block_size;
 }
 
+std::string_view OffloadingScheduler::block_hash(const Request& r, std::int64_t j) const {
+  return r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)];
+}
+
 void OffloadingScheduler::append_key(KeyList& out, const Request& r, std::int64_t j,
                                      std::size_t g) const {
-  const std::string_view h =
-      r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)];
   const char group = static_cast<char>(static_cast<unsigned char>(g));
-  out.push_back(h, std::string_view(&group, 1));
+  out.push_back(block_hash(r, j), std::string_view(&group, 1));
 }
 
 std::string_view OffloadingScheduler::key_in(std::string& buf, const Request& r,
                                              std::int64_t j, std::size_t g) const {
-  buf.assign(r.hashes[static_cast<std::size_t>((j + 1) * hashes_per_block_ - 1)]);
+  buf.assign(block_hash(r, j));
   buf.push_back(static_cast<char>(static_cast<unsigned char>(g)));
   return buf;
 }
@@ -478,7 +480,7 @@ void OffloadingScheduler::update_state_after_alloc(
   for (const std::string_view k : keys) {
     auto it = loading_keys_.find(k);
     if (it == loading_keys_.end()) it = loading_keys_.emplace(std::string(k), 0).first;
-    ++it->second;
+    ++it->second;  // undone by unpin_loading when the load completes or is cancelled
   }
   for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
     r.unemitted_loads.push_back(add_job(std::move(job)));
@@ -490,16 +492,20 @@ void OffloadingScheduler::update_state_after_alloc(
   r.match.reset();
 }
 
+void OffloadingScheduler::unpin_loading(const KeyList& keys) {
+  for (const std::string_view k : keys) {
+    auto lk = loading_keys_.find(k);
+    if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
+  }
+}
+
 void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
   for (const JobId id : r.unemitted_loads) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;
     const auto keys = views_of(it->second.job.keys);
     manager_.complete_load(keys);
-    for (const std::string_view k : it->second.job.keys) {
-      auto lk = loading_keys_.find(k);
-      if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
-    }
+    unpin_loading(it->second.job.keys);
     jobs_.erase(it);
     std::erase(pending_loads_, id);
   }
@@ -741,10 +747,16 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
 
 ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const JobReport> reports) {
   // Validate first (a bad report changes nothing); each job is looked up once. Reports of this
-  // call are counted in Job::new_reports, cleared again on the way out.
+  // call are counted in Job::new_reports, cleared again when validation ends (or throws).
   std::vector<Job*> resolved;
   resolved.reserve(reports.size());
-  try {
+  {
+    struct ClearNewReports {
+      std::vector<Job*>& jobs;
+      ~ClearNewReports() {
+        for (Job* j : jobs) j->new_reports = 0;
+      }
+    } clear{resolved};
     for (const auto& rep : reports) {
       auto it = jobs_.find(rep.job_id);
       if (it == jobs_.end() || !it->second.emitted) {
@@ -763,11 +775,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
             std::to_string(config_.world_size) + "; each rank reports a job once");
       }
     }
-  } catch (...) {
-    for (Job* j : resolved) j->new_reports = 0;
-    throw;
   }
-  for (Job* j : resolved) j->new_reports = 0;
   ConnectorOutput out;
   for (std::size_t i = 0; i < reports.size(); ++i) {
     const JobReport& rep = reports[i];
@@ -789,10 +797,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
         // fail the same way), so that the engine recomputes them and stores them anew.
         stats_.blocks_discarded += manager_.discard(keys);
       }
-      for (const std::string_view k : job.keys) {
-        auto lk = loading_keys_.find(k);
-        if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
-      }
+      unpin_loading(job.keys);
       --r.loads_in_flight;
       r.load_failed = r.load_failed || j.failed;
       if (r.loads_in_flight == 0 && !r.finished) {

@@ -340,6 +340,8 @@ class OffloadingScheduler {
   std::int64_t needed_tokens(std::size_t g) const noexcept;
   /// First sub-block (0..factor) of an offloaded block that lookups of group g can need.
   std::int64_t first_needed_sub_block(std::size_t g) const noexcept;
+  /// The engine hash that names offloaded block j (of the last hash block inside it).
+  std::string_view block_hash(const Request& r, std::int64_t j) const;
   /// Appends the offload key of offloaded block j of group g (hash bytes + one group byte).
   void append_key(KeyList& out, const Request& r, std::int64_t j, std::size_t g) const;
   /// That key in `buf` (its memory reused from call to call), as a view of it.
@@ -364,6 +366,9 @@ class OffloadingScheduler {
   void register_fences(const TransferJob& job);
   void clear_fences(const TransferJob& job);
   void build_stores(Request& r, std::int64_t tokens_after, std::vector<TransferJob>& out);
+  /// Drops one load's hold on each of `keys` in loading_keys_ (its load completed or was
+  /// cancelled).
+  void unpin_loading(const KeyList& keys);
   void cancel_unemitted_loads(Request& r);
   void release(Request& r);
   void erase_if_done(std::string_view request_id);
