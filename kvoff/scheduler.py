@@ -328,13 +328,6 @@ class OffloadingScheduler:
         return cls(spec, enable_events=config.enable_events)
 
     # ------------------------------------------------------------------ requests
-    def _sync(self, request: RequestLike) -> None:
-        """Hands the core the request's hashes it does not have yet and its token count."""
-        rid = request.request_id
-        known = self._core.num_hashes(rid)
-        self._core.update_request(rid, known, request.block_hashes[known:], request.num_tokens)
-        self._requests[rid] = request
-
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -355,8 +348,8 @@ class OffloadingScheduler:
                 ``num_tokens``; ``num_tokens`` smaller than the hashes cover; an empty hash.
             TypeError: a hash that is neither bytes nor int.
         """
-        self._sync(request)
-        return self._core.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
+        # one core call: the request's new hashes (read in place), then the lookup
+        return self._core.sync_and_match(request, num_computed_tokens, self._requests)
 
     def update_state_after_alloc(
         self,
@@ -379,10 +372,7 @@ class OffloadingScheduler:
                 groups, too short for the load, or with ids outside ``[0, num_gpu_blocks)``.
                 Nothing is changed.
         """
-        self._sync(request)
-        self._core.update_state_after_alloc(
-            request.request_id, [list(g) for g in block_ids], num_external_tokens
-        )
+        self._core.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
 
     def build_connector_meta(self, step: SchedulerStep) -> ConnectorMetadata:
         """Ends a scheduling step: load jobs, store jobs and fences for the workers.

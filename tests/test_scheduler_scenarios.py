@@ -439,6 +439,23 @@ def test_bad_input_names_the_value_and_changes_nothing() -> None:
         jid = store_c.job_id
         unchanged(lambda: s.update_connector_output([(jid, True), (jid, True)]), "2 times")
     unchanged(lambda: s.get_num_new_matched_tokens(d, 3), "num_computed_tokens 3")
+    # The hooks read a request's new hashes in place, in the same call: a bad new hash (or a
+    # missing attribute) raises before the request is known, and a known one keeps its hashes.
+    e = Request("e", [*sim.requests["a"].req.block_hashes[:1], b""], 9)
+    unchanged(lambda: s.get_num_new_matched_tokens(e, 0), "empty")
+    assert s._core.num_hashes("e") == 0 and "e" not in s._requests
+    known = s._core.num_hashes("d")
+    d_bad = Request("d", [*d.block_hashes, b""], 13)
+    unchanged(lambda: s.update_state_after_alloc(d_bad, [], 0), "empty")
+    assert s._core.num_hashes("d") == known
+
+    class NoHashes:
+        request_id = "f"
+        num_tokens = 4
+
+    with pytest.raises(AttributeError, match="block_hashes"):
+        s.get_num_new_matched_tokens(NoHashes(), 0)  # type: ignore[arg-type]
+    assert s._core.num_hashes("f") == 0 and "f" not in s._requests
     unchanged(
         lambda: s.build_connector_meta(SchedulerStep((ScheduledRequest("b", ((1,), (2,))),))),
         "2 KV cache groups",

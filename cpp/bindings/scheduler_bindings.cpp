@@ -579,6 +579,33 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                         flush);
 }
 
+/// An engine request object (attributes `request_id` (str), `block_hashes` (a list of bytes or
+/// int hashes) and `num_tokens` (int)) handed to the core in one call: its block hashes beyond
+/// those the core has are read in place (no slice), then update_request; the object is kept in
+/// `requests` (a dict by request id, read by build_connector_meta's hash source). Returns the
+/// id object (a new reference; the view the hooks take is valid while it lives). Raises as
+/// update_request; a missing attribute raises AttributeError. Nothing changes on an error.
+py::object sync_request(kvoff::OffloadingScheduler& self, py::handle request,
+                        py::handle requests) {
+  static PyObject* const kId = PyUnicode_InternFromString("request_id");
+  static PyObject* const kHashes = PyUnicode_InternFromString("block_hashes");
+  static PyObject* const kTokens = PyUnicode_InternFromString("num_tokens");
+  py::object id = py::reinterpret_steal<py::object>(PyObject_GetAttr(request.ptr(), kId));
+  if (!id) throw py::error_already_set();
+  const std::string_view rid = id_view(id.ptr(), Where{"request.request_id"});
+  py::object hashes = py::reinterpret_steal<py::object>(PyObject_GetAttr(request.ptr(), kHashes));
+  if (!hashes) throw py::error_already_set();
+  py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(request.ptr(), kTokens));
+  if (!tokens) throw py::error_already_set();
+  const std::size_t known = self.num_hashes(rid);
+  KeyBatch batch(hashes, static_cast<Py_ssize_t>(known));  // the new ones only, in place
+  self.update_request(rid, known, batch.span(), to_int64(tokens.ptr(), "request.num_tokens"));
+  if (PyDict_Check(requests.ptr()) && PyDict_SetItem(requests.ptr(), id.ptr(), request.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  return id;
+}
+
 kvoff::GroupKind to_kind(const std::string& name) {
   if (name == "full_attention") return kvoff::GroupKind::kFullAttention;
   if (name == "sliding_window") return kvoff::GroupKind::kSlidingWindow;
@@ -642,6 +669,28 @@ void bind(py::module_& m) {
             return py::make_tuple(n, r.load_async);
           },
           py::arg("request_id"), py::arg("num_computed_tokens"))
+      .def(
+          "sync_and_match",
+          [](OffloadingScheduler& self, py::handle request, std::int64_t computed,
+             py::handle requests) {
+            const py::object id = sync_request(self, request, requests);
+            const auto r =
+                self.get_num_new_matched_tokens(id_view(id.ptr(), Where{"request_id"}), computed);
+            py::object n = r.num_tokens ? py::object(py::int_(*r.num_tokens)) : py::none();
+            return py::make_tuple(n, r.load_async);
+          },
+          py::arg("request"), py::arg("num_computed_tokens"), py::arg("requests"))
+      .def(
+          "sync_and_alloc",
+          [](OffloadingScheduler& self, py::handle request, py::handle block_ids,
+             std::int64_t num_external_tokens, py::handle requests) {
+            const auto ids = to_int_lists(block_ids, "block_ids");  // validated before any change
+            const py::object id = sync_request(self, request, requests);
+            self.update_state_after_alloc(id_view(id.ptr(), Where{"request_id"}), ids,
+                                          num_external_tokens);
+          },
+          py::arg("request"), py::arg("block_ids"), py::arg("num_external_tokens"),
+          py::arg("requests"))
       .def(
           "update_state_after_alloc",
           [](OffloadingScheduler& self, const std::string& request_id, py::handle block_ids,
