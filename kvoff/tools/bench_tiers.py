@@ -8,7 +8,10 @@ the tier (header + xxh3 checksum). In the same run and on the same file system, 
 same bytes with the same block size: ``dd if=/dev/zero of=F bs=B count=N oflag=direct
 conv=fsync`` and ``dd if=F of=/dev/null bs=B iflag=direct``. Reported: GB/s of payload (10^9
 bytes per second) for the tier and for dd, and their ratio (the issue's target: >= 0.7). The
-tier also writes a 4 KiB header per block, which the payload GB/s do not count.
+tier also writes a 4 KiB header per block, which the payload GB/s do not count. The disk is
+measured in ``repeat`` passes (each: a fresh folder, dd and the tier side by side, their order
+swapped from pass to pass so neither always runs on a warmer disk); the figures are medians over
+passes, and each ratio is the median of the passes' own ratios.
 
 **Redis** (``remote_url``, or a local 3-master cluster started for the run when None and
 ``redis-server`` exists): for each block size, ``min(total_bytes, remote_total_bytes)`` of
@@ -16,7 +19,7 @@ blocks are put and then got through :class:`kvoff.tiers.redis_cluster.RedisClust
 (batches of ``batch_bytes``), GB/s of payload; then ``contains`` at ``lookup_batch`` keys per
 call (``lookup_rounds`` calls), reported as microseconds per key. Keys are deleted afterwards.
 
-Each figure is one timed pass (wall clock, ``time.perf_counter``) after a warm-up batch; on a
+Redis figures are one timed pass (wall clock, ``time.perf_counter``) after a warm-up batch; on a
 shared or small machine they are noisy.
 """
 
@@ -37,6 +40,9 @@ from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
 from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
 
 DEFAULT_BLOCK_SIZES = (65536, 524288, 2097152)
+#: Per-pass figures of the disk benchmark reported as medians over passes.
+_DISK_MEDIANS = ("write_s", "read_s", "write_gbps", "read_gbps", "dd_write_gbps", "dd_read_gbps",
+                 "write_ratio", "read_ratio")  # fmt: skip
 
 
 def _aligned_blocks(count: int, nbytes: int, seed: int) -> list[np.ndarray]:
@@ -65,37 +71,106 @@ def _key(i: int) -> bytes:
 
 
 def bench_disk(
-    path: Path, block_size: int, total_bytes: int, batch_bytes: int, io_threads: int
+    path: Path,
+    block_size: int,
+    total_bytes: int,
+    batch_bytes: int,
+    io_threads: int,
+    repeat: int = 3,
 ) -> dict[str, Any]:
-    """One block size on the disk tier and dd (see the module docstring). Bytes, seconds, GB/s."""
+    """One block size on the disk tier and dd, ``repeat`` passes side by side (module docstring).
+
+    Args:
+        path: folder on the file system to measure (a fresh subfolder per pass).
+        block_size: payload bytes per block.
+        total_bytes: bytes of blocks per pass (``total_bytes // block_size`` blocks, at least 1).
+        batch_bytes: bytes of blocks per ``put`` / ``get`` call.
+        io_threads: the tier's I/O threads.
+        repeat: passes; medians are reported.
+
+    Returns:
+        Sizes (bytes, blocks), ``stored`` / ``served`` (blocks, summed over passes), ``write_s``
+        / ``read_s`` (median seconds per pass), ``write_gbps``, ``read_gbps``, ``dd_write_gbps``,
+        ``dd_read_gbps`` (medians, 10^9 bytes of payload per second), ``write_ratio`` /
+        ``read_ratio`` (median of the per-pass tier / dd ratios) and ``passes`` (every pass's
+        figures).
+
+    Raises:
+        ValueError: ``repeat`` < 1. CalledProcessError: dd failed.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    passes = [
+        _disk_pass(path, block_size, total_bytes, batch_bytes, io_threads, dd_first=i % 2 == 0)
+        for i in range(repeat)
+    ]
+    med = lambda name: float(np.median([p[name] for p in passes]))  # noqa: E731
+    first = passes[0]
+    return {
+        "block_size": block_size,
+        "blocks": first["blocks"],
+        "payload_bytes": first["payload_bytes"],
+        "batch_blocks": first["batch_blocks"],
+        "repeat": repeat,
+        "stored": sum(p["stored"] for p in passes),
+        "served": sum(p["served"] for p in passes),
+        "direct_io": all(p["direct_io"] for p in passes),
+        **{name: med(name) for name in _DISK_MEDIANS},
+        "passes": passes,
+    }
+
+
+def _disk_pass(
+    path: Path,
+    block_size: int,
+    total_bytes: int,
+    batch_bytes: int,
+    io_threads: int,
+    *,
+    dd_first: bool,
+) -> dict[str, Any]:
+    """One pass of :func:`bench_disk`: dd write and read, the tier's writes and reads (in that
+    order, or the tier first), in a fresh folder that is removed afterwards."""
     n = max(1, total_bytes // block_size)
     fmt = BlockFormat(layout_fingerprint(bench="tiers", block_size=block_size), block_size)
     batch = max(1, batch_bytes // block_size)
     work = Path(tempfile.mkdtemp(prefix="kvoff-bench-", dir=path))
     try:
-        dd_file = work / "dd.bin"
-        dd_args = ["if=/dev/zero", f"of={dd_file}", f"bs={block_size}", f"count={n}"]
-        dd_write = _dd([*dd_args, "oflag=direct", "conv=fsync"])
-        dd_read = _dd([f"if={dd_file}", "of=/dev/null", f"bs={block_size}", "iflag=direct"])
-        dd_file.unlink()
 
-        cap = SUPERBLOCK_BYTES + n * slot_bytes_for(fmt)
-        tier = DiskTier(work / "tier", cap, fmt, io_threads=io_threads)
-        try:
-            keys = [_key(i) for i in range(n)]
-            stored, write_s, served, read_s = _put_then_get(tier, keys, block_size, batch)
-            stats = tier.stats()
-        finally:
-            tier.close()
+        def dd() -> tuple[float, float]:
+            dd_file = work / "dd.bin"
+            dd_args = ["if=/dev/zero", f"of={dd_file}", f"bs={block_size}", f"count={n}"]
+            write = _dd([*dd_args, "oflag=direct", "conv=fsync"])
+            read = _dd([f"if={dd_file}", "of=/dev/null", f"bs={block_size}", "iflag=direct"])
+            dd_file.unlink()
+            return write, read
+
+        def tier_io() -> tuple[int, float, int, float, bool]:
+            cap = SUPERBLOCK_BYTES + n * slot_bytes_for(fmt)
+            tier = DiskTier(work / "tier", cap, fmt, io_threads=io_threads)
+            try:
+                keys = [_key(i) for i in range(n)]
+                out = _put_then_get(tier, keys, block_size, batch)
+                direct = bool(tier.stats()["direct_io"])
+            finally:
+                tier.close()
+            return (*out, direct)
+
+        if dd_first:
+            dd_write, dd_read = dd()
+            stored, write_s, served, read_s, direct = tier_io()
+        else:
+            stored, write_s, served, read_s, direct = tier_io()
+            dd_write, dd_read = dd()
         payload = n * block_size
-        res = {
-            "block_size": block_size,
+        res: dict[str, Any] = {
             "blocks": n,
             "payload_bytes": payload,
             "batch_blocks": batch,
+            "dd_first": dd_first,
             "stored": stored,
             "served": served,
-            "direct_io": bool(stats["direct_io"]),
+            "direct_io": direct,
             "write_s": write_s,
             "read_s": read_s,
             "write_gbps": _gbps(payload, write_s),
@@ -192,6 +267,7 @@ def run_bench_tiers(
     io_threads: int = 4,
     lookup_rounds: int = 200,
     start_local_redis: bool = True,
+    disk_repeat: int = 3,
 ) -> dict[str, Any]:
     """Benchmark the disk tier against dd, and the Redis Cluster tier (module docstring).
 
@@ -206,6 +282,8 @@ def run_bench_tiers(
         batch_bytes: bytes of blocks per put / get call.
         io_threads: the disk tier's I/O threads.
         lookup_rounds: ``contains`` calls timed per block size.
+        start_local_redis: start a local cluster when ``remote_url`` is None.
+        disk_repeat: side-by-side passes of the disk and dd per block size (medians reported).
 
     Returns:
         ``{"run": ..., "parameters": ..., "disk": [per block size] | None, "redis": [...] |
@@ -223,6 +301,7 @@ def run_bench_tiers(
             "lookup_batch": lookup_batch,
             "lookup_rounds": lookup_rounds,
             "io_threads": io_threads,
+            "disk_repeat": disk_repeat,
         },
         "disk": None,
         "redis": None,
@@ -232,7 +311,7 @@ def run_bench_tiers(
     if disk_path is not None:
         Path(disk_path).mkdir(parents=True, exist_ok=True)
         result["disk"] = [
-            bench_disk(Path(disk_path), bs, total_bytes, batch_bytes, io_threads)
+            bench_disk(Path(disk_path), bs, total_bytes, batch_bytes, io_threads, disk_repeat)
             for bs in block_sizes
         ]
     else:
@@ -266,7 +345,10 @@ def format_bench_tiers(result: dict[str, Any]) -> str:
     """A text table of :func:`run_bench_tiers`'s result."""
     lines = []
     if result.get("disk"):
-        lines.append("disk tier vs dd (GB/s of payload; ratio = tier / dd)")
+        lines.append(
+            "disk tier vs dd (GB/s of payload, medians over passes; ratio = median of the "
+            "passes' tier / dd)"
+        )
         lines.append(
             f"{'block':>9} {'blocks':>7} {'write':>7} {'dd wr':>7} {'ratio':>6}"
             f" {'read':>7} {'dd rd':>7} {'ratio':>6}  direct"

@@ -465,6 +465,13 @@ def _add_bench_tiers_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--lookup-batch", type=_positive_int, default=256, help="keys per lookup (default: 256)"
     )
     tp.add_argument(
+        "--disk-repeat",
+        type=_positive_int,
+        default=3,
+        help="side-by-side passes of the disk tier and dd per block size, medians reported "
+        "(default: 3)",
+    )
+    tp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
 
@@ -643,6 +650,8 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     from kvoff.tools.bench_tiers import DEFAULT_BLOCK_SIZES, format_bench_tiers, run_bench_tiers
 
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.disk_path is not None:  # a folder to measure in, made if missing (as the disk tier does)
+        Path(args.disk_path).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvoff-bench-tiers-", dir=args.disk_path) as tmp:
         log(f"disk and Redis tiers (disk: {tmp})")
         result = run_bench_tiers(
@@ -653,6 +662,7 @@ def _bench_tiers(args: argparse.Namespace) -> int:
             args.lookup_batch,
             remote_total_bytes=args.remote_total_bytes,
             start_local_redis=not args.no_remote,
+            disk_repeat=args.disk_repeat,
         )
         log("engine thread: tiers off vs on")
         engine = bench_engine_calls(disk_path=tmp)

@@ -1,0 +1,54 @@
+"""``kvoff bench tiers`` on a real file system with real dd (tiny sizes: the figures are
+benchmarks, so these tests check what is reported, never how fast)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoff.tools.bench_tiers import bench_disk
+
+pytestmark = pytest.mark.skipif(shutil.which("dd") is None, reason="dd is not installed")
+
+
+def test_disk_passes_alternate_and_medians_are_of_the_passes(tmp_path: Path) -> None:
+    r = bench_disk(tmp_path, 65536, 1 << 20, 256 << 10, io_threads=2, repeat=3)
+    assert r["repeat"] == 3 and len(r["passes"]) == 3
+    assert [p["dd_first"] for p in r["passes"]] == [True, False, True]
+    # every pass stored and served (verified) every block
+    assert all(p["stored"] == p["served"] == p["blocks"] == 16 for p in r["passes"])
+    assert r["stored"] == r["served"] == 48
+    for name in ("read_ratio", "write_ratio", "dd_read_gbps", "read_gbps"):
+        values = sorted(p[name] for p in r["passes"])
+        assert r[name] == values[1], name  # the median of three
+    for p in r["passes"]:
+        assert p["read_ratio"] == pytest.approx(p["read_gbps"] / p["dd_read_gbps"])
+    assert list(tmp_path.iterdir()) == []  # each pass removed its folder
+
+
+def test_disk_repeat_below_one_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="repeat must be >= 1, got 0"):
+        bench_disk(tmp_path, 65536, 1 << 20, 256 << 10, io_threads=1, repeat=0)
+
+
+def test_cli_writes_every_block_size_and_the_engine_thread(tmp_path: Path) -> None:
+    out = tmp_path / "tiers.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "bench", "tiers", "--disk-path", str(tmp_path / "d"),
+         "--no-remote", "--block-sizes", "64KiB", "128KiB", "--total-bytes", "1MiB",
+         "--disk-repeat", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["parameters"]["disk_repeat"] == 2
+    assert [d["block_size"] for d in result["disk"]] == [65536, 131072]
+    assert all(len(d["passes"]) == 2 for d in result["disk"])
+    assert result["redis"] is None and "redis" not in result["skipped"]
+    assert result["engine_thread"]["ratio"] > 0
+    assert "medians over passes" in proc.stdout
