@@ -6,6 +6,7 @@
 
 #include "kvoff/block_pool.h"
 #include "kvoff/key.h"
+#include "two_list_victims.h"
 
 namespace kvoff {
 
@@ -322,48 +323,17 @@ void ARCEvictionPolicy::prefetch(std::uint32_t slot) const noexcept {
 
 std::size_t ARCEvictionPolicy::select_victims(std::size_t count, SlotPredicate can_evict,
                                               std::vector<std::uint32_t>& out) const {
-  // One cursor per list, walking from the least recent end; a cursor rests on a slot already
-  // found evictable (`ready`) until that slot is taken, so every slot is examined at most once.
-  struct Cursor {
-    std::uint32_t slot;
-    std::uint32_t head;
-    bool ready;
+  // T1 while it holds more than its target p (ARC's REPLACE), else T2; the other list when the
+  // preferred one has nothing evictable.
+  const auto choose = [this](std::size_t taken_t1, const auto& peek_t1, const auto& peek_t2) {
+    const bool t1_first = t1_size_ - taken_t1 > p_;
+    if (t1_first ? peek_t1() : peek_t2()) return t1_first ? 0 : 1;
+    if (t1_first ? peek_t2() : peek_t1()) return t1_first ? 1 : 0;
+    return -1;
   };
-  Cursor c1{links_[t1_head_].next, t1_head_, false};
-  Cursor c2{links_[t2_head_].next, t2_head_, false};
-  const auto advance = [&](Cursor& c) -> bool {  // to the next evictable slot; false at the end
-    if (c.ready) {
-      return true;
-    }
-    while (c.slot != c.head) {
-      if (can_evict(c.slot)) {
-        c.ready = true;
-        return true;
-      }
-      c.slot = links_[c.slot].next;
-    }
-    return false;
-  };
-  std::size_t t1 = t1_size_;
-  std::size_t found = 0;
-  while (found < count) {
-    bool from_t1 = t1 > p_;
-    if (!advance(from_t1 ? c1 : c2)) {
-      from_t1 = !from_t1;
-      if (!advance(from_t1 ? c1 : c2)) {
-        break;  // no evictable slot left in either list
-      }
-    }
-    Cursor& c = from_t1 ? c1 : c2;
-    out.push_back(c.slot);
-    c.slot = links_[c.slot].next;
-    c.ready = false;
-    if (from_t1) {
-      --t1;
-    }
-    ++found;
-  }
-  return found;
+  return detail::select_from_two_lists(
+      count, can_evict, t1_head_, t2_head_, [this](std::uint32_t s) { return links_[s].next; },
+      choose, out);
 }
 
 ARCEvictionPolicy::List ARCEvictionPolicy::ghost_of(std::string_view key) const noexcept {

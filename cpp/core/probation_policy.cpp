@@ -9,6 +9,7 @@
 #include "kvoff/block_pool.h"
 #include "kvoff/eviction_policy.h"
 #include "kvoff/key.h"
+#include "two_list_victims.h"
 
 namespace kvoff {
 
@@ -226,52 +227,18 @@ void ProbationEvictionPolicy::prefetch_evict(std::uint32_t slot) const noexcept 
 
 std::size_t ProbationEvictionPolicy::select_victims(std::size_t count, SlotPredicate can_evict,
                                                     std::vector<std::uint32_t>& out) const {
-  // One cursor per list from its least recent end; a cursor rests on a slot already found
-  // evictable (`ready`) until that slot is taken, so every slot is examined at most once.
-  struct Cursor {
-    std::uint32_t slot;
-    std::uint32_t head;
-    bool ready;
+  // Probation first while it is over its budget; otherwise the older of the two lists' least
+  // recent evictable blocks (by stamp).
+  const auto choose = [this](std::size_t taken_p, const auto& peek_p, const auto& peek_r) {
+    const auto p = peek_p();
+    if (p && probation_size_ - taken_p > budget_) return 0;
+    const auto r = peek_r();
+    if (!p && !r) return -1;
+    return p && (!r || nodes_[*p].stamp < nodes_[*r].stamp) ? 0 : 1;
   };
-  Cursor cp{nodes_[probation_head_].next, probation_head_, false};
-  Cursor cr{nodes_[protected_head_].next, protected_head_, false};
-  const auto advance = [&](Cursor& c) -> bool {  // to the next evictable slot; false at the end
-    if (c.ready) {
-      return true;
-    }
-    while (c.slot != c.head) {
-      if (can_evict(c.slot)) {
-        c.ready = true;
-        return true;
-      }
-      c.slot = nodes_[c.slot].next;
-    }
-    return false;
-  };
-  std::size_t n_p = probation_size_;
-  std::size_t found = 0;
-  while (found < count) {
-    bool from_probation;
-    if (n_p > budget_ && advance(cp)) {
-      from_probation = true;  // over budget: probation first
-    } else {
-      const bool has_p = advance(cp);
-      const bool has_r = advance(cr);
-      if (!has_p && !has_r) {
-        break;  // no evictable slot left in either list
-      }
-      from_probation = has_p && (!has_r || nodes_[cp.slot].stamp < nodes_[cr.slot].stamp);
-    }
-    Cursor& c = from_probation ? cp : cr;
-    out.push_back(c.slot);
-    c.slot = nodes_[c.slot].next;
-    c.ready = false;
-    if (from_probation) {
-      --n_p;
-    }
-    ++found;
-  }
-  return found;
+  return detail::select_from_two_lists(
+      count, can_evict, probation_head_, protected_head_,
+      [this](std::uint32_t s) { return nodes_[s].next; }, choose, out);
 }
 
 std::vector<std::uint32_t> ProbationEvictionPolicy::slots(List list) const {
