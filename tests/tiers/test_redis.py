@@ -60,6 +60,32 @@ def test_round_trip_over_three_masters(redis_url: str, redis_cluster: LocalRedis
         assert s["corrupted_blocks"] == s["timeouts"] == s["io_errors"] == 0
 
 
+def test_values_are_sent_from_the_block_buffer(redis_url: str) -> None:
+    """Every master's connections pack a SET's value as the caller's memoryview (no copy into a
+    new bytes object, which cost a fresh allocation per block with hiredis's packer)."""
+    from kvoff.tiers.redis_cluster import _SendFromBuffer
+
+    with RedisClusterTier(redis_url, FMT) as tier:
+        rc = tier._client()
+        assert rc is not None
+        nodes = rc.get_primaries()
+        assert len(nodes) == 3
+        for node in nodes:
+            pool = node.redis_connection.connection_pool
+            assert pool.connection_class is _SendFromBuffer
+            conn = pool.get_connection()
+            try:
+                value = memoryview(bytearray(FMT.object_bytes))
+                assert any(chunk is value for chunk in conn.pack_command("SET", b"k", value))
+            finally:
+                pool.release(conn)
+        keys = [key(i) for i in range(7)]
+        assert tier.put(keys, [block(k) for k in keys]) == [True] * 7
+        bufs = outs(7)
+        assert tier.get(keys, bufs) == [True] * 7
+        assert all(np.array_equal(b, block(k)) for b, k in zip(bufs, keys, strict=True))
+
+
 def test_small_batches_and_ttl(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
     keys = [key(i) for i in range(20)]
     with RedisClusterTier(redis_url, FMT, ttl_s=30, max_batch=3, namespace="t") as tier:
