@@ -309,6 +309,28 @@ def test_cli_cpu_mode_writes_json(tmp_path, capsys) -> None:
         assert all(js["store_us"] > 0 and js["store_time_vs_contiguous"] > 0
                    for js in entry["job_sizes"])  # fmt: skip
     assert doc["targets"]["layer_major_auto_both_vs_contiguous"] == 0.9
+    assert doc["complete"] is True
+    assert not path.with_name(path.name + ".tmp").exists()
+
+
+def test_json_is_written_after_every_layout_so_a_cut_run_keeps_its_results(tmp_path) -> None:
+    """A lent GPU's time limit can kill a long run: what was measured is already on disk."""
+    path = tmp_path / "partial.json"
+    seen: list[tuple[bool, int] | None] = []
+
+    def log(msg: str) -> None:  # called before each preset and layout is measured
+        if not path.exists():
+            seen.append(None)
+            return
+        d = json.loads(path.read_text())
+        seen.append((d["complete"], len(d["presets"])))
+
+    params = TransferBenchParams(
+        presets=("qwen2.5-0.5b",), num_blocks=8, repeat=1, warmup=0, job_sizes=(1,)
+    )
+    doc = run_transfer_bench(params, json_path=path, log=log, device=torch.device("cpu"))
+    assert seen == [None, (False, 1)]  # nothing before the first layout, one after it
+    assert doc["complete"] is True and json.loads(path.read_text()) == json.loads(json.dumps(doc))
 
 
 def test_write_thresholds_needs_a_gpu_sweep(tmp_path) -> None:

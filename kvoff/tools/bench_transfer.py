@@ -732,7 +732,10 @@ def run_transfer_bench(
 
     Args:
         params: what to run.
-        json_path: where to write the results (directories are created).
+        json_path: where to write the results (directories are created). The file is
+            rewritten after every preset and layout with ``"complete": false`` and once more at
+            the end with ``true``, so a run cut short (a lent GPU's time limit) keeps what it
+            measured.
         write_thresholds: where to write thresholds derived from the sweep and the measured
             costs (needs a GPU, ``params.sweep``, ``params.gemm`` and both layouts).
         argv: the command line recorded in ``run.command``.
@@ -778,6 +781,7 @@ def run_transfer_bench(
         "targets": TARGETS,
         "thresholds_used": default_thresholds().source,
         "presets": [],
+        "complete": False,
     }
     gemm = _Gemm(device) if gpu and params.gemm else None
     for name in params.presets:
@@ -785,6 +789,7 @@ def run_transfer_bench(
         for layout in params.layouts:
             log(f"{name} {layout}: {params.blocks_for(preset)} blocks")
             doc["presets"].append(_bench_layout(preset, layout, params, device, gemm))
+            _write_json(json_path, doc)
     if gpu:
         kernel_blocks = params.kernel_blocks or max(
             1, torch.cuda.get_device_properties(device).multi_processor_count // 10
@@ -809,10 +814,20 @@ def run_transfer_bench(
                 if write_thresholds is not None:
                     write_thresholds.parent.mkdir(parents=True, exist_ok=True)
                     write_thresholds.write_text(json.dumps(thresholds.to_json(), indent=2) + "\n")
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    doc["complete"] = True
+    _write_json(json_path, doc)
     return doc
+
+
+def _write_json(path: Path | None, doc: dict[str, Any]) -> None:
+    """Writes ``doc`` to ``path`` (if any) through a temporary file and a rename, so a reader
+    or a kill mid-write never sees half a document."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def format_transfer_table(doc: dict[str, Any]) -> str:
