@@ -650,7 +650,7 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     from kvoff.tools.bench_tiers import DEFAULT_BLOCK_SIZES, format_bench_tiers, run_bench_tiers
 
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    if args.disk_path is not None:  # a folder to measure in, made if missing (as the disk tier does)
+    if args.disk_path is not None:  # made if missing, as the disk tier makes its folder
         Path(args.disk_path).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvoff-bench-tiers-", dir=args.disk_path) as tmp:
         log(f"disk and Redis tiers (disk: {tmp})")
