@@ -487,6 +487,96 @@ class OffloadingScheduler:
             self._requests.pop(rid, None)
         return loads, stores, flush
 
+    def build_connector_meta_packed(
+        self,
+        request_ids: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Mapping[str, int] | Sequence[int],
+        resumed_request_ids: Collection[str] = (),
+        finished_request_ids: Iterable[str] = (),
+        preempted_request_ids: Iterable[str] = (),
+        rewritten_block_ids: Sequence[int] = (),
+    ) -> tuple[bytes, tuple[str, ...], list[int]]:
+        """:meth:`build_connector_meta_columns` with the step's jobs packed into one ``bytes``
+        object: the cheapest form to hand to workers in other processes (no per-job Python
+        object on the engine's scheduling path). :meth:`jobs_from_packed` makes the
+        :class:`TransferJob` records (without keys: the scheduler keeps them).
+
+        Returns:
+            ``(packed, request_ids, jobs_to_flush)``. ``packed`` holds native int64s:
+            ``[num_jobs, num_load_jobs, num_groups]``, then per job (loads first) ``[job_id,
+            is_store, n_gpu, n_cpu, group_sizes × num_groups, block_indices × num_groups,
+            gpu_block_ids × n_gpu, cpu_block_ids × n_cpu]``; ``request_ids[i]`` is job i's.
+
+        Raises:
+            As :meth:`build_connector_meta_columns`.
+        """
+        packed, ids, flush = self._core.build_connector_meta(
+            request_ids,
+            new_block_ids,
+            num_computed_tokens,
+            num_scheduled_tokens,
+            resumed_request_ids,
+            finished_request_ids,
+            preempted_request_ids,
+            rewritten_block_ids,
+            self._requests,
+            False,
+            True,
+        )
+        for rid in finished_request_ids:
+            self._requests.pop(rid, None)
+        return packed, ids, flush
+
+    @staticmethod
+    def jobs_from_packed(
+        packed: bytes, request_ids: Sequence[str]
+    ) -> tuple[tuple[TransferJob, ...], tuple[TransferJob, ...]]:
+        """``(load_jobs, store_jobs)`` from :meth:`build_connector_meta_packed`'s ``packed``
+        and ``request_ids`` (records without keys, made without re-checking: the core's jobs
+        are valid by construction).
+
+        Raises:
+            ValueError: ``packed`` is not a whole number of int64s, or its counts do not match
+                its length or ``request_ids``.
+        """
+        if len(packed) % 8 or len(packed) < 24:
+            raise ValueError(f"packed jobs must be >= 3 int64s, got {len(packed)} bytes")
+        w = memoryview(packed).cast("q").tolist()
+        num_jobs, num_loads, groups = w[0], w[1], w[2]
+        if num_jobs != len(request_ids) or not 0 <= num_loads <= num_jobs:
+            raise ValueError(
+                f"packed jobs count {num_jobs} jobs ({num_loads} loads) but {len(request_ids)} "
+                "request ids were given; pass the pair build_connector_meta_packed returned"
+            )
+        jobs: list[TransferJob] = []
+        at = 3
+        for k in range(num_jobs):
+            job_id, is_store, n_gpu, n_cpu = w[at : at + 4]
+            at += 4
+            sizes, indices = tuple(w[at : at + groups]), tuple(w[at + groups : at + 2 * groups])
+            at += 2 * groups
+            gpu_ids = tuple(w[at : at + n_gpu])
+            cpu_ids = tuple(w[at + n_gpu : at + n_gpu + n_cpu])
+            at += n_gpu + n_cpu
+            jobs.append(
+                _trusted(
+                    TransferJob,
+                    job_id=job_id,
+                    request_id=request_ids[k],
+                    direction="store" if is_store else "load",
+                    gpu=_trusted(
+                        GPUBlockSpec, block_ids=gpu_ids, group_sizes=sizes, block_indices=indices
+                    ),
+                    cpu=_trusted(CPUBlockSpec, block_ids=cpu_ids),
+                    keys=(),
+                )
+            )
+        if at != len(w):
+            raise ValueError(f"packed jobs: {len(w) - at} int64s left over after {num_jobs} jobs")
+        return tuple(jobs[:num_loads]), tuple(jobs[num_loads:])
+
     @staticmethod
     def job_from_tuple(t: tuple) -> TransferJob:
         """A :class:`TransferJob` from a job tuple of :meth:`build_connector_meta_tuples`. The
@@ -588,6 +678,18 @@ class OffloadingScheduler:
         """The monotonic counters of :meth:`stats` as one tuple, in the order of
         :data:`COUNTER_NAMES` (cheap enough to read every engine step)."""
         return self._core.counters()
+
+    def counters_delta(
+        self, seen: tuple[int, ...] | None
+    ) -> tuple[dict[str, int] | None, tuple[int, ...] | None]:
+        """What moved since ``seen`` (an earlier :meth:`counters` tuple; ``None``: since the
+        start), in one core call: ``({name: increase} for the counters that changed, or None
+        when none did; the counters now, or ``seen`` unchanged when none moved)``.
+
+        Raises:
+            TypeError: ``seen`` is neither None nor a tuple of len(COUNTER_NAMES) ints.
+        """
+        return self._core.counters_delta(seen)
 
     def offload_key(self, request: RequestLike, block: int, group: int = 0) -> bytes:
         """The offload key of offloaded block ``block`` of ``group`` for ``request``.

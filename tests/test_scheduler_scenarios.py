@@ -477,3 +477,62 @@ def test_events_block_stored_and_removed() -> None:
     assert added == [sim.key_of("b", 0)]
     assert removed == [sim.key_of("a", 1)]  # the tail of a's prefix is evicted first
     assert sim.sched.block_state(sim.key_of("a", 0)) == "ready"
+
+
+# ---------------------------------------------------------------------- packed jobs
+def test_packed_jobs_equal_the_tuple_jobs_and_counters_delta() -> None:
+    """build_connector_meta_packed (what KvoffConnector ships to its workers) gives, after
+    jobs_from_packed, exactly the jobs of build_connector_meta_tuples (keys aside) on the same
+    hybrid steps: loads first, every group's sizes and indices, request ids; a bad packing is
+    refused. counters_delta reports what moved since the tuple it was given."""
+    from kvoff.scheduler import OffloadingScheduler, Request
+
+    groups = (FULL, GroupDesc("sliding_window", 6), GroupDesc("mamba"))
+    sims = [EngineSim(groups, block_size=4, block_size_factor=2, num_gpu_blocks=64,
+                      num_cpu_blocks=16) for _ in range(2)]  # fmt: skip
+    a, b = sims[0].sched, sims[1].sched
+    seen = None
+    delta, seen = b.counters_delta(seen)
+    assert delta is None and seen is None  # nothing moved yet
+
+    def hashes(tag: str, n: int) -> list[bytes]:
+        return [f"{tag}{i}".encode() for i in range(n)]
+
+    def both(*args: object) -> tuple:
+        tuples = a.build_connector_meta_tuples(*args, with_keys=False)
+        packed, ids, flush = b.build_connector_meta_packed(*args)
+        loads, stores = OffloadingScheduler.jobs_from_packed(packed, ids)
+        assert flush == tuples[2]
+        job = OffloadingScheduler.job_from_tuple
+        assert loads == tuple(map(job, tuples[0]))
+        assert stores == tuple(map(job, tuples[1]))
+        return loads, stores
+
+    table = [list(range(1, 8)), list(range(11, 18)), list(range(21, 28))]
+    for s in (a, b):
+        s.get_num_new_matched_tokens(Request("x", hashes("x", 6), 26), 0)
+        s.update_state_after_alloc(Request("x", hashes("x", 6), 26), table, 0)
+    _, stores = both(["x"], [table], [0], {"x": 26})
+    assert stores and all(j.request_id == "x" and j.direction == "store" for j in stores)
+    assert sum(len(j.gpu.block_ids) for j in stores) > 0
+    for s in (a, b):  # x finishes; y shares its first 24 tokens: a load of every group
+        s.request_finished("x")
+        s.update_connector_output([(j.job_id, True) for j in stores])
+        y = Request("y", hashes("x", 6), 27)
+        assert s.get_num_new_matched_tokens(y, 0) == (24, True)
+        s.update_state_after_alloc(y, [list(range(31, 38)), list(range(41, 48)),
+                                       list(range(51, 58))], 24)  # fmt: skip
+    loads, stores = both([], [], [], {})
+    assert len(loads) >= 1 and not stores
+    assert loads[0].request_id == "y" and loads[0].gpu.group_sizes[2] == 1
+    delta, seen = b.counters_delta(seen)
+    assert delta is not None and delta["load_jobs"] == len(loads) and delta["lookups"] == 2
+    assert seen == b.counters()
+    assert b.counters_delta(seen) == (None, seen)
+    with pytest.raises(TypeError, match="counters"):
+        b.counters_delta((1, 2))
+    packed, _, _ = b.build_connector_meta_packed([], [], [], {})
+    with pytest.raises(ValueError, match="request ids"):
+        OffloadingScheduler.jobs_from_packed(packed, ("extra",))
+    with pytest.raises(ValueError, match="int64"):
+        OffloadingScheduler.jobs_from_packed(b"\0" * 12, ())

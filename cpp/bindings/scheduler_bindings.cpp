@@ -465,6 +465,62 @@ py::list job_list(const std::vector<kvoff::TransferJob>& jobs, bool with_keys = 
   return out;
 }
 
+/// The scheduler's monotonic counters, in the order of COUNTER_NAMES.
+constexpr std::array<const char*, 13> kCounterNames = {
+    "lookups",       "lookup_retries", "hit_tokens",     "load_jobs",
+    "store_jobs",    "blocks_loaded",  "blocks_stored",  "store_refusals",
+    "blocks_evicted", "blocks_discarded", "stale_blocks_skipped", "jobs_flushed",
+    "failed_jobs"};
+
+std::array<std::uint64_t, kCounterNames.size()> counter_values(const kvoff::SchedulerStats& s) {
+  return {s.lookups,       s.lookup_retries, s.hit_tokens,     s.load_jobs,
+          s.store_jobs,    s.blocks_loaded,  s.blocks_stored,  s.store_refusals,
+          s.blocks_evicted, s.blocks_discarded, s.stale_blocks_skipped, s.jobs_flushed,
+          s.failed_jobs};
+}
+
+/// The step's jobs packed for shipping (see kvoff.scheduler.OffloadingScheduler.
+/// build_connector_meta_packed): one bytes object of native int64s, [num_jobs, num_load_jobs,
+/// num_groups], then per job [job_id, is_store, len(gpu_block_ids), len(cpu_block_ids),
+/// group_sizes..., block_indices..., gpu_block_ids..., cpu_block_ids...]; and the request id
+/// of every job, in the same order (loads first). Keys stay with the scheduler.
+py::tuple packed_jobs(const kvoff::ConnectorMetaView& meta, std::size_t num_groups) {
+  std::size_t words = 3;
+  for (const auto* jobs : {&meta.load_jobs, &meta.store_jobs}) {
+    for (const kvoff::TransferJob* j : *jobs) {
+      words += 4 + 2 * num_groups + j->gpu_block_ids.size() + j->cpu_block_ids.size();
+    }
+  }
+  const std::size_t num_jobs = meta.load_jobs.size() + meta.store_jobs.size();
+  py::bytes packed = py::reinterpret_steal<py::bytes>(
+      PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(words * sizeof(std::int64_t))));
+  if (!packed) throw py::error_already_set();
+  py::tuple ids(num_jobs);
+  auto* w = reinterpret_cast<std::int64_t*>(PyBytes_AS_STRING(packed.ptr()));
+  *w++ = static_cast<std::int64_t>(num_jobs);
+  *w++ = static_cast<std::int64_t>(meta.load_jobs.size());
+  *w++ = static_cast<std::int64_t>(num_groups);
+  std::size_t k = 0;
+  for (const auto* jobs : {&meta.load_jobs, &meta.store_jobs}) {
+    for (const kvoff::TransferJob* job : *jobs) {
+      const kvoff::TransferJob& j = *job;
+      *w++ = static_cast<std::int64_t>(j.job_id);
+      *w++ = j.is_store ? 1 : 0;
+      *w++ = static_cast<std::int64_t>(j.gpu_block_ids.size());
+      *w++ = static_cast<std::int64_t>(j.cpu_block_ids.size());
+      w = std::copy(j.group_sizes.begin(), j.group_sizes.end(), w);
+      w = std::copy(j.block_indices.begin(), j.block_indices.end(), w);
+      w = std::copy(j.gpu_block_ids.begin(), j.gpu_block_ids.end(), w);
+      w = std::copy(j.cpu_block_ids.begin(), j.cpu_block_ids.end(), w);
+      PyObject* id = PyUnicode_FromStringAndSize(j.request_id.data(),
+                                                 static_cast<Py_ssize_t>(j.request_id.size()));
+      if (id == nullptr) throw py::error_already_set();
+      PyTuple_SET_ITEM(ids.ptr(), static_cast<Py_ssize_t>(k++), id);
+    }
+  }
+  return py::make_tuple(std::move(packed), std::move(ids));
+}
+
 py::list str_list(const std::vector<std::string>& v) {
   py::list out(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) {
@@ -484,7 +540,7 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                      py::handle new_block_ids, py::handle num_computed_tokens,
                      py::handle num_scheduled_tokens, py::handle resumed_request_ids,
                      py::handle finished, py::handle preempted, py::handle rewritten,
-                     py::handle requests, bool with_keys) {
+                     py::handle requests, bool with_keys, bool packed) {
   const py::object ids = fast_sequence(request_ids.ptr(), Where{"request_ids"}, "str");
   const py::object blocks =
       fast_sequence(new_block_ids.ptr(), Where{"new_block_ids"}, "block id lists or None");
@@ -570,13 +626,25 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
       sink.add(batch.span(), to_int64(tokens.ptr(), "num_tokens"));
     };
   }
-  auto meta = self.build_connector_meta(reqs, fin, pre, rewritten_ids, source);
-  py::list flush(meta.jobs_to_flush.size());
-  for (std::size_t i = 0; i < meta.jobs_to_flush.size(); ++i) {
-    flush[i] = py::int_(meta.jobs_to_flush[i]);
+  py::tuple res;
+  if (packed) {
+    const auto view = self.build_connector_meta_view(reqs, fin, pre, rewritten_ids, source);
+    py::tuple jobs = packed_jobs(view, self.config().groups.size());
+    py::list flush(view.jobs_to_flush.size());
+    for (std::size_t i = 0; i < view.jobs_to_flush.size(); ++i) {
+      flush[i] = py::int_(view.jobs_to_flush[i]);
+    }
+    res = py::make_tuple(jobs[0], jobs[1], flush);
+  } else {
+    auto meta = self.build_connector_meta(reqs, fin, pre, rewritten_ids, source);
+    py::list flush(meta.jobs_to_flush.size());
+    for (std::size_t i = 0; i < meta.jobs_to_flush.size(); ++i) {
+      flush[i] = py::int_(meta.jobs_to_flush[i]);
+    }
+    res = py::make_tuple(job_list(meta.load_jobs, with_keys),
+                         job_list(meta.store_jobs, with_keys), flush);
   }
-  return py::make_tuple(job_list(meta.load_jobs, with_keys), job_list(meta.store_jobs, with_keys),
-                        flush);
+  return res;
 }
 
 /// An engine request object (attributes `request_id` (str), `block_hashes` (a list of bytes or
@@ -616,10 +684,11 @@ kvoff::GroupKind to_kind(const std::string& name) {
 
 void bind(py::module_& m) {
   using kvoff::OffloadingScheduler;
-  m.attr("COUNTER_NAMES") = py::make_tuple(
-      "lookups", "lookup_retries", "hit_tokens", "load_jobs", "store_jobs", "blocks_loaded",
-      "blocks_stored", "store_refusals", "blocks_evicted", "blocks_discarded",
-      "stale_blocks_skipped", "jobs_flushed", "failed_jobs");
+  {
+    py::tuple names(kCounterNames.size());
+    for (std::size_t i = 0; i < kCounterNames.size(); ++i) names[i] = py::str(kCounterNames[i]);
+    m.attr("COUNTER_NAMES") = names;
+  }
   py::class_<OffloadingScheduler>(
       m, "_OffloadingScheduler",
       "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
@@ -704,15 +773,16 @@ void bind(py::module_& m) {
           [](OffloadingScheduler& self, py::handle request_ids, py::handle new_block_ids,
              py::handle num_computed_tokens, py::handle num_scheduled_tokens,
              py::handle resumed_request_ids, py::handle finished, py::handle preempted,
-             py::handle rewritten, py::handle requests, bool with_keys) {
+             py::handle rewritten, py::handle requests, bool with_keys, bool packed) {
             return build_step(self, request_ids, new_block_ids, num_computed_tokens,
                               num_scheduled_tokens, resumed_request_ids, finished, preempted,
-                              rewritten, requests, with_keys);
+                              rewritten, requests, with_keys, packed);
           },
           py::arg("request_ids"), py::arg("new_block_ids"), py::arg("num_computed_tokens"),
           py::arg("num_scheduled_tokens"), py::arg("resumed_request_ids"),
           py::arg("finished_request_ids"), py::arg("preempted_request_ids"),
-          py::arg("rewritten_block_ids"), py::arg("requests"), py::arg("with_keys") = true)
+          py::arg("rewritten_block_ids"), py::arg("requests"), py::arg("with_keys") = true,
+          py::arg("packed") = false)
       .def("num_hashes", &OffloadingScheduler::num_hashes, py::arg("request_id"))
       .def(
           "update_connector_output",
@@ -811,13 +881,44 @@ void bind(py::module_& m) {
            })
       .def("counters",
            [](const OffloadingScheduler& self) {
-             const auto& s = self.stats();
-             // the order of COUNTER_NAMES
-             return py::make_tuple(s.lookups, s.lookup_retries, s.hit_tokens, s.load_jobs,
-                                   s.store_jobs, s.blocks_loaded, s.blocks_stored,
-                                   s.store_refusals, s.blocks_evicted, s.blocks_discarded,
-                                   s.stale_blocks_skipped, s.jobs_flushed, s.failed_jobs);
+             const auto now = counter_values(self.stats());  // the order of COUNTER_NAMES
+             py::tuple out(now.size());
+             for (std::size_t i = 0; i < now.size(); ++i) out[i] = py::int_(now[i]);
+             return out;
            })
+      .def(
+          "counters_delta",
+          [](const OffloadingScheduler& self, py::handle seen) -> py::tuple {
+            // (changes since `seen` as {name: increase} or None when nothing moved, counters
+            // now as a tuple); `seen` is an earlier counters() tuple, or None for all zeros
+            constexpr std::size_t n = kCounterNames.size();
+            const auto now = counter_values(self.stats());
+            std::array<std::uint64_t, n> before{};
+            if (!seen.is_none()) {
+              if (!PyTuple_Check(seen.ptr()) ||
+                  PyTuple_GET_SIZE(seen.ptr()) != static_cast<Py_ssize_t>(n)) {
+                throw py::type_error("seen must be None or a tuple of " + std::to_string(n) +
+                                     " ints from counters()");
+              }
+              for (std::size_t i = 0; i < n; ++i) {
+                before[i] = static_cast<std::uint64_t>(to_int64(
+                    PyTuple_GET_ITEM(seen.ptr(), static_cast<Py_ssize_t>(i)), "seen"));
+              }
+            }
+            if (now == before) {
+              return py::make_tuple(py::none(), py::reinterpret_borrow<py::object>(seen));
+            }
+            py::dict delta;
+            py::tuple now_t(n);
+            for (std::size_t i = 0; i < n; ++i) {
+              PyObject* v = PyLong_FromUnsignedLongLong(now[i]);
+              if (v == nullptr) throw py::error_already_set();
+              PyTuple_SET_ITEM(now_t.ptr(), static_cast<Py_ssize_t>(i), v);
+              if (now[i] != before[i]) delta[kCounterNames[i]] = now[i] - before[i];
+            }
+            return py::make_tuple(std::move(delta), std::move(now_t));
+          },
+          py::arg("seen"))
       .def("block_state",
            [](const OffloadingScheduler& self, py::handle key) {
              std::array<char, 8> buf{};

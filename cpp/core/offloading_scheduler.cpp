@@ -1,6 +1,7 @@
 #include "kvoff/offloading_scheduler.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <utility>
 
@@ -70,11 +71,78 @@ OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
       manager_(config_.num_cpu_blocks, config_.eviction_policy, config_.enable_events),
       alloc_step_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       store_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
-      load_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0) {}
+      load_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0) {
+  jobs_.reserve(1024);  // jobs in flight: rehashing while a step adds jobs costs more than this
+}
 
 OffloadingScheduler::~OffloadingScheduler() = default;
 
 // ------------------------------------------------------------------------------ helpers
+
+std::uint64_t OffloadingScheduler::IdleSet::hash_of(std::string_view id) noexcept {
+  const std::uint64_t h = std::hash<std::string_view>{}(id);
+  return h == 0 ? 1 : h;
+}
+
+std::uint64_t* OffloadingScheduler::IdleSet::stamp_of(std::uint64_t hash) noexcept {
+  const std::size_t mask = entries_.size() - 1;
+  for (std::size_t i = hash & mask;; i = (i + 1) & mask) {
+    Entry& e = entries_[i];
+    if (e.hash == hash) return &e.stamp;
+    if (e.hash == 0) return nullptr;
+  }
+}
+
+void OffloadingScheduler::IdleSet::insert(std::uint64_t hash) {
+  if (2 * (size_ + 1) > entries_.size()) {  // keep the load factor <= 1/2
+    std::vector<Entry> old(2 * entries_.size());
+    old.swap(entries_);
+    size_ = 0;
+    for (const Entry& e : old) {
+      if (e.hash != 0) insert(e.hash);
+    }
+  }
+  const std::size_t mask = entries_.size() - 1;
+  for (std::size_t i = hash & mask;; i = (i + 1) & mask) {
+    Entry& e = entries_[i];
+    if (e.hash == hash) return;
+    if (e.hash == 0) {
+      e = Entry{hash, 0};
+      ++size_;
+      return;
+    }
+  }
+}
+
+void OffloadingScheduler::IdleSet::erase(std::uint64_t hash) noexcept {
+  const std::size_t mask = entries_.size() - 1;
+  std::size_t i = hash & mask;
+  while (entries_[i].hash != hash) {
+    if (entries_[i].hash == 0) return;
+    i = (i + 1) & mask;
+  }
+  // Backward-shift deletion: move later entries of the run into the hole when their home
+  // position allows it, so lookups never need tombstones.
+  for (std::size_t j = (i + 1) & mask; entries_[j].hash != 0; j = (j + 1) & mask) {
+    const std::size_t home = entries_[j].hash & mask;
+    if (((j - home) & mask) >= ((j - i) & mask)) {
+      entries_[i] = entries_[j];
+      i = j;
+    }
+  }
+  entries_[i] = Entry{};
+  --size_;
+}
+
+void OffloadingScheduler::set_idle(Request& r, bool idle) {
+  if (r.idle == idle) return;
+  if (idle) {
+    idle_.insert(r.id_hash);
+  } else {
+    idle_.erase(r.id_hash);
+  }
+  r.idle = idle;
+}
 
 OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
   auto it = requests_.find(request_id);
@@ -219,6 +287,10 @@ void OffloadingScheduler::append_hashes(Request& r, std::size_t start,
                                         std::span<const std::string_view> new_hashes,
                                         std::int64_t num_tokens) {
   const std::size_t known = r.hashes.size();
+  if (const std::size_t end = start + new_hashes.size(); end > known + 8) {
+    // a prompt's hashes at once: one allocation (decode adds one at a time: geometric growth)
+    r.hashes.reserve_more(end - known, (end - known) * new_hashes.back().size());
+  }
   for (std::size_t i = known - start; i < new_hashes.size(); ++i) {
     r.hashes.push_back(new_hashes[i]);
   }
@@ -233,6 +305,7 @@ void OffloadingScheduler::update_request(std::string_view request_id, std::size_
   if (r == nullptr) {
     r = &requests_[std::string(request_id)];
     r->id = std::string(request_id);
+    r->id_hash = IdleSet::hash_of(request_id);
     r->table.resize(config_.groups.size());
   }
   append_hashes(*r, start, new_hashes, num_tokens);
@@ -376,11 +449,12 @@ std::vector<TransferJob> OffloadingScheduler::make_jobs(std::string_view request
   return jobs;
 }
 
-JobId OffloadingScheduler::add_job(TransferJob job) {
+JobId OffloadingScheduler::add_job(TransferJob job, Request& r) {
   const JobId id = next_job_id_++;
   job.job_id = id;
   Job& j = jobs_[id];
   j.job = std::move(job);
+  j.request = &r;
   return id;
 }
 
@@ -404,6 +478,7 @@ void OffloadingScheduler::update_state_after_alloc(
     std::int64_t num_external_tokens) {
   constexpr const char* kHook = "update_state_after_alloc";
   Request& r = get(request_id, kHook);
+  set_idle(r, false);  // its next step sets its table from the engine's hit (gpu_hit_tokens)
   // Nothing to load: the table is not needed (engines may skip building it).
   if (num_external_tokens != 0 || !block_ids_per_group.empty()) {
     validate_block_ids(block_ids_per_group, kHook, request_id);
@@ -483,7 +558,7 @@ void OffloadingScheduler::update_state_after_alloc(
     ++it->second;  // undone by unpin_loading when the load completes or is cancelled
   }
   for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
-    r.unemitted_loads.push_back(add_job(std::move(job)));
+    r.unemitted_loads.push_back(add_job(std::move(job), r));
     pending_loads_.push_back(r.unemitted_loads.back());
   }
   stats_.hit_tokens += static_cast<std::uint64_t>(num_external_tokens);
@@ -515,20 +590,17 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
 // --------------------------------------------------------------------------------- stores
 
 void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
-                                       std::vector<TransferJob>& out) {
+                                       std::vector<const TransferJob*>& out) {
   if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return;  // invariant 7
   const std::int64_t full = known_blocks(r, tokens_after);
   if (full <= r.next_store) return;
   const std::int64_t f = config_.block_size_factor;
   const std::size_t num_groups = config_.groups.size();
+  constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
 
-  struct Item {
-    std::int64_t j;
-    std::size_t g;
-    std::int64_t first_sub;
-  };
-  std::vector<Item> items;
-  KeyList& keys = store_keys_;  // scratch: its memory is reused from call to call
+  auto& items = store_items_;  // scratch: memory reused from call to call
+  KeyList& keys = store_keys_;
+  items.clear();
   keys.clear();
   for (std::int64_t j = r.next_store; j < full; ++j) {
     for (std::size_t g = 0; g < num_groups; ++g) {
@@ -546,7 +618,7 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
         }
       }
       if (!live) continue;
-      items.push_back(Item{j, g, k0});
+      items.push_back(StoreItem{j, g, k0, kNoSlot, 0});
       append_key(keys, r, j, g);
     }
   }
@@ -565,62 +637,132 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   stats_.blocks_evicted += result->evicted_keys.size();
   manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
   if (result->store_indices.empty()) return;
-  // The slot prepare_store allocated for each item it stores (kNoSlot: already held).
-  constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
-  std::vector<std::uint32_t> slot(items.size(), kNoSlot);
   for (std::size_t i = 0; i < result->store_indices.size(); ++i) {
-    slot[result->store_indices[i]] = result->block_ids[i];
+    items[result->store_indices[i]].slot = result->block_ids[i];
   }
-  std::vector<Segment> segments;
-  std::vector<std::ptrdiff_t> open(num_groups, -1);  // index of the group's open run
-  std::vector<std::int64_t> open_end(num_groups, -1);
-  // Items are ordered by j, then g: build per-group contiguous runs.
+  // Runs: per group, consecutive items that were stored and whose GPU blocks are contiguous
+  // in the table (items are ordered by j, then g). An item already held ends its group's run.
+  auto& runs = store_runs_;
+  auto& open = store_open_;
+  runs.clear();
+  open.assign(num_groups, 0);
+  std::size_t num_jobs = 0;
+  std::vector<std::size_t>& rank = store_rank_;
+  rank.assign(num_groups, 0);
   for (std::size_t i = 0; i < items.size(); ++i) {
-    const Item& it = items[i];
-    if (slot[i] == kNoSlot) {
-      open[it.g] = -1;
+    const StoreItem& it = items[i];
+    std::size_t& o = open[it.g];
+    if (it.slot == kNoSlot) {
+      o = 0;
       continue;
     }
-    const std::int64_t first_l = it.j * f + it.first_sub;
-    if (open[it.g] < 0 || open_end[it.g] != first_l) {
-      segments.push_back(Segment{it.g, first_l, {}, {}, {}});
-      open[it.g] = static_cast<std::ptrdiff_t>(segments.size()) - 1;
+    if (o != 0) {
+      StoreRun& run = runs[o - 1];
+      const StoreItem& last = items[run.end - 1];
+      if ((last.j + 1) * f == it.j * f + it.first_sub) {
+        run.end = i + 1;
+        items[i].run = o - 1;
+        continue;
+      }
     }
-    Segment& s = segments[static_cast<std::size_t>(open[it.g])];
-    const auto& table = r.table[it.g];
-    for (std::int64_t k = it.first_sub; k < f; ++k) {
-      s.gpu_ids.push_back(table[static_cast<std::size_t>(it.j * f + k)].block_id);
-    }
-    s.keys.push_back(keys[i]);
-    s.cpu_ids.push_back(slot[i]);
-    open_end[it.g] = (it.j + 1) * f;
+    runs.push_back(StoreRun{it.g, i, i + 1, rank[it.g]++});
+    o = runs.size();
+    items[i].run = o - 1;
+    num_jobs = std::max(num_jobs, rank[it.g]);
   }
-  for (auto& job : make_jobs(r.id, /*is_store=*/true, segments)) {
+  // Job k takes the k-th run of every group, so each group is one contiguous run per job. The
+  // job's vectors are sized once (a job costs a fixed number of allocations).
+  auto& by_rank = store_by_rank_;  // [k * num_groups + g]: run index + 1 (0: none)
+  by_rank.assign(num_jobs * num_groups, 0);
+  for (std::size_t ri = 0; ri < runs.size(); ++ri) {
+    by_rank[runs[ri].rank * num_groups + runs[ri].g] = ri + 1;
+  }
+  const std::size_t key_bytes = keys.size() == 0 ? 0 : keys[0].size();
+  for (std::size_t k = 0; k < num_jobs; ++k) {
+    std::size_t num_gpu = 0;
+    std::size_t num_cpu = 0;
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      const std::size_t ri = by_rank[k * num_groups + g];
+      if (ri == 0) continue;
+      for (std::size_t i = runs[ri - 1].begin; i < runs[ri - 1].end; ++i) {
+        const StoreItem& it = items[i];
+        if (it.run != ri - 1 || it.slot == kNoSlot) continue;  // another group's item
+        num_gpu += static_cast<std::size_t>(f - it.first_sub);
+        ++num_cpu;
+      }
+    }
+    TransferJob job;
+    job.job_id = next_job_id_++;
+    job.request_id = r.id;
+    job.is_store = true;
+    job.group_sizes.assign(num_groups, 0);
+    job.block_indices.assign(num_groups, 0);
+    job.gpu_block_ids.reserve(num_gpu);
+    job.cpu_block_ids.reserve(num_cpu);
+    job.keys.reserve(num_cpu, num_cpu * key_bytes);
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      const std::size_t ri = by_rank[k * num_groups + g];
+      if (ri == 0) continue;
+      const StoreRun& run = runs[ri - 1];
+      const StoreItem& first = items[run.begin];
+      const std::size_t before = job.gpu_block_ids.size();
+      job.block_indices[g] = first.j * f + first.first_sub;
+      const auto& table = r.table[g];
+      for (std::size_t i = run.begin; i < run.end; ++i) {
+        const StoreItem& it = items[i];
+        if (it.run != ri - 1 || it.slot == kNoSlot) continue;  // another group's item
+        for (std::int64_t s = it.first_sub; s < f; ++s) {
+          job.gpu_block_ids.push_back(table[static_cast<std::size_t>(it.j * f + s)].block_id);
+        }
+        job.cpu_block_ids.push_back(it.slot);
+        job.keys.push_back(keys[i]);
+      }
+      job.group_sizes[g] = static_cast<std::int64_t>(job.gpu_block_ids.size() - before);
+    }
     stats_.blocks_stored += job.gpu_block_ids.size();
     ++stats_.store_jobs;
-    const JobId id = add_job(std::move(job));
-    Job& j = jobs_.at(id);
-    j.emitted = true;
-    register_fences(j.job);
+    register_fences(job);
     ++r.stores_in_flight;
-    out.push_back(j.job);
+    // The scheduler keeps the job (completion needs its request, keys and GPU blocks); the
+    // caller reads it in place.
+    Job& kept = jobs_[job.job_id];
+    kept.emitted = true;
+    kept.request = &r;
+    kept.job = std::move(job);
+    out.push_back(&kept.job);
   }
 }
 
 // ----------------------------------------------------------------------------------- step
 
-void OffloadingScheduler::mark_allocated(std::int64_t block_id, ConnectorMeta& meta) {
+void OffloadingScheduler::mark_allocated(std::int64_t block_id, std::vector<JobId>& flush) {
   const auto id = static_cast<std::size_t>(block_id);
   alloc_step_[id] = step_;
   for (JobId* fence : {&store_fence_[id], &load_fence_[id]}) {
     if (*fence != 0) {
-      meta.jobs_to_flush.push_back(*fence);
+      flush.push_back(*fence);
       *fence = 0;
     }
   }
 }
 
 ConnectorMeta OffloadingScheduler::build_connector_meta(
+    std::span<const ScheduledRequest> scheduled, std::span<const std::string> finished_request_ids,
+    std::span<const std::string> preempted_request_ids,
+    std::span<const std::int64_t> rewritten_block_ids, const HashSource& hash_source) {
+  ConnectorMetaView view = build_connector_meta_view(scheduled, finished_request_ids,
+                                                     preempted_request_ids, rewritten_block_ids,
+                                                     hash_source);
+  ConnectorMeta meta;
+  meta.load_jobs.reserve(view.load_jobs.size());
+  for (const TransferJob* j : view.load_jobs) meta.load_jobs.push_back(*j);
+  meta.store_jobs.reserve(view.store_jobs.size());
+  for (const TransferJob* j : view.store_jobs) meta.store_jobs.push_back(*j);
+  meta.jobs_to_flush = std::move(view.jobs_to_flush);
+  return meta;
+}
+
+ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     std::span<const ScheduledRequest> scheduled, std::span<const std::string> finished_request_ids,
     std::span<const std::string> preempted_request_ids,
     std::span<const std::int64_t> rewritten_block_ids, const HashSource& hash_source) {
@@ -641,7 +783,24 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
   resolved.reserve(scheduled.size());
   {
     ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
+    const std::int64_t obs = offloaded_block_size_;
     for (const auto& s : scheduled) {
+      // An idle request (see IdleSet) that gets no new block and completes no offloaded block
+      // needs nothing this step: it is not looked up at all.
+      if (s.new_block_ids.empty() && !s.resumed_from_preemption && idle_.size() != 0 &&
+          s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
+          s.num_scheduled_tokens < obs &&
+          (s.num_computed_tokens + s.num_scheduled_tokens) / obs == s.num_computed_tokens / obs) {
+        if (std::uint64_t* stamp = idle_.stamp_of(IdleSet::hash_of(s.request_id))) {
+          if (*stamp == validation_stamp_) {
+            throw std::invalid_argument(
+                hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
+          }
+          *stamp = validation_stamp_;
+          resolved.push_back(nullptr);
+          continue;
+        }
+      }
       Request& r = get(s.request_id, kHook);
       resolved.push_back(&r);
       if (hash_source && s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0) {
@@ -655,11 +814,14 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
                       r.hashes.size(), sink);
         }
       }
-      if (r.validation_stamp == validation_stamp_) {
+      std::uint64_t* idle_stamp = r.idle ? idle_.stamp_of(r.id_hash) : nullptr;
+      if (r.validation_stamp == validation_stamp_ ||
+          (idle_stamp != nullptr && *idle_stamp == validation_stamp_)) {
         throw std::invalid_argument(
             hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
       }
       r.validation_stamp = validation_stamp_;
+      if (idle_stamp != nullptr) *idle_stamp = validation_stamp_;
       if (!s.new_block_ids.empty()) {
         validate_block_ids(s.new_block_ids, kHook, s.request_id);
       }
@@ -673,16 +835,19 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
     }
   }
   ++step_;
-  ConnectorMeta meta;
+  ConnectorMetaView meta;
+  meta.store_jobs.reserve(last_num_store_jobs_);  // about as many as last step: no regrowth
   for (const auto& id : preempted_request_ids) {
     if (Request* r = find(id)) {
       for (auto& t : r->table) t.clear();
       r->scheduled_before = false;
+      set_idle(*r, false);
     }
   }
   // New block tables and allocations; fences for reallocated blocks.
   for (std::size_t i = 0; i < scheduled.size(); ++i) {
     const ScheduledRequest& s = scheduled[i];
+    if (resolved[i] == nullptr) continue;  // idle
     Request& r = *resolved[i];
     const bool whole_table = s.resumed_from_preemption || !r.scheduled_before;
     const std::int64_t cached_blocks = whole_table ? r.gpu_hit_tokens / config_.gpu_block_size : 0;
@@ -694,14 +859,14 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
         const auto l = static_cast<std::int64_t>(table.size());
         table.push_back(TableEntry{id, step_});
         if (id == 0 || l < cached_blocks) continue;  // null, or a block the engine had cached
-        mark_allocated(id, meta);
+        mark_allocated(id, meta.jobs_to_flush);
       }
     }
     r.scheduled_before = true;
     r.gpu_hit_tokens = 0;
   }
   for (const std::int64_t id : rewritten_block_ids) {
-    if (id != 0) mark_allocated(id, meta);
+    if (id != 0) mark_allocated(id, meta.jobs_to_flush);
   }
   for (const auto& id : finished_request_ids) {
     if (Request* r = find(id)) release(*r);
@@ -713,7 +878,7 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;  // cancelled
     Job& j = it->second;
-    for (const std::int64_t id64 : j.job.gpu_block_ids) mark_allocated(id64, meta);
+    for (const std::int64_t id64 : j.job.gpu_block_ids) mark_allocated(id64, meta.jobs_to_flush);
   }
   for (const JobId id : pending_loads_) {
     auto it = jobs_.find(id);
@@ -721,12 +886,12 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
     Job& j = it->second;
     j.emitted = true;
     register_fences(j.job);
-    Request& r = requests_.at(j.job.request_id);
+    Request& r = *j.request;
     std::erase(r.unemitted_loads, id);
     ++r.loads_in_flight;
     ++stats_.load_jobs;
     stats_.blocks_loaded += j.job.gpu_block_ids.size();
-    meta.load_jobs.push_back(j.job);
+    meta.load_jobs.push_back(&j.job);
   }
   pending_loads_.clear();
   std::sort(meta.jobs_to_flush.begin(), meta.jobs_to_flush.end());
@@ -735,11 +900,18 @@ ConnectorMeta OffloadingScheduler::build_connector_meta(
   stats_.jobs_flushed += meta.jobs_to_flush.size();
   for (std::size_t i = 0; i < scheduled.size(); ++i) {
     const ScheduledRequest& s = scheduled[i];
+    if (resolved[i] == nullptr) continue;  // idle
     Request& r = *resolved[i];
     if (r.finished) continue;  // finished (or preempted and finished) in this very step
-    build_stores(r, s.num_computed_tokens + s.num_scheduled_tokens, meta.store_jobs);
+    const std::int64_t tokens_after = s.num_computed_tokens + s.num_scheduled_tokens;
+    build_stores(r, tokens_after, meta.store_jobs);
+    // Idle from now on when every offloaded block full after this step is stored (or held)
+    // and no load of it is pending: until its next block completes, a step changes nothing.
+    set_idle(r, r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty() &&
+                    r.next_store >= tokens_after / offloaded_block_size_);
   }
   for (const auto& id : finished_request_ids) erase_if_done(id);
+  last_num_store_jobs_ = meta.store_jobs.size();
   return meta;
 }
 
@@ -785,8 +957,9 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     if (j.reports < static_cast<std::uint64_t>(config_.world_size)) continue;
     const TransferJob& job = j.job;
     clear_fences(job);
-    Request& r = requests_.at(job.request_id);
-    const auto keys = views_of(job.keys);
+    Request& r = *j.request;
+    std::vector<std::string_view>& keys = report_key_views_;  // scratch: memory kept
+    keys.assign(job.keys.begin(), job.keys.end());
     if (job.is_store) {
       manager_.complete_store(keys, !j.failed);  // a failed store frees its slots
       --r.stores_in_flight;
@@ -813,6 +986,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     jobs_.erase(rep.job_id);
     if (r.finished && r.loads_in_flight == 0 && r.stores_in_flight == 0) {
       out.finished_storing.push_back(r.id);  // request_finished returned true for it
+      set_idle(r, false);
       requests_.erase(requests_.find(r.id));
     }
   }
@@ -823,6 +997,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
 
 void OffloadingScheduler::release(Request& r) {
   if (r.finished) return;
+  set_idle(r, false);  // a finished request listed again must reach get() (which rejects it)
   r.finished = true;
   cancel_unemitted_loads(r);
   r.match.reset();
@@ -832,6 +1007,7 @@ void OffloadingScheduler::release(Request& r) {
 void OffloadingScheduler::erase_if_done(std::string_view request_id) {
   Request* r = find(request_id);
   if (r != nullptr && r->finished && r->loads_in_flight == 0 && r->stores_in_flight == 0) {
+    set_idle(*r, false);
     requests_.erase(std::string(request_id));
   }
 }

@@ -624,6 +624,82 @@ TEST(OffloadingSchedulerStore, RefusedStoreIsRetriedNextStepWithoutAdvancing) {
   EXPECT_EQ(s.next_store_block("B"), 2);
 }
 
+// A decoding request whose blocks are all stored is idle: steps that give it no new block and
+// complete none of its offloaded blocks skip it (no lookup). What must still happen: the store
+// when a block completes, the retry of a refused store in a step that completes nothing, and
+// every check of a step (duplicates, unknown and finished requests).
+TEST(OffloadingSchedulerIdle, IdleRequestStoresWhenItsNextBlockCompletes) {
+  OffloadingScheduler s(make_config({Full()}, 4));
+  add(s, "A", hashes("a", 4), 16);
+  auto meta = step(s, {sched("A", {{1, 2}}, 0, 5)});  // tokens 0..4: block 0 full
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  EXPECT_EQ(s.num_idle_requests(), 1u);
+  for (std::int64_t c = 5; c < 7; ++c) {  // tokens 5 and 6: block 1 is not full yet
+    meta = step(s, {sched("A", Table{}, c, 1)});
+    EXPECT_TRUE(meta.store_jobs.empty()) << "at " << c;
+    EXPECT_EQ(s.next_store_block("A"), 1);
+  }
+  meta = step(s, {sched("A", Table{}, 7, 1)});  // token 7 fills block 1 (ids 1, 2 known)
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {2}, {1}, {1}, {key("a1", 0)});
+  EXPECT_EQ(s.next_store_block("A"), 2);
+  EXPECT_EQ(s.num_idle_requests(), 1u);
+}
+
+TEST(OffloadingSchedulerIdle, RefusedStoreIsRetriedInAStepThatCompletesNoBlock) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/2));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{1, 2}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);  // both slots pending
+  EXPECT_EQ(s.num_idle_requests(), 1u);
+  add(s, "B", {"b0", "b1"}, 9);
+  auto meta = step(s, {sched("B", {{3, 4, 5}}, 0, 9)});
+  EXPECT_TRUE(meta.store_jobs.empty());  // refused: no room
+  EXPECT_EQ(s.num_idle_requests(), 1u);  // B is not idle: its store must be retried
+  report(s, {a.store_jobs[0].job_id});   // A's blocks become ready, hence evictable
+  // Token 9 completes no block and brings no new block: only B's retry stores anything.
+  meta = step(s, {sched("A", Table{}, 8, 0), sched("B", Table{}, 9, 1)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "B", {3, 4}, {2}, {0}, {key("b0", 0), key("b1", 0)});
+  EXPECT_EQ(s.num_idle_requests(), 2u);
+}
+
+TEST(OffloadingSchedulerIdle, RequestWaitingForHashesIsNotIdle) {
+  OffloadingScheduler s(make_config({Full()}, 4));
+  add(s, "A", {"a0"}, 9);  // hashes lag the tokens (async scheduling)
+  auto meta = step(s, {sched("A", {{1, 2, 3}}, 0, 9)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);  // block 0 only: block 1 has no hash yet
+  EXPECT_EQ(s.next_store_block("A"), 1);
+  EXPECT_EQ(s.num_idle_requests(), 0u);
+  add(s, "A", {"a1"}, 10, /*start=*/1);
+  meta = step(s, {sched("A", Table{}, 9, 1)});  // completes no block, brings no block
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {2}, {1}, {1}, {key("a1", 0)});
+  EXPECT_EQ(s.num_idle_requests(), 1u);
+}
+
+TEST(OffloadingSchedulerIdle, StepChecksStillRejectIdleRequests) {
+  OffloadingScheduler s(make_config({Full()}, 4));
+  add(s, "A", hashes("a", 4), 16);
+  step(s, {sched("A", {{1, 2}}, 0, 5)});
+  ASSERT_EQ(s.num_idle_requests(), 1u);
+  const auto before = s.stats().store_jobs;
+  // Listed twice: both idle, or one idle and one with new blocks.
+  EXPECT_THROW(step(s, {sched("A", Table{}, 5, 1), sched("A", Table{}, 5, 1)}),
+               std::invalid_argument);
+  EXPECT_THROW(step(s, {sched("A", Table{}, 5, 1), sched("A", {{3}}, 5, 1)}),
+               std::invalid_argument);
+  EXPECT_THROW(step(s, {sched("A", {{3}}, 5, 1), sched("A", Table{}, 5, 1)}),
+               std::invalid_argument);
+  EXPECT_THROW(step(s, {sched("nobody", Table{}, 5, 1)}), std::invalid_argument);
+  EXPECT_THROW(step(s, {sched("A", Table{}, -1, 1)}), std::invalid_argument);
+  EXPECT_EQ(s.stats().store_jobs, before);
+  EXPECT_EQ(s.num_idle_requests(), 1u);
+  s.request_finished("A");
+  EXPECT_EQ(s.num_idle_requests(), 0u);
+  EXPECT_THROW(step(s, {sched("A", Table{}, 5, 1)}), std::invalid_argument);
+}
+
 TEST(OffloadingSchedulerStore, StaleBlockReallocatedToAnotherRequestIsSkipped) {
   OffloadingScheduler s(make_config({SW(5)}, 4, 1, 0, 1, /*cpu_blocks=*/2));
   add(s, "A", {"a0", "a1"}, 8);

@@ -95,7 +95,6 @@ from kvoff._scheduler import CPUOffloadingManager
 from kvoff.config import OffloadingConfig
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.scheduler import (
-    COUNTER_NAMES,
     OffloadingScheduler,
     TransferJob,
 )
@@ -254,35 +253,42 @@ def _require_bytes(config: OffloadingConfig) -> int:
 
 # ---------------------------------------------------------------------------- metadata
 
+_NO_JOBS = bytes(24)  # packed jobs of a step without any: [0 jobs, 0 loads, 0 groups]
+
 
 @dataclass
 class KvoffConnectorMetadata(KVConnectorMetadata):
     """What the scheduler role hands to every worker for one step (picklable).
 
     Attributes:
-        load_job_tuples: loads to submit before the forward pass, as job tuples
-            (:meth:`kvoff.OffloadingScheduler.build_connector_meta_tuples`; ``load_jobs`` gives
-            them as :class:`kvoff.TransferJob`). Without keys (empty): the workers copy blocks,
-            the scheduler role keeps the keys.
-        store_job_tuples: stores to submit after it (``store_jobs``).
+        packed_jobs: the step's loads (submitted before the forward pass) then stores (after
+            it), packed by :meth:`kvoff.OffloadingScheduler.build_connector_meta_packed`: one
+            ``bytes`` object, so that the engine's scheduling path makes no Python object per
+            job; ``load_jobs`` / ``store_jobs`` give them as :class:`kvoff.TransferJob` records
+            (without keys: the scheduler role keeps them), made on the workers.
+        request_ids: the request of each packed job, same order.
         jobs_to_flush: in-flight job ids whose GPU blocks are rewritten this step: wait for
             them before the forward pass (DESIGN.md invariant 4).
     """
 
-    load_job_tuples: tuple[tuple, ...] = ()
-    store_job_tuples: tuple[tuple, ...] = ()
+    packed_jobs: bytes = _NO_JOBS
+    request_ids: tuple[str, ...] = ()
     jobs_to_flush: tuple[int, ...] = ()
 
     @functools.cached_property
+    def _jobs(self) -> tuple[tuple[TransferJob, ...], tuple[TransferJob, ...]]:
+        return OffloadingScheduler.jobs_from_packed(self.packed_jobs, self.request_ids)
+
+    @property
     def load_jobs(self) -> tuple[TransferJob, ...]:
         """The loads as :class:`kvoff.TransferJob` records (made on first use: on the workers,
         off the engine's scheduling path)."""
-        return tuple(map(OffloadingScheduler.job_from_tuple, self.load_job_tuples))
+        return self._jobs[0]
 
-    @functools.cached_property
+    @property
     def store_jobs(self) -> tuple[TransferJob, ...]:
         """The stores as :class:`kvoff.TransferJob` records (made on first use)."""
-        return tuple(map(OffloadingScheduler.job_from_tuple, self.store_job_tuples))
+        return self._jobs[1]
 
 
 @dataclass
@@ -458,9 +464,9 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()
         # counters: the scheduler's (COUNTER_NAMES), then bytes and seconds moved by the
         # workers; the values at the last get_kv_connector_stats
-        self._stat_names = (*COUNTER_NAMES, *_TRANSFER_TOTALS)
         self._transfer_totals = [0, 0, 0.0, 0.0]  # _TRANSFER_TOTALS
-        self._stats_seen: tuple[float, ...] = (0,) * len(self._stat_names)
+        self._totals_seen = [0, 0, 0.0, 0.0]  # their values at the last stats call
+        self._counters_seen: tuple[int, ...] | None = None  # the scheduler's, likewise
         if role == KVConnectorRole.SCHEDULER:
             events = self._config.enable_events or bool(
                 getattr(vllm_config, "kv_events_config", None)
@@ -544,7 +550,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         copies = out.kv_cache_block_copies
-        loads, stores, flush = self.scheduler.build_connector_meta_tuples(
+        packed, request_ids, flush = self.scheduler.build_connector_meta_packed(
             ids,
             blocks,
             computed,
@@ -553,9 +559,8 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             out.finished_req_ids,
             out.preempted_req_ids or (),
             [c.dst_block_id for c in copies] if copies else (),
-            with_keys=False,
         )
-        return KvoffConnectorMetadata(tuple(loads), tuple(stores), tuple(flush))
+        return KvoffConnectorMetadata(packed, request_ids, tuple(flush))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Counts the ranks' job reports; jobs reported by every rank complete."""
@@ -609,15 +614,15 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         """The counters (:data:`_COUNTERS`) since the last call; ``None`` when none moved."""
         if self._scheduler is None:
             return None
-        now = self._scheduler.counters() + tuple(self._transfer_totals)
-        seen = self._stats_seen
-        if now == seen:
-            return None
-        self._stats_seen = now
-        names = self._stat_names
-        return KvoffConnectorStats(
-            data={names[i]: v - seen[i] for i, v in enumerate(now) if v != seen[i]}
-        )
+        data, self._counters_seen = self._scheduler.counters_delta(self._counters_seen)
+        totals, seen = self._transfer_totals, self._totals_seen
+        if totals != seen:
+            data = data if data is not None else {}
+            for name, v, w in zip(_TRANSFER_TOTALS, totals, seen, strict=True):
+                if v != w:
+                    data[name] = v - w
+            self._totals_seen = list(totals)
+        return None if data is None else KvoffConnectorStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(

@@ -124,6 +124,12 @@ class KeyList {
     ends_.reserve(keys);
     bytes_.reserve(bytes);
   }
+  /// Reserves room for `keys` more keys of `bytes` more bytes (for a batch: one allocation
+  /// instead of geometric regrowth). Throws std::bad_alloc.
+  void reserve_more(std::size_t keys, std::size_t bytes) {
+    ends_.reserve(ends_.size() + keys);
+    bytes_.reserve(bytes_.size() + bytes);
+  }
   /// Appends a copy of `key`. Throws std::bad_alloc.
   void push_back(std::string_view key) {
     bytes_.append(key.data(), key.size());

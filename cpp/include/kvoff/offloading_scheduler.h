@@ -110,6 +110,14 @@ struct ConnectorMeta {
   std::vector<JobId> jobs_to_flush;
 };
 
+/// ConnectorMeta without copies: the jobs are the scheduler's own records, valid until the
+/// next call that changes the scheduler (the binding packs them for the workers at once).
+struct ConnectorMetaView {
+  std::vector<const TransferJob*> load_jobs;
+  std::vector<const TransferJob*> store_jobs;
+  std::vector<JobId> jobs_to_flush;
+};
+
 /// One rank's report on one job.
 struct JobReport {
   JobId job_id = 0;
@@ -255,6 +263,13 @@ class OffloadingScheduler {
                                      std::span<const std::string> preempted_request_ids = {},
                                      std::span<const std::int64_t> rewritten_block_ids = {},
                                      const HashSource& hash_source = {});
+  /// build_connector_meta without copying the jobs: pointers to the scheduler's records,
+  /// valid until the next non-const call. Same arguments, effects and errors.
+  ConnectorMetaView build_connector_meta_view(
+      std::span<const ScheduledRequest> scheduled,
+      std::span<const std::string> finished_request_ids = {},
+      std::span<const std::string> preempted_request_ids = {},
+      std::span<const std::int64_t> rewritten_block_ids = {}, const HashSource& hash_source = {});
 
   /// Counts reports from ranks; a job completes when world_size reports arrived. Completed
   /// stores run complete_store (success only if every rank succeeded), loads complete_load.
@@ -282,6 +297,12 @@ class OffloadingScheduler {
   const SchedulerStats& stats() const noexcept { return stats_; }
   /// Requests the scheduler currently tracks.
   std::size_t num_requests() const noexcept { return requests_.size(); }
+  /// Requests that are idle: a step that gives them no new block and completes none of their
+  /// offloaded blocks changes nothing, so build_connector_meta skips them without a lookup.
+  /// A request is idle after a step that stored (or found held) every offloaded block full
+  /// after it, with no load pending; a refused store, missing hashes, a load, a preemption or
+  /// its end make it busy again. For tests and metrics.
+  std::size_t num_idle_requests() const noexcept { return idle_.size(); }
   /// Jobs emitted and not yet completed.
   std::size_t num_jobs_in_flight() const noexcept { return jobs_.size() - pending_loads_.size(); }
   /// Block hashes known for a request (0 if it is unknown): the next update_request starts
@@ -316,9 +337,12 @@ class OffloadingScheduler {
     std::uint64_t validation_stamp = 0;  // build_connector_meta call that last listed it
     bool scheduled_before = false;  // a block table was recorded (since the last preemption)
     bool finished = false;
+    bool idle = false;              // in idle_ (id_hash): see IdleSet
+    std::uint64_t id_hash = 0;      // IdleSet::hash_of(id)
   };
   struct Job {
     TransferJob job;
+    Request* request = nullptr;  // its request (alive while the job is: see erase_if_done)
     std::uint32_t reports = 0;
     std::uint32_t new_reports = 0;  // update_connector_output's count while it validates
     bool failed = false;
@@ -359,13 +383,14 @@ class OffloadingScheduler {
                           std::string_view request_id) const;
   std::vector<TransferJob> make_jobs(std::string_view request_id, bool is_store,
                                      std::vector<Segment>& segments);
-  JobId add_job(TransferJob job);
+  JobId add_job(TransferJob job, Request& r);
   /// Records that the engine (re)allocated GPU block `block_id` this step: later remembered
   /// uses of it are stale, and in-flight jobs on it go to meta.jobs_to_flush.
-  void mark_allocated(std::int64_t block_id, ConnectorMeta& meta);
+  void mark_allocated(std::int64_t block_id, std::vector<JobId>& flush);
   void register_fences(const TransferJob& job);
   void clear_fences(const TransferJob& job);
-  void build_stores(Request& r, std::int64_t tokens_after, std::vector<TransferJob>& out);
+  void build_stores(Request& r, std::int64_t tokens_after,
+                    std::vector<const TransferJob*>& out);
   /// Drops one load's hold on each of `keys` in loading_keys_ (its load completed or was
   /// cancelled).
   void unpin_loading(const KeyList& keys);
@@ -386,12 +411,57 @@ class OffloadingScheduler {
     }
   };
   std::unordered_map<std::string, Request, IdHash, std::equal_to<>> requests_;
+  /// Requests that need nothing in a step unless they get new blocks or complete an offloaded
+  /// block ("idle"): the 64-bit hashes of their ids, in a flat open-addressing table (linear
+  /// probing, backward-shift deletion), with the last build_connector_meta call that listed
+  /// each. A decode step checks most running requests here, without touching their records.
+  class IdleSet {
+   public:
+    /// The entry of `hash` (nullptr when absent). Hashes are never 0 (see hash_of).
+    std::uint64_t* stamp_of(std::uint64_t hash) noexcept;
+    void insert(std::uint64_t hash);
+    void erase(std::uint64_t hash) noexcept;
+    std::size_t size() const noexcept { return size_; }
+    /// std::hash of the id, 0 mapped to 1 (0 marks an empty entry).
+    static std::uint64_t hash_of(std::string_view id) noexcept;
+
+   private:
+    struct Entry {
+      std::uint64_t hash = 0;
+      std::uint64_t stamp = 0;
+    };
+    std::vector<Entry> entries_ = std::vector<Entry>(64);  // a power of two
+    std::size_t size_ = 0;
+  };
+  IdleSet idle_;
+  void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
   // key -> loads in flight (looked up by views, without a copy)
   std::unordered_map<std::string, std::uint32_t, IdHash, std::equal_to<>> loading_keys_;
-  KeyList store_keys_;              // build_stores' scratch (memory kept between calls)
+  // build_stores' scratch (memory kept between calls: a store job costs no allocation here)
+  struct StoreItem {
+    std::int64_t j;          // offloaded block index
+    std::size_t g;           // KV cache group
+    std::int64_t first_sub;  // first sub-block stored
+    std::uint32_t slot;      // CPU slot prepare_store gave it (kNoSlot: already held)
+    std::size_t run;         // its run in store_runs_ (items of groups interleave)
+  };
+  struct StoreRun {  // consecutive stored items of one group, within [begin, end) of store_items_
+    std::size_t g;
+    std::size_t begin;
+    std::size_t end;
+    std::size_t rank;  // runs of its group before it (the job it goes to)
+  };
+  KeyList store_keys_;
   std::vector<std::string_view> store_key_views_;
+  std::vector<std::string_view> report_key_views_;  // update_connector_output's scratch
+  std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
+  std::vector<StoreItem> store_items_;
+  std::vector<StoreRun> store_runs_;
+  std::vector<std::size_t> store_open_;  // per group: its open run + 1 (0: none)
+  std::vector<std::size_t> store_rank_;  // per group: runs so far
+  std::vector<std::size_t> store_by_rank_;  // per (job, group): its run + 1 (0: none)
   std::vector<std::uint32_t> alloc_step_;  // per GPU block: step of its last allocation
   std::vector<JobId> store_fence_;         // per GPU block: newest in-flight store reading it
   std::vector<JobId> load_fence_;          // per GPU block: newest in-flight load writing it
