@@ -97,6 +97,9 @@ class VsVllmParams:
         output_tokens: mean tokens generated per request.
         prefixes_per_request: distinct shared prefixes per running request.
         steps: timed engine steps per configuration (after the warm-up that fills the batch).
+        rounds: runs of every configuration per running count, in alternating order
+            (kvoff, vLLM, none, then none, vLLM, kvoff, ...): the machine's noise over tens of
+            seconds hits every configuration alike; medians over rounds are reported.
         manager_blocks: CPU pool slots of the manager measurement.
         manager_batch: keys per manager call.
         manager_rounds: timed rounds of the manager measurement.
@@ -109,6 +112,7 @@ class VsVllmParams:
     output_tokens: int = 128
     prefixes_per_request: int = 2
     steps: int = 64
+    rounds: int = 3
     manager_blocks: int = 100_000
     manager_batch: int = 32
     manager_rounds: int = 3000
@@ -116,7 +120,7 @@ class VsVllmParams:
 
     def __post_init__(self) -> None:
         names = ("block_size", "prompt_tokens", "output_tokens", "prefixes_per_request")
-        names += ("steps", "manager_blocks", "manager_batch", "manager_rounds")
+        names += ("steps", "rounds", "manager_blocks", "manager_batch", "manager_rounds")
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"VsVllmParams.{name} must be >= 1, got {getattr(self, name)}")
@@ -444,8 +448,13 @@ def bench_steps_vs_vllm(
     p: VsVllmParams, log: Callable[[str], None] | None = None
 ) -> list[dict[str, Any]]:
     """The per-step measurement for every ``p.running``: one entry per running count with the
-    three configurations (``kvoff``, ``vllm_offloading``, ``none``), ``same_schedule`` and
-    ``vllm_vs_kvoff`` (vLLM connector µs / kvoff connector µs per step).
+    three configurations (``kvoff``, ``vllm_offloading``, ``none``), each run ``p.rounds``
+    times in alternating order. Per configuration: the round with the median ``connector_us``
+    (its hooks, stats, step time), plus ``connector_us_rounds`` (every round's median µs per
+    step, in run order). ``vllm_vs_kvoff``: the median over rounds of vLLM's connector µs per
+    step over the median of kvoff's; ``vllm_vs_kvoff_rounds``: the ratio within each round
+    (the two runs next to each other in time). ``same_schedule``: every run of both
+    connectors scheduled the same tokens at every step.
 
     Raises:
         RuntimeError: the request stream ran dry (a parameter mix that never fills the batch).
@@ -454,19 +463,36 @@ def bench_steps_vs_vllm(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     entries = []
     for running in p.running:
-        runs = {}
-        for connector in CONNECTORS:
-            if log:
-                log(f"steps: {running} running requests, connector {connector}")
-            runs[connector] = _drive(connector, running, p)
-        schedules = {c: r.pop("_schedule") for c, r in runs.items()}
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONNECTORS}
+        schedules: dict[str, list[Any]] = {c: [] for c in CONNECTORS}
+        for k in range(p.rounds):
+            for connector in CONNECTORS if k % 2 == 0 else tuple(reversed(CONNECTORS)):
+                if log:
+                    log(f"steps: {running} running requests, connector {connector}, "
+                        f"round {k + 1}/{p.rounds}")  # fmt: skip
+                result = _drive(connector, running, p)
+                schedules[connector].append(result.pop("_schedule"))
+                runs[connector].append(result)
+        configurations = {}
+        for c, results in runs.items():
+            us = [r["connector_us"] for r in results]
+            chosen = sorted(results, key=lambda r: r["connector_us"])[(len(results) - 1) // 2]
+            configurations[c] = {**chosen, "connector_us_rounds": us}
         kv, vl = runs["kvoff"], runs["vllm_offloading"]
+        reference = schedules["kvoff"][0]
         entries.append(
             {
                 "running": running,
-                "configurations": runs,
-                "same_schedule": schedules["kvoff"] == schedules["vllm_offloading"],
-                "vllm_vs_kvoff": vl["connector_us"] / max(kv["connector_us"], 1e-9),
+                "configurations": configurations,
+                "same_schedule": all(
+                    s == reference for c in ("kvoff", "vllm_offloading") for s in schedules[c]
+                ),
+                "vllm_vs_kvoff": statistics.median(r["connector_us"] for r in vl)
+                / max(statistics.median(r["connector_us"] for r in kv), 1e-9),
+                "vllm_vs_kvoff_rounds": [
+                    v["connector_us"] / max(k["connector_us"], 1e-9)
+                    for k, v in zip(kv, vl, strict=True)
+                ],
             }
         )
     return entries
@@ -598,7 +624,8 @@ def format_vs_vllm(document: dict[str, Any]) -> str:
     lines = [
         "Scheduler cost per engine step (median us; a real vLLM Scheduler, no model)",
         f"{'running':>8} {'kvoff conn':>11} {'vLLM conn':>10} {'vLLM/kvoff':>11} "
-        f"{'step kvoff':>11} {'step vLLM':>10} {'step none':>10} {'same sched':>11}",
+        f"{'step kvoff':>11} {'step vLLM':>10} {'step none':>10} {'same sched':>11}  "
+        "vLLM/kvoff per round",
     ]
     for e in document["steps"]:
         c = e["configurations"]
@@ -606,7 +633,8 @@ def format_vs_vllm(document: dict[str, Any]) -> str:
             f"{e['running']:>8} {c['kvoff']['connector_us']:>11.1f} "
             f"{c['vllm_offloading']['connector_us']:>10.1f} {e['vllm_vs_kvoff']:>10.1f}x "
             f"{c['kvoff']['step_us']:>11.1f} {c['vllm_offloading']['step_us']:>10.1f} "
-            f"{c['none']['step_us']:>10.1f} {e['same_schedule']!s:>11}"
+            f"{c['none']['step_us']:>10.1f} {e['same_schedule']!s:>11}  "
+            + " ".join(f"{r:.1f}x" for r in e.get("vllm_vs_kvoff_rounds", ()))
         )
     m = document.get("manager")
     if m:

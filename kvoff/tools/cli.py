@@ -411,6 +411,14 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         + ")",
     )
     sp.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --vs-vllm: runs of each configuration per running count, in alternating "
+        "order; medians over rounds are reported (default: 3)",
+    )
+    sp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
     _add_bench_transfer_parser(bench_sub)
@@ -632,6 +640,7 @@ def _bench_vs_vllm(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         steps=args.decode_steps,
         seed=args.seed,
         **({"running": tuple(args.running)} if args.running else {}),
+        **({"rounds": args.rounds} if args.rounds else {}),
     )
     run_vs_vllm(
         params,
@@ -683,8 +692,8 @@ def _bench_tiers(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.vs_vllm:
         return _bench_vs_vllm(args, argv)
-    if args.running is not None:
-        raise ValueError("--running applies to --vs-vllm only")
+    if args.running is not None or args.rounds is not None:
+        raise ValueError("--running and --rounds apply to --vs-vllm only")
     from kvoff.tools.bench import (
         DEFAULT_POOL_SIZES,
         DEFAULT_STEP_SHAPES,

@@ -44,11 +44,17 @@ def test_replay_engine_vllm_rejects_simulator_flags() -> None:
 def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
     from kvoff.tools.bench_vllm import VsVllmParams, bench_manager_vs_vllm, bench_steps_vs_vllm
 
-    p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=64,
+    p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=64, rounds=2,
                      manager_blocks=2048, manager_rounds=20)  # fmt: skip
     (entry,) = bench_steps_vs_vllm(p)
-    assert entry["same_schedule"] is True
+    assert entry["same_schedule"] is True  # every round of both connectors
     kv, vl = entry["configurations"]["kvoff"], entry["configurations"]["vllm_offloading"]
+    assert len(kv["connector_us_rounds"]) == len(vl["connector_us_rounds"]) == 2
+    assert kv["connector_us"] in kv["connector_us_rounds"]  # a measured round, the median one
+    # two rounds: the ratio of the medians (means of two) lies between the rounds' ratios
+    ratios = entry["vllm_vs_kvoff_rounds"]
+    assert len(ratios) == 2
+    assert min(ratios) * 0.9999 <= entry["vllm_vs_kvoff"] <= max(ratios) * 1.0001
     assert kv["hit_tokens"]["connector"] > 0  # the stream makes the connectors load
     assert kv["hit_tokens"]["connector"] == vl["hit_tokens"]["connector"]
     assert kv["connector_us"] > 0 and vl["connector_us"] > 0
