@@ -189,6 +189,14 @@ std::uint32_t CPUOffloadingManager::pin_count(std::string_view key) const noexce
   return slot == KeyIndex::kNotFound ? 0 : pins_bits(index_.payload(slot));
 }
 
+std::pair<BlockState, std::uint32_t> CPUOffloadingManager::state_and_pins(
+    std::string_view key) const noexcept {
+  const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
+  if (slot == KeyIndex::kNotFound) return {BlockState::kMissing, 0};
+  const std::uint64_t p = index_.payload(slot);
+  return {state_bits(p), pins_bits(p)};
+}
+
 std::optional<std::uint32_t> CPUOffloadingManager::block_id(std::string_view key) const noexcept {
   const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
   if (slot == KeyIndex::kNotFound) {

@@ -357,10 +357,11 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
     std::int8_t& s = status[g][static_cast<std::size_t>(j - c0)];
     if (s < 0) {
       const std::string_view key = key_in(buf, r, j, g);
-      const BlockState st = manager_.state(key);
+      // A pin is a load in flight: this scheduler's manager is pinned by its loads only.
+      const auto [st, pins] = manager_.state_and_pins(key);
       if (st == BlockState::kMissing) {
         s = 0;
-      } else if (st == BlockState::kPending || loading_keys_.contains(key)) {
+      } else if (st == BlockState::kPending || pins > 0) {
         s = 2;
       } else {
         s = 1;
@@ -552,11 +553,6 @@ void OffloadingScheduler::update_state_after_alloc(
   KeyList touch_keys;
   for (const auto& [j, g] : touched) append_key(touch_keys, r, j, g);
   manager_.touch(views_of(touch_keys));
-  for (const std::string_view k : keys) {
-    auto it = loading_keys_.find(k);
-    if (it == loading_keys_.end()) it = loading_keys_.emplace(std::string(k), 0).first;
-    ++it->second;  // undone by unpin_loading when the load completes or is cancelled
-  }
   for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
     r.unemitted_loads.push_back(add_job(std::move(job), r));
     pending_loads_.push_back(r.unemitted_loads.back());
@@ -567,20 +563,12 @@ void OffloadingScheduler::update_state_after_alloc(
   r.match.reset();
 }
 
-void OffloadingScheduler::unpin_loading(const KeyList& keys) {
-  for (const std::string_view k : keys) {
-    auto lk = loading_keys_.find(k);
-    if (lk != loading_keys_.end() && --lk->second == 0) loading_keys_.erase(lk);
-  }
-}
-
 void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
   for (const JobId id : r.unemitted_loads) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;
     const auto keys = views_of(it->second.job.keys);
     manager_.complete_load(keys);
-    unpin_loading(it->second.job.keys);
     jobs_.erase(it);
     std::erase(pending_loads_, id);
   }
@@ -949,6 +937,13 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     }
   }
   ConnectorOutput out;
+  // The keys of every successful store complete in one manager call at the end (one pass over
+  // the index, its misses overlapped); their jobs are erased after it (the views point into
+  // them). Scratch vectors keep their memory between calls.
+  std::vector<std::string_view>& stored = report_stored_views_;
+  std::vector<JobId>& completed = report_completed_;
+  stored.clear();
+  completed.clear();
   for (std::size_t i = 0; i < reports.size(); ++i) {
     const JobReport& rep = reports[i];
     Job& j = *resolved[i];  // still there: a job is erased only at its last report
@@ -958,10 +953,14 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     const TransferJob& job = j.job;
     clear_fences(job);
     Request& r = *j.request;
-    std::vector<std::string_view>& keys = report_key_views_;  // scratch: memory kept
+    std::vector<std::string_view>& keys = report_key_views_;
     keys.assign(job.keys.begin(), job.keys.end());
     if (job.is_store) {
-      manager_.complete_store(keys, !j.failed);  // a failed store frees its slots
+      if (j.failed) {
+        manager_.complete_store(keys, false);  // a failed store frees its slots
+      } else {
+        stored.insert(stored.end(), keys.begin(), keys.end());
+      }
       --r.stores_in_flight;
     } else {
       manager_.complete_load(keys);
@@ -970,7 +969,6 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
         // fail the same way), so that the engine recomputes them and stores them anew.
         stats_.blocks_discarded += manager_.discard(keys);
       }
-      unpin_loading(job.keys);
       --r.loads_in_flight;
       r.load_failed = r.load_failed || j.failed;
       if (r.loads_in_flight == 0 && !r.finished) {
@@ -983,13 +981,15 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       out.failed_jobs.push_back(job.job_id);
       ++stats_.failed_jobs;
     }
-    jobs_.erase(rep.job_id);
+    completed.push_back(rep.job_id);
     if (r.finished && r.loads_in_flight == 0 && r.stores_in_flight == 0) {
       out.finished_storing.push_back(r.id);  // request_finished returned true for it
       set_idle(r, false);
       requests_.erase(requests_.find(r.id));
     }
   }
+  if (!stored.empty()) manager_.complete_store(stored, true);
+  for (const JobId id : completed) jobs_.erase(id);
   return out;
 }
 

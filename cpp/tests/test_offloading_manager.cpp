@@ -9,6 +9,7 @@
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "kvoff/offloading_manager.h"
@@ -69,6 +70,8 @@ Snapshot snap(const CPUOffloadingManager& m, const Keys& keys) {
   for (auto k : keys) {
     s.states.push_back(static_cast<int>(m.state(k)));
     s.pins.push_back(m.pin_count(k));
+    // the scheduler's one-lookup query agrees with the two separate ones in every state
+    EXPECT_EQ(m.state_and_pins(k), std::make_pair(m.state(k), m.pin_count(k))) << k;
   }
   return s;
 }

@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvoff/block_pool.h"
@@ -166,6 +167,8 @@ class CPUOffloadingManager {
   BlockState state(std::string_view key) const noexcept;
   /// Pin count of `key` (loads in flight); 0 when not ready.
   std::uint32_t pin_count(std::string_view key) const noexcept;
+  /// state(key) and pin_count(key) from one index lookup.
+  std::pair<BlockState, std::uint32_t> state_and_pins(std::string_view key) const noexcept;
   /// CPU block id of a held key, or std::nullopt.
   std::optional<std::uint32_t> block_id(std::string_view key) const noexcept;
 

@@ -391,9 +391,6 @@ class OffloadingScheduler {
   void clear_fences(const TransferJob& job);
   void build_stores(Request& r, std::int64_t tokens_after,
                     std::vector<const TransferJob*>& out);
-  /// Drops one load's hold on each of `keys` in loading_keys_ (its load completed or was
-  /// cancelled).
-  void unpin_loading(const KeyList& keys);
   void cancel_unemitted_loads(Request& r);
   void release(Request& r);
   void erase_if_done(std::string_view request_id);
@@ -437,8 +434,6 @@ class OffloadingScheduler {
   void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
-  // key -> loads in flight (looked up by views, without a copy)
-  std::unordered_map<std::string, std::uint32_t, IdHash, std::equal_to<>> loading_keys_;
   // build_stores' scratch (memory kept between calls: a store job costs no allocation here)
   struct StoreItem {
     std::int64_t j;          // offloaded block index
@@ -455,7 +450,11 @@ class OffloadingScheduler {
   };
   KeyList store_keys_;
   std::vector<std::string_view> store_key_views_;
-  std::vector<std::string_view> report_key_views_;  // update_connector_output's scratch
+  // update_connector_output's scratch: one job's keys; every successful store's keys; the
+  // jobs completed (erased once the stores are)
+  std::vector<std::string_view> report_key_views_;
+  std::vector<std::string_view> report_stored_views_;
+  std::vector<JobId> report_completed_;
   std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
   std::vector<StoreItem> store_items_;
   std::vector<StoreRun> store_runs_;
