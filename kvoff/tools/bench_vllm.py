@@ -23,7 +23,9 @@ Two measurements:
   room for only 8 requests beyond the batch, so the engine's prefix cache has lost it by then
   while the CPU pool (sized to hold every block of the run: no eviction) still has it: the
   connectors find hits, load and store. The schedules of the two connectors are
-  compared step by step (``same_schedule``): equal hits give equal schedules.
+  compared step by step (``same_schedule``): equal hits give equal schedules. Every
+  configuration runs ``rounds`` times in alternating order (the shared machine's speed drifts
+  over tens of seconds); medians over rounds and each round's ratio are reported.
 * **Manager calls** (``manager``): the CPU pool's manager through Python with calls of
   ``batch`` keys on a full pool of ``num_blocks``: per round, ``lookup`` of ``batch`` held keys,
   ``touch`` of them, ``prepare_store`` of ``batch`` new keys (evicting as many) and
