@@ -4,6 +4,7 @@
 // IndexError (std::out_of_range).
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -577,14 +578,37 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   PyObject** block_items = PySequence_Fast_ITEMS(blocks.ptr());
   PyObject** computed_items = PySequence_Fast_ITEMS(computed.ptr());
   std::vector<kvoff::ScheduledRequest> reqs(static_cast<std::size_t>(n));
+  // The engine's objects are scattered and mostly out of cache by now: the id and count of the
+  // request kPrefetchAhead positions on are fetched while this one is read, so that the misses
+  // overlap instead of queueing one after the other.
+  constexpr Py_ssize_t kPrefetchAhead = 8;
+  for (Py_ssize_t i = 0; i < std::min(n, kPrefetchAhead); ++i) {
+    __builtin_prefetch(id_items[i]);
+    __builtin_prefetch(computed_items[i]);
+  }
+  // vLLM fills num_scheduled_tokens in scheduling order (running requests first): the dict's
+  // next entry is tried first (its key compared by identity, no hashing or probing), then a
+  // lookup.
+  Py_ssize_t dict_pos = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) {
+      __builtin_prefetch(id_items[i + kPrefetchAhead]);
+      __builtin_prefetch(computed_items[i + kPrefetchAhead]);
+    }
     PyObject* id_obj = id_items[i];
     kvoff::ScheduledRequest& s = reqs[static_cast<std::size_t>(i)];
     const std::string_view id = id_view(id_obj, Where{"request_ids"}.at(i));
     s.num_computed_tokens = to_int64(computed_items[i], Where{"num_computed_tokens"}.at(i));
     if (scheduled_dict != nullptr) {
-      PyObject* v = PyDict_GetItemWithError(scheduled_dict, id_obj);
-      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      PyObject* key = nullptr;
+      PyObject* v = nullptr;
+      Py_ssize_t next = dict_pos;
+      if (PyDict_Next(scheduled_dict, &next, &key, &v) && key == id_obj) {
+        dict_pos = next;
+      } else {
+        v = PyDict_GetItemWithError(scheduled_dict, id_obj);
+        if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      }
       s.num_scheduled_tokens = v == nullptr ? 0 : to_int64(v, "num_scheduled_tokens");
     } else {
       s.num_scheduled_tokens = to_int64(PySequence_Fast_GET_ITEM(scheduled_seq.ptr(), i),
@@ -908,13 +932,28 @@ void bind(py::module_& m) {
             if (now == before) {
               return py::make_tuple(py::none(), py::reinterpret_borrow<py::object>(seen));
             }
+            // the names as interned str objects, made once (a stats call per engine step)
+            static const std::array<PyObject*, n> names = [] {
+              std::array<PyObject*, n> out{};
+              for (std::size_t i = 0; i < n; ++i) {
+                out[i] = PyUnicode_InternFromString(kCounterNames[i]);
+                if (out[i] == nullptr) throw py::error_already_set();
+              }
+              return out;
+            }();
             py::dict delta;
             py::tuple now_t(n);
             for (std::size_t i = 0; i < n; ++i) {
               PyObject* v = PyLong_FromUnsignedLongLong(now[i]);
               if (v == nullptr) throw py::error_already_set();
               PyTuple_SET_ITEM(now_t.ptr(), static_cast<Py_ssize_t>(i), v);
-              if (now[i] != before[i]) delta[kCounterNames[i]] = now[i] - before[i];
+              if (now[i] != before[i]) {
+                py::object d = py::reinterpret_steal<py::object>(
+                    PyLong_FromUnsignedLongLong(now[i] - before[i]));
+                if (!d || PyDict_SetItem(delta.ptr(), names[i], d.ptr()) < 0) {
+                  throw py::error_already_set();
+                }
+              }
             }
             return py::make_tuple(std::move(delta), std::move(now_t));
           },

@@ -477,7 +477,39 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
     set_mark(p, stamp);
     scratch_new_.push_back(slot);
   }
+  finish_stores(success);
+}
 
+void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> block_ids,
+                                                 bool success) {
+  const std::uint32_t stamp = next_stamp();
+  scratch_new_.clear();  // the distinct slots of the call
+  for (std::size_t i = 0; i < block_ids.size(); ++i) {
+    const std::uint32_t slot = block_ids[i];
+    if (slot >= index_.num_slots() || !policy_->contains(slot) ||
+        state_bits(index_.payload(slot)) != BlockState::kPending) {
+      const bool held = slot < index_.num_slots() && policy_->contains(slot);
+      throw std::invalid_argument(
+          "complete_store_blocks: block_ids[" + std::to_string(i) + "] = " +
+          std::to_string(slot) + " is " +
+          (slot >= index_.num_slots()
+               ? "outside [0, num_blocks=" + std::to_string(index_.num_slots()) + ")"
+               : held ? describe_state(state_bits(index_.payload(slot))) + ", not pending"
+                      : std::string("a free block")) +
+          "; pass the block_ids of a prepare_store whose store has not completed. Nothing was "
+          "changed.");
+    }
+    std::uint64_t& p = index_.payload(slot);
+    if (mark_bits(p) == stamp) {
+      continue;  // repeated in this call: finish it once
+    }
+    set_mark(p, stamp);
+    scratch_new_.push_back(slot);
+  }
+  finish_stores(success);
+}
+
+void CPUOffloadingManager::finish_stores(bool success) {
   const auto n = static_cast<std::uint32_t>(scratch_new_.size());
   if (success) {
     std::vector<std::string> stored;

@@ -84,6 +84,10 @@ std::uint64_t OffloadingScheduler::IdleSet::hash_of(std::string_view id) noexcep
   return h == 0 ? 1 : h;
 }
 
+void OffloadingScheduler::IdleSet::prefetch(std::uint64_t hash) const noexcept {
+  __builtin_prefetch(&entries_[hash & (entries_.size() - 1)]);
+}
+
 std::uint64_t* OffloadingScheduler::IdleSet::stamp_of(std::uint64_t hash) noexcept {
   const std::size_t mask = entries_.size() - 1;
   for (std::size_t i = hash & mask;; i = (i + 1) & mask) {
@@ -772,14 +776,27 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
   {
     ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
     const std::int64_t obs = offloaded_block_size_;
+    // An idle request (see IdleSet) that gets no new block and completes no offloaded block
+    // needs nothing this step: it is not looked up at all. The idle table's entries of those
+    // that may be idle are fetched first, all at once (the misses overlap).
+    std::vector<std::uint64_t>& idle_hashes = idle_hashes_;  // 0: cannot be idle this step
+    idle_hashes.assign(scheduled.size(), 0);
+    if (idle_.size() != 0) {
+      for (std::size_t i = 0; i < scheduled.size(); ++i) {
+        const ScheduledRequest& s = scheduled[i];
+        if (s.new_block_ids.empty() && !s.resumed_from_preemption &&
+            s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
+            s.num_scheduled_tokens < obs &&
+            (s.num_computed_tokens + s.num_scheduled_tokens) / obs ==
+                s.num_computed_tokens / obs) {
+          idle_hashes[i] = IdleSet::hash_of(s.request_id);
+          idle_.prefetch(idle_hashes[i]);
+        }
+      }
+    }
     for (const auto& s : scheduled) {
-      // An idle request (see IdleSet) that gets no new block and completes no offloaded block
-      // needs nothing this step: it is not looked up at all.
-      if (s.new_block_ids.empty() && !s.resumed_from_preemption && idle_.size() != 0 &&
-          s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
-          s.num_scheduled_tokens < obs &&
-          (s.num_computed_tokens + s.num_scheduled_tokens) / obs == s.num_computed_tokens / obs) {
-        if (std::uint64_t* stamp = idle_.stamp_of(IdleSet::hash_of(s.request_id))) {
+      if (const std::uint64_t h = idle_hashes[static_cast<std::size_t>(&s - scheduled.data())]) {
+        if (std::uint64_t* stamp = idle_.stamp_of(h)) {
           if (*stamp == validation_stamp_) {
             throw std::invalid_argument(
                 hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
@@ -937,10 +954,10 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     }
   }
   ConnectorOutput out;
-  // The keys of every successful store complete in one manager call at the end (one pass over
-  // the index, its misses overlapped); their jobs are erased after it (the views point into
-  // them). Scratch vectors keep their memory between calls.
-  std::vector<std::string_view>& stored = report_stored_views_;
+  // The blocks of every successful store complete in one manager call at the end, by their CPU
+  // slots (a pending block cannot move: no key is hashed or looked up again). Scratch vectors
+  // keep their memory between calls.
+  std::vector<std::uint32_t>& stored = report_stored_slots_;
   std::vector<JobId>& completed = report_completed_;
   stored.clear();
   completed.clear();
@@ -953,16 +970,16 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     const TransferJob& job = j.job;
     clear_fences(job);
     Request& r = *j.request;
-    std::vector<std::string_view>& keys = report_key_views_;
-    keys.assign(job.keys.begin(), job.keys.end());
     if (job.is_store) {
       if (j.failed) {
-        manager_.complete_store(keys, false);  // a failed store frees its slots
+        manager_.complete_store_blocks(job.cpu_block_ids, false);  // frees its slots
       } else {
-        stored.insert(stored.end(), keys.begin(), keys.end());
+        stored.insert(stored.end(), job.cpu_block_ids.begin(), job.cpu_block_ids.end());
       }
       --r.stores_in_flight;
     } else {
+      std::vector<std::string_view>& keys = report_key_views_;
+      keys.assign(job.keys.begin(), job.keys.end());
       manager_.complete_load(keys);
       if (j.failed) {
         // The blocks could not be read: never offer them again (a retry of the request would
@@ -988,7 +1005,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       requests_.erase(requests_.find(r.id));
     }
   }
-  if (!stored.empty()) manager_.complete_store(stored, true);
+  if (!stored.empty()) manager_.complete_store_blocks(stored, true);
   for (const JobId id : completed) jobs_.erase(id);
   return out;
 }

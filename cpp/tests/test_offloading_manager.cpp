@@ -448,6 +448,49 @@ TEST(BadInput, CompleteStoreOfKeyNotPendingChangesNothing) {
   EXPECT_THROW(m.complete_store(K({"a"})), std::invalid_argument);  // already completed
 }
 
+// complete_store_blocks (by slot, as the scheduler completes its store jobs) behaves as
+// complete_store by key: ready and announced on success, freed and never a hit on failure,
+// repeats finished once; a slot that is out of range, free or not pending changes nothing.
+TEST(Invariant6, CompleteStoreBlocksEqualsCompleteStoreByKey) {
+  CPUOffloadingManager m(4, "lru", true);
+  store(m, K({"r"}));
+  (void)m.take_events();
+  auto p = m.prepare_store(K({"a", "b", "c"}));
+  ASSERT_TRUE(p);
+  ASSERT_EQ(p->block_ids.size(), 3u);
+  const std::uint32_t a = p->block_ids[0], b = p->block_ids[1], c = p->block_ids[2];
+  const std::uint32_t r = *m.block_id("r");
+  const Keys all = K({"a", "b", "c", "r"});
+  const Snapshot before = snap(m, all);
+  for (const bool success : {true, false}) {
+    const std::vector<std::uint32_t> ready{a, r}, outside{a, 4}, huge{b, 1u << 31};
+    EXPECT_THROW(m.complete_store_blocks(ready, success), std::invalid_argument);
+    EXPECT_THROW(m.complete_store_blocks(outside, success), std::invalid_argument);
+    EXPECT_THROW(m.complete_store_blocks(huge, success), std::invalid_argument);
+    EXPECT_EQ(snap(m, all), before);
+  }
+  EXPECT_TRUE(m.take_events().empty());
+  const std::vector<std::uint32_t> ok{a, b, a};  // a repeated: finished once
+  m.complete_store_blocks(ok, true);
+  EXPECT_EQ(m.lookup(K({"a", "b"})), 2u);
+  EXPECT_EQ(m.num_pending_blocks(), 1u);
+  EXPECT_EQ(m.num_stored_blocks(), 3u);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].keys, S({"a", "b"}));
+  EXPECT_FALSE(events[0].removed);
+  const std::vector<std::uint32_t> again{a};
+  EXPECT_THROW(m.complete_store_blocks(again, true), std::invalid_argument);  // ready now
+  const std::vector<std::uint32_t> failed{c};
+  m.complete_store_blocks(failed, false);
+  EXPECT_EQ(m.state("c"), BlockState::kMissing);
+  EXPECT_EQ(m.num_free_blocks(), 1u);
+  EXPECT_EQ(m.num_pending_blocks(), 0u);
+  EXPECT_TRUE(m.take_events().empty());  // a failed store is never announced
+  const std::vector<std::uint32_t> freed{c};
+  EXPECT_THROW(m.complete_store_blocks(freed, true), std::invalid_argument);  // a free slot
+}
+
 TEST(BadInput, EmptyKeyIsRejectedEverywhere) {
   CPUOffloadingManager m(2);
   store(m, K({"a"}));

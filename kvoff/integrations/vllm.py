@@ -542,11 +542,13 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         out = scheduler_output
         new = out.scheduled_new_reqs
         cached = out.scheduled_cached_reqs
-        # Columns straight from vLLM's lists (no per-request objects): new requests first.
+        # Columns straight from vLLM's lists (no per-request objects): the running requests
+        # first, in the order vLLM scheduled them (and filled num_scheduled_tokens), then the
+        # new ones; the core reads the dict's entries in that order without lookups.
         if new:
-            ids = [r.req_id for r in new] + cached.req_ids
-            blocks = [r.block_ids for r in new] + cached.new_block_ids
-            computed = [r.num_computed_tokens for r in new] + cached.num_computed_tokens
+            ids = cached.req_ids + [r.req_id for r in new]
+            blocks = cached.new_block_ids + [r.block_ids for r in new]
+            computed = cached.num_computed_tokens + [r.num_computed_tokens for r in new]
         else:
             ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         copies = out.kv_cache_block_copies

@@ -147,6 +147,14 @@ class CPUOffloadingManager {
   /// and its state).
   void complete_store(KeySpan keys, bool success = true);
 
+  /// complete_store by CPU block id (slot) instead of by key: the `block_ids` of a
+  /// PrepareStoreResult, e.g. the slots a store job kept. A pending block cannot move or be
+  /// evicted, so its slot names it as well as its key does, and no key is hashed or looked up.
+  /// A slot occurring several times is finished once.
+  /// Throws std::invalid_argument, changing nothing, when a slot is outside [0, num_blocks),
+  /// free, or not pending (naming it and its state).
+  void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success = true);
+
   /// Returns the events recorded since the last call, oldest first, and forgets them. Always
   /// empty when events are disabled.
   std::vector<OffloadingEvent> take_events();
@@ -199,6 +207,8 @@ class CPUOffloadingManager {
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
+  // complete_store's second half: finishes the distinct pending slots in scratch_new_.
+  void finish_stores(bool success);
   void record(std::vector<std::string> keys, bool removed);
   /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
   void note_recent(std::uint32_t slot) noexcept;

@@ -416,6 +416,8 @@ class OffloadingScheduler {
    public:
     /// The entry of `hash` (nullptr when absent). Hashes are never 0 (see hash_of).
     std::uint64_t* stamp_of(std::uint64_t hash) noexcept;
+    /// Starts fetching the cache line where the entry of `hash` would begin (a hint).
+    void prefetch(std::uint64_t hash) const noexcept;
     void insert(std::uint64_t hash);
     void erase(std::uint64_t hash) noexcept;
     std::size_t size() const noexcept { return size_; }
@@ -431,6 +433,7 @@ class OffloadingScheduler {
     std::size_t size_ = 0;
   };
   IdleSet idle_;
+  std::vector<std::uint64_t> idle_hashes_;  // build_connector_meta's scratch, per request
   void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
@@ -453,7 +456,7 @@ class OffloadingScheduler {
   // update_connector_output's scratch: one job's keys; every successful store's keys; the
   // jobs completed (erased once the stores are)
   std::vector<std::string_view> report_key_views_;
-  std::vector<std::string_view> report_stored_views_;
+  std::vector<std::uint32_t> report_stored_slots_;
   std::vector<JobId> report_completed_;
   std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
   std::vector<StoreItem> store_items_;
