@@ -330,6 +330,12 @@ bool CPUOffloadingManager::dedupe_insert(KeySpan keys, std::size_t index, std::u
 }
 
 std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan keys) {
+  PrepareStoreResult result;
+  if (!prepare_store(keys, result)) return std::nullopt;
+  return result;
+}
+
+bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& result) {
   validate_keys(keys, "prepare_store");
   const std::uint32_t stamp = next_stamp();
   find_all(keys);
@@ -368,7 +374,7 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   if (need > free) {
     const std::size_t to_evict = need - free;
     if (static_cast<std::size_t>(num_evictable_) - num_protected < to_evict) {
-      return std::nullopt;  // cheap refusal: not enough candidates, nothing scanned
+      return false;  // cheap refusal: not enough candidates, nothing scanned
     }
     // A slot may be evicted when its block is ready, unpinned and not a key of this call: one
     // read of the slot's record, which the recency log has usually prefetched already.
@@ -399,10 +405,12 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
   // Pass 3: commit. Evicted slots go straight to new keys (never through the free list): the
   // new keys take the victims' slots, last victim first, then free slots. This is the order a
   // LIFO free list would give after freeing the victims, without its traffic.
-  PrepareStoreResult result;
   result.store_indices.assign(scratch_new_.begin(), scratch_new_.end());
+  result.keys_to_store.clear();
   result.keys_to_store.reserve(need);
+  result.block_ids.clear();
   result.block_ids.reserve(need);
+  result.evicted_keys.clear();
   const std::size_t num_victims = scratch_victims_.size();
   result.evicted_keys.reserve(num_victims, keys.empty() ? 0 : num_victims * keys[0].size());
   // Software pipelines: the bucket of the victim (new key) kCommitAhead positions ahead is
@@ -451,7 +459,7 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
     note_recent(result.block_ids[j]);
   }
   num_pending_ += static_cast<std::uint32_t>(need);
-  return result;
+  return true;
 }
 
 void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {

@@ -454,6 +454,41 @@ std::vector<TransferJob> OffloadingScheduler::make_jobs(std::string_view request
   return jobs;
 }
 
+OffloadingScheduler::Job& OffloadingScheduler::new_store_job() {
+  const JobId id = next_job_id_++;
+  if (spare_jobs_.empty()) {
+    Job& j = jobs_[id];
+    j.job.job_id = id;
+    return j;
+  }
+  auto node = std::move(spare_jobs_.back());
+  spare_jobs_.pop_back();
+  node.key() = id;
+  Job& j = node.mapped();
+  TransferJob& t = j.job;  // emptied, memory kept
+  t.job_id = id;
+  t.request_id.clear();
+  t.is_store = false;
+  t.gpu_block_ids.clear();
+  t.group_sizes.clear();
+  t.block_indices.clear();
+  t.cpu_block_ids.clear();
+  t.keys.clear();
+  j.request = nullptr;
+  j.reports = 0;
+  j.new_reports = 0;
+  j.failed = false;
+  j.emitted = false;
+  return jobs_.insert(std::move(node)).position->second;
+}
+
+void OffloadingScheduler::retire_job(JobId id) {
+  auto node = jobs_.extract(id);
+  if (!node.empty() && node.mapped().job.is_store && spare_jobs_.size() < kMaxSpareJobs) {
+    spare_jobs_.push_back(std::move(node));
+  }
+}
+
 JobId OffloadingScheduler::add_job(TransferJob job, Request& r) {
   const JobId id = next_job_id_++;
   job.job_id = id;
@@ -620,17 +655,18 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   }
   auto& key_views = store_key_views_;
   key_views.assign(keys.begin(), keys.end());
-  auto result = manager_.prepare_store(key_views);
-  if (!result) {  // no room: nothing changed, retry next step (invariant 6)
+  PrepareStoreResult& result = store_result_;  // scratch: memory reused from call to call
+  if (!manager_.prepare_store(key_views, result)) {
+    // no room: nothing changed, retry next step (invariant 6)
     ++stats_.store_refusals;
     return;
   }
   r.next_store = full;
-  stats_.blocks_evicted += result->evicted_keys.size();
+  stats_.blocks_evicted += result.evicted_keys.size();
   manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
-  if (result->store_indices.empty()) return;
-  for (std::size_t i = 0; i < result->store_indices.size(); ++i) {
-    items[result->store_indices[i]].slot = result->block_ids[i];
+  if (result.store_indices.empty()) return;
+  for (std::size_t i = 0; i < result.store_indices.size(); ++i) {
+    items[result.store_indices[i]].slot = result.block_ids[i];
   }
   // Runs: per group, consecutive items that were stored and whose GPU blocks are contiguous
   // in the table (items are ordered by j, then g). An item already held ends its group's run.
@@ -683,8 +719,12 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
         ++num_cpu;
       }
     }
-    TransferJob job;
-    job.job_id = next_job_id_++;
+    // The scheduler keeps the job (completion needs its request, keys and GPU blocks); the
+    // caller reads it in place.
+    Job& kept = new_store_job();
+    kept.emitted = true;
+    kept.request = &r;
+    TransferJob& job = kept.job;
     job.request_id = r.id;
     job.is_store = true;
     job.group_sizes.assign(num_groups, 0);
@@ -715,12 +755,6 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
     ++stats_.store_jobs;
     register_fences(job);
     ++r.stores_in_flight;
-    // The scheduler keeps the job (completion needs its request, keys and GPU blocks); the
-    // caller reads it in place.
-    Job& kept = jobs_[job.job_id];
-    kept.emitted = true;
-    kept.request = &r;
-    kept.job = std::move(job);
     out.push_back(&kept.job);
   }
 }
@@ -1006,7 +1040,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     }
   }
   if (!stored.empty()) manager_.complete_store_blocks(stored, true);
-  for (const JobId id : completed) jobs_.erase(id);
+  for (const JobId id : completed) retire_job(id);
   return out;
 }
 

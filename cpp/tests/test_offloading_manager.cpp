@@ -491,6 +491,31 @@ TEST(Invariant6, CompleteStoreBlocksEqualsCompleteStoreByKey) {
   EXPECT_THROW(m.complete_store_blocks(freed, true), std::invalid_argument);  // a free slot
 }
 
+// prepare_store into a reused result gives what the optional form gives on a fresh manager,
+// whatever the result held before (evictions included), and refuses alike.
+TEST(Invariant6, PrepareStoreIntoAReusedResultEqualsTheFreshOne) {
+  CPUOffloadingManager a(3), b(3);
+  PrepareStoreResult reused;
+  for (const Keys& keys : {K({"a", "b"}), K({"b", "c", "d"}), K({"e"}), K({"d", "f", "g"})}) {
+    auto fresh = a.prepare_store(keys);
+    ASSERT_TRUE(fresh);
+    ASSERT_TRUE(b.prepare_store(keys, reused));
+    EXPECT_EQ(reused.store_indices, fresh->store_indices);
+    EXPECT_EQ(reused.keys_to_store, fresh->keys_to_store);
+    EXPECT_EQ(reused.block_ids, fresh->block_ids);
+    EXPECT_EQ(reused.evicted_keys, fresh->evicted_keys);
+    a.complete_store(fresh->keys_to_store);
+    b.complete_store(reused.keys_to_store);
+  }
+  const auto all = K({"a", "b", "c", "d", "e", "f", "g"});
+  EXPECT_EQ(snap(a, all), snap(b, all));
+  a.prepare_load(K({"d", "f", "g"}));
+  b.prepare_load(K({"d", "f", "g"}));
+  EXPECT_FALSE(a.prepare_store(K({"x"})));  // every block pinned
+  EXPECT_FALSE(b.prepare_store(K({"x"}), reused));
+  EXPECT_EQ(snap(a, all), snap(b, all));
+}
+
 TEST(BadInput, EmptyKeyIsRejectedEverywhere) {
   CPUOffloadingManager m(2);
   store(m, K({"a"}));

@@ -139,6 +139,10 @@ class CPUOffloadingManager {
   /// unpinned, not keys of this call) are fewer than the new keys.
   /// Throws std::invalid_argument, changing nothing, for an empty key.
   std::optional<PrepareStoreResult> prepare_store(KeySpan keys);
+  /// prepare_store into `result` (its vectors emptied first, their memory reused: a caller
+  /// that stores every step allocates nothing here). Returns false where the other returns
+  /// std::nullopt; `result` is then unspecified. Throws as the other.
+  bool prepare_store(KeySpan keys, PrepareStoreResult& result);
 
   /// Finishes the stores of pending keys: with `success` they become ready (lookup hits) and a
   /// BlockStored event lists them; without, they are dropped and their slots freed. A key

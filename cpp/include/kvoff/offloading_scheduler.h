@@ -436,6 +436,15 @@ class OffloadingScheduler {
   std::vector<std::uint64_t> idle_hashes_;  // build_connector_meta's scratch, per request
   void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
+  // Completed store jobs' map nodes, kept for the next ones: a node, its TransferJob's vectors
+  // and key buffer keep their memory, so a store job costs no allocation once the pool is warm
+  // (at most kMaxSpareJobs are kept).
+  std::vector<std::unordered_map<JobId, Job>::node_type> spare_jobs_;
+  static constexpr std::size_t kMaxSpareJobs = 4096;
+  /// A store job's record in jobs_ under a new id, emptied (from spare_jobs_ when it has one).
+  Job& new_store_job();
+  /// Erases a completed job, keeping its node in spare_jobs_.
+  void retire_job(JobId id);
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
   // build_stores' scratch (memory kept between calls: a store job costs no allocation here)
   struct StoreItem {
@@ -452,6 +461,7 @@ class OffloadingScheduler {
     std::size_t rank;  // runs of its group before it (the job it goes to)
   };
   KeyList store_keys_;
+  PrepareStoreResult store_result_;
   std::vector<std::string_view> store_key_views_;
   // update_connector_output's scratch: one job's keys; every successful store's keys; the
   // jobs completed (erased once the stores are)
