@@ -79,84 +79,36 @@ OffloadingScheduler::~OffloadingScheduler() = default;
 
 // ------------------------------------------------------------------------------ helpers
 
-std::uint64_t OffloadingScheduler::IdleSet::hash_of(std::string_view id) noexcept {
+std::uint64_t OffloadingScheduler::id_hash_of(std::string_view id) noexcept {
   const std::uint64_t h = std::hash<std::string_view>{}(id);
   return h == 0 ? 1 : h;
 }
 
-void OffloadingScheduler::IdleSet::prefetch(std::uint64_t hash) const noexcept {
-  __builtin_prefetch(&entries_[hash & (entries_.size() - 1)]);
-}
-
-std::uint64_t* OffloadingScheduler::IdleSet::stamp_of(std::uint64_t hash) noexcept {
-  const std::size_t mask = entries_.size() - 1;
-  for (std::size_t i = hash & mask;; i = (i + 1) & mask) {
-    Entry& e = entries_[i];
-    if (e.hash == hash) return &e.stamp;
-    if (e.hash == 0) return nullptr;
-  }
-}
-
-void OffloadingScheduler::IdleSet::insert(std::uint64_t hash) {
-  if (2 * (size_ + 1) > entries_.size()) {  // keep the load factor <= 1/2
-    std::vector<Entry> old(2 * entries_.size());
-    old.swap(entries_);
-    size_ = 0;
-    for (const Entry& e : old) {
-      if (e.hash != 0) insert(e.hash);
-    }
-  }
-  const std::size_t mask = entries_.size() - 1;
-  for (std::size_t i = hash & mask;; i = (i + 1) & mask) {
-    Entry& e = entries_[i];
-    if (e.hash == hash) return;
-    if (e.hash == 0) {
-      e = Entry{hash, 0};
-      ++size_;
-      return;
-    }
-  }
-}
-
-void OffloadingScheduler::IdleSet::erase(std::uint64_t hash) noexcept {
-  const std::size_t mask = entries_.size() - 1;
-  std::size_t i = hash & mask;
-  while (entries_[i].hash != hash) {
-    if (entries_[i].hash == 0) return;
-    i = (i + 1) & mask;
-  }
-  // Backward-shift deletion: move later entries of the run into the hole when their home
-  // position allows it, so lookups never need tombstones.
-  for (std::size_t j = (i + 1) & mask; entries_[j].hash != 0; j = (j + 1) & mask) {
-    const std::size_t home = entries_[j].hash & mask;
-    if (((j - home) & mask) >= ((j - i) & mask)) {
-      entries_[i] = entries_[j];
-      i = j;
-    }
-  }
-  entries_[i] = Entry{};
-  --size_;
-}
+namespace {
+constexpr auto kAnyEntry = [](const auto&) { return true; };
+}  // namespace
 
 void OffloadingScheduler::set_idle(Request& r, bool idle) {
   if (r.idle == idle) return;
   if (idle) {
-    idle_.insert(r.id_hash);
+    idle_.insert(r.id_hash, 0);
   } else {
-    idle_.erase(r.id_hash);
+    idle_.erase(r.id_hash, kAnyEntry);
   }
   r.idle = idle;
 }
 
 OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
-  auto it = requests_.find(request_id);
-  return it == requests_.end() ? nullptr : &it->second;
+  Request** r = request_index_.find(id_hash_of(request_id),
+                                    [request_id](const Request* x) { return x->id == request_id; });
+  return r == nullptr ? nullptr : *r;
 }
 
 const OffloadingScheduler::Request* OffloadingScheduler::find(
     std::string_view request_id) const noexcept {
-  auto it = requests_.find(request_id);
-  return it == requests_.end() ? nullptr : &it->second;
+  Request* const* r = request_index_.find(
+      id_hash_of(request_id), [request_id](const Request* x) { return x->id == request_id; });
+  return r == nullptr ? nullptr : *r;
 }
 
 std::size_t OffloadingScheduler::num_hashes(std::string_view request_id) const noexcept {
@@ -166,7 +118,14 @@ std::size_t OffloadingScheduler::num_hashes(std::string_view request_id) const n
 
 OffloadingScheduler::Request& OffloadingScheduler::get(std::string_view request_id,
                                                        const char* hook) {
-  Request* r = find(request_id);
+  return get(request_id, id_hash_of(request_id), hook);
+}
+
+OffloadingScheduler::Request& OffloadingScheduler::get(std::string_view request_id,
+                                                       std::uint64_t hash, const char* hook) {
+  Request** found =
+      request_index_.find(hash, [request_id](const Request* x) { return x->id == request_id; });
+  Request* r = found == nullptr ? nullptr : *found;
   if (r == nullptr) {
     throw std::invalid_argument(hook_error(
         hook, request_id,
@@ -307,10 +266,13 @@ void OffloadingScheduler::update_request(std::string_view request_id, std::size_
   Request* r = find(request_id);
   check_hashes(r, request_id, start, new_hashes, num_tokens, "update_request");
   if (r == nullptr) {
+    const std::uint64_t h = id_hash_of(request_id);
+    request_index_.reserve_one();  // first: a bad_alloc here changes nothing
     r = &requests_[std::string(request_id)];
     r->id = std::string(request_id);
-    r->id_hash = IdleSet::hash_of(request_id);
+    r->id_hash = h;
     r->table.resize(config_.groups.size());
+    request_index_.insert(h, r);
   }
   append_hashes(*r, start, new_hashes, num_tokens);
 }
@@ -810,27 +772,31 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
   {
     ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
     const std::int64_t obs = offloaded_block_size_;
-    // An idle request (see IdleSet) that gets no new block and completes no offloaded block
-    // needs nothing this step: it is not looked up at all. The idle table's entries of those
-    // that may be idle are fetched first, all at once (the misses overlap).
-    std::vector<std::uint64_t>& idle_hashes = idle_hashes_;  // 0: cannot be idle this step
-    idle_hashes.assign(scheduled.size(), 0);
-    if (idle_.size() != 0) {
-      for (std::size_t i = 0; i < scheduled.size(); ++i) {
-        const ScheduledRequest& s = scheduled[i];
-        if (s.new_block_ids.empty() && !s.resumed_from_preemption &&
-            s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
-            s.num_scheduled_tokens < obs &&
-            (s.num_computed_tokens + s.num_scheduled_tokens) / obs ==
-                s.num_computed_tokens / obs) {
-          idle_hashes[i] = IdleSet::hash_of(s.request_id);
-          idle_.prefetch(idle_hashes[i]);
-        }
+    // An idle request (see idle_) that gets no new block and completes no offloaded block
+    // needs nothing this step: it is not looked up at all. Every request's entry (in the idle
+    // set where it may be idle, else in the request index) is fetched first, all at once, so
+    // that the misses overlap.
+    std::vector<std::uint64_t>& hashes = step_hashes_;  // per request: its id's hash
+    std::vector<char>& maybe_idle = step_maybe_idle_;
+    hashes.resize(scheduled.size());
+    maybe_idle.assign(scheduled.size(), 0);
+    for (std::size_t i = 0; i < scheduled.size(); ++i) {
+      const ScheduledRequest& s = scheduled[i];
+      hashes[i] = id_hash_of(s.request_id);
+      if (idle_.size() != 0 && s.new_block_ids.empty() && !s.resumed_from_preemption &&
+          s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
+          s.num_scheduled_tokens < obs &&
+          (s.num_computed_tokens + s.num_scheduled_tokens) / obs == s.num_computed_tokens / obs) {
+        maybe_idle[i] = 1;
+        idle_.prefetch(hashes[i]);
+      } else {
+        request_index_.prefetch(hashes[i]);
       }
     }
     for (const auto& s : scheduled) {
-      if (const std::uint64_t h = idle_hashes[static_cast<std::size_t>(&s - scheduled.data())]) {
-        if (std::uint64_t* stamp = idle_.stamp_of(h)) {
+      const auto i = static_cast<std::size_t>(&s - scheduled.data());
+      if (maybe_idle[i] != 0) {
+        if (std::uint64_t* stamp = idle_.find(hashes[i], kAnyEntry)) {
           if (*stamp == validation_stamp_) {
             throw std::invalid_argument(
                 hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
@@ -840,7 +806,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
           continue;
         }
       }
-      Request& r = get(s.request_id, kHook);
+      Request& r = get(s.request_id, hashes[i], kHook);
       resolved.push_back(&r);
       if (hash_source && s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0) {
         // Pull hashes only when the blocks full after this step need more than are known (in
@@ -853,7 +819,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
                       r.hashes.size(), sink);
         }
       }
-      std::uint64_t* idle_stamp = r.idle ? idle_.stamp_of(r.id_hash) : nullptr;
+      std::uint64_t* idle_stamp = r.idle ? idle_.find(r.id_hash, kAnyEntry) : nullptr;
       if (r.validation_stamp == validation_stamp_ ||
           (idle_stamp != nullptr && *idle_stamp == validation_stamp_)) {
         throw std::invalid_argument(
@@ -1036,7 +1002,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     if (r.finished && r.loads_in_flight == 0 && r.stores_in_flight == 0) {
       out.finished_storing.push_back(r.id);  // request_finished returned true for it
       set_idle(r, false);
-      requests_.erase(requests_.find(r.id));
+      erase_request(r);
     }
   }
   if (!stored.empty()) manager_.complete_store_blocks(stored, true);
@@ -1055,11 +1021,16 @@ void OffloadingScheduler::release(Request& r) {
   for (auto& t : r.table) t.clear();
 }
 
+void OffloadingScheduler::erase_request(Request& r) {
+  request_index_.erase(r.id_hash, [&r](const Request* x) { return x == &r; });
+  requests_.erase(requests_.find(r.id));
+}
+
 void OffloadingScheduler::erase_if_done(std::string_view request_id) {
   Request* r = find(request_id);
   if (r != nullptr && r->finished && r->loads_in_flight == 0 && r->stores_in_flight == 0) {
     set_idle(*r, false);
-    requests_.erase(std::string(request_id));
+    erase_request(*r);
   }
 }
 

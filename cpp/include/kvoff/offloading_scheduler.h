@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvoff/key.h"
+#include "kvoff/flat_hash_table.h"
 #include "kvoff/offloading_manager.h"
 
 namespace kvoff {
@@ -337,8 +338,8 @@ class OffloadingScheduler {
     std::uint64_t validation_stamp = 0;  // build_connector_meta call that last listed it
     bool scheduled_before = false;  // a block table was recorded (since the last preemption)
     bool finished = false;
-    bool idle = false;              // in idle_ (id_hash): see IdleSet
-    std::uint64_t id_hash = 0;      // IdleSet::hash_of(id)
+    bool idle = false;              // in idle_ (id_hash)
+    std::uint64_t id_hash = 0;      // id_hash_of(id)
   };
   struct Job {
     TransferJob job;
@@ -357,9 +358,13 @@ class OffloadingScheduler {
     KeyList keys;
   };
 
+  /// Removes a request from requests_ and request_index_ (its jobs must be done).
+  void erase_request(Request& r);
   Request* find(std::string_view request_id) noexcept;
   const Request* find(std::string_view request_id) const noexcept;
   Request& get(std::string_view request_id, const char* hook);
+  /// get() with the id's hash already computed (id_hash_of).
+  Request& get(std::string_view request_id, std::uint64_t hash, const char* hook);
   /// Tokens after which no cached token is needed for group g (INT64_MAX for full attention).
   std::int64_t needed_tokens(std::size_t g) const noexcept;
   /// First sub-block (0..factor) of an offloaded block that lookups of group g can need.
@@ -408,32 +413,21 @@ class OffloadingScheduler {
     }
   };
   std::unordered_map<std::string, Request, IdHash, std::equal_to<>> requests_;
+  /// Every request in requests_ by the 64-bit hash of its id (id_hash_of), matched by id: one
+  /// or two adjacent cache lines per lookup instead of a bucket, a node and the key. Nodes of
+  /// requests_ never move, so the pointers stay valid until the request is erased.
+  detail::FlatHashTable<Request*> request_index_;
   /// Requests that need nothing in a step unless they get new blocks or complete an offloaded
-  /// block ("idle"): the 64-bit hashes of their ids, in a flat open-addressing table (linear
-  /// probing, backward-shift deletion), with the last build_connector_meta call that listed
-  /// each. A decode step checks most running requests here, without touching their records.
-  class IdleSet {
-   public:
-    /// The entry of `hash` (nullptr when absent). Hashes are never 0 (see hash_of).
-    std::uint64_t* stamp_of(std::uint64_t hash) noexcept;
-    /// Starts fetching the cache line where the entry of `hash` would begin (a hint).
-    void prefetch(std::uint64_t hash) const noexcept;
-    void insert(std::uint64_t hash);
-    void erase(std::uint64_t hash) noexcept;
-    std::size_t size() const noexcept { return size_; }
-    /// std::hash of the id, 0 mapped to 1 (0 marks an empty entry).
-    static std::uint64_t hash_of(std::string_view id) noexcept;
-
-   private:
-    struct Entry {
-      std::uint64_t hash = 0;
-      std::uint64_t stamp = 0;
-    };
-    std::vector<Entry> entries_ = std::vector<Entry>(64);  // a power of two
-    std::size_t size_ = 0;
-  };
-  IdleSet idle_;
-  std::vector<std::uint64_t> idle_hashes_;  // build_connector_meta's scratch, per request
+  /// block ("idle"): their ids' 64-bit hashes, with the last build_connector_meta call that
+  /// listed each (duplicate detection). A decode step checks most running requests here,
+  /// without touching their records (a 64-bit hash names the request: two live ids sharing
+  /// one are not told apart).
+  detail::FlatHashTable<std::uint64_t> idle_;
+  /// std::hash of a request id, 0 mapped to 1 (0 marks an empty table entry).
+  static std::uint64_t id_hash_of(std::string_view id) noexcept;
+  // build_connector_meta's scratch, per scheduled request: its id's hash; whether it may be idle
+  std::vector<std::uint64_t> step_hashes_;
+  std::vector<char> step_maybe_idle_;
   void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
   // Completed store jobs' map nodes, kept for the next ones: a node, its TransferJob's vectors
