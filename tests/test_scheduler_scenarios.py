@@ -536,3 +536,49 @@ def test_packed_jobs_equal_the_tuple_jobs_and_counters_delta() -> None:
         OffloadingScheduler.jobs_from_packed(packed, ("extra",))
     with pytest.raises(ValueError, match="int64"):
         OffloadingScheduler.jobs_from_packed(b"\0" * 12, ())
+
+
+def test_scheduled_token_counts_are_read_by_request_whatever_the_dict_order() -> None:
+    """The binding reads ``num_scheduled_tokens`` in the dict's own order (vLLM's scheduling
+    order), comparing keys by identity, and looks a request up where that order differs. The
+    same step gives the same jobs with the dict in the ids' order, reversed, shuffled with
+    holes and other requests' entries, keyed by equal but distinct str objects, or without a
+    request's entry (0 tokens: nothing stored for it); each request's count shows in its
+    stores, so a count read for the wrong request changes the jobs."""
+    import random
+
+    from kvoff.scheduler import OffloadingScheduler, Request
+
+    ids = [f"req-{i}" for i in range(6)]
+    counts = [4, 8, 12, 16, 20, 24]  # offloaded blocks full after the step: 1..6
+
+    def step(scheduled: dict[str, int], order: list[str]) -> tuple:
+        sim = EngineSim((FULL,), block_size=4, num_gpu_blocks=64, num_cpu_blocks=64)
+        s = sim.sched
+        tables = {}
+        for k, rid in enumerate(order):
+            req = Request(rid, [f"{rid}/{j}".encode() for j in range(6)], 24)
+            assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+            tables[rid] = [list(range(1 + 6 * k, 7 + 6 * k))]
+            s.update_state_after_alloc(req, tables[rid], 0)
+        packed, job_ids, _ = s.build_connector_meta_packed(
+            order, [tables[r] for r in order], [0] * len(order), scheduled
+        )
+        _, stores = OffloadingScheduler.jobs_from_packed(packed, job_ids)
+        return tuple(sorted((j.request_id, len(j.gpu.block_ids)) for j in stores))
+
+    expected = step(dict(zip(ids, counts, strict=True)), ids)
+    assert expected == tuple((rid, n // 4) for rid, n in zip(ids, counts, strict=True))
+    assert step(dict(reversed(list(zip(ids, counts, strict=True)))), ids) == expected
+    rng = random.Random(7)
+    shuffled = [*zip(ids, counts, strict=True), ("other-a", 4), ("other-b", 8)]
+    rng.shuffle(shuffled)
+    holed = dict([("gone", 1), *shuffled])
+    del holed["gone"]  # a deleted entry the in-order walk must step over
+    assert step(holed, ids) == expected
+    copies = {"".join(list(rid)): n for rid, n in zip(ids, counts, strict=True)}
+    assert all(a is not b for a, b in zip(copies, ids, strict=True))  # distinct objects
+    assert step(copies, ids) == expected
+    missing = dict(zip(ids, counts, strict=True))
+    del missing["req-3"]
+    assert step(missing, ids) == tuple(x for x in expected if x[0] != "req-3")
