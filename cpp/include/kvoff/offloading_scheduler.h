@@ -21,8 +21,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kvoff/key.h"
 #include "kvoff/flat_hash_table.h"
+#include "kvoff/key.h"
 #include "kvoff/offloading_manager.h"
 
 namespace kvoff {
@@ -457,8 +457,8 @@ class OffloadingScheduler {
   KeyList store_keys_;
   PrepareStoreResult store_result_;
   std::vector<std::string_view> store_key_views_;
-  // update_connector_output's scratch: one job's keys; every successful store's keys; the
-  // jobs completed (erased once the stores are)
+  // update_connector_output's scratch: one load job's keys; every successful store's CPU
+  // slots; the jobs completed (retired once the stores are)
   std::vector<std::string_view> report_key_views_;
   std::vector<std::uint32_t> report_stored_slots_;
   std::vector<JobId> report_completed_;
