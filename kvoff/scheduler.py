@@ -471,21 +471,11 @@ class OffloadingScheduler:
         Raises:
             As :meth:`build_connector_meta_columns`.
         """
-        loads, stores, flush = self._core.build_connector_meta(
-            request_ids,
-            new_block_ids,
-            num_computed_tokens,
-            num_scheduled_tokens,
-            resumed_request_ids,
-            finished_request_ids,
-            preempted_request_ids,
-            rewritten_block_ids,
-            self._requests,
-            with_keys,
-        )
-        for rid in finished_request_ids:
-            self._requests.pop(rid, None)
-        return loads, stores, flush
+        columns = (request_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens)
+        return self._build_step(
+            columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
+            rewritten_block_ids, with_keys=with_keys, packed=False,
+        )  # fmt: skip
 
     def build_connector_meta_packed(
         self,
@@ -512,22 +502,32 @@ class OffloadingScheduler:
         Raises:
             As :meth:`build_connector_meta_columns`.
         """
-        packed, ids, flush = self._core.build_connector_meta(
-            request_ids,
-            new_block_ids,
-            num_computed_tokens,
-            num_scheduled_tokens,
-            resumed_request_ids,
-            finished_request_ids,
-            preempted_request_ids,
-            rewritten_block_ids,
-            self._requests,
-            False,
-            True,
-        )
+        columns = (request_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens)
+        return self._build_step(
+            columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
+            rewritten_block_ids, with_keys=False, packed=True,
+        )  # fmt: skip
+
+    def _build_step(
+        self,
+        columns: tuple[Sequence, Sequence, Sequence, Mapping[str, int] | Sequence[int]],
+        resumed_request_ids: Collection[str],
+        finished_request_ids: Iterable[str],
+        preempted_request_ids: Iterable[str],
+        rewritten_block_ids: Sequence[int],
+        *,
+        with_keys: bool,
+        packed: bool,
+    ) -> tuple:
+        """The one core call behind the build_connector_meta_* methods (``packed``: jobs in one
+        bytes object, else tuples), then the finished requests' objects are let go."""
+        out = self._core.build_connector_meta(
+            *columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
+            rewritten_block_ids, self._requests, with_keys, packed,
+        )  # fmt: skip
         for rid in finished_request_ids:
             self._requests.pop(rid, None)
-        return packed, ids, flush
+        return out
 
     @staticmethod
     def jobs_from_packed(

@@ -464,9 +464,7 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
 
 void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
   validate_keys(keys, "complete_store");
-  const std::uint32_t stamp = next_stamp();
   find_all(keys);
-  scratch_new_.clear();  // the distinct slots of the call
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
     const BlockState st =
@@ -478,35 +476,33 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
                         : describe_state(st) + ", not pending",
                     "pass the keys_to_store of a prepare_store whose store has not completed");
     }
-    std::uint64_t& p = index_.payload(slot);
-    if (mark_bits(p) == stamp) {
-      continue;  // repeated in this call: finish it once
-    }
-    set_mark(p, stamp);
-    scratch_new_.push_back(slot);
   }
-  finish_stores(success);
+  finish_stores(scratch_slots_, success);
 }
 
 void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> block_ids,
                                                  bool success) {
-  const std::uint32_t stamp = next_stamp();
-  scratch_new_.clear();  // the distinct slots of the call
   for (std::size_t i = 0; i < block_ids.size(); ++i) {
     const std::uint32_t slot = block_ids[i];
-    if (slot >= index_.num_slots() || !policy_->contains(slot) ||
-        state_bits(index_.payload(slot)) != BlockState::kPending) {
-      const bool held = slot < index_.num_slots() && policy_->contains(slot);
-      throw std::invalid_argument(
-          "complete_store_blocks: block_ids[" + std::to_string(i) + "] = " +
-          std::to_string(slot) + " is " +
-          (slot >= index_.num_slots()
-               ? "outside [0, num_blocks=" + std::to_string(index_.num_slots()) + ")"
-               : held ? describe_state(state_bits(index_.payload(slot))) + ", not pending"
-                      : std::string("a free block")) +
-          "; pass the block_ids of a prepare_store whose store has not completed. Nothing was "
-          "changed.");
-    }
+    const bool in_range = slot < index_.num_slots();
+    const bool held = in_range && policy_->contains(slot);
+    if (held && state_bits(index_.payload(slot)) == BlockState::kPending) continue;
+    const std::string what =
+        !in_range ? "outside [0, num_blocks=" + std::to_string(index_.num_slots()) + ")"
+        : held    ? describe_state(state_bits(index_.payload(slot))) + ", not pending"
+                  : std::string("a free block");
+    throw std::invalid_argument("complete_store_blocks: block_ids[" + std::to_string(i) +
+                                "] = " + std::to_string(slot) + " is " + what +
+                                "; pass the block_ids of a prepare_store whose store has not "
+                                "completed. Nothing was changed.");
+  }
+  finish_stores(block_ids, success);
+}
+
+void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, bool success) {
+  const std::uint32_t stamp = next_stamp();
+  scratch_new_.clear();  // the distinct slots of the call
+  for (const std::uint32_t slot : slots) {
     std::uint64_t& p = index_.payload(slot);
     if (mark_bits(p) == stamp) {
       continue;  // repeated in this call: finish it once
@@ -514,10 +510,6 @@ void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> 
     set_mark(p, stamp);
     scratch_new_.push_back(slot);
   }
-  finish_stores(success);
-}
-
-void CPUOffloadingManager::finish_stores(bool success) {
   const auto n = static_cast<std::uint32_t>(scratch_new_.size());
   if (success) {
     std::vector<std::string> stored;

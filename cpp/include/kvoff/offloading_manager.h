@@ -211,8 +211,8 @@ class CPUOffloadingManager {
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
-  // complete_store's second half: finishes the distinct pending slots in scratch_new_.
-  void finish_stores(bool success);
+  // complete_store's second half: finishes the (validated, pending) slots, each once.
+  void finish_stores(std::span<const std::uint32_t> slots, bool success);
   void record(std::vector<std::string> keys, bool removed);
   /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
   void note_recent(std::uint32_t slot) noexcept;
