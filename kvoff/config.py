@@ -158,8 +158,6 @@ class OffloadingConfig(BaseModel):
         enable_events: whether the manager records block stored/removed events (default off).
         pin_memory: whether the CPU pool uses pinned (page-locked) memory; ``None`` (also
             ``"auto"`` in files and the environment) pins when CUDA is available.
-        pin_chunk_bytes: largest piece of the pool page-locked per ``cudaHostRegister`` call
-            (an int or a string with a unit; default 1 GiB).
         transfer_mechanism: how jobs copy: ``"auto"`` (per job: the fastest mechanism whose
             slowdown of concurrent compute is within ``compute_slowdown_budget``, from measured
             thresholds, :mod:`kvoff.transfer`) or one of ``"memcpy"``, ``"batch"``,
@@ -189,7 +187,6 @@ class OffloadingConfig(BaseModel):
     hash_block_size: PositiveInt | None = None
     enable_events: bool = False
     pin_memory: Annotated[bool | None, BeforeValidator(_auto_before)] = None
-    pin_chunk_bytes: ByteCount = 1 << 30
     transfer_mechanism: str = "auto"
     transfer_thresholds: Path | None = None
     compute_slowdown_budget: NonNegativeFloat = 0.03
@@ -303,7 +300,7 @@ class OffloadingConfig(BaseModel):
 
     def worker_options(self) -> dict[str, Any]:
         """Keyword arguments of :class:`kvoff.OffloadingWorker` from this config:
-        ``pin_memory``, ``pin_chunk_bytes``, ``mechanism``, ``thresholds`` (read from
+        ``pin_memory``, ``mechanism``, ``thresholds`` (read from
         ``transfer_thresholds`` when set), ``compute_slowdown_budget`` and ``staging_bytes``.
 
         Raises:
@@ -313,7 +310,6 @@ class OffloadingConfig(BaseModel):
 
         return {
             "pin_memory": self.resolve_pin_memory(),
-            "pin_chunk_bytes": self.pin_chunk_bytes,
             "mechanism": self.transfer_mechanism,
             "thresholds": (
                 None

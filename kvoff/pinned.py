@@ -1,13 +1,21 @@
-"""The CPU pool's memory: one exact-size allocation, page-locked in chunks.
+"""The CPU pool's memory: one exact-size allocation, page-locked by one call.
 
 ``torch.empty(..., pin_memory=True)`` goes through torch's pinned caching allocator, which
 rounds every request up to a power of two: a 300 GiB pool would lock 512 GiB, or fail
 (DESIGN.md "Moving bytes"). kvoff instead allocates exactly the bytes the pool needs (ordinary
-host memory from torch's CPU allocator) and page-locks them with ``cudaHostRegister`` in
-chunks of at most ``chunk_bytes``, so a very large pool is registered piecewise and a failure
-names the chunk, the pool size and what to lower. The memory is registered portable and mapped,
-so copy calls and the SM kernel (through the device pointer; with unified addressing it is the
-host pointer, which is what lets a row span two chunks) can both use it.
+host memory from torch's CPU allocator) and page-locks them with one ``cudaHostRegister``
+call; a failure names the pool size and what to lower. The memory is registered portable and
+mapped, so copy calls and the SM kernel (through the device pointer; with unified addressing
+it is the host pointer) can both use it.
+
+One registration, not several: copy calls refuse a host range that spans two registrations.
+On an H200 (CUDA 13.0, driver 580.159.04, 2026-11-24) a copy of one row straddling the
+boundary of two ``cudaHostRegister`` ranges failed with ``cudaErrorInvalidValue`` through
+``cudaMemcpyAsync`` and ``cudaMemcpyBatchAsync`` (only the SM kernel, through mapped addresses,
+copied it), and so did the ``memcpy`` mechanism's copy of a run of adjacent rows across the
+boundary (``.ci/results/h200-2026-11-24``). A pool pinned in 1 GiB chunks therefore failed every
+job whose block, or run of adjacent blocks, crossed a cut (``kvoff bench transfer``:
+DeepSeek-V3 MLA's 4.3 MiB blocks).
 """
 
 from __future__ import annotations
@@ -18,10 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostPool", "PinningError", "chunk_ranges"]
-
-DEFAULT_PIN_CHUNK_BYTES = 1 << 30
-"""Largest piece registered by one ``cudaHostRegister`` call (1 GiB)."""
+__all__ = ["HostPool", "PinningError"]
 
 _ALIGN = 4096  # every tensor of the pool starts on its own page
 _CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable (cuda_runtime_api.h)
@@ -30,20 +35,6 @@ _CUDA_HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped
 
 class PinningError(RuntimeError):
     """Page-locking the CPU pool failed; the message says how much was asked and what to lower."""
-
-
-def chunk_ranges(num_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` pieces covering ``[0, num_bytes)`` in order, each at most
-    ``chunk_bytes`` long (the last one may be shorter).
-
-    Raises:
-        ValueError: when ``num_bytes`` is negative or ``chunk_bytes`` is not positive.
-    """
-    if num_bytes < 0:
-        raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    return [(off, min(chunk_bytes, num_bytes - off)) for off in range(0, num_bytes, chunk_bytes)]
 
 
 def _memlock_limit() -> str:
@@ -98,8 +89,7 @@ class HostPool:
 
     Args:
         shapes: ``(rows, row_bytes)`` of each tensor, in order; each starts on a 4 KiB boundary.
-        pin: page-lock the memory (``cudaHostRegister``, in chunks).
-        chunk_bytes: largest piece registered per call (default 1 GiB).
+        pin: page-lock the memory (one ``cudaHostRegister`` call for the whole pool).
         description: what the pool is for, used in error messages (e.g. "4096 CPU blocks of
             2.0 MiB").
 
@@ -108,12 +98,11 @@ class HostPool:
         num_bytes: bytes allocated: the sum of ``rows × row_bytes`` plus at most 4 KiB of
             alignment per tensor (no power-of-two rounding).
         pinned: whether the memory is page-locked.
-        num_chunks: ``cudaHostRegister`` calls made (0 when not pinned).
 
     Raises:
-        ValueError: for a negative shape or a non-positive ``chunk_bytes``.
+        ValueError: for a negative shape.
         PinningError: when page-locking fails (nothing stays registered then): the message
-            gives the bytes asked for, the chunk that failed, the CUDA error and the
+            gives the bytes asked for, the CUDA error and the
             locked-memory limit, and says to lower the pool size or raise the limit; also when
             ``pin`` is asked for without CUDA.
         RuntimeError: when the host allocation itself fails (torch's out-of-memory error).
@@ -124,12 +113,9 @@ class HostPool:
         shapes: Sequence[tuple[int, int]],
         *,
         pin: bool,
-        chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
         description: str = "the CPU pool",
         _registrar: _Registrar | None = None,
     ) -> None:
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         offsets = []
         total = 0
         for rows, row_bytes in shapes:
@@ -148,36 +134,26 @@ class HostPool:
         self._addresses: list[int] = []
         self.pinned = False
         if registrar is not None:
-            self._register(registrar, chunk_bytes, description)
+            self._register(registrar, description)
             self.pinned = True
             self._finalizer = weakref.finalize(
                 self, _unregister_all, registrar, self._addresses, self._base
             )
 
-    @property
-    def num_chunks(self) -> int:
-        """``cudaHostRegister`` calls that pinned this pool (0 when not pinned)."""
-        return len(self._addresses)
-
-    def _register(self, registrar: _Registrar, chunk_bytes: int, description: str) -> None:
+    def _register(self, registrar: _Registrar, description: str) -> None:
         base = self._base.data_ptr()
         flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
-        pieces = chunk_ranges(self.num_bytes, chunk_bytes)
-        for k, (offset, length) in enumerate(pieces):
-            err = registrar.register(base + offset, length, flags)
-            if err != 0:
-                _unregister_all(registrar, self._addresses, self._base)
-                gib = self.num_bytes / 2**30
-                raise PinningError(
-                    f"pinning {description} failed: {self.num_bytes} bytes ({gib:.2f} GiB) asked "
-                    f"for, in {len(pieces)} chunk(s) of at most {chunk_bytes} bytes; chunk {k} "
-                    f"(offset {offset}, {length} bytes) was refused: "
-                    f"{registrar.error_string(err)}. Lower the pool size (num_cpu_blocks, or "
-                    f"cpu_bytes_to_use in the config) or raise the locked-memory limit "
-                    f"(ulimit -l; now {_memlock_limit()}); pin_memory=False avoids pinning at "
-                    f"the cost of slower, synchronous copies."
-                )
-            self._addresses.append(base + offset)
+        err = registrar.register(base, self.num_bytes, flags)
+        if err != 0:
+            gib = self.num_bytes / 2**30
+            raise PinningError(
+                f"pinning {description} failed: {self.num_bytes} bytes ({gib:.2f} GiB) asked "
+                f"for were refused: {registrar.error_string(err)}. Lower the pool size "
+                f"(num_cpu_blocks, or cpu_bytes_to_use in the config) or raise the locked-memory "
+                f"limit (ulimit -l; now {_memlock_limit()}); pin_memory=False avoids pinning at "
+                f"the cost of slower, synchronous copies."
+            )
+        self._addresses.append(base)
 
     def close(self) -> None:
         """Unregister the memory now (it is freed when the last tensor view goes away).

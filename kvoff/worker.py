@@ -36,7 +36,7 @@ memcpy; ``"staged"`` can be forced and runs the same staging logic with a CPU bu
 each direction has its own copy stream and its own SM stream (FIFO within a direction), every job
 records events, and :meth:`OffloadingWorker.get_finished` polls them without blocking.
 
-The CPU pool is one exact-size host allocation (no power-of-two rounding), page-locked in chunks
+The CPU pool is one exact-size host allocation (no power-of-two rounding), page-locked by one call
 when pinned (:class:`kvoff.pinned.HostPool`).
 """
 
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvoff.ops import batch_copy_supported, copy_blocks_fast
-from kvoff.pinned import DEFAULT_PIN_CHUNK_BYTES, HostPool
+from kvoff.pinned import HostPool
 from kvoff.registration import KVLayout, block_row_views
 from kvoff.staging import (
     DEFAULT_STAGING_BYTES,
@@ -255,8 +255,6 @@ class OffloadingWorker:
         kv_cache_config: the engine's GPU cache plan; when given, layers are grouped and checked
             against its specs at registration (see :meth:`from_spec`).
         pin_memory: pin the CPU pool (default: when CUDA is available).
-        pin_chunk_bytes: largest piece of the pool page-locked by one ``cudaHostRegister``
-            call (default 1 GiB).
         mechanism: how jobs copy: ``"auto"`` (per job and group: the fastest mechanism whose
             compute slowdown is within ``compute_slowdown_budget``) or one of ``"memcpy"``,
             ``"batch"``, ``"kernel"``, ``"per_block"``, ``"staged"`` for every job
@@ -286,7 +284,6 @@ class OffloadingWorker:
         *,
         kv_cache_config: KVCacheConfig | None = None,
         pin_memory: bool | None = None,
-        pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
         mechanism: str = "auto",
         thresholds: TransferThresholds | None = None,
         compute_slowdown_budget: float = DEFAULT_COMPUTE_SLOWDOWN_BUDGET,
@@ -298,8 +295,6 @@ class OffloadingWorker:
                 f"mechanism={mechanism!r} is not one of {list(ALL_MECHANISMS)}; use 'auto' to "
                 "let each job choose"
             )
-        if pin_chunk_bytes < 1:
-            raise ValueError(f"pin_chunk_bytes must be >= 1, got {pin_chunk_bytes}")
         if not compute_slowdown_budget >= 0:
             raise ValueError(
                 f"compute_slowdown_budget={compute_slowdown_budget} must be >= 0 (a fraction: "
@@ -327,7 +322,6 @@ class OffloadingWorker:
             )
         self.kv_cache_config = kv_cache_config
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.pin_chunk_bytes = pin_chunk_bytes
         self.mechanism = mechanism
         self.thresholds = thresholds
         self.compute_slowdown_budget = float(compute_slowdown_budget)
@@ -507,7 +501,6 @@ class OffloadingWorker:
         pool = HostPool(
             [(self.num_cpu_blocks, sub_block * f)],
             pin=self.pin_memory,
-            chunk_bytes=self.pin_chunk_bytes,
             description=(
                 f"the CPU pool ({self.num_cpu_blocks} CPU blocks of {sub_block * f} bytes: "
                 f"{f} x {sub_block} bytes per GPU block over {len(canon_rows)} tensors)"

@@ -107,7 +107,6 @@ def test_transfer_options_reach_the_worker(tmp_path) -> None:
         {
             "num_cpu_blocks": 8,
             "transfer_mechanism": "Kernel",
-            "pin_chunk_bytes": "256MiB",
             "transfer_thresholds": str(path),
             "pin_memory": False,
             "compute_slowdown_budget": 0.05,
@@ -115,7 +114,7 @@ def test_transfer_options_reach_the_worker(tmp_path) -> None:
         }
     )
     opts = cfg.worker_options()
-    assert opts["mechanism"] == "kernel" and opts["pin_chunk_bytes"] == 256 << 20
+    assert opts["mechanism"] == "kernel" and "pin_chunk_bytes" not in opts
     assert opts["thresholds"] == load_thresholds(path) and opts["pin_memory"] is False
     assert opts["compute_slowdown_budget"] == 0.05 and opts["staging_bytes"] == 32 << 20
     worker = kvoff.OffloadingWorker(4, 2, **opts)

@@ -910,6 +910,33 @@ def test_cuda_mechanisms_round_trip(mechanism: str, seed: int) -> None:
 
 @requires_cuda
 @pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_cuda_runs_over_a_whole_host_pool(mechanism: str) -> None:
+    """Every CPU block of a kvoff.pinned.HostPool in one dense run, whatever the mechanism:
+    the pool is one registration (a pool pinned in pieces failed any block or run that crossed
+    a cut: kvoff/pinned.py). Rows of 1.5 pages, so rows and pages do not line up. Byte-exact
+    both ways."""
+    from kvoff.pinned import HostPool
+
+    rows, row_bytes = 48, 6144
+    pool = HostPool([(rows, row_bytes)], pin=True)
+    cpu = pool.tensors[0]
+    assert cpu.is_pinned()
+    gen = torch.Generator().manual_seed(5)
+    gpu = torch.randint(0, 256, (rows + 8, row_bytes), generator=gen, dtype=torch.uint8)
+    gpu = gpu.cuda()
+    cpu.fill_(0)
+    ids = list(range(rows))
+    _run_on_side_stream(lambda: copy_blocks([gpu], [cpu], [i + 8 for i in ids], ids,
+                                            mechanism=mechanism))  # fmt: skip
+    assert torch.equal(cpu, gpu[8:].cpu())
+    back = torch.zeros_like(gpu)
+    _run_on_side_stream(lambda: copy_blocks([cpu], [back], ids, ids, mechanism=mechanism))
+    assert torch.equal(back[:rows].cpu(), cpu)
+    pool.close()
+
+
+@requires_cuda
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_cuda_mechanisms_on_the_default_stream(mechanism: str) -> None:
     """On the (legacy) default stream too: "batch" falls back there instead of failing."""
     src, dst, src_ids, dst_ids = _random_mechanism_case(7, "cuda", pin_dst=True)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvoff.pinned import HostPool, PinningError, _Registrar, chunk_ranges
+from kvoff.pinned import HostPool, PinningError, _Registrar
 from kvoff.tools.bench_transfer import (
     TRANSFER_PRESETS,
     TransferBenchParams,
@@ -183,14 +183,6 @@ def test_derive_thresholds_from_a_sweep_and_measured_costs() -> None:
 # ------------------------------------------------------------------------------ pinned pool
 
 
-def test_chunk_ranges_cover_exactly() -> None:
-    assert chunk_ranges(10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert chunk_ranges(8, 4) == [(0, 4), (4, 4)]
-    assert chunk_ranges(0, 4) == []
-    with pytest.raises(ValueError, match="chunk_bytes must be >= 1, got 0"):
-        chunk_ranges(8, 0)
-
-
 class _FakeCuda:
     """Records cudaHostRegister/Unregister calls; refuses the call numbered `fail_at`."""
 
@@ -216,16 +208,19 @@ class _FakeCuda:
         return _Registrar(register, unregister, lambda code: f"fake error {code}")
 
 
-def test_host_pool_is_exact_and_registers_in_chunks() -> None:
+def test_host_pool_is_exact_and_registers_once() -> None:
+    """One cudaHostRegister call over the whole pool: the copy engines refuse a host range that
+    spans two registrations (kvoff/pinned.py), so a block or a run of blocks must never cross
+    one."""
     fake = _FakeCuda()
     rows = [(5, 1000), (3, 4096)]  # 5000 bytes, then a page-aligned 12288
-    pool = HostPool(rows, pin=True, chunk_bytes=4096, _registrar=fake.registrar())
+    pool = HostPool(rows, pin=True, _registrar=fake.registrar())
     assert pool.num_bytes == 8192 + 12288  # 5000 rounded to the next page, no power of two
     assert [t.shape for t in pool.tensors] == [(5, 1000), (3, 4096)]
     assert pool.tensors[1].data_ptr() - pool.tensors[0].data_ptr() == 8192
     base = pool.tensors[0].data_ptr()
-    assert fake.registered == {base + k * 4096: 4096 for k in range(5)}
-    assert pool.pinned and pool.num_chunks == 5
+    assert fake.registered == {base: 8192 + 12288} and fake.calls == 1
+    assert pool.pinned
     pool.tensors[1][2] = 7  # the views are ordinary writable memory
     assert int(pool.tensors[1][2].sum()) == 7 * 4096
     pool.close()
@@ -235,32 +230,31 @@ def test_host_pool_is_exact_and_registers_in_chunks() -> None:
 
 def test_host_pool_unregisters_when_garbage_collected() -> None:
     fake = _FakeCuda()
-    pool = HostPool([(4, 4096)], pin=True, chunk_bytes=8192, _registrar=fake.registrar())
-    assert len(fake.registered) == 2
+    pool = HostPool([(4, 4096)], pin=True, _registrar=fake.registrar())
+    assert len(fake.registered) == 1
     del pool
     assert fake.registered == {}
 
 
-def test_pinning_failure_names_size_chunk_and_fix_and_leaves_nothing_registered() -> None:
-    fake = _FakeCuda(fail_at=2)
+def test_pinning_failure_names_size_and_fix_and_leaves_nothing_registered() -> None:
+    fake = _FakeCuda(fail_at=0)
     with pytest.raises(PinningError) as info:
         HostPool(
             [(10, 4096)],
             pin=True,
-            chunk_bytes=8192,
             description="the CPU pool (10 CPU blocks of 4096 bytes over 1 tensors)",
             _registrar=fake.registrar(),
         )
     msg = str(info.value)
     assert "pinning the CPU pool (10 CPU blocks of 4096 bytes" in msg
-    assert "40960 bytes" in msg and "5 chunk(s)" in msg and "chunk 2 (offset 16384" in msg
-    assert "fake error 2" in msg and "num_cpu_blocks" in msg and "ulimit -l" in msg
-    assert fake.registered == {}  # the two chunks that succeeded were unregistered
+    assert "40960 bytes" in msg and "were refused: fake error 2" in msg
+    assert "num_cpu_blocks" in msg and "ulimit -l" in msg
+    assert fake.registered == {}
 
 
 def test_host_pool_without_pinning_and_pinning_without_cuda() -> None:
     pool = HostPool([(2, 16)], pin=False)
-    assert not pool.pinned and pool.num_chunks == 0 and pool.num_bytes == 32
+    assert not pool.pinned and pool.num_bytes == 32
     if not torch.cuda.is_available():
         with pytest.raises(PinningError, match=r"needs CUDA.*use pin_memory=False"):
             HostPool([(2, 16)], pin=True)

@@ -165,8 +165,6 @@ def test_cpu_pool_is_one_exact_size_allocation() -> None:
 def test_mechanism_is_validated_and_reported() -> None:
     with pytest.raises(ValueError, match=r"mechanism='dma' is not one of \['auto', 'memcpy'"):
         OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=1, mechanism="dma")
-    with pytest.raises(ValueError, match="pin_chunk_bytes must be >= 1, got 0"):
-        OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=1, pin_chunk_bytes=0)
     w = OffloadingWorker(num_gpu_blocks=4, num_cpu_blocks=2, mechanism="per_block")
     w.register_kv_caches({"l": _kv(4)})
     assert w.transfer_async(1, GPUBlockSpec.single_group([0, 1]), CPUBlockSpec((1, 0)))
@@ -228,8 +226,7 @@ def _cuda_worker(mechanism: str = "auto", num_gpu_blocks: int = 32, num_cpu_bloc
 @pytest.mark.parametrize("mechanism", ["auto", "memcpy", "batch", "kernel", "per_block", "staged"])
 def test_cuda_round_trip_every_mechanism(mechanism: str) -> None:
     # staging: one block per piece, two pieces per direction, so ten blocks reuse the ring
-    w, kv = _cuda_worker(mechanism, pin_chunk_bytes=64 << 10, staging_bytes=4 * 1024,
-                         staging_piece_bytes=1024)  # fmt: skip
+    w, kv = _cuda_worker(mechanism, staging_bytes=4 * 1024, staging_piece_bytes=1024)
     assert w.bytes_per_gpu_block == 1024
     assert w.cpu_pool_pinned and w.cpu_tensors()[0].is_pinned()
     original = {k: v.clone() for k, v in kv.items()}
