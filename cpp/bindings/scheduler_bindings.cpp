@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -21,6 +23,28 @@
 namespace py = pybind11;
 
 namespace {
+
+/// Runs `f` without the GIL, for calls that wait (write-through). Not py::gil_scoped_release:
+/// its destructor re-takes the GIL, and a daemon thread that does so while the interpreter
+/// finalizes is unwound by pthread_exit through that noexcept destructor, which aborts the
+/// process. Here a thread that comes back during finalization never takes the GIL again (as
+/// Python 3.14 itself does), and otherwise re-takes it outside any destructor.
+template <typename F>
+auto without_gil(F&& f) {
+  PyThreadState* state = PyEval_SaveThread();
+  auto result = f();
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing() != 0;
+#else
+  const bool finalizing = _Py_IsFinalizing() != 0;
+#endif
+  while (finalizing) {
+    std::this_thread::sleep_for(std::chrono::hours(1));  // the process is exiting
+  }
+  PyEval_RestoreThread(state);
+  return result;
+}
+
 
 using kvoff::CPUOffloadingManager;
 
@@ -1182,20 +1206,110 @@ PYBIND11_MODULE(_scheduler, m) {
                       .c_str()))
       .def(
           "complete_store",
-          [](CPUOffloadingManager& self, py::handle keys, bool success) {
+          [](CPUOffloadingManager& self, py::handle keys, bool success, bool write_through) {
             KeyBatch batch(keys);
-            self.complete_store(batch.span(), success);
+            self.complete_store(batch.span(), success, write_through);
           },
-          py::arg("keys"), py::arg("success") = true,
-          py::doc(doc("complete_store(self, keys: Sequence[bytes | int], success: bool = True) "
-                      "-> None\n\n"
+          py::arg("keys"), py::arg("success") = true, py::arg("write_through") = true,
+          py::doc(doc("complete_store(self, keys: Sequence[bytes | int], success: bool = True, "
+                      "write_through: bool = True) -> None\n\n"
                       "Finishes the stores of pending keys. success=True: they become ready "
-                      "(lookup hits) and a BlockStored event lists them. success=False: they are "
-                      "dropped and their slots freed (never a hit). A repeated key is finished "
-                      "once.",
+                      "(lookup hits) and a BlockStored event lists them; with write_through "
+                      "(and set_write_through on) they are also pinned and queued for the "
+                      "secondary tiers (take_write_through), or counted as dropped when the "
+                      "queue is full. success=False: they are dropped and their slots freed "
+                      "(never a hit). A repeated key is finished once.",
                       "\n    ValueError: a key is not pending (missing or already ready), naming "
                       "it in hex and its state; nothing is changed.")
                       .c_str()))
+      .def("set_write_through", &CPUOffloadingManager::set_write_through,
+           py::arg("capacity_blocks"),
+           py::doc("set_write_through(self, capacity_blocks: int) -> None\n\n"
+                   "Write-through to secondary tiers (kvoff.tiers): with capacity_blocks > 0, "
+                   "each block that complete_store(write_through=True) makes ready is pinned "
+                   "(never evicted while tiers read its slot) and queued for "
+                   "take_write_through, while at most capacity_blocks blocks are queued or "
+                   "being written; the rest are dropped and counted (write_through_dropped), "
+                   "never waited for. 0 turns it off for later stores. The engine thread pays "
+                   "one pin per block and nothing else. Engine thread."))
+      .def_property_readonly("write_through_capacity",
+                             &CPUOffloadingManager::write_through_capacity,
+                             py::doc("int: set_write_through's capacity in blocks (0: off)."))
+      .def(
+          "take_write_through",
+          [](CPUOffloadingManager& self, double timeout) {
+            std::vector<kvoff::WriteThroughBatch> batches =
+                without_gil([&] { return self.take_write_through(timeout); });
+            py::list out(batches.size());
+            for (std::size_t i = 0; i < batches.size(); ++i) {
+              py::list ids(batches[i].block_ids.size());
+              for (std::size_t j = 0; j < batches[i].block_ids.size(); ++j) {
+                ids[j] = py::int_(batches[i].block_ids[j]);
+              }
+              out[i] = py::make_tuple(to_bytes_list(batches[i].keys), ids);
+            }
+            return out;
+          },
+          py::arg("timeout") = 0.0,
+          py::doc("take_write_through(self, timeout: float = 0.0) -> list[tuple[list[bytes], "
+                  "list[int]]]\n\n"
+                  "Any thread (a tier writer; the GIL is released while waiting): the batches "
+                  "queued since the last call, oldest first, as (keys, block_ids) with keys[i] "
+                  "in CPU block block_ids[i]; waits up to timeout seconds for one. [] on "
+                  "timeout or after close_write_through. Hand each block back once with "
+                  "write_through_done."))
+      .def(
+          "write_through_done",
+          [](CPUOffloadingManager& self, py::handle ids_obj) {
+            const std::vector<std::int64_t> block_ids =
+                sched::to_ints(ids_obj.ptr(), sched::Where{"block_ids"});
+            std::vector<std::uint32_t> ids(block_ids.size());
+            for (std::size_t i = 0; i < block_ids.size(); ++i) {
+              if (block_ids[i] < 0 || block_ids[i] > 0xFFFFFFFFLL) {
+                throw std::invalid_argument(
+                    "write_through_done: block_ids[" + std::to_string(i) + "] = " +
+                    std::to_string(block_ids[i]) +
+                    " is not a CPU block id; pass the block_ids of a take_write_through batch. "
+                    "Nothing was changed.");
+              }
+              ids[i] = static_cast<std::uint32_t>(block_ids[i]);
+            }
+            self.write_through_done(ids);
+          },
+          py::arg("block_ids"),
+          py::doc(doc("write_through_done(self, block_ids: Sequence[int]) -> None\n\n"
+                      "Any thread: every tier is done with these blocks (written or failed); the "
+                      "engine thread unpins them at its next prepare_store, complete_store, "
+                      "prepare_load, complete_load or poll_write_through.",
+                      "\n    ValueError: a block is not being written through (never queued, "
+                      "handed back already, or repeated); nothing is changed.")
+                      .c_str()))
+      .def("poll_write_through", &CPUOffloadingManager::poll_write_through,
+           py::doc("poll_write_through(self) -> int\n\n"
+                   "Engine thread: unpins the blocks handed back by write_through_done; returns "
+                   "how many."))
+      .def(
+          "wait_write_through",
+          [](CPUOffloadingManager& self, double timeout) {
+            // writers need the GIL to hand blocks back
+            return without_gil([&] { return self.wait_write_through(timeout); });
+          },
+          py::arg("timeout"),
+          py::doc("wait_write_through(self, timeout: float) -> int\n\n"
+                  "Engine thread: waits up to timeout seconds for blocks to be handed back, "
+                  "then unpins them; returns how many (for replays, which must not drop)."))
+      .def("close_write_through", &CPUOffloadingManager::close_write_through,
+           py::doc("close_write_through(self) -> None\n\n"
+                   "Wakes every take_write_through; later ones return at once. Idempotent."))
+      .def_property_readonly("write_through_in_flight",
+                             &CPUOffloadingManager::write_through_in_flight,
+                             py::doc("int: blocks queued or being written through (pinned)."))
+      .def_property_readonly("write_through_queued", &CPUOffloadingManager::write_through_queued,
+                             py::doc("int: blocks queued for write-through since construction."))
+      .def_property_readonly("write_through_dropped",
+                             &CPUOffloadingManager::write_through_dropped,
+                             py::doc("int: blocks not queued because the queue was full, since "
+                                     "construction."))
       .def(
           "take_events",
           [](CPUOffloadingManager& self) { return events_to_py(self.take_events()); },

@@ -1,6 +1,7 @@
 #include "kvoff/offloading_manager.h"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 #include <utility>
 
@@ -231,6 +232,7 @@ std::optional<std::size_t> CPUOffloadingManager::lookup(KeySpan keys) const {
 
 std::vector<std::uint32_t> CPUOffloadingManager::prepare_load(KeySpan keys) {
   validate_keys(keys, "prepare_load");
+  maybe_drain();
   find_all(keys);
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
@@ -259,6 +261,7 @@ std::vector<std::uint32_t> CPUOffloadingManager::prepare_load(KeySpan keys) {
 
 void CPUOffloadingManager::complete_load(KeySpan keys) {
   validate_keys(keys, "complete_load");
+  maybe_drain();
   find_all(keys);
   std::uint32_t unpinned = 0;
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -337,6 +340,7 @@ std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan ke
 
 bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& result) {
   validate_keys(keys, "prepare_store");
+  maybe_drain();  // blocks the tiers finished writing become evictable again
   const std::uint32_t stamp = next_stamp();
   find_all(keys);
   scratch_new_.clear();
@@ -462,8 +466,9 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   return true;
 }
 
-void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
+void CPUOffloadingManager::complete_store(KeySpan keys, bool success, bool write_through) {
   validate_keys(keys, "complete_store");
+  maybe_drain();
   find_all(keys);
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
@@ -477,11 +482,12 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success) {
                     "pass the keys_to_store of a prepare_store whose store has not completed");
     }
   }
-  finish_stores(scratch_slots_, success);
+  finish_stores(scratch_slots_, success, write_through);
 }
 
 void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> block_ids,
-                                                 bool success) {
+                                                 bool success, bool write_through) {
+  maybe_drain();
   for (std::size_t i = 0; i < block_ids.size(); ++i) {
     const std::uint32_t slot = block_ids[i];
     const bool in_range = slot < index_.num_slots();
@@ -496,10 +502,11 @@ void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> 
                                 "; pass the block_ids of a prepare_store whose store has not "
                                 "completed. Nothing was changed.");
   }
-  finish_stores(block_ids, success);
+  finish_stores(block_ids, success, write_through);
 }
 
-void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, bool success) {
+void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, bool success,
+                                         bool write_through) {
   const std::uint32_t stamp = next_stamp();
   scratch_new_.clear();  // the distinct slots of the call
   for (const std::uint32_t slot : slots) {
@@ -525,6 +532,9 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
     num_ready_ += n;
     num_evictable_ += n;
     record(std::move(stored), /*removed=*/false);
+    if (write_through && wt_capacity_ > 0) {
+      queue_write_through(scratch_new_);
+    }
   } else {
     for (const std::uint32_t slot : scratch_new_) {
       index_.prefetch_erase(slot);
@@ -534,6 +544,126 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
     }
   }
   num_pending_ -= n;
+}
+
+// ------------------------------------------------------------------------------ write-through
+
+void CPUOffloadingManager::set_write_through(std::uint32_t capacity_blocks) {
+  if (capacity_blocks > 0 && wt_outstanding_.empty()) {
+    const std::lock_guard lock(wt_mutex_);
+    wt_outstanding_.assign(index_.num_slots(), 0);
+  }
+  wt_capacity_ = capacity_blocks;
+}
+
+void CPUOffloadingManager::queue_write_through(std::span<const std::uint32_t> slots) {
+  const std::uint32_t room = wt_capacity_ > wt_in_flight_ ? wt_capacity_ - wt_in_flight_ : 0;
+  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(room, slots.size()));
+  wt_dropped_total_ += slots.size() - n;
+  if (n == 0) {
+    return;
+  }
+  WriteThroughBatch batch;
+  batch.block_ids.assign(slots.begin(), slots.begin() + n);
+  batch.keys.reserve(n);
+  for (const std::uint32_t slot : batch.block_ids) {
+    index_.payload(slot) += kOnePin;  // just made ready, so unpinned until now
+    batch.keys.emplace_back(index_.key(slot));
+  }
+  num_evictable_ -= n;
+  wt_in_flight_ += n;
+  wt_queued_total_ += n;
+  {
+    const std::lock_guard lock(wt_mutex_);
+    for (const std::uint32_t slot : batch.block_ids) {
+      wt_outstanding_[slot] = 1;
+    }
+    wt_batches_.push_back(std::move(batch));
+  }
+  wt_queued_cv_.notify_one();
+}
+
+std::vector<WriteThroughBatch> CPUOffloadingManager::take_write_through(double timeout_seconds) {
+  std::unique_lock lock(wt_mutex_);
+  if (wt_batches_.empty() && !wt_closed_ && timeout_seconds > 0) {
+    wt_queued_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
+                           [&] { return !wt_batches_.empty() || wt_closed_; });
+  }
+  return std::exchange(wt_batches_, {});
+}
+
+void CPUOffloadingManager::write_through_done(std::span<const std::uint32_t> block_ids) {
+  {
+    const std::lock_guard lock(wt_mutex_);
+    for (std::size_t i = 0; i < block_ids.size(); ++i) {
+      const std::uint32_t slot = block_ids[i];
+      if (slot < wt_outstanding_.size() && wt_outstanding_[slot] == 1) {
+        wt_outstanding_[slot] = 2;  // seen in this call
+        continue;
+      }
+      for (std::size_t j = 0; j < i; ++j) {
+        wt_outstanding_[block_ids[j]] = 1;
+      }
+      const std::string what =
+          slot >= wt_outstanding_.size() ? "not a block of write-through (outside the pool, or "
+                                           "write-through was never enabled)"
+          : wt_outstanding_[slot] == 2   ? "repeated in this call"
+                                         : "not being written through (never queued, or "
+                                           "handed back already)";
+      throw std::invalid_argument("write_through_done: block_ids[" + std::to_string(i) +
+                                  "] = " + std::to_string(slot) + " is " + what +
+                                  "; pass each block of a take_write_through batch once. "
+                                  "Nothing was changed.");
+    }
+    for (const std::uint32_t slot : block_ids) {
+      wt_outstanding_[slot] = 0;
+      wt_done_.push_back(slot);
+    }
+    wt_done_ready_.store(!wt_done_.empty(), std::memory_order_release);
+  }
+  wt_done_cv_.notify_all();
+}
+
+std::size_t CPUOffloadingManager::drain_write_through() {
+  {
+    const std::lock_guard lock(wt_mutex_);
+    wt_drained_.swap(wt_done_);
+    wt_done_ready_.store(false, std::memory_order_release);
+  }
+  std::uint32_t unpinned = 0;
+  for (const std::uint32_t slot : wt_drained_) {
+    std::uint64_t& p = index_.payload(slot);
+    p -= kOnePin;
+    if (pins_bits(p) == 0) {
+      ++unpinned;
+    }
+  }
+  num_evictable_ += unpinned;
+  const std::size_t n = wt_drained_.size();
+  wt_in_flight_ -= static_cast<std::uint32_t>(n);
+  wt_drained_.clear();
+  return n;
+}
+
+std::size_t CPUOffloadingManager::poll_write_through() { return drain_write_through(); }
+
+std::size_t CPUOffloadingManager::wait_write_through(double timeout_seconds) {
+  {
+    std::unique_lock lock(wt_mutex_);
+    if (wt_done_.empty() && timeout_seconds > 0) {
+      wt_done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
+                           [&] { return !wt_done_.empty(); });
+    }
+  }
+  return drain_write_through();
+}
+
+void CPUOffloadingManager::close_write_through() {
+  {
+    const std::lock_guard lock(wt_mutex_);
+    wt_closed_ = true;
+  }
+  wt_queued_cv_.notify_all();
 }
 
 std::vector<OffloadingEvent> CPUOffloadingManager::take_events() {

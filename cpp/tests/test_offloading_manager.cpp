@@ -2,7 +2,9 @@
 // (prefix order), events, and the policy factory by name.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <initializer_list>
+#include <thread>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -919,6 +921,95 @@ TEST(CPUOffloadingManagerClear, DropsReadyUnpinnedBlocksOnly) {
   EXPECT_EQ(m.clear(), 2u);
   EXPECT_EQ(m.num_free_blocks(), 8u);
   EXPECT_EQ(m.clear(), 0u);
+}
+
+TEST(CPUOffloadingManagerWriteThrough, QueuesPinsDropsAndUnpinsWhenHandedBack) {
+  CPUOffloadingManager m(4);
+  m.set_write_through(2);
+  store(m, K({"a", "b", "c"}));  // a and b fit the queue; c is dropped, never waited for
+  EXPECT_EQ(m.write_through_in_flight(), 2u);
+  EXPECT_EQ(m.write_through_queued(), 2u);
+  EXPECT_EQ(m.write_through_dropped(), 1u);
+  EXPECT_EQ(m.pin_count("a"), 1u);
+  EXPECT_EQ(m.pin_count("c"), 0u);
+  EXPECT_EQ(m.num_evictable_blocks(), 1u);
+  // pinned blocks are not evicted: 1 free + c evictable = 2 slots, so 3 new keys do not fit
+  EXPECT_FALSE(m.prepare_store(K({"x", "y", "z"})).has_value());
+  auto batches = m.take_write_through(0.0);
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0].keys, S({"a", "b"}));
+  EXPECT_EQ(batches[0].block_ids, (std::vector<std::uint32_t>{*m.block_id("a"), *m.block_id("b")}));
+  EXPECT_TRUE(m.take_write_through(0.0).empty());
+  m.write_through_done(batches[0].block_ids);
+  EXPECT_EQ(m.pin_count("a"), 1u);  // unpinned by the engine thread's next call, not here
+  EXPECT_EQ(m.poll_write_through(), 2u);
+  EXPECT_EQ(m.pin_count("a"), 0u);
+  EXPECT_EQ(m.write_through_in_flight(), 0u);
+  EXPECT_EQ(m.num_evictable_blocks(), 3u);
+  EXPECT_TRUE(m.prepare_store(K({"x", "y", "z"})).has_value());
+}
+
+TEST(CPUOffloadingManagerWriteThrough, BadHandBacksChangeNothing) {
+  CPUOffloadingManager m(4);
+  EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{0}), std::invalid_argument);
+  m.set_write_through(4);
+  store(m, K({"a", "b"}));
+  const auto batches = m.take_write_through(0.0);
+  ASSERT_EQ(batches.size(), 1u);
+  const std::uint32_t a = batches[0].block_ids[0];
+  const std::uint32_t b = batches[0].block_ids[1];
+  EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{a, a}), std::invalid_argument);
+  EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{a, 99}), std::invalid_argument);
+  const std::uint32_t free_slot = *m.prepare_store(K({"c"}))->block_ids.begin();
+  EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{free_slot}), std::invalid_argument);
+  EXPECT_EQ(m.poll_write_through(), 0u);  // nothing was handed back by the failed calls
+  m.write_through_done(std::vector<std::uint32_t>{b, a});
+  EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{a}), std::invalid_argument);
+  EXPECT_EQ(m.poll_write_through(), 2u);
+  EXPECT_EQ(m.pin_count("a") + m.pin_count("b"), 0u);
+}
+
+TEST(CPUOffloadingManagerWriteThrough, FailedStoresPromotionsAndOffAreNotQueued) {
+  CPUOffloadingManager m(8);
+  m.set_write_through(8);
+  auto r = m.prepare_store(K({"a", "b"}));
+  ASSERT_TRUE(r.has_value());
+  m.complete_store(K({"a"}), /*success=*/false);
+  m.complete_store(K({"b"}), /*success=*/true, /*write_through=*/false);  // a promotion
+  EXPECT_EQ(m.write_through_queued(), 0u);
+  m.set_write_through(0);
+  store(m, K({"c"}));
+  EXPECT_EQ(m.write_through_queued(), 0u);
+  EXPECT_EQ(m.write_through_dropped(), 0u);
+  EXPECT_TRUE(m.take_write_through(0.0).empty());
+}
+
+TEST(CPUOffloadingManagerWriteThrough, AWriterThreadHandsBackWhileTheEngineStores) {
+  // The engine thread stores and polls; a writer thread takes batches and hands them back.
+  // Every queued block is handed back and unpinned exactly once; none is evicted while queued.
+  CPUOffloadingManager m(64);
+  m.set_write_through(16);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    while (!stop.load()) {
+      for (const auto& batch : m.take_write_through(0.01)) m.write_through_done(batch.block_ids);
+    }
+  });
+  std::vector<std::string> keys;
+  for (int i = 0; i < 2000; ++i) keys.push_back("k" + std::to_string(i));
+  for (int i = 0; i < 2000; i += 4) {
+    const Keys batch(keys.begin() + i, keys.begin() + i + 4);
+    auto r = m.prepare_store(batch);
+    ASSERT_TRUE(r.has_value());  // 64 slots, at most 16 pinned
+    Keys stored(r->keys_to_store.begin(), r->keys_to_store.end());
+    m.complete_store(stored);
+  }
+  while (m.write_through_in_flight() > 0) m.wait_write_through(0.01);
+  stop.store(true);
+  m.close_write_through();
+  writer.join();
+  EXPECT_GT(m.write_through_queued(), 0u);
+  EXPECT_EQ(m.num_evictable_blocks(), m.num_stored_blocks());  // no pin left behind
 }
 
 }  // namespace

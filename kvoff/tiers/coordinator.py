@@ -14,25 +14,31 @@ the engine's step:
   retry then finds them in L1 and loads them to the GPU as usual. A block a tier cannot serve
   (absent, corrupt, wrong fingerprint, timeout) is a miss: ``complete_store(..., False)`` drops
   its slot, so wrong bytes are never served.
-* **Write-through** (:meth:`TieredPool.on_stored`): after a store to L1 completes, its blocks are
-  pinned (``prepare_load``: not evicted while read) and written to every tier by one writer
-  thread per tier; they are unpinned when every tier is done. The queue is bounded in blocks:
-  a store that does not fit is dropped and counted (``writes_dropped_queue_full``), never
-  waited for. Write-back (write to a tier only on L1 eviction) would need the manager to hand
-  evicted slots over before reusing them (an eviction callback that defers the slot's reuse
-  until the write is done); kvoff's manager reuses an evicted slot at once, so write-through is
-  the policy for every tier.
+* **Write-through**, in the C++ manager (``set_write_through``): when a store to L1 completes
+  (``complete_store``), the manager pins its blocks (not evicted while tiers read them) and queues
+  them; a dispatcher thread takes them (``take_write_through``) and one writer thread per tier
+  writes them; when every tier is done they are handed back (``write_through_done``) and the
+  manager unpins them during its next call. The engine thread pays one pin per block and no Python
+  at all: a store through the scheduler or the bare manager is written through alike. The queue is
+  bounded in blocks: blocks that do not fit are dropped and counted
+  (``writes_dropped_queue_full``), never waited for. Write-back (write to a tier only on L1
+  eviction) would need the manager to hand evicted slots over before reusing them (an eviction
+  callback that defers the slot's reuse until the write is done); kvoff's manager reuses an
+  evicted slot at once, so write-through is the policy for every tier.
 
-Background work is applied on the engine thread in :meth:`TieredPool.poll` (called by
-``lookup`` and ``on_stored``, and by the engine once per step), so the manager is only ever
-called from one thread.
+Finished promotions are applied on the engine thread in :meth:`TieredPool.poll` (called by
+``lookup`` while a promotion is in flight, and by the engine once per step), so the manager's
+state is only ever changed from one thread; the writer threads use only its thread-safe
+write-through calls.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -71,10 +77,19 @@ class _Write:
     keys: list[bytes]
     block_ids: list[int]
     remaining: int
-    results: list[list[bool] | None] = field(default_factory=list)
 
 
 _STOP = object()
+_OPEN_POOLS: weakref.WeakSet[TieredPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_dispatchers() -> None:
+    """At interpreter exit, stops the dispatcher threads of pools never closed: a daemon thread
+    that came back from ``take_write_through`` (GIL released) during finalization would be
+    unwound through C++ frames and abort the process."""
+    for pool in list(_OPEN_POOLS):
+        pool._stop_dispatcher()
 
 
 class TieredPool:
@@ -88,9 +103,11 @@ class TieredPool:
         tiers: the secondary tiers, fastest first (disk, then remote); every tier's
             ``fmt.payload_bytes`` must equal the slot size.
         write_queue_blocks: blocks in write-through at most (each pinned in L1 until every
-            tier wrote it); a store that would exceed it is dropped and counted.
-        wait_when_full: wait for room instead of dropping (replays only: a replay has no
-            compute between requests, so it would outrun any tier; an engine never waits).
+            tier wrote it); blocks beyond it are dropped and counted. The pool sets it on the
+            manager (``set_write_through``) and turns it off at :meth:`close`.
+        wait_when_full: replays only (a replay has no compute between requests, so it would
+            outrun any tier; an engine never waits): :meth:`wait_for_write_room` then waits
+            for room instead of returning at once.
 
     Raises:
         ValueError: ``write_queue_blocks < 1``; tiers with different payload sizes or names.
@@ -121,24 +138,24 @@ class TieredPool:
         self._slot = slot
         self._cap = write_queue_blocks
         self._wait_when_full = wait_when_full
-        self._queued = 0
         self._reads: list[_Read] = []
         self._reading: set[bytes] = set()
         self._answered: OrderedDict[bytes, None] = OrderedDict()
         self._sources: OrderedDict[bytes, str] = OrderedDict()
-        self._writes_in_flight = 0
-        self._done: queue.SimpleQueue[tuple[_Write, int, list[bool] | None]] = queue.SimpleQueue()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoff-tier-read")
-        # One writer thread per tier, fed by a queue (cheaper for the engine thread than an
-        # executor's futures); finished writes come back through self._done.
+        # The manager queues stored blocks; a dispatcher thread takes them and feeds one writer
+        # thread per tier; the last tier done hands the blocks back to the manager.
+        self._closing = False
+        self._write_lock = threading.Lock()  # counters and _Write.remaining (writer threads)
         self._write_qs: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in self.tiers]
         self._writers = [
             threading.Thread(target=self._writer, args=(i,), name=f"kvoff-tier-write-{t.name}",
                              daemon=True)
             for i, t in enumerate(self.tiers)
         ]  # fmt: skip
-        for th in self._writers:
-            th.start()
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="kvoff-tier-dispatch", daemon=True
+        )
         self.counters: dict[str, dict[str, float]] = {
             t.name: {
                 "promoted_blocks": 0, "promoted_bytes": 0, "promotion_seconds": 0.0,
@@ -148,9 +165,13 @@ class TieredPool:
         }  # fmt: skip
         self.probes = 0
         self.lookup_retries = 0
-        self.writes_queued = 0
-        self.writes_dropped_queue_full = 0
         self._closed = False
+        if self.tiers:
+            manager.set_write_through(write_queue_blocks)
+            for th in self._writers:
+                th.start()
+            self._dispatcher.start()
+            _OPEN_POOLS.add(self)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -167,7 +188,8 @@ class TieredPool:
         Raises:
             TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`.
         """
-        self.poll()
+        if self._reads:
+            self.poll()
         h = self.manager.lookup(keys)
         if h is None or h >= len(keys) or not self.tiers:
             return h
@@ -186,42 +208,23 @@ class TieredPool:
         )
         return None
 
-    def on_stored(self, keys: Sequence[bytes]) -> bool:
-        """Write-through of blocks just stored in L1 (after ``complete_store(keys, True)``).
+    def wait_for_write_room(self, num_blocks: int) -> bool:
+        """Whether the write-through queue has room for ``num_blocks`` more blocks; with
+        ``wait_when_full`` (replays) it first waits until it has, or until nothing is in flight.
+        Stores need not call it: the manager queues or drops on its own. Engine thread.
 
         Args:
-            keys: the stored offload keys (L1 blocks, ready).
-
-        Returns:
-            ``True`` when all were queued; ``False`` when some were dropped (no tiers, or the
-            write-through queue had no room for them: counted in
-            ``writes_dropped_queue_full``). Keys are queued in chunks of at most
-            ``write_queue_blocks``.
+            num_blocks: blocks about to be stored.
 
         Raises:
-            ValueError: a key is not ready in L1 (nothing is pinned).
+            ValueError: ``num_blocks`` is negative.
         """
-        self.poll()
-        if not self.tiers or not keys:
-            return False
-        keys = list(keys)
-        queued_all = True
-        for i in range(0, len(keys), self._cap):  # chunks that fit the queue
-            chunk = keys[i : i + self._cap]
-            while self._wait_when_full and self._queued and self._queued + len(chunk) > self._cap:
-                self._apply_write(*self._done.get())
-            if self._queued + len(chunk) > self._cap:
-                self.writes_dropped_queue_full += len(chunk)
-                queued_all = False
-                continue
-            ids = self.manager.prepare_load(chunk)  # pinned until every tier wrote them
-            job = _Write(chunk, ids, len(self.tiers))
-            for q in self._write_qs:
-                q.put(job)
-            self._writes_in_flight += 1
-            self._queued += len(chunk)
-            self.writes_queued += len(chunk)
-        return queued_all
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        m = self.manager
+        while self._wait_when_full and 0 < m.write_through_in_flight > self._cap - num_blocks:
+            m.wait_write_through(0.05)
+        return m.write_through_in_flight + num_blocks <= self._cap
 
     def poll(self) -> None:
         """Applies finished background work to L1: probes become reads into L1 slots, reads
@@ -232,9 +235,8 @@ class TieredPool:
                 if not r.future.done() or not self._finish_read(r):
                     still.append(r)
             self._reads = still
-        done = self._done
-        while not done.empty():
-            self._apply_write(*done.get_nowait())
+        if self.tiers:
+            self.manager.poll_write_through()
 
     def wait_reads(self) -> None:
         """Blocks until no promotion is in flight (for replays and tests; an engine polls)."""
@@ -245,8 +247,8 @@ class TieredPool:
     def wait(self) -> None:
         """Blocks until no promotion and no write-through is in flight."""
         self.wait_reads()
-        while self._writes_in_flight:
-            self._apply_write(*self._done.get())
+        while self.manager.write_through_in_flight:
+            self.manager.wait_write_through(0.05)
         self.poll()
 
     def take_source(self, key: bytes) -> str:
@@ -266,12 +268,13 @@ class TieredPool:
             sec = c["promotion_seconds"]
             c["promotion_gbps"] = c["promoted_bytes"] / sec / 1e9 if sec else 0.0
             tiers[t.name] = {**t.stats(), **c}
+        m = self.manager
         return {
             "probes": self.probes,
             "lookup_retries": self.lookup_retries,
-            "writes_queued": self.writes_queued,
-            "writes_dropped_queue_full": self.writes_dropped_queue_full,
-            "write_queue_blocks": self._queued,
+            "writes_queued": m.write_through_queued,
+            "writes_dropped_queue_full": m.write_through_dropped,
+            "write_queue_blocks": m.write_through_in_flight,
             "tiers": tiers,
         }
 
@@ -281,10 +284,13 @@ class TieredPool:
             return
         self.wait()
         self._reader.shutdown()
-        for q in self._write_qs:
-            q.put(_STOP)
-        for th in self._writers:
-            th.join()
+        if self.tiers:
+            self.manager.set_write_through(0)  # later stores are not queued
+            self._stop_dispatcher()
+            for q in self._write_qs:
+                q.put(_STOP)
+            for th in self._writers:
+                th.join()
         for t in self.tiers:
             t.close()
         self._closed = True
@@ -317,8 +323,8 @@ class TieredPool:
         ok: list[bool] = r.future.result()
         good = [k for k, g in zip(r.keys_to_store, ok, strict=True) if g]
         bad = [k for k, g in zip(r.keys_to_store, ok, strict=True) if not g]
-        if good:
-            self.manager.complete_store(good, True)
+        if good:  # a tier has them already: not written through again
+            self.manager.complete_store(good, True, write_through=False)
         if bad:
             self.manager.complete_store(bad, False)
         seconds = time.perf_counter() - r.t0
@@ -345,24 +351,27 @@ class TieredPool:
                 self._answer(r.keys[stop])
         return True
 
-    def _apply_write(self, w: _Write, tier_index: int, done: list[bool] | None) -> None:
-        """One tier finished writing ``w`` (``done``: per key; None: it raised). When every
-        tier did, the blocks are unpinned."""
-        c = self.counters[self.tiers[tier_index].name]
-        good = sum(1 for d in done if d) if done is not None else 0
-        c["written_blocks"] += good
-        c["write_failures"] += len(w.keys) - good
-        w.remaining -= 1
-        if w.remaining == 0:
-            self.manager.complete_load(w.keys)
-            self._queued -= len(w.keys)
-            self._writes_in_flight -= 1
+    def _stop_dispatcher(self) -> None:
+        self._closing = True
+        self.manager.close_write_through()
+        if self._dispatcher.is_alive():
+            self._dispatcher.join()
+        _OPEN_POOLS.discard(self)
 
-    # ------------------------------------------------------------------ background threads
+    def _dispatch(self) -> None:
+        """Dispatcher thread: takes the manager's write-through batches and gives each to every
+        tier's writer."""
+        while not self._closing:
+            for keys, block_ids in self.manager.take_write_through(0.05):
+                job = _Write(keys, block_ids, len(self.tiers))
+                for q in self._write_qs:
+                    q.put(job)
 
     def _writer(self, index: int) -> None:
-        """Writer thread of tier ``index``: writes queued blocks from their L1 slots."""
-        tier, q, done = self.tiers[index], self._write_qs[index], self._done
+        """Writer thread of tier ``index``: writes queued blocks from their L1 slots; the last
+        tier done with a batch hands its blocks back to the manager (unpinned there)."""
+        tier, q = self.tiers[index], self._write_qs[index]
+        c = self.counters[tier.name]
         while True:
             job = q.get()
             if job is _STOP:
@@ -373,7 +382,14 @@ class TieredPool:
                 )
             except Exception:  # a tier must not raise; if it does, the blocks count as failed
                 result = None
-            done.put((job, index, result))
+            good = sum(1 for d in result if d) if result is not None else 0
+            with self._write_lock:
+                c["written_blocks"] += good
+                c["write_failures"] += len(job.keys) - good
+                job.remaining -= 1
+                last = job.remaining == 0
+            if last:
+                self.manager.write_through_done(job.block_ids)
 
     def _probe(self, keys: list[bytes]) -> list[int]:
         """Tier index of each key of the leading run some tier holds (first tier first)."""

@@ -1,20 +1,20 @@
 """``kvoff bench tiers`` (engine side): what the secondary tiers cost the engine thread.
 
-The engine calls the L1 manager on every step (``lookup``, ``prepare_store``,
-``complete_store``, ``touch``); with tiers on it calls them through
-:class:`kvoff.tiers.coordinator.TieredPool` (``lookup`` polls finished tier work first, a store
-is followed by ``on_stored``, which pins the blocks and queues the write-through). The tier I/O
-itself runs on background threads. This benchmark times the engine thread's calls per round,
-the same workload both ways, rounds alternated (tiers off, tiers on, off, on, ...) so that the
-machine's noise hits both alike, and reports the median per-call time and the ratio (target:
-tiers on within 5 % of tiers off, issue 14).
+The engine calls the L1 manager on every step (``lookup``, ``prepare_store``, ``complete_store``,
+``touch``); with tiers on, ``lookup`` goes through :class:`kvoff.tiers.coordinator.TieredPool` (it
+promotes from the tiers on an L1 miss) and ``complete_store`` pins the stored blocks and queues
+their write-through inside the C++ manager (``set_write_through``). The tier I/O itself runs on
+background threads. This benchmark times the engine thread's calls per round, the same workload
+both ways, rounds alternated (tiers off, tiers on, off, on, ...) so that the machine's noise hits
+both alike, and reports the median per-call time and the ratio (target: tiers on within 5 % of
+tiers off, issue 14).
 
 Workload per round: ``lookup`` of ``batch`` keys stored earlier (L1 hits), ``prepare_store`` of
 ``batch`` new keys (evicting as many on a full pool), their bytes written into the slots (the
-worker's copy: not timed), ``complete_store``, then ``touch``; with tiers, ``on_stored`` of the
-new keys. Only the engine's calls are timed. Keys never miss L1
-in the lookups, so the tiers' promotion path (which returns "retry later" by design) is not
-timed; its engine-thread part is one ``poll``.
+worker's copy: not timed), ``complete_store`` (with tiers: queued for write-through, or dropped
+when the queue is full), then ``touch``. Only the engine's calls are timed. Keys never miss L1 in
+the lookups, so the tiers' promotion path (which returns "retry later" by design) is not timed;
+its engine-thread part is one ``poll``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def bench_engine_calls(
     def store(mode: str, keys: list[bytes]) -> float:
         """Stores ``keys``; returns the seconds spent in the engine's calls (not in the copy
         into the slots, which is the worker's)."""
-        manager, slots, pool = setups[mode]
+        manager, slots, _pool = setups[mode]
         t0 = clock()
         out = manager.prepare_store(keys)
         t1 = clock()
@@ -101,9 +101,7 @@ def bench_engine_calls(
         for b in out.block_ids:
             slots[b] = payload
         t2 = clock()
-        manager.complete_store(list(out.keys_to_store), True)
-        if pool is not None:
-            pool.on_stored(list(out.keys_to_store))
+        manager.complete_store(out.keys_to_store, True)
         return (t1 - t0) + (clock() - t2)
 
     for mode in ("off", "on"):  # fill half the pool

@@ -681,17 +681,18 @@ def run_replay(
     marks: list[_Marks] = []
 
     def finish(e: _Engine, results: Sequence[Any]) -> None:
-        """complete_store for finished stores (then their write-through to the tiers); their
-        GPU blocks may be reused again."""
+        """complete_store for finished stores (the manager queues their write-through to the
+        tiers; the replay first waits for room, having no compute to hide the tiers behind);
+        their GPU blocks may be reused again."""
         pending, fences = e.pending, e.fences
         for r in results:
             res.mechanisms[r.mechanism] = res.mechanisms.get(r.mechanism, 0) + 1
             job = pending.pop(r.job_id, None)
             if job is None:
                 continue
-            e.manager.complete_store(job.keys, r.success)
             if r.success and e.pool is not None:
-                e.pool.on_stored(job.keys)
+                e.pool.wait_for_write_room(len(job.keys))
+            e.manager.complete_store(job.keys, r.success)
             for b in job.gpu_ids:
                 if fences.get(b) == r.job_id:
                     del fences[b]

@@ -3,6 +3,8 @@ bounded write-through, corrupted blocks never served, and the replay over L1 + d
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -54,10 +56,9 @@ def test_l1_miss_is_promoted_from_disk_byte_exact(tmp_path: Path) -> None:
     keys = [key(i) for i in range(6)]
     values = [pattern(i) for i in range(6)]
     for i in range(0, 6, 2):  # 6 blocks through an L1 of 4: the first ones are evicted
-        l1.store(keys[i : i + 2], values[i : i + 2])
-        assert pool.on_stored(keys[i : i + 2])
+        l1.store(keys[i : i + 2], values[i : i + 2])  # complete_store queues the write-through
         pool.wait()
-    assert disk.stats()["blocks_written"] == 6
+    assert disk.stats()["blocks_written"] == 6 and pool.stats()["writes_queued"] == 6
     assert l1.manager.lookup(keys) == 0  # L1 lost the head
     assert pool.lookup(keys[:3]) is None  # the tiers are asked: retry later
     assert pool.lookup(keys[:3]) is None  # still in flight (or being read into L1)
@@ -69,6 +70,8 @@ def test_l1_miss_is_promoted_from_disk_byte_exact(tmp_path: Path) -> None:
     l1.manager.complete_load(keys[:3])
     st = pool.stats()["tiers"]["disk"]
     assert st["promoted_blocks"] == 2 and st["promotion_failures"] == 0  # key 2 stayed in L1
+    pool.wait()
+    assert pool.stats()["writes_queued"] == 6  # promoted blocks are not written through again
     assert [pool.take_source(k) for k in keys[:3]] == ["disk", "disk", "L1"]
     pool.close()
 
@@ -89,7 +92,6 @@ def test_corrupted_block_on_disk_is_never_promoted(tmp_path: Path) -> None:
     keys = [key(i) for i in range(4)]
     for i in range(0, 4, 2):
         l1.store(keys[i : i + 2], [pattern(i), pattern(i + 1)])
-        pool.on_stored(keys[i : i + 2])
         pool.wait()
     # flip one payload byte of every block in the file: each read must fail its checksum
     path = next((tmp_path / "disk").iterdir())
@@ -126,9 +128,10 @@ def test_full_write_queue_drops_and_never_blocks(tmp_path: Path) -> None:
     disk = GatedDisk(tmp_path / "disk", 64 * (PAYLOAD + 8192), FMT)
     pool = TieredPool(l1.manager, l1.slots.__getitem__, [disk], write_queue_blocks=4)
     keys = [key(i) for i in range(8)]
-    l1.store(keys, [pattern(i) for i in range(8)])
-    assert pool.on_stored(keys[:4])  # queued, pinned while the disk is stuck
-    assert not pool.on_stored(keys[4:])  # no room: dropped at once, counted
+    assert pool.wait_for_write_room(4)
+    l1.store(keys[:4], [pattern(i) for i in range(4)])  # queued, pinned while the disk is stuck
+    assert not pool.wait_for_write_room(1)  # answers at once: an engine never waits
+    l1.store(keys[4:], [pattern(i) for i in range(4, 8)])  # no room: dropped at once, counted
     assert pool.stats()["writes_dropped_queue_full"] == 4
     assert pool.stats()["write_queue_blocks"] == 4
     # the queued blocks are pinned: L1 cannot evict them for new stores
@@ -175,3 +178,36 @@ def test_replay_small_l1_plus_disk_matches_a_huge_l1(tmp_path: Path) -> None:
     assert tiered.tier_hit_tokens["disk"] > 0
     assert tiered.corrupted_blocks == 0 and tiered.tier_corrupted_blocks == 0
     assert tiered.blocks_verified > 0 and tiered.failed_transfers == 0
+
+
+def test_a_process_exits_cleanly_with_a_pool_never_closed(tmp_path: Path) -> None:
+    """A dispatcher thread waiting in take_write_through (GIL released) when the interpreter
+    exits must not abort the process (it did: a GIL re-take during finalization unwound a
+    noexcept destructor). Both guards are checked: without the pool's atexit hook too."""
+    script = f"""
+import atexit
+import numpy as np
+from kvoff import _scheduler
+from kvoff.tiers import coordinator
+from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+from kvoff.tiers.coordinator import TieredPool
+from kvoff.tiers.disk import DiskTier
+
+if UNHOOK:
+    atexit.unregister(coordinator._stop_dispatchers)
+fmt = BlockFormat(layout_fingerprint(test="exit"), 4096)
+m = _scheduler.CPUOffloadingManager(16)
+slots = np.zeros((16, 4096), dtype=np.uint8)
+pool = TieredPool(m, slots.__getitem__, [DiskTier({str(tmp_path)!r} + "/d" + str(UNHOOK),
+                                                  1 << 22, fmt)])
+out = m.prepare_store([1, 2])
+m.complete_store(out.keys_to_store)
+print("stored")
+"""
+    for unhook in (False, True):
+        run = subprocess.run(
+            [sys.executable, "-c", f"UNHOOK = {unhook}\n" + script],
+            check=False, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, (unhook, run.returncode, run.stderr[-2000:])
+        assert run.stdout.strip() == "stored"

@@ -58,8 +58,7 @@ class TieredPoolMachine(RuleBasedStateMachine):
         for k, b in zip(out.keys_to_store, out.block_ids, strict=True):
             self.slots[b] = value(index[k])
         self.manager.complete_store(list(out.keys_to_store), True)
-        self.stored.update(index[k] for k in out.keys_to_store)
-        self.pool.on_stored(list(out.keys_to_store))
+        self.stored.update(index[k] for k in out.keys_to_store)  # written through by the manager
 
     @rule(first=st.integers(0, KEYS - 1), n=st.integers(1, 4))
     def lookup_and_load(self, first: int, n: int) -> None:

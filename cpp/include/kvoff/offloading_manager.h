@@ -2,9 +2,12 @@
 // which to evict (DESIGN.md "manager operations" and invariants 6, 7, 8).
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -58,6 +61,13 @@ struct OffloadingEvent {
 
 /// Keys passed to the manager: views of non-empty byte strings, valid during the call.
 using KeySpan = std::span<const std::string_view>;
+
+/// Blocks whose stores completed, pinned in the pool until every secondary tier wrote them:
+/// `keys[i]` lives in CPU block `block_ids[i]`. See CPUOffloadingManager::set_write_through.
+struct WriteThroughBatch {
+  std::vector<std::string> keys;
+  std::vector<std::uint32_t> block_ids;
+};
 
 /// The offloading manager of one CPU pool of `num_blocks` slots.
 ///
@@ -149,7 +159,9 @@ class CPUOffloadingManager {
   /// occurring several times is finished once.
   /// Throws std::invalid_argument, changing nothing, when a key is not pending (naming it in hex
   /// and its state).
-  void complete_store(KeySpan keys, bool success = true);
+  /// With `write_through` (and write-through enabled), blocks made ready are queued for the
+  /// secondary tiers; promotions from a tier pass false (the tier has them already).
+  void complete_store(KeySpan keys, bool success = true, bool write_through = true);
 
   /// complete_store by CPU block id (slot) instead of by key: the `block_ids` of a
   /// PrepareStoreResult, e.g. the slots a store job kept. A pending block cannot move or be
@@ -157,7 +169,47 @@ class CPUOffloadingManager {
   /// A slot occurring several times is finished once.
   /// Throws std::invalid_argument, changing nothing, when a slot is outside [0, num_blocks),
   /// free, or not pending (naming it and its state).
-  void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success = true);
+  void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success = true,
+                             bool write_through = true);
+
+  /// Write-through to secondary tiers, with no work on the engine thread beyond a pin per
+  /// block. With `capacity_blocks` > 0, each block a store makes ready (complete_store with
+  /// write_through) is pinned, so it is not evicted while tiers read it, and queued for
+  /// take_write_through, as long as at most `capacity_blocks` blocks are queued or being
+  /// written; the rest are dropped and counted (write_through_dropped), never waited for.
+  /// 0 turns it off for later stores (blocks in flight finish as usual).
+  /// Engine thread (the thread of every other call).
+  void set_write_through(std::uint32_t capacity_blocks);
+  std::uint32_t write_through_capacity() const noexcept { return wt_capacity_; }
+
+  /// Any thread (a tier writer): the batches queued since the last call, oldest first,
+  /// waiting up to `timeout_seconds` for one (0: do not wait). Returns an empty vector on
+  /// timeout or once close_write_through ran.
+  std::vector<WriteThroughBatch> take_write_through(double timeout_seconds);
+
+  /// Any thread: every tier is done with these blocks (of batches from take_write_through);
+  /// the engine thread unpins them at its next prepare_store, complete_store*, prepare_load,
+  /// complete_load or poll_write_through.
+  /// Throws std::invalid_argument, changing nothing, for a block that is not being written
+  /// through (never queued, already handed back, or repeated in the call).
+  void write_through_done(std::span<const std::uint32_t> block_ids);
+
+  /// Engine thread: unpins the blocks handed back by write_through_done; returns how many.
+  std::size_t poll_write_through();
+
+  /// Engine thread: waits up to `timeout_seconds` for blocks to be handed back, then polls;
+  /// returns how many were unpinned (for callers that must not drop, e.g. trace replays).
+  std::size_t wait_write_through(double timeout_seconds);
+
+  /// Wakes every take_write_through; later ones return at once. Idempotent.
+  void close_write_through();
+
+  /// Blocks queued or being written through (pinned for it) now.
+  std::uint32_t write_through_in_flight() const noexcept { return wt_in_flight_; }
+  /// Blocks queued for write-through since construction.
+  std::uint64_t write_through_queued() const noexcept { return wt_queued_total_; }
+  /// Blocks not queued because the queue was full, since construction.
+  std::uint64_t write_through_dropped() const noexcept { return wt_dropped_total_; }
 
   /// Returns the events recorded since the last call, oldest first, and forgets them. Always
   /// empty when events are disabled.
@@ -212,7 +264,12 @@ class CPUOffloadingManager {
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
   // complete_store's second half: finishes the (validated, pending) slots, each once.
-  void finish_stores(std::span<const std::uint32_t> slots, bool success);
+  void finish_stores(std::span<const std::uint32_t> slots, bool success, bool write_through);
+  void queue_write_through(std::span<const std::uint32_t> slots);
+  std::size_t drain_write_through();
+  void maybe_drain() {
+    if (wt_done_ready_.load(std::memory_order_acquire)) drain_write_through();
+  }
   void record(std::vector<std::string> keys, bool removed);
   /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
   void note_recent(std::uint32_t slot) noexcept;
@@ -252,6 +309,21 @@ class CPUOffloadingManager {
     std::uint32_t position;   // index into the call's keys + 1; 0 = empty
   };
   std::vector<DedupeEntry> scratch_set_;        // open-addressing set for deduplication
+
+  // Write-through (set_write_through). Engine-thread fields first; the rest under wt_mutex_.
+  std::uint32_t wt_capacity_ = 0;
+  std::uint32_t wt_in_flight_ = 0;
+  std::uint64_t wt_queued_total_ = 0;
+  std::uint64_t wt_dropped_total_ = 0;
+  std::vector<std::uint32_t> wt_drained_;           // engine thread: slots to unpin
+  std::atomic<bool> wt_done_ready_{false};          // wt_done_ is not empty
+  std::mutex wt_mutex_;
+  std::condition_variable wt_queued_cv_;            // a batch was queued, or closed
+  std::condition_variable wt_done_cv_;              // blocks were handed back
+  std::vector<WriteThroughBatch> wt_batches_;       // queued, not taken
+  std::vector<std::uint32_t> wt_done_;              // handed back, not unpinned
+  std::vector<std::uint8_t> wt_outstanding_;        // per slot: queued and not handed back
+  bool wt_closed_ = false;
 };
 
 }  // namespace kvoff
