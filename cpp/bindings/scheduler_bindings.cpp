@@ -32,17 +32,25 @@ namespace {
 template <typename F>
 auto without_gil(F&& f) {
   PyThreadState* state = PyEval_SaveThread();
-  auto result = f();
+  const auto retake = [state] {
 #if PY_VERSION_HEX >= 0x030D0000
-  const bool finalizing = Py_IsFinalizing() != 0;
+    const bool finalizing = Py_IsFinalizing() != 0;
 #else
-  const bool finalizing = _Py_IsFinalizing() != 0;
+    const bool finalizing = _Py_IsFinalizing() != 0;
 #endif
-  while (finalizing) {
-    std::this_thread::sleep_for(std::chrono::hours(1));  // the process is exiting
+    while (finalizing) {
+      std::this_thread::sleep_for(std::chrono::hours(1));  // the process is exiting
+    }
+    PyEval_RestoreThread(state);
+  };
+  try {
+    auto result = f();
+    retake();
+    return result;
+  } catch (...) {  // e.g. std::bad_alloc: back to Python with the GIL, then raise
+    retake();
+    throw;
   }
-  PyEval_RestoreThread(state);
-  return result;
 }
 
 
