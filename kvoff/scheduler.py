@@ -28,7 +28,7 @@ state after the last token of block ``p`` once that block is full.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
@@ -43,9 +43,13 @@ from kvoff.specs import (
 from kvoff.worker import CPUBlockSpec, GPUBlockSpec
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvoff.config import OffloadingConfig
     from kvoff.offloading_spec import CPUOffloadingSpec
     from kvoff.specs import KVCacheConfig, KVCacheSpec
+    from kvoff.tiers.base import SecondaryTier
+    from kvoff.tiers.coordinator import TieredPool
 
 __all__ = [
     "COUNTER_NAMES",
@@ -309,6 +313,8 @@ class OffloadingScheduler:
             groups=list(group_kinds(spec)),
         )
         self._requests: dict[str, RequestLike] = {}  # the core reads their new hashes
+        self._tiers: TieredPool | None = None
+        self._partial_groups = any(k != "full_attention" for k, _ in group_kinds(spec))
 
     @classmethod
     def from_config(
@@ -340,7 +346,8 @@ class OffloadingScheduler:
 
         Returns:
             ``(None, False)``: retry later (a block of the hit is still being stored, or being
-            loaded for another request); ``(0, False)``: nothing to load; ``(n, True)``: ``n``
+            loaded for another request, or the secondary tiers of :meth:`attach_tiers` are
+            being asked for a block the CPU pool misses); ``(0, False)``: nothing to load; ``(n, True)``: ``n``
             more tokens can be loaded asynchronously (the request waits for its load).
 
         Raises:
@@ -349,7 +356,108 @@ class OffloadingScheduler:
             TypeError: a hash that is neither bytes nor int.
         """
         # one core call: the request's new hashes (read in place), then the lookup
-        return self._core.sync_and_match(request, num_computed_tokens, self._requests)
+        n, load = self._core.sync_and_match(request, num_computed_tokens, self._requests)
+        if self._tiers is None or n is None:
+            return n, load
+        return self._ask_tiers(request, num_computed_tokens + n, n, load)
+
+    def _ask_tiers(
+        self, request: RequestLike, hit_end: int, n: int, load: bool
+    ) -> tuple[int | None, bool]:
+        """After an L1 answer ending at token ``hit_end``: when L1 missed an offloaded block
+        the request could still hit, the tiers are asked for it (and the blocks after it) in
+        the background and the answer is "retry later"; a retry finds the promoted blocks in
+        L1. Each group's keys from the first missed block on are one probe (a group's blocks
+        are promoted as a run from there)."""
+        assert self._tiers is not None
+        obs = self.spec.offloaded_block_size
+        limit = request.num_tokens - (1 if self._partial_groups else 0)
+        hpb = self._hashes_per_block
+        n_max = min(len(request.block_hashes) // hpb, limit // obs)
+        first = hit_end // obs
+        if first >= n_max:
+            return n, load
+        retry = False
+        for g in range(len(self.spec.kv_cache_config.kv_cache_groups)):
+            keys = [self.offload_key(request, j, g) for j in range(first, n_max)]
+            if self._tiers.lookup(keys) is None:
+                retry = True
+        if retry:
+            return None, False
+        return n, load
+
+    # ------------------------------------------------------------------ secondary tiers
+    def attach_tiers(
+        self,
+        tiers: Sequence[SecondaryTier],
+        cpu_slot: Callable[[int], np.ndarray],
+        *,
+        write_queue_blocks: int | None = None,
+    ) -> TieredPool:
+        """Puts secondary tiers (disk, a shared store) below this scheduler's CPU pool, for an
+        engine whose scheduler and worker share one process (the tier I/O reads and writes
+        the CPU pool's slots).
+
+        From then on: every store that completes is written through to every tier in the
+        background (bounded queue; a full queue drops and counts, never blocks);
+        :meth:`get_num_new_matched_tokens` asks the tiers for a block L1 misses and answers
+        ``(None, False)`` ("retry later") while they are asked and read, so a retry finds
+        the promoted blocks in L1 and loads them as usual. Finished tier work is applied at
+        each :meth:`build_connector_meta` (and at lookups). See
+        :mod:`kvoff.tiers.coordinator`.
+
+        Args:
+            tiers: fastest first; each one's ``fmt.payload_bytes`` must be the CPU slot size
+                (``CPUOffloadingSpec.kv_bytes_per_block`` × ``block_size_factor`` bytes).
+            cpu_slot: CPU block id -> that slot's bytes, a writable ``(slot_bytes,)`` uint8
+                array, e.g. ``worker.cpu_pool.numpy().__getitem__``.
+            write_queue_blocks: blocks pinned in L1 for write-through at most (default: a
+                quarter of the pool, at most 1,024).
+
+        Returns:
+            The :class:`~kvoff.tiers.coordinator.TieredPool` (its ``stats()`` gives per-tier
+            hits, bytes, promotions, dropped writes and rejected blocks).
+
+        Raises:
+            ValueError: tiers attached already; ``world_size`` > 1 (each rank has its own
+                CPU pool: a tier here would see rank 0's only); a tier whose payload size is
+                not the slot size; everything :class:`TieredPool` raises.
+        """
+        from kvoff.tiers.coordinator import TieredPool
+
+        if self._tiers is not None:
+            raise ValueError("tiers are attached already; close() them first")
+        if self.spec.world_size != 1:
+            raise ValueError(
+                f"attach_tiers needs world_size 1, got {self.spec.world_size}: each rank keeps "
+                "its own CPU pool, which this process cannot read"
+            )
+        slot_bytes = int(cpu_slot(0).nbytes)
+        for t in tiers:
+            if t.fmt.payload_bytes != slot_bytes:
+                raise ValueError(
+                    f"tier {t.name!r} stores {t.fmt.payload_bytes}-byte blocks but a CPU slot "
+                    f"has {slot_bytes} bytes; build its BlockFormat with payload_bytes="
+                    f"{slot_bytes}"
+                )
+        if write_queue_blocks is None:
+            write_queue_blocks = max(1, min(1024, self.spec.num_blocks // 4))
+        self._tiers = TieredPool(
+            self._core.manager, cpu_slot, tiers, write_queue_blocks=write_queue_blocks
+        )
+        return self._tiers
+
+    @property
+    def tiers(self) -> TieredPool | None:
+        """The secondary tiers from :meth:`attach_tiers`, or None."""
+        return self._tiers
+
+    def close(self) -> None:
+        """Waits for the tiers' work in flight and closes them (no-op without tiers).
+        Idempotent; the scheduler stays usable, without tiers."""
+        if self._tiers is not None:
+            self._tiers.close()
+            self._tiers = None
 
     def update_state_after_alloc(
         self,
@@ -521,6 +629,8 @@ class OffloadingScheduler:
     ) -> tuple:
         """The one core call behind the build_connector_meta_* methods (``packed``: jobs in one
         bytes object, else tuples), then the finished requests' objects are let go."""
+        if self._tiers is not None:
+            self._tiers.poll()  # promotions read by now become L1 blocks
         out = self._core.build_connector_meta(
             *columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
             rewritten_block_ids, self._requests, with_keys, packed,

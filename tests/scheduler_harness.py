@@ -1055,6 +1055,8 @@ class EngineSim:
         ):
             self.fail(f"CPU pool accounting broken: {st}")
         pending = {k for j in self.jobs.values() if j.job.direction == "store" for k in j.job.keys}
+        if self.sched.tiers is not None:  # blocks being promoted from a secondary tier
+            pending |= self.sched.tiers.promoting_keys()
         if st["num_pending_blocks"] != len(pending):
             self.fail(f"{st['num_pending_blocks']} pending CPU blocks but {len(pending)} keys in "
                       "in-flight stores")  # fmt: skip

@@ -909,6 +909,14 @@ void bind(py::module_& m) {
       .def("take_events",
            [](OffloadingScheduler& self) { return events_to_py(self.take_events()); })
       .def("reset_cache", &OffloadingScheduler::reset_cache)
+      .def_property_readonly(
+          "manager",
+          [](OffloadingScheduler& self) -> CPUOffloadingManager& { return self.manager(); },
+          py::return_value_policy::reference_internal,
+          "The scheduler's own CPUOffloadingManager (kept alive by the scheduler object), for "
+          "kvoff.tiers.coordinator.TieredPool only: promotions store keys no request stores, "
+          "and write-through uses the manager's thread-safe calls. Any other call that changes "
+          "it breaks the scheduler's job bookkeeping.")
       .def("stats",
            [](const OffloadingScheduler& self) {
              const auto& s = self.stats();

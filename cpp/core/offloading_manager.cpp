@@ -198,6 +198,16 @@ std::pair<BlockState, std::uint32_t> CPUOffloadingManager::state_and_pins(
   return {state_bits(p), pins_bits(p)};
 }
 
+std::pair<BlockState, std::uint32_t> CPUOffloadingManager::state_and_load_pins(
+    std::string_view key) const noexcept {
+  const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
+  if (slot == KeyIndex::kNotFound) return {BlockState::kMissing, 0};
+  const std::uint64_t p = index_.payload(slot);
+  std::uint32_t pins = pins_bits(p);
+  if (pins > 0 && slot < wt_pinned_.size()) pins -= wt_pinned_[slot];
+  return {state_bits(p), pins};
+}
+
 std::optional<std::uint32_t> CPUOffloadingManager::block_id(std::string_view key) const noexcept {
   const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
   if (slot == KeyIndex::kNotFound) {
@@ -268,7 +278,9 @@ void CPUOffloadingManager::complete_load(KeySpan keys) {
     const std::uint32_t slot = scratch_slots_[i];
     const BlockState st =
         slot == KeyIndex::kNotFound ? BlockState::kMissing : state_bits(index_.payload(slot));
-    if (st != BlockState::kReady || pins_bits(index_.payload(slot)) == 0) {
+    // The write-through pin is not a load's: complete_load cannot take it.
+    if (st != BlockState::kReady ||
+        pins_bits(index_.payload(slot)) <= (slot < wt_pinned_.size() ? wt_pinned_[slot] : 0U)) {
       for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
         index_.payload(scratch_slots_[j]) += kOnePin;
       }
@@ -550,6 +562,7 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
 
 void CPUOffloadingManager::set_write_through(std::uint32_t capacity_blocks) {
   if (capacity_blocks > 0 && wt_outstanding_.empty()) {
+    wt_pinned_.assign(index_.num_slots(), 0);
     const std::lock_guard lock(wt_mutex_);
     wt_outstanding_.assign(index_.num_slots(), 0);
   }
@@ -568,6 +581,7 @@ void CPUOffloadingManager::queue_write_through(std::span<const std::uint32_t> sl
   batch.keys.reserve(n);
   for (const std::uint32_t slot : batch.block_ids) {
     index_.payload(slot) += kOnePin;  // just made ready, so unpinned until now
+    wt_pinned_[slot] = 1;
     batch.keys.emplace_back(index_.key(slot));
   }
   num_evictable_ -= n;
@@ -634,6 +648,7 @@ std::size_t CPUOffloadingManager::drain_write_through() {
   for (const std::uint32_t slot : wt_drained_) {
     std::uint64_t& p = index_.payload(slot);
     p -= kOnePin;
+    wt_pinned_[slot] = 0;
     if (pins_bits(p) == 0) {
       ++unpinned;
     }

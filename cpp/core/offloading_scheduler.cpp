@@ -323,8 +323,9 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
     std::int8_t& s = status[g][static_cast<std::size_t>(j - c0)];
     if (s < 0) {
       const std::string_view key = key_in(buf, r, j, g);
-      // A pin is a load in flight: this scheduler's manager is pinned by its loads only.
-      const auto [st, pins] = manager_.state_and_pins(key);
+      // A load pin is a load in flight (a block being written through to a secondary tier
+      // is pinned too, but can be loaded meanwhile).
+      const auto [st, pins] = manager_.state_and_load_pins(key);
       if (st == BlockState::kMissing) {
         s = 0;
       } else if (st == BlockState::kPending || pins > 0) {

@@ -949,6 +949,30 @@ TEST(CPUOffloadingManagerWriteThrough, QueuesPinsDropsAndUnpinsWhenHandedBack) {
   EXPECT_TRUE(m.prepare_store(K({"x", "y", "z"})).has_value());
 }
 
+TEST(CPUOffloadingManagerWriteThrough, LoadPinsLeaveOutTheWriteThroughPin) {
+  CPUOffloadingManager m(4);
+  m.set_write_through(4);
+  store(m, K({"a"}));
+  // pinned for write-through: not evictable, but not a load in flight either
+  EXPECT_EQ(m.state_and_pins("a"), std::make_pair(BlockState::kReady, 1u));
+  EXPECT_EQ(m.state_and_load_pins("a"), std::make_pair(BlockState::kReady, 0u));
+  // complete_load cannot take the write-through pin (no load of a is in flight)
+  EXPECT_THROW(m.complete_load(K({"a"})), std::invalid_argument);
+  EXPECT_EQ(m.pin_count("a"), 1u);
+  ASSERT_TRUE(m.prepare_load(K({"a"})).size() == 1);
+  EXPECT_EQ(m.state_and_pins("a"), std::make_pair(BlockState::kReady, 2u));
+  EXPECT_EQ(m.state_and_load_pins("a"), std::make_pair(BlockState::kReady, 1u));
+  // one load in flight: a repeated key in one call asks for two, and changes nothing
+  EXPECT_THROW(m.complete_load(K({"a", "a"})), std::invalid_argument);
+  EXPECT_EQ(m.pin_count("a"), 2u);
+  m.complete_load(K({"a"}));
+  EXPECT_EQ(m.state_and_load_pins("a"), std::make_pair(BlockState::kReady, 0u));
+  m.write_through_done(m.take_write_through(0.0).at(0).block_ids);
+  EXPECT_EQ(m.poll_write_through(), 1u);
+  EXPECT_EQ(m.state_and_pins("a"), std::make_pair(BlockState::kReady, 0u));
+  EXPECT_EQ(m.num_evictable_blocks(), 1u);
+}
+
 TEST(CPUOffloadingManagerWriteThrough, BadHandBacksChangeNothing) {
   CPUOffloadingManager m(4);
   EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{0}), std::invalid_argument);

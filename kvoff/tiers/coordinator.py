@@ -251,6 +251,10 @@ class TieredPool:
             self.manager.wait_write_through(0.05)
         self.poll()
 
+    def promoting_keys(self) -> set[bytes]:
+        """Keys whose L1 slots are reserved (pending) for a tier read in flight."""
+        return {k for r in self._reads if r.phase == 2 for k in r.keys_to_store}
+
     def take_source(self, key: bytes) -> str:
         """Where the L1 block ``key`` came from: the name of the tier that promoted it (once:
         the record is taken), else ``"L1"``."""

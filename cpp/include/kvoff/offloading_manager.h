@@ -233,6 +233,9 @@ class CPUOffloadingManager {
   std::uint32_t pin_count(std::string_view key) const noexcept;
   /// state(key) and pin_count(key) from one index lookup.
   std::pair<BlockState, std::uint32_t> state_and_pins(std::string_view key) const noexcept;
+  /// state(key) and its pins by loads only: pin_count(key) less the write-through pin (a block
+  /// being written to the secondary tiers can still be loaded). Engine thread.
+  std::pair<BlockState, std::uint32_t> state_and_load_pins(std::string_view key) const noexcept;
   /// CPU block id of a held key, or std::nullopt.
   std::optional<std::uint32_t> block_id(std::string_view key) const noexcept;
 
@@ -316,6 +319,7 @@ class CPUOffloadingManager {
   std::uint64_t wt_queued_total_ = 0;
   std::uint64_t wt_dropped_total_ = 0;
   std::vector<std::uint32_t> wt_drained_;           // engine thread: slots to unpin
+  std::vector<std::uint8_t> wt_pinned_;             // engine thread: per slot, 1 = pinned for it
   std::atomic<bool> wt_done_ready_{false};          // wt_done_ is not empty
   std::mutex wt_mutex_;
   std::condition_variable wt_queued_cv_;            // a batch was queued, or closed

@@ -294,6 +294,11 @@ class OffloadingScheduler {
 
   /// The CPU pool manager (read access for tests and metrics).
   const CPUOffloadingManager& manager() const noexcept { return manager_; }
+  /// The CPU pool manager, for a tier coordinator (kvoff/tiers/coordinator.py) on the engine
+  /// thread: promotions are stores no job made (prepare_store + complete_store of keys no
+  /// request is storing), and write-through runs on the manager's thread-safe calls. Any other
+  /// write through it breaks the scheduler's job bookkeeping.
+  CPUOffloadingManager& manager() noexcept { return manager_; }
   const SchedulerConfig& config() const noexcept { return config_; }
   const SchedulerStats& stats() const noexcept { return stats_; }
   /// Requests the scheduler currently tracks.

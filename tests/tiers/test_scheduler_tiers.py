@@ -1,0 +1,210 @@
+"""Secondary tiers under kvoff's C++ ``OffloadingScheduler`` (``attach_tiers``): a lookup that
+misses L1 answers "retry later" while the tiers are asked, the retry loads the promoted blocks
+into GPU blocks byte for byte (checked by the engine simulator of ``scheduler_harness``), across
+a restart (disk) and across two OS processes (Redis Cluster); a block being written through is
+still a hit; bad input changes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from scheduler_harness import EngineSim  # noqa: E402
+
+from kvoff.tiers.block_format import BlockFormat, layout_fingerprint  # noqa: E402
+from kvoff.tiers.disk import DiskTier  # noqa: E402
+from kvoff.tiers.redis_cluster import RedisClusterTier  # noqa: E402
+
+PROMPT = list(range(13))  # 3 full blocks of 4 tokens, the 13th token is computed
+
+
+def make_sim(**kw: object) -> EngineSim:
+    return EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16, **kw)  # type: ignore[arg-type]
+
+
+def fmt_of(sim: EngineSim) -> BlockFormat:
+    slot = sim.worker.slot_bytes
+    return BlockFormat(layout_fingerprint(test="scheduler-tiers", payload=slot), slot)
+
+
+def attach_disk(sim: EngineSim, path: Path) -> DiskTier:
+    disk = DiskTier(path, 64 * (sim.worker.slot_bytes + 8192), fmt_of(sim))
+    sim.sched.attach_tiers([disk], sim.worker.cpu_pool.numpy().__getitem__)
+    return disk
+
+
+def store_prompt(sim: EngineSim, rid: str = "a") -> None:
+    """A prompt no tier holds: one "retry later" while the tiers are asked, then computed and
+    stored (blocks 0..2)."""
+    sim.add_request(rid, PROMPT)
+    assert sim.step().lookups == {rid: (0, None)}
+    assert sim.sched.tiers is not None
+    sim.sched.tiers.wait_reads()
+    rec = sim.step()
+    assert rec.lookups == {rid: (0, 0)}
+    assert rec.stored == {rid: {(0, 0), (0, 1), (0, 2)}}
+    sim.drain()
+
+
+def test_l1_miss_is_promoted_from_disk_after_a_restart(tmp_path: Path) -> None:
+    """The first engine stores through the scheduler (written through to disk); a restarted
+    engine (new scheduler, worker and CPU pool) gets "retry later", then a 12-token hit loaded
+    from the blocks promoted from disk, byte-exact."""
+    first = make_sim()
+    attach_disk(first, tmp_path / "disk")
+    store_prompt(first)
+    first.sched.close()  # waits for the write-through
+    assert first.sched.tiers is None
+
+    second = make_sim()
+    pool_disk = attach_disk(second, tmp_path / "disk")
+    second.add_request("b", PROMPT)
+    rec = second.step()
+    assert rec.lookups == {"b": (0, None)}  # L1 missed: the disk is being asked
+    assert second.sched.tiers is not None
+    second.sched.tiers.wait_reads()
+    rec = second.step()
+    assert rec.lookups == {"b": (0, 12)}
+    assert rec.loaded == {"b": {(0, 0), (0, 1), (0, 2)}}  # the harness checked the bytes
+    second.drain()
+    stats = second.sched.tiers.stats()
+    assert stats["tiers"]["disk"]["promoted_blocks"] == 3
+    assert pool_disk.stats()["corrupted_blocks"] == 0
+    assert second.sched.stats()["hit_tokens"] == 12
+    second.sched.close()
+
+
+def test_a_block_no_tier_holds_is_asked_once_then_a_miss(tmp_path: Path) -> None:
+    sim = make_sim()
+    attach_disk(sim, tmp_path / "disk")
+    store_prompt(sim)  # nothing anywhere: asked once, then computed and stored
+    assert sim.sched.tiers is not None
+    assert sim.sched.tiers.stats()["probes"] == 1
+    sim.sched.close()
+
+
+def test_l1_hits_need_no_tier_and_no_retry(tmp_path: Path) -> None:
+    sim = make_sim()
+    attach_disk(sim, tmp_path / "disk")
+    store_prompt(sim)
+    assert sim.sched.tiers is not None
+    probes = sim.sched.tiers.stats()["probes"]
+    sim.add_request("b", PROMPT)
+    rec = sim.step()
+    assert rec.lookups == {"b": (0, 12)}
+    assert sim.sched.tiers.stats()["probes"] == probes
+    sim.drain()
+    sim.sched.close()
+
+
+class GatedDisk(DiskTier):
+    """A real disk tier whose writes wait for ``gate`` (to hold blocks in write-through)."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray]) -> list[bool]:
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().put(keys, blocks)
+
+
+def test_a_block_being_written_through_is_still_a_hit(tmp_path: Path) -> None:
+    """Write-through pins a block in L1 (not evicted while tiers read it); the scheduler
+    counts only loads' pins as busy, so a second request loads it at once (no retry)."""
+    sim = make_sim()
+    disk = GatedDisk(tmp_path / "disk", 64 * (sim.worker.slot_bytes + 8192), fmt_of(sim))
+    pool = sim.sched.attach_tiers([disk], sim.worker.cpu_pool.numpy().__getitem__)
+    store_prompt(sim)
+    assert disk.entered.wait(30)
+    keys = [sim.key_of("a", j) for j in range(3)]
+    assert pool.stats()["write_queue_blocks"] == 3
+    assert all(sim.sched.pin_count(k) == 1 for k in keys)  # the write-through pins
+    sim.add_request("b", PROMPT)
+    rec = sim.step()
+    assert rec.lookups == {"b": (0, 12)}
+    assert rec.loaded == {"b": {(0, 0), (0, 1), (0, 2)}}
+    sim.drain()
+    disk.gate.set()
+    pool.wait()
+    assert all(sim.sched.pin_count(k) == 0 for k in keys)
+    assert pool.stats()["tiers"]["disk"]["written_blocks"] == 3
+    sim.sched.close()
+
+
+def test_bad_attachments_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    sim = make_sim()
+    slot = sim.worker.slot_bytes
+    wrong = DiskTier(tmp_path / "w", 64 * (slot + 8192),
+                     BlockFormat(layout_fingerprint(test="wrong"), slot + 16))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"{slot + 16}-byte blocks.*payload_bytes={slot}"):
+        sim.sched.attach_tiers([wrong], sim.worker.cpu_pool.numpy().__getitem__)
+    assert sim.sched.tiers is None
+    wrong.close()
+    attach_disk(sim, tmp_path / "disk")
+    with pytest.raises(ValueError, match="attached already"):
+        attach_disk(sim, tmp_path / "disk2")
+    store_prompt(sim)  # still works, with its one tier
+    sim.sched.close()
+    sim.sched.close()  # idempotent
+
+
+def test_tiers_need_one_rank(tmp_path: Path) -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16, world_size=2)
+    disk = DiskTier(tmp_path / "d", 64 * (sim.worker.slot_bytes + 8192), fmt_of(sim))
+    with pytest.raises(ValueError, match="world_size 1, got 2"):
+        sim.sched.attach_tiers([disk], sim.worker.cpu_pool.numpy().__getitem__)
+    disk.close()
+
+
+def test_two_engine_processes_share_a_redis_cluster(redis_url: str) -> None:
+    """Two OS processes, each an OffloadingScheduler + OffloadingWorker pair: the blocks the
+    first one stores are hits for the second, loaded from Redis into its CPU pool, then into
+    its GPU blocks, byte-exact (the simulator checks every loaded GPU block)."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_scheduler_tiers import fmt_of, make_sim, store_prompt
+        from kvoff.tiers.redis_cluster import RedisClusterTier
+        sim = make_sim()
+        tier = RedisClusterTier({redis_url!r}, fmt_of(sim), namespace="two-engines")
+        sim.sched.attach_tiers([tier], sim.worker.cpu_pool.numpy().__getitem__)
+        store_prompt(sim)
+        pool = sim.sched.tiers
+        sim.sched.close()
+        assert pool.stats()["tiers"]["remote"]["written_blocks"] == 3, pool.stats()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+    sim = make_sim()
+    tier = RedisClusterTier(redis_url, fmt_of(sim), namespace="two-engines")
+    pool = sim.sched.attach_tiers([tier], sim.worker.cpu_pool.numpy().__getitem__)
+    sim.add_request("b", PROMPT)
+    assert sim.step().lookups == {"b": (0, None)}
+    pool.wait_reads()
+    rec = sim.step()
+    assert rec.lookups == {"b": (0, 12)}
+    assert rec.loaded == {"b": {(0, 0), (0, 1), (0, 2)}}
+    sim.drain()
+    remote = pool.stats()["tiers"]["remote"]
+    assert remote["promoted_blocks"] == 3 and remote["corrupted_blocks"] == 0
+    sim.sched.close()
