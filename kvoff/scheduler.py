@@ -347,8 +347,9 @@ class OffloadingScheduler:
         Returns:
             ``(None, False)``: retry later (a block of the hit is still being stored, or being
             loaded for another request, or the secondary tiers of :meth:`attach_tiers` are
-            being asked for a block the CPU pool misses); ``(0, False)``: nothing to load; ``(n, True)``: ``n``
-            more tokens can be loaded asynchronously (the request waits for its load).
+            being asked for a block the CPU pool misses); ``(0, False)``: nothing to load;
+            ``(n, True)``: ``n`` more tokens can be loaded asynchronously (the request waits
+            for its load).
 
         Raises:
             ValueError: ``num_computed_tokens`` not a multiple of the block size or above
