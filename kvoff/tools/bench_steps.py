@@ -34,7 +34,7 @@ from kvoff.specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["bench_scheduler_steps"]
+__all__ = ["StepWorkload", "bench_scheduler_steps"]
 
 _BLOCK_SIZE = 16
 
@@ -61,6 +61,122 @@ def _spec(num_groups: int, num_gpu_blocks: int, num_cpu_blocks: int) -> CPUOfflo
         kv_cache_groups=tuple(KVCacheGroupSpec((f"l{g}",), specs[g]) for g in range(num_groups)),
     )
     return CPUOffloadingSpec(config, cpu_bytes_to_use=num_cpu_blocks * page * num_groups)
+
+
+class StepWorkload:
+    """The workload of :func:`bench_scheduler_steps`, one step at a time, so that two
+    schedulers can be stepped alternately (``kvoff bench tiers`` compares tiers off and on
+    step by step, which cancels the machine's drift).
+
+    Construction admits every request (timed: ``admit_s``) and runs the prefill step (timed:
+    ``prefill_s``); each :meth:`decode_step` builds one decode step (untimed, the engine's
+    own work), times ``build_connector_meta`` (facade) and the C++ call alone on a twin step
+    (core), then reports the step's store jobs complete (timed apart).
+
+    Raises:
+        ValueError: as :func:`bench_scheduler_steps`.
+    """
+
+    def __init__(
+        self,
+        num_requests: int,
+        num_groups: int,
+        *,
+        prompt_tokens: int = 1024,
+        decode_steps: int = 64,
+        num_cpu_blocks: int = 1 << 20,
+        seed: int = 0,
+    ) -> None:
+        if num_requests < 1 or not 1 <= num_groups <= 8 or prompt_tokens < _BLOCK_SIZE:
+            raise ValueError(
+                f"need num_requests >= 1, 1 <= num_groups <= 8 and prompt_tokens >= "
+                f"{_BLOCK_SIZE}, got {num_requests}, {num_groups}, {prompt_tokens}"
+            )
+        self.num_groups = num_groups
+        blocks_per_request = -(-(prompt_tokens + decode_steps + 1) // _BLOCK_SIZE)
+        num_gpu_blocks = num_requests * num_groups * blocks_per_request + 1
+        self.sched = OffloadingScheduler(_spec(num_groups, num_gpu_blocks, num_cpu_blocks))
+        self._rng = random.Random(seed)
+        self._next_block = 1
+        # Admission: every request misses (fresh random hashes).
+        self.requests = []
+        for i in range(num_requests):
+            n_hash = prompt_tokens // _BLOCK_SIZE
+            self.requests.append(
+                Request(f"r{i}", [self._rng.randbytes(16) for _ in range(n_hash)], prompt_tokens)
+            )
+        tables = {
+            r.request_id: [
+                list(self._alloc(-(-prompt_tokens // _BLOCK_SIZE))) for _ in range(num_groups)
+            ]
+            for r in self.requests
+        }
+        sched = self.sched
+        t0 = time.perf_counter()
+        for r in self.requests:
+            sched.get_num_new_matched_tokens(r, 0)
+            sched.update_state_after_alloc(r, tables[r.request_id], 0)
+        self.admit_s = time.perf_counter() - t0
+        prefill = SchedulerStep(
+            tuple(
+                ScheduledRequest(
+                    r.request_id, tuple(tuple(t) for t in tables[r.request_id]), 0, prompt_tokens
+                )
+                for r in self.requests
+            )
+        )
+        t0 = time.perf_counter()
+        meta = sched.build_connector_meta(prefill)
+        self.prefill_s = time.perf_counter() - t0
+        self.prefill_blocks = sum(len(j.gpu.block_ids) for j in meta.store_jobs)
+        sched.update_connector_output([(j.job_id, True) for j in meta.store_jobs])
+        self._computed = dict.fromkeys((r.request_id for r in self.requests), prompt_tokens)
+        self._empty = tuple(() for _ in range(num_groups))
+        self.facade_s: list[float] = []
+        self.core_s: list[float] = []
+        self.complete_s = 0.0
+        self.jobs = 0
+
+    def _alloc(self, n: int) -> tuple[int, ...]:
+        ids = tuple(range(self._next_block, self._next_block + n))
+        self._next_block += n
+        return ids
+
+    def decode_step(self) -> float:
+        """One decode step (one token per request); returns its facade seconds."""
+        sched = self.sched
+        scheduled = []
+        for r in self.requests:
+            c = self._computed[r.request_id]
+            new = self._empty
+            if c % _BLOCK_SIZE == 0:  # the new token opens a block in every group
+                new = tuple(self._alloc(1) for _ in range(self.num_groups))
+            scheduled.append(ScheduledRequest(r.request_id, new, c, 1))
+            r.num_tokens = c + 1
+            if (c + 1) % _BLOCK_SIZE == 0:
+                r.block_hashes.append(self._rng.randbytes(16))
+            self._computed[r.request_id] = c + 1
+        step = SchedulerStep(tuple(scheduled))
+        # The core call with prebuilt columns, on a twin step that allocates nothing new:
+        core_ids = [s.request_id for s in scheduled]
+        core_none = [None] * len(scheduled)
+        core_computed = [s.num_computed_tokens + 1 for s in scheduled]
+        core_zero = [0] * len(scheduled)
+        t0 = time.perf_counter()
+        meta = sched.build_connector_meta(step)
+        t1 = time.perf_counter()
+        sched._core.build_connector_meta(
+            core_ids, core_none, core_computed, core_zero, (), (), (), (), None
+        )
+        t2 = time.perf_counter()
+        self.facade_s.append(t1 - t0)
+        self.core_s.append(t2 - t1)
+        reports = [(j.job_id, True) for j in meta.store_jobs]
+        self.jobs += len(reports)
+        t0 = time.perf_counter()
+        sched.update_connector_output(reports)
+        self.complete_s += time.perf_counter() - t0
+        return self.facade_s[-1]
 
 
 def bench_scheduler_steps(
@@ -94,105 +210,27 @@ def bench_scheduler_steps(
     Raises:
         ValueError: a parameter out of range.
     """
-    if num_requests < 1 or not 1 <= num_groups <= 8 or prompt_tokens < _BLOCK_SIZE:
-        raise ValueError(
-            f"need num_requests >= 1, 1 <= num_groups <= 8 and prompt_tokens >= {_BLOCK_SIZE}, "
-            f"got {num_requests}, {num_groups}, {prompt_tokens}"
-        )
-    blocks_per_request = -(-(prompt_tokens + decode_steps + 1) // _BLOCK_SIZE)
-    num_gpu_blocks = num_requests * num_groups * blocks_per_request + 1
-    sched = OffloadingScheduler(_spec(num_groups, num_gpu_blocks, num_cpu_blocks))
-    rng = random.Random(seed)
-    next_block = 1
-
-    def alloc(n: int) -> tuple[int, ...]:
-        nonlocal next_block
-        ids = tuple(range(next_block, next_block + n))
-        next_block += n
-        return ids
-
-    # Admission: every request misses (fresh random hashes).
-    requests = []
-    for i in range(num_requests):
-        n_hash = prompt_tokens // _BLOCK_SIZE
-        requests.append(Request(f"r{i}", [rng.randbytes(16) for _ in range(n_hash)], prompt_tokens))
-    tables = {
-        r.request_id: [list(alloc(-(-prompt_tokens // _BLOCK_SIZE))) for _ in range(num_groups)]
-        for r in requests
-    }
-    t0 = time.perf_counter()
-    for r in requests:
-        sched.get_num_new_matched_tokens(r, 0)
-        sched.update_state_after_alloc(r, tables[r.request_id], 0)
-    admit = time.perf_counter() - t0
-    prefill = SchedulerStep(
-        tuple(
-            ScheduledRequest(
-                r.request_id, tuple(tuple(t) for t in tables[r.request_id]), 0, prompt_tokens
-            )
-            for r in requests
-        )
-    )
-    t0 = time.perf_counter()
-    meta = sched.build_connector_meta(prefill)
-    prefill_s = time.perf_counter() - t0
-    prefill_blocks = sum(len(j.gpu.block_ids) for j in meta.store_jobs)
-    sched.update_connector_output([(j.job_id, True) for j in meta.store_jobs])
-
-    # Decode: prebuild every step (the engine's own work), then time the hooks.
-    computed = dict.fromkeys((r.request_id for r in requests), prompt_tokens)
-    facade_s: list[float] = []
-    core_s: list[float] = []
-    complete_s = 0.0
-    jobs = 0
-    empty = tuple(() for _ in range(num_groups))
+    w = StepWorkload(
+        num_requests, num_groups, prompt_tokens=prompt_tokens, decode_steps=decode_steps,
+        num_cpu_blocks=num_cpu_blocks, seed=seed,
+    )  # fmt: skip
     for _ in range(decode_steps):
-        scheduled = []
-        for r in requests:
-            c = computed[r.request_id]
-            new = empty
-            if c % _BLOCK_SIZE == 0:  # the new token opens a block in every group
-                new = tuple(alloc(1) for _ in range(num_groups))
-            scheduled.append(ScheduledRequest(r.request_id, new, c, 1))
-            r.num_tokens = c + 1
-            if (c + 1) % _BLOCK_SIZE == 0:
-                r.block_hashes.append(rng.randbytes(16))
-            computed[r.request_id] = c + 1
-        step = SchedulerStep(tuple(scheduled))
-        # The core call with prebuilt columns, on a twin step that allocates nothing new:
-        core_ids = [s.request_id for s in scheduled]
-        core_none = [None] * len(scheduled)
-        core_computed = [s.num_computed_tokens + 1 for s in scheduled]
-        core_zero = [0] * len(scheduled)
-        t0 = time.perf_counter()
-        meta = sched.build_connector_meta(step)
-        t1 = time.perf_counter()
-        sched._core.build_connector_meta(
-            core_ids, core_none, core_computed, core_zero, (), (), (), (), None
-        )
-        t2 = time.perf_counter()
-        facade_s.append(t1 - t0)
-        core_s.append(t2 - t1)
-        reports = [(j.job_id, True) for j in meta.store_jobs]
-        jobs += len(reports)
-        t0 = time.perf_counter()
-        sched.update_connector_output(reports)
-        complete_s += time.perf_counter() - t0
-    decode_us = statistics.median(facade_s) * 1e6
-    core_us = statistics.median(core_s) * 1e6
+        w.decode_step()
+    decode_us = statistics.median(w.facade_s) * 1e6
+    core_us = statistics.median(w.core_s) * 1e6
     return {
         "num_requests": num_requests,
         "num_groups": num_groups,
         "prompt_tokens": prompt_tokens,
         "decode_steps": decode_steps,
         "num_cpu_blocks": num_cpu_blocks,
-        "admit_us_per_request": admit / num_requests * 1e6,
-        "prefill_step_ms": prefill_s * 1e3,
-        "prefill_blocks_stored": prefill_blocks,
+        "admit_us_per_request": w.admit_s / num_requests * 1e6,
+        "prefill_step_ms": w.prefill_s * 1e3,
+        "prefill_blocks_stored": w.prefill_blocks,
         "decode_step_us": decode_us,
         "decode_step_per_request_ns": decode_us * 1e3 / num_requests,
         "decode_step_core_us": core_us,
         "decode_step_core_per_request_ns": core_us * 1e3 / num_requests,
-        "decode_store_jobs": jobs,
-        "complete_us_per_job": complete_s / jobs * 1e6 if jobs else 0.0,
+        "decode_store_jobs": w.jobs,
+        "complete_us_per_job": w.complete_s / w.jobs * 1e6 if w.jobs else 0.0,
     }

@@ -30,8 +30,9 @@ from kvoff import _scheduler
 from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
 from kvoff.tiers.coordinator import TieredPool
 from kvoff.tiers.disk import DiskTier
+from kvoff.tools.bench_steps import StepWorkload
 
-__all__ = ["bench_engine_calls"]
+__all__ = ["bench_engine_calls", "bench_scheduler_steps_tiers"]
 
 
 def _key(i: int) -> bytes:
@@ -152,5 +153,105 @@ def bench_engine_calls(
         "tiers_off_us_per_round": off,
         "tiers_on_us_per_round": on,
         "ratio": on / off if off else None,
+        "tier_stats": stats,
+    }
+
+
+def bench_scheduler_steps_tiers(
+    *,
+    num_requests: int = 256,
+    num_groups: int = 1,
+    decode_steps: int = 256,
+    num_cpu_blocks: int = 32768,
+    block_bytes: int = 16384,
+    repeat: int = 3,
+    step_gap_s: float = 0.002,
+    disk_path: str | None = None,
+) -> dict[str, Any]:
+    """The engine step of kvoff's C++ ``OffloadingScheduler`` with secondary tiers off and on,
+    side by side: two schedulers run the workload of
+    :func:`kvoff.tools.bench_steps.bench_scheduler_steps` (``num_requests`` running requests
+    decoding, a block completed and stored every 16 steps per request and group, every store
+    reported complete after its step); the second has a real disk tier attached
+    (``attach_tiers``) after its prefill step, so every store completed in the timed decode
+    steps is written through (pinned, queued, written by the tier's threads, unpinned). Their
+    decode steps alternate (off, on, then on, off, ...), each followed by ``step_gap_s`` of
+    sleep, so the machine's drift hits both alike.
+
+    Args:
+        num_requests, num_groups, decode_steps, num_cpu_blocks: as
+            :func:`~kvoff.tools.bench_steps.bench_scheduler_steps`.
+        block_bytes: bytes per CPU slot written to the disk tier (the CPU pool is a numpy
+            array of ``num_cpu_blocks × block_bytes`` bytes, touched only where written).
+        repeat: pairs of fresh schedulers; every step of every pair counts.
+        step_gap_s: the engine's forward pass after each step (slept, untimed; a real decode
+            step takes 10 ms or more): without it the loop would produce blocks far faster
+            than any engine, and the bounded write queue would drop most of them.
+        disk_path: folder of the disk tier (default: a temporary folder).
+
+    Returns:
+        ``{"parameters", "tiers_off_step_us", "tiers_on_step_us", "ratio", "ratio_of_means",
+        "per_repeat", "tier_stats"}``: µs per decode step (``build_connector_meta``), medians
+        over all steps; ``per_repeat`` gives each pair's medians.
+
+    Raises:
+        ValueError: a parameter out of range (as ``bench_scheduler_steps``), ``block_bytes``
+            or ``repeat`` below 1, a negative ``step_gap_s``.
+    """
+    if block_bytes < 1 or repeat < 1 or step_gap_s < 0:
+        raise ValueError(
+            f"need block_bytes >= 1, repeat >= 1 and step_gap_s >= 0, got {block_bytes}, "
+            f"{repeat}, {step_gap_s}"
+        )
+    fmt = BlockFormat(layout_fingerprint(bench="scheduler-tiers", block_bytes=block_bytes),
+                      block_bytes)  # fmt: skip
+    tmp = tempfile.TemporaryDirectory(prefix="kvoff-bench-tiers-") if disk_path is None else None
+    path = disk_path if disk_path is not None else tmp.name  # type: ignore[union-attr]
+    slots = np.zeros((num_cpu_blocks, block_bytes), dtype=np.uint8)
+    disk_bytes = 4096 * (block_bytes + 8192) + (1 << 20)
+    off_s: list[float] = []
+    on_s: list[float] = []
+    per_repeat: list[dict[str, float]] = []
+    stats: dict[str, Any] = {}
+    try:
+        for r in range(repeat):
+            kw = {"decode_steps": decode_steps, "num_cpu_blocks": num_cpu_blocks, "seed": r}
+            work = {m: StepWorkload(num_requests, num_groups, **kw) for m in ("off", "on")}
+            disk = DiskTier(f"{path}/run{r}", disk_bytes, fmt)
+            pool = work["on"].sched.attach_tiers([disk], slots.__getitem__)
+            for step in range(decode_steps):
+                for mode in ("off", "on") if step % 2 == 0 else ("on", "off"):
+                    work[mode].decode_step()
+                    if step_gap_s > 0:
+                        time.sleep(step_gap_s)
+            pool.wait()
+            stats = pool.stats()
+            work["on"].sched.close()
+            off_s += work["off"].facade_s
+            on_s += work["on"].facade_s
+            per_repeat.append({
+                "off": statistics.median(work["off"].facade_s) * 1e6,
+                "on": statistics.median(work["on"].facade_s) * 1e6,
+            })  # fmt: skip
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    off = statistics.median(off_s) * 1e6
+    on = statistics.median(on_s) * 1e6
+    return {
+        "parameters": {
+            "num_requests": num_requests,
+            "num_groups": num_groups,
+            "decode_steps": decode_steps,
+            "num_cpu_blocks": num_cpu_blocks,
+            "block_bytes": block_bytes,
+            "repeat": repeat,
+            "step_gap_s": step_gap_s,
+        },
+        "tiers_off_step_us": off,
+        "tiers_on_step_us": on,
+        "ratio": on / off,
+        "ratio_of_means": statistics.fmean(on_s) / statistics.fmean(off_s),
+        "per_repeat": per_repeat,
         "tier_stats": stats,
     }

@@ -655,7 +655,7 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     """``kvoff bench tiers``."""
     import tempfile
 
-    from kvoff.tools.bench_tiered_pool import bench_engine_calls
+    from kvoff.tools.bench_tiered_pool import bench_engine_calls, bench_scheduler_steps_tiers
     from kvoff.tools.bench_tiers import DEFAULT_BLOCK_SIZES, format_bench_tiers, run_bench_tiers
 
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -675,12 +675,22 @@ def _bench_tiers(args: argparse.Namespace) -> int:
         )
         log("engine thread: tiers off vs on")
         engine = bench_engine_calls(disk_path=tmp)
+        log("scheduler steps: tiers off vs on, step by step")
+        steps = bench_scheduler_steps_tiers(disk_path=tmp)
     result["engine_thread"] = engine
+    result["scheduler_steps"] = steps
     print(format_bench_tiers(result))
     print(
         f"engine thread per round (lookup + store + touch of 32 keys): tiers off "
         f"{engine['tiers_off_us_per_round']:.1f} us, on {engine['tiers_on_us_per_round']:.1f} "
-        f"us ({engine['ratio']:.3f}x; target <= 1.05x)"
+        f"us ({engine['ratio']:.3f}x)"
+    )
+    print(
+        f"scheduler decode step, {steps['parameters']['num_requests']} running (median over "
+        f"steps, side by side): tiers off {steps['tiers_off_step_us']:.1f} us, on "
+        f"{steps['tiers_on_step_us']:.1f} us ({steps['ratio']:.3f}x; target <= 1.05x); "
+        f"{steps['tier_stats']['writes_queued']} blocks written through, "
+        f"{steps['tier_stats']['writes_dropped_queue_full']} dropped"
     )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -51,4 +51,26 @@ def test_cli_writes_every_block_size_and_the_engine_thread(tmp_path: Path) -> No
     assert all(len(d["passes"]) == 2 for d in result["disk"])
     assert result["redis"] is None and "redis" not in result["skipped"]
     assert result["engine_thread"]["ratio"] > 0
+    steps = result["scheduler_steps"]
+    assert steps["ratio"] > 0 and steps["tier_stats"]["writes_queued"] > 0
+    assert "scheduler decode step" in proc.stdout
     assert "medians over passes" in proc.stdout
+
+
+def test_scheduler_steps_write_through_every_decode_store(tmp_path: Path) -> None:
+    """The side-by-side step benchmark really writes through: every block stored in the timed
+    decode steps of the tiered scheduler reaches the disk tier (none dropped: the step gap
+    gives the writer time), and each configuration got its medians."""
+    from kvoff.tools.bench_tiered_pool import bench_scheduler_steps_tiers
+
+    r = bench_scheduler_steps_tiers(
+        num_requests=32, decode_steps=32, num_cpu_blocks=4096, block_bytes=4096, repeat=2,
+        disk_path=str(tmp_path),
+    )  # fmt: skip
+    stats = r["tier_stats"]
+    assert stats["writes_queued"] == 32 * 32 // 16  # one block per request every 16 steps
+    assert stats["writes_dropped_queue_full"] == 0
+    assert stats["tiers"]["disk"]["written_blocks"] == stats["writes_queued"]
+    assert len(r["per_repeat"]) == 2 and r["tiers_off_step_us"] > 0 and r["ratio"] > 0
+    with pytest.raises(ValueError, match="step_gap_s"):
+        bench_scheduler_steps_tiers(step_gap_s=-1.0)
