@@ -369,7 +369,8 @@ class OffloadingScheduler:
         the request could still hit, the tiers are asked for it (and the blocks after it) in
         the background and the answer is "retry later"; a retry finds the promoted blocks in
         L1. Each group's keys from the first missed block on are one probe (a group's blocks
-        are promoted as a run from there)."""
+        are promoted as a run from there); the groups are answered together
+        (:meth:`TieredPool.lookup_groups`)."""
         assert self._tiers is not None
         obs = self.spec.offloaded_block_size
         limit = request.num_tokens - (1 if self._partial_groups else 0)
@@ -378,12 +379,9 @@ class OffloadingScheduler:
         first = hit_end // obs
         if first >= n_max:
             return n, load
-        retry = False
-        for g in range(len(self.spec.kv_cache_config.kv_cache_groups)):
-            keys = [self.offload_key(request, j, g) for j in range(first, n_max)]
-            if self._tiers.lookup(keys) is None:
-                retry = True
-        if retry:
+        groups = range(len(self.spec.kv_cache_config.kv_cache_groups))
+        key_lists = [[self.offload_key(request, j, g) for j in range(first, n_max)] for g in groups]
+        if self._tiers.lookup_groups(key_lists) is None:
             return None, False
         return n, load
 

@@ -12,6 +12,8 @@ and verifies the bytes of every load. The machine runs once per registered evict
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -20,6 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from scheduler_harness import EngineSim, GroupDesc
 
 from kvoff import _scheduler
+from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+from kvoff.tiers.disk import DiskTier
 
 BASES = [[1000 * (i + 1) + t for t in range(32)] for i in range(3)]
 MAX_PROMPT = 20
@@ -31,11 +35,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     policy ``POLICY`` (one subclass per registered policy below)."""
 
     POLICY = "lru"
+    TIERS = False  # a disk tier under the CPU pool (attach_tiers), one rank
 
     def __init__(self) -> None:
         super().__init__()
         self.sim: EngineSim | None = None
         self.count = 0
+        self.tmp: str | None = None
 
     @initialize(
         model=st.sampled_from(["full", "full+sw", "full+sw+mamba", "sw"]),
@@ -83,13 +89,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             hash_block_size=block_size // 2 if half_hash else None,
             num_gpu_blocks=len(groups) * positions + 1 + gpu_slack,
             num_cpu_blocks=cpu_blocks,
-            world_size=world_size,
+            world_size=1 if self.TIERS else world_size,
             gpu_prefix_cache=prefix_cache and model == "full",
             async_scheduling=async_scheduling,
             auto_complete=False,
             free_early=free_early,
             eviction_policy=self.POLICY,
         )
+        if self.TIERS:
+            self.tmp = tempfile.mkdtemp(prefix="kvoff-sm-tiers-")
+            slot = self.sim.worker.slot_bytes
+            fmt = BlockFormat(layout_fingerprint(test="sm", payload=slot), slot)
+            disk = DiskTier(self.tmp, 8 * (slot + 8192) + (1 << 16), fmt)
+            self.sim.sched.attach_tiers(
+                [disk], self.sim.worker.cpu_pool.numpy().__getitem__, write_queue_blocks=2
+            )
 
     def _live(self, *statuses: str) -> list[str]:
         assert self.sim is not None
@@ -121,6 +135,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """One engine step."""
         assert self.sim is not None
         self.sim.step()
+        self._settle()
 
     @precondition(lambda self: self.sim is not None and self.sim.jobs)
     @rule(data=st.data())
@@ -134,6 +149,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             ranks = data.draw(st.lists(st.sampled_from(missing), unique=True, min_size=1))
             fail = data.draw(st.sampled_from([(), (), (), tuple(ranks[:1])]))
             self.sim.complete([jid], ranks=ranks, fail_ranks=fail)
+        self._settle()
 
     @precondition(lambda self: self.sim is not None)
     @rule(data=st.data())
@@ -156,6 +172,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sim.abort(data.draw(st.sampled_from(live)))
         if mid_step:
             self.sim.end_step()
+            self._settle()
+
+    def _settle(self) -> None:
+        """With tiers: their background work (promotions, writes) finishes now, so that every
+        run is deterministic (hypothesis replays runs); the retry path is still taken (a
+        lookup that misses L1 answers "retry later", the next step finds the promoted
+        blocks)."""
+        if self.TIERS and self.sim is not None and self.sim.sched.tiers is not None:
+            self.sim.sched.tiers.wait()
+            self.sim._take_events()  # promoted blocks' BlockStored
+
+    @precondition(lambda self: self.sim is not None and self.TIERS)
+    @rule()
+    def reset_cache(self) -> None:
+        """The CPU pool is emptied (what no job uses): later hits come from the disk tier."""
+        assert self.sim is not None
+        self.sim.sched.reset_cache()
+        self.sim._take_events()  # the BlockRemoved of the reset
 
     @invariant()
     def checked(self) -> None:
@@ -165,9 +199,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Everything drains: all requests finish, all jobs complete, all blocks are freed."""
-        if self.sim is not None and not self.sim.violations:
-            self.sim.drain()
-            assert sorted(self.sim.free) == list(range(1, self.sim.num_gpu_blocks))
+        try:
+            if self.sim is not None and not self.sim.violations:
+                self.sim.drain()
+                assert sorted(self.sim.free) == list(range(1, self.sim.num_gpu_blocks))
+        finally:
+            if self.sim is not None:
+                self.sim.sched.close()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # 500 runs x up to 60 rules (thousands of engine steps) per policy take several seconds (more
@@ -192,3 +232,15 @@ def _machine(policy: str) -> type[SchedulerMachine]:
 def test_scheduler_state_machine(policy: str) -> None:
     """Random engine runs with every registered eviction policy keep every invariant."""
     _machine(policy).TestCase().runTest()
+
+
+def test_scheduler_state_machine_with_a_disk_tier() -> None:
+    """Random engine runs with a disk tier under a tiny CPU pool (LRU): promotions on L1
+    misses, write-through with a 2-block queue (drops), cache resets; every load's bytes are
+    checked, every invariant holds, and everything drains. The tiers' work is finished after
+    every step and report (deterministic runs)."""
+    machine = type("SchedulerMachine_tiers", (SchedulerMachine,), {"TIERS": True})
+    machine.TestCase.settings = settings(
+        _settings, max_examples=int(os.environ.get("KVOFF_SM_TIER_EXAMPLES", "150"))
+    )
+    machine.TestCase().runTest()

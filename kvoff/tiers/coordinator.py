@@ -188,25 +188,57 @@ class TieredPool:
         Raises:
             TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`.
         """
+        hits = self.lookup_groups((keys,))
+        return None if hits is None else hits[0]
+
+    def lookup_groups(self, key_lists: Sequence[Sequence[bytes]]) -> list[int] | None:
+        """:meth:`lookup` of several key lists at once (one per KV cache group of one
+        request), answered together: ``None`` while any list waits for a block being stored
+        or for the tiers, else the leading L1 hits of each list.
+
+        A list whose first L1 miss the tiers have not been asked about starts a probe. The
+        tiers' answers ("no tier has it", or the end of a promoted run) are used up only when
+        every list is answered in the same call; using one list's answer while another list
+        starts a probe would make the two lists ask again in turn forever.
+
+        Raises:
+            TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`.
+        """
         if self._reads:
             self.poll()
-        h = self.manager.lookup(keys)
-        if h is None or h >= len(keys) or not self.tiers:
-            return h
-        first = keys[h]
-        if first in self._reading:
-            self.lookup_retries += 1
+        hits: list[int] = []
+        answered: list[bytes] = []
+        probes: list[list[bytes]] = []
+        busy = reading = False
+        for keys in key_lists:
+            h = self.manager.lookup(keys)
+            if h is None:  # a block still being stored
+                busy = True
+                continue
+            hits.append(h)
+            if h >= len(keys) or not self.tiers:
+                continue
+            first = keys[h]
+            if first in self._reading:
+                busy = reading = True
+            elif first in self._answered:
+                answered.append(first)
+            else:
+                probes.append(list(keys[h : h + MAX_PROBE_BLOCKS]))
+        for probe in probes:
+            if probe[0] in self._reading:  # two lists with the same first miss: one probe
+                continue
+            self.probes += 1
+            self._reading.update(probe)
+            self._reads.append(
+                _Read(probe, self._reader.submit(self._probe, probe), time.perf_counter())
+            )
+        if busy or probes:
+            self.lookup_retries += reading
             return None
-        if first in self._answered:  # the tiers were asked for it since the last lookup
-            del self._answered[first]
-            return h
-        probe = list(keys[h : h + MAX_PROBE_BLOCKS])
-        self.probes += 1
-        self._reading.update(probe)
-        self._reads.append(
-            _Read(probe, self._reader.submit(self._probe, probe), time.perf_counter())
-        )
-        return None
+        for first in answered:  # the tiers were asked since the last lookup: used up now
+            self._answered.pop(first, None)
+        return hits
 
     def wait_for_write_room(self, num_blocks: int) -> bool:
         """Whether the write-through queue has room for ``num_blocks`` more blocks; with

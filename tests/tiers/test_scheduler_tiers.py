@@ -208,3 +208,43 @@ def test_two_engine_processes_share_a_redis_cluster(redis_url: str) -> None:
     remote = pool.stats()["tiers"]["remote"]
     assert remote["promoted_blocks"] == 3 and remote["corrupted_blocks"] == 0
     sim.sched.close()
+
+
+def test_a_hybrid_model_is_promoted_without_a_livelock(tmp_path: Path) -> None:
+    """Full attention + a sliding window: each group's missing blocks are asked for, and the
+    answers of all groups are taken together, so the retries end (one group's answer is not
+    used up while another group's probe runs) and the hit is loaded byte-exact."""
+    from scheduler_harness import GroupDesc
+
+    def sim_() -> EngineSim:
+        return EngineSim([GroupDesc("full"), GroupDesc("sliding_window", 6)], block_size=4,
+                         num_gpu_blocks=64, num_cpu_blocks=32)  # fmt: skip
+
+    first = sim_()
+    attach_disk(first, tmp_path / "disk")
+    first.add_request("a", PROMPT)
+    for _ in range(20):
+        first.step()
+        assert first.sched.tiers is not None
+        first.sched.tiers.wait_reads()
+        if first.requests["a"].status == "done":
+            break
+    first.drain()
+    first.sched.close()
+
+    second = sim_()
+    attach_disk(second, tmp_path / "disk")
+    second.add_request("b", PROMPT)
+    answers = []
+    for _ in range(6):
+        rec = second.step()
+        answers.append(rec.lookups.get("b"))
+        if rec.loaded:
+            break
+        assert second.sched.tiers is not None
+        second.sched.tiers.wait_reads()
+    assert answers[0] == (0, None) and answers[-1] == (0, 12), answers
+    assert len(answers) <= 3, answers
+    assert rec.loaded["b"] >= {(0, 0), (0, 1), (0, 2)}
+    second.drain()
+    second.sched.close()

@@ -211,3 +211,18 @@ print("stored")
         )  # fmt: skip
         assert run.returncode == 0, (unhook, run.returncode, run.stderr[-2000:])
         assert run.stdout.strip() == "stored"
+
+
+def test_groups_are_answered_together(tmp_path: Path) -> None:
+    """``lookup_groups``: an answer of one list is not used up while another list's probe
+    runs (else two lists would ask again in turn forever)."""
+    _l1, pool, _disk = make_pool(tmp_path)
+    a, b = [key(1)], [key(2)]
+    assert pool.lookup_groups([a]) is None  # a probed
+    pool.wait_reads()
+    assert pool.lookup_groups([a, b]) is None  # b probed; a's answer is kept
+    pool.wait_reads()
+    assert pool.lookup_groups([a, b]) == [0, 0]  # both answered at once
+    assert pool.stats()["probes"] == 2
+    assert pool.lookup_groups([a, b]) is None  # answers used up: asked again
+    pool.close()
