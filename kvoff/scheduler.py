@@ -422,7 +422,7 @@ class OffloadingScheduler:
                 CPU pool: a tier here would see rank 0's only); a tier whose payload size is
                 not the slot size; everything :class:`TieredPool` raises.
         """
-        from kvoff.tiers.coordinator import TieredPool
+        from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
 
         if self._tiers is not None:
             raise ValueError("tiers are attached already; close() them first")
@@ -440,7 +440,7 @@ class OffloadingScheduler:
                     f"{slot_bytes}"
                 )
         if write_queue_blocks is None:
-            write_queue_blocks = max(1, min(1024, self.spec.num_blocks // 4))
+            write_queue_blocks = default_write_queue_blocks(self.spec.num_blocks)
         self._tiers = TieredPool(
             self._core.manager, cpu_slot, tiers, write_queue_blocks=write_queue_blocks
         )

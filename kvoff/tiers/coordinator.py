@@ -49,10 +49,24 @@ import numpy as np
 
 from kvoff.tiers.base import SecondaryTier
 
-__all__ = ["DEFAULT_WRITE_QUEUE_BLOCKS", "MAX_PROBE_BLOCKS", "TieredPool"]
+__all__ = [
+    "DEFAULT_WRITE_QUEUE_BLOCKS",
+    "MAX_PROBE_BLOCKS",
+    "TieredPool",
+    "default_write_queue_blocks",
+]
 
 DEFAULT_WRITE_QUEUE_BLOCKS = 1024
 """Blocks waiting for write-through at most (pinned in L1 meanwhile); more are dropped."""
+
+
+def default_write_queue_blocks(num_cpu_blocks: int) -> int:
+    """The write-through bound for an L1 of ``num_cpu_blocks`` blocks: a quarter of the pool
+    (so write-through never pins most of L1), at most :data:`DEFAULT_WRITE_QUEUE_BLOCKS`, at
+    least 1. In blocks."""
+    return max(1, min(DEFAULT_WRITE_QUEUE_BLOCKS, num_cpu_blocks // 4))
+
+
 MAX_PROBE_BLOCKS = 4096
 """Keys probed per L1 miss at most (a longer request promotes the rest on a later miss)."""
 _ANSWERED_CAP = 65536

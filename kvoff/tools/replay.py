@@ -66,7 +66,7 @@ from kvoff import _scheduler
 from kvoff.config import OffloadingConfig
 from kvoff.models import ModelPreset, get_model_preset
 from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
-from kvoff.tiers.coordinator import TieredPool
+from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
 from kvoff.tools.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
 from kvoff.transfer import ALL_MECHANISMS
 from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
@@ -359,7 +359,7 @@ def _make_engine(
     tiers = _make_tiers(config, index, fmt)
     if tiers:
         slots = worker.cpu_pool.numpy()
-        queue = config.tier_write_queue_blocks or max(1, min(1024, num_cpu_blocks // 4))
+        queue = config.tier_write_queue_blocks or default_write_queue_blocks(num_cpu_blocks)
         pool = TieredPool(manager, slots.__getitem__, tiers, write_queue_blocks=queue,
                           wait_when_full=True)  # fmt: skip
     free = list(range(num_gpu_blocks - 1, 0, -1))
