@@ -356,6 +356,8 @@ class OffloadingScheduler:
                 ``num_tokens``; ``num_tokens`` smaller than the hashes cover; an empty hash.
             TypeError: a hash that is neither bytes nor int.
         """
+        if self._tiers is not None:  # finished promotions first: the L1 answer must hold
+            self._tiers.poll()
         # one core call: the request's new hashes (read in place), then the lookup
         n, load = self._core.sync_and_match(request, num_computed_tokens, self._requests)
         if self._tiers is None or n is None:
@@ -381,7 +383,7 @@ class OffloadingScheduler:
             return n, load
         groups = range(len(self.spec.kv_cache_config.kv_cache_groups))
         key_lists = [[self.offload_key(request, j, g) for j in range(first, n_max)] for g in groups]
-        if self._tiers.lookup_groups(key_lists) is None:
+        if self._tiers.lookup_groups(key_lists, poll=False) is None:
             return None, False
         return n, load
 

@@ -205,7 +205,9 @@ class TieredPool:
         hits = self.lookup_groups((keys,))
         return None if hits is None else hits[0]
 
-    def lookup_groups(self, key_lists: Sequence[Sequence[bytes]]) -> list[int] | None:
+    def lookup_groups(
+        self, key_lists: Sequence[Sequence[bytes]], *, poll: bool = True
+    ) -> list[int] | None:
         """:meth:`lookup` of several key lists at once (one per KV cache group of one
         request), answered together: ``None`` while any list waits for a block being stored
         or for the tiers, else the leading L1 hits of each list.
@@ -215,10 +217,15 @@ class TieredPool:
         every list is answered in the same call; using one list's answer while another list
         starts a probe would make the two lists ask again in turn forever.
 
+        ``poll=False`` leaves finished promotions for later: a caller that has just answered
+        from L1 (kvoff's scheduler, which polls before its own lookup) must not have L1
+        change under that answer, since applying a probe allocates slots and may evict the
+        very blocks it counted as hits.
+
         Raises:
             TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`.
         """
-        if self._reads:
+        if poll and self._reads:
             self.poll()
         hits: list[int] = []
         answered: list[bytes] = []

@@ -248,3 +248,44 @@ def test_a_hybrid_model_is_promoted_without_a_livelock(tmp_path: Path) -> None:
     assert rec.loaded["b"] >= {(0, 0), (0, 1), (0, 2)}
     second.drain()
     second.sched.close()
+
+
+def test_a_promotion_never_evicts_the_blocks_of_a_hit_just_answered(tmp_path: Path) -> None:
+    """Applying a finished probe allocates L1 slots and may evict. It happens before the
+    scheduler's L1 lookup, never between that answer and the request's load: every block a
+    hit counts is ready when ``update_state_after_alloc`` pins it (found by the state machine
+    with a disk tier: ``prepare_load`` of an evicted key)."""
+    from concurrent.futures import wait
+
+    from kvoff.scheduler import Request
+
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=3)
+    pool = sim.sched.attach_tiers(
+        [DiskTier(tmp_path / "disk", 64 * (sim.worker.slot_bytes + 8192), fmt_of(sim))],
+        sim.worker.cpu_pool.numpy().__getitem__,
+    )
+    for rid, prompt in (("q", [500 + t for t in range(13)]), ("p", PROMPT)):
+        sim.add_request(rid, prompt)  # computed and stored; p's blocks evict q's from L1
+        for _ in range(10):
+            sim.step()
+            pool.wait()
+        sim.drain()
+        pool.wait()
+    p_hashes, q_hashes = sim.requests["p"].hashes, sim.requests["q"].hashes
+    assert all(sim.sched.block_state(sim.key_of("p", j)) == "ready" for j in range(3))
+    assert all(sim.sched.block_state(sim.key_of("q", j)) == "missing" for j in range(3))
+
+    a = Request("A", [*p_hashes[:3], b"a fourth block no one has"], 17)
+    assert sim.sched.get_num_new_matched_tokens(a, 0) == (None, False)  # block 3 asked for
+    pool.wait_reads()
+    x = Request("X", list(q_hashes[:3]), 13)
+    assert sim.sched.get_num_new_matched_tokens(x, 0) == (None, False)  # q on disk only
+    wait([r.future for r in pool._reads])  # the probe is back, not applied yet
+    n, load = sim.sched.get_num_new_matched_tokens(a, 0)
+    hit_blocks = (n or 0) // 4
+    assert all(sim.sched.block_state(sim.key_of("p", j)) == "ready" for j in range(hit_blocks))
+    if load:
+        sim.sched.update_state_after_alloc(a, [[1, 2, 3, 4, 5]], n)  # pins them: no error
+    sim.sched.request_finished(a)
+    sim.sched.request_finished(x)
+    sim.sched.close()
