@@ -31,6 +31,7 @@ from pydantic import (
     ConfigDict,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     field_validator,
     model_validator,
@@ -171,6 +172,20 @@ class OffloadingConfig(BaseModel):
         staging_bytes: GPU staging buffer of each worker for staged transfers of layer-major
             caches, both directions together (an int or ``"64MiB"``; default 64 MiB; 0
             disables staging). It comes out of the GPU memory the engine has.
+        disk_path: a folder for the disk tier below the CPU pool (:class:`kvoff.tiers.DiskTier`:
+            one preallocated file, O_DIRECT where the filesystem allows, survives restarts);
+            ``None``: no disk tier. Needs ``disk_bytes``.
+        disk_bytes: the disk tier's size (an int or ``"100GiB"``); only with ``disk_path``.
+        remote_url: a Redis Cluster node for the shared tier (``redis://host:7000``;
+            :class:`kvoff.tiers.redis_cluster.RedisClusterTier`); ``None``: no shared tier.
+        remote_namespace: the shared tier's key prefix (no spaces or ``:``; default
+            ``"kvoff"``). Keys also carry the model/layout/rank fingerprint.
+        remote_ttl_s: seconds a block lives in Redis (``None``: until Redis evicts it).
+        remote_timeout_s: per-node timeout in seconds after which a slow or failed node is a
+            miss (default 0.25).
+        tier_write_queue_blocks: CPU blocks pinned for write-through to the tiers at most;
+            beyond that writes are dropped and counted (``None``: a quarter of the pool, at
+            most 1,024; :func:`kvoff.tiers.coordinator.default_write_queue_blocks`).
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -191,6 +206,13 @@ class OffloadingConfig(BaseModel):
     transfer_thresholds: Path | None = None
     compute_slowdown_budget: NonNegativeFloat = 0.03
     staging_bytes: ByteCountOrZero = 64 << 20
+    disk_path: Path | None = None
+    disk_bytes: ByteCount | None = None
+    remote_url: str | None = None
+    remote_namespace: str = "kvoff"
+    remote_ttl_s: PositiveFloat | None = None
+    remote_timeout_s: PositiveFloat = 0.25
+    tier_write_queue_blocks: PositiveInt | None = None
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
@@ -224,6 +246,29 @@ class OffloadingConfig(BaseModel):
                 f"tokens; use a multiple such as {max(1, obs // hbs) * hbs}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _tier_keys(self) -> OffloadingConfig:
+        if (self.disk_path is None) != (self.disk_bytes is None):
+            raise ValueError(
+                "the disk tier needs both disk_path (a folder) and disk_bytes (its size, e.g. "
+                f"'100GiB'); got disk_path={self.disk_path}, disk_bytes={self.disk_bytes}"
+            )
+        url = self.remote_url
+        if url is not None and not url.startswith(("redis://", "rediss://")):
+            raise ValueError(
+                f"remote_url={url!r} is not a Redis URL; write redis://host:port (any node of "
+                "the cluster)"
+            )
+        ns = self.remote_namespace
+        if not ns or any(c in ns for c in " :\n\t"):
+            raise ValueError(f"remote_namespace={ns!r} must be non-empty, without spaces or ':'")
+        return self
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether a secondary tier (disk or remote) is configured."""
+        return self.disk_path is not None or self.remote_url is not None
 
     # ----------------------------------------------------------------------------- loading
 

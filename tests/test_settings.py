@@ -267,3 +267,28 @@ def test_cli_config_errors(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "'num_cpu_block'" in proc.stderr and "bad.yaml" in proc.stderr
     assert "'num_cpu_blocks'" in proc.stderr
+
+
+def test_tier_keys_are_checked_together() -> None:
+    cfg = OffloadingConfig(num_cpu_blocks=8, disk_path="/tmp/kvoff-disk", disk_bytes="2GiB")
+    assert cfg.has_tiers and cfg.disk_bytes == 2 << 30 and cfg.remote_url is None
+    assert not OffloadingConfig(num_cpu_blocks=8).has_tiers
+    assert OffloadingConfig(num_cpu_blocks=8, remote_url="redis://h:7000").has_tiers
+    bad = [
+        ({"disk_path": "/tmp/x"}, "disk_bytes"),
+        ({"disk_bytes": "1GiB"}, "disk_path"),
+        ({"remote_url": "http://h:7000"}, "redis://host:port"),
+        ({"remote_url": "redis://h:7000", "remote_namespace": "a b"}, "remote_namespace"),
+        ({"remote_url": "redis://h:7000", "remote_timeout_s": 0}, "greater than 0"),
+        ({"tier_write_queue_blocks": 0}, "tier_write_queue_blocks"),
+    ]
+    for kwargs, needle in bad:
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            OffloadingConfig(num_cpu_blocks=8, **kwargs)
+
+
+def test_replay_takes_its_tiers_from_the_environment(tmp_path: Path) -> None:
+    env = {"KVOFF_DISK_PATH": str(tmp_path / "disk"), "KVOFF_DISK_BYTES": "64MiB"}
+    out = _replay(tmp_path, "--cpu-blocks", "16", env=env)
+    assert out["tiers"]["tiers"]["disk"]["written_blocks"] > 0
+    assert (tmp_path / "disk" / "kvoff-blocks.slots").is_file()

@@ -31,6 +31,14 @@ rank reports every job in
 :class:`KvoffWorkerMetadata`, which vLLM sums over ranks (``aggregate``) before
 ``update_connector_output``: a job completes when every rank reported it.
 
+Secondary tiers: with ``disk_path`` + ``disk_bytes`` and/or ``remote_url`` in
+``kv_connector_extra_config``, :class:`KvoffConnector` puts kvoff's disk and Redis Cluster tiers
+below its CPU pool (:meth:`kvoff.OffloadingScheduler.attach_tiers`): completed stores are written
+through in the background, and a CPU pool miss answers "retry later" while the tiers are read
+into the pool. The tier threads use the worker's CPU pool from the scheduler role, so both roles
+must share a process: one rank, vLLM's "uni" executor (the default for one GPU). Other
+topologies, and :class:`KvoffOffloadingSpec`, refuse the tier keys.
+
 A failed load is never served: the worker reports its GPU blocks through
 ``get_block_ids_with_load_errors`` (one KV cache group) or the request through
 ``failed_recving`` (hybrid models), and the engine recomputes them. Set
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -251,6 +260,127 @@ def _require_bytes(config: OffloadingConfig) -> int:
     return config.cpu_bytes_to_use
 
 
+# ------------------------------------------------------------------------ secondary tiers
+
+# The secondary tiers read and write the CPU pool, which the worker role allocates; the
+# scheduler role drives them. Both roles of one engine share a process when the engine has one
+# rank (vLLM's "uni" executor: the worker runs inside the engine core), and meet here, by the
+# engine's kv_transfer_config.engine_id. Guarded by _TIER_LOCK.
+_TIER_LOCK = threading.Lock()
+_TIER_WORKERS: dict[str, OffloadingWorker] = {}  # engine id -> its worker (the CPU pool)
+_TIER_SCHEDULERS: dict[str, OffloadingScheduler] = {}  # engine id -> the scheduler with tiers
+
+
+def _check_tier_topology(vllm_config: VllmConfig, config: OffloadingConfig) -> None:
+    """Tiers need the scheduler and the worker in one process: one rank, the "uni" executor.
+
+    Raises:
+        ValueError: naming the tier keys and the engine setting that rules them out.
+    """
+    if not config.has_tiers:
+        return
+    par = vllm_config.parallel_config
+    backend = par.distributed_executor_backend
+    if par.world_size != 1 or backend not in (None, "uni"):
+        raise ValueError(
+            "kvoff's secondary tiers (disk_path / remote_url in kv_connector_extra_config) "
+            "need the engine's scheduler and its one worker in one process: "
+            f"tensor_parallel_size x pipeline_parallel_size = 1 and the 'uni' executor; this "
+            f"engine has world_size={par.world_size}, distributed_executor_backend={backend!r}. "
+            "Remove the tier keys, or run one rank"
+        )
+
+
+def _tier_config(vllm_config: VllmConfig, config: OffloadingConfig) -> OffloadingConfig:
+    """``config`` with the disk tier in ``disk_path/dp<rank>`` for a data-parallel engine: each
+    data-parallel rank is an engine of its own, and a disk tier's file serves one process."""
+    par = vllm_config.parallel_config
+    if config.disk_path is None or getattr(par, "data_parallel_size", 1) <= 1:
+        return config
+    rank = int(getattr(par, "data_parallel_rank", 0) or 0)
+    return config.model_copy(update={"disk_path": config.disk_path / f"dp{rank}"})
+
+
+def _tier_fingerprint(vllm_config: VllmConfig, spec: CPUOffloadingSpec) -> bytes:
+    """What must match for a stored block to be usable by this engine: the model (name or path
+    and revision), dtypes, the KV cache groups (specs and layers; not the GPU block count),
+    block sizes and the rank (:func:`kvoff.tiers.layout_fingerprint`)."""
+    from kvoff.tiers.block_format import layout_fingerprint
+
+    mc = vllm_config.model_config
+    return layout_fingerprint(
+        engine="vllm",
+        model=str(mc.model),
+        revision=str(mc.revision),
+        dtype=str(mc.dtype),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        kv_cache_groups=spec.kv_cache_config.kv_cache_groups,
+        block_size=spec.block_size,
+        offloaded_block_size=spec.offloaded_block_size,
+        world_size=spec.world_size,
+        rank=0,
+    )
+
+
+def _attach_tiers(
+    engine_id: str, scheduler: OffloadingScheduler, config: OffloadingConfig, fingerprint: bytes
+) -> None:
+    """Puts the configured tiers under ``scheduler``, on the CPU pool of the engine's worker.
+
+    Raises:
+        RuntimeError: no kvoff worker of this engine in this process (the executor runs the
+            worker elsewhere).
+    """
+    from kvoff.tiers.block_format import BlockFormat
+    from kvoff.tiers.coordinator import tiers_from_config
+
+    with _TIER_LOCK:
+        worker = _TIER_WORKERS.get(engine_id)
+    if worker is None:
+        raise RuntimeError(
+            f"kvoff's secondary tiers: no kvoff worker of engine {engine_id!r} registered its KV "
+            "caches in this process; the tiers need the worker in the engine core (one rank, "
+            "vLLM's 'uni' executor)"
+        )
+    slots = worker.cpu_pool.numpy()
+    tiers = tiers_from_config(config, BlockFormat(fingerprint, worker.slot_bytes))
+    try:
+        scheduler.attach_tiers(
+            tiers, slots.__getitem__, write_queue_blocks=config.tier_write_queue_blocks
+        )
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    with _TIER_LOCK:
+        _TIER_SCHEDULERS[engine_id] = scheduler
+    logger.info("kvoff: tiers %s below the CPU pool of engine %s",
+                [t.name for t in tiers], engine_id)  # fmt: skip
+
+
+def _close_tiers(engine_id: str) -> None:
+    """Waits for the engine's tier work and closes its tiers (before its CPU pool goes)."""
+    with _TIER_LOCK:
+        scheduler = _TIER_SCHEDULERS.pop(engine_id, None)
+    if scheduler is not None:
+        scheduler.close()
+
+
+def _tier_totals(tiers: Any) -> dict[str, int]:
+    """The flat tier counters of :data:`_TIER_COUNTERS` from ``TieredPool.stats()``."""
+    st = tiers.stats()
+    out = {
+        "tier_probes": int(st["probes"]),
+        "tier_writes_dropped_queue_full": int(st["writes_dropped_queue_full"]),
+    }
+    for name, c in st["tiers"].items():
+        for key in ("promoted_blocks", "promoted_bytes", "promotion_failures", "written_blocks",
+                    "writes_dropped", "corrupted_blocks", "fingerprint_mismatches", "timeouts",
+                    "io_errors"):  # fmt: skip
+            out[f"{name}_{key}"] = int(c.get(key, 0))
+    return out
+
+
 # ---------------------------------------------------------------------------- metadata
 
 _NO_JOBS = bytes(24)  # packed jobs of a step without any: [0 jobs, 0 loads, 0 groups]
@@ -349,6 +479,28 @@ _COUNTERS: tuple[tuple[str, str], ...] = (
     ("store_bytes", "Bytes stored GPU to CPU (all ranks)"),
 )
 
+#: The secondary tiers' counters (``disk_path`` / ``remote_url``), per tier (``disk_*``,
+#: ``remote_*``) and for the coordinator (``tier_*``); in the stats only when tiers are on.
+_TIER_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("tier_probes", "Keys asked of the secondary tiers on CPU pool misses"),
+    ("tier_writes_dropped_queue_full", "Write-throughs dropped because the queue was full"),
+    *(
+        (f"{tier}_{name}", f"{tier} tier: {doc}")
+        for tier in ("disk", "remote")
+        for name, doc in (
+            ("promoted_blocks", "blocks promoted into the CPU pool"),
+            ("promoted_bytes", "bytes promoted into the CPU pool"),
+            ("promotion_failures", "promotions that failed (the request recomputes)"),
+            ("written_blocks", "blocks written through from the CPU pool"),
+            ("writes_dropped", "writes the tier refused (full, unwritable, timeout)"),
+            ("corrupted_blocks", "blocks rejected for a bad header or checksum (never served)"),
+            ("fingerprint_mismatches", "blocks of another model or layout seen, not served"),
+            ("timeouts", "operations that ran into the tier's timeout"),
+            ("io_errors", "I/O or connection errors (each a miss or a dropped write)"),
+        )
+    ),
+)
+
 
 #: The workers' transfer totals, after the scheduler's COUNTER_NAMES in the connector's stats.
 _TRANSFER_TOTALS = ("load_bytes", "store_bytes", "load_seconds", "store_seconds")
@@ -407,7 +559,7 @@ class KvoffPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[tuple[int, str], Any] = {}
-        docs = dict(_COUNTERS)
+        docs = dict(_COUNTERS) | dict(_TIER_COUNTERS)
         docs["load_seconds"] = "Seconds spent loading (all ranks)"
         docs["store_seconds"] = "Seconds spent storing (all ranks)"
         for name, doc in docs.items():
@@ -441,7 +593,11 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
     Raises:
         kvoff.config.ConfigError: an unknown key in ``kv_connector_extra_config``.
         ValueError: a bad value, no ``cpu_bytes_to_use``, a KV cache group kvoff cannot
-            offload, or a pool too small for one offloaded block.
+            offload, a pool too small for one offloaded block, or a tier key (``disk_path``,
+            ``remote_url``) on an engine with more than one rank or another executor than
+            "uni".
+        RuntimeError: tiers configured but no kvoff worker of this engine registered its KV
+            caches in this process (scheduler role).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -455,6 +611,9 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._spec = _cpu_spec(vllm_config, kv_cache_config, self._config)
         self._groups = len(kv_cache_config.kv_cache_groups)
+        _check_tier_topology(vllm_config, self._config)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._tier_seen: dict[str, int] = {}  # tier counters at the last stats call
         self._scheduler: OffloadingScheduler | None = None
         self._worker: OffloadingWorker | None = None
         self._job_requests: dict[int, str] = {}  # worker: load job -> request
@@ -473,6 +632,11 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                 and vllm_config.kv_events_config.enable_kv_cache_events
             )
             self._scheduler = OffloadingScheduler(self._spec, enable_events=events)
+            if self._config.has_tiers:
+                _attach_tiers(
+                    self._engine_id, self._scheduler, _tier_config(vllm_config, self._config),
+                    _tier_fingerprint(vllm_config, self._spec),
+                )  # fmt: skip
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvoff: kv_load_failure_policy=%r fails a request whose load fails; set "
@@ -624,6 +788,14 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                 if v != w:
                     data[name] = v - w
             self._totals_seen = list(totals)
+        tiers = self._scheduler.tiers
+        if tiers is not None:
+            now = _tier_totals(tiers)
+            seen = self._tier_seen
+            moved = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+            if moved:
+                data = {**(data or {}), **moved}
+                self._tier_seen = now
         return None if data is None else KvoffConnectorStats(data=data)
 
     @classmethod
@@ -662,6 +834,9 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         worker = OffloadingWorker.from_spec(self._spec, config=self._config)
         worker.register_kv_caches({k: v for k, v in kv_caches.items() if k in layers})
         self._worker = worker
+        if self._config.has_tiers:  # the scheduler role's tiers read and write this pool
+            with _TIER_LOCK:
+                _TIER_WORKERS[self._engine_id] = worker
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Waits for the jobs whose GPU blocks this step rewrites (fences) before the forward
@@ -746,9 +921,17 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def shutdown(self) -> None:
-        """Waits for the jobs in flight and releases the pinned pool."""
+        """Waits for the jobs in flight (and the secondary tiers' reads and writes) and
+        releases the pinned pool. Idempotent."""
+        if self._config.has_tiers:
+            _close_tiers(self._engine_id)  # the tiers read the pool: they stop first
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+            with _TIER_LOCK:
+                if _TIER_WORKERS.get(self._engine_id) is self._worker:
+                    del _TIER_WORKERS[self._engine_id]
 
 
 # --------------------------------------------------------- vLLM's OffloadingConnector, kvoff inside
@@ -929,12 +1112,19 @@ class KvoffOffloadingSpec(OffloadingSpec):
     world_size × blocks_per_chunk)``.
 
     Raises:
-        kvoff.config.ConfigError, ValueError: as :class:`KvoffConnector`.
+        kvoff.config.ConfigError, ValueError: as :class:`KvoffConnector`; also a tier key
+            (``disk_path``, ``remote_url``): tiers work under :class:`KvoffConnector` only.
     """
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.kvoff_config = _offloading_config(self.extra_config, spec_path=True)
+        if self.kvoff_config.has_tiers:
+            raise ValueError(
+                "disk_path / remote_url: kvoff's secondary tiers run under KvoffConnector "
+                "(kv_connector='KvoffConnector'), not under vLLM's OffloadingConnector, whose "
+                "Python scheduler kvoff does not drive; use KvoffConnector or remove those keys"
+            )
         self.num_cpu_blocks = compute_num_cpu_blocks(
             _require_bytes(self.kvoff_config),
             config.worker_kv_bytes_per_block,

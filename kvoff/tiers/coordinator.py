@@ -43,17 +43,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvoff.tiers.base import SecondaryTier
+
+if TYPE_CHECKING:
+    from kvoff.config import OffloadingConfig
+    from kvoff.tiers.block_format import BlockFormat
 
 __all__ = [
     "DEFAULT_WRITE_QUEUE_BLOCKS",
     "MAX_PROBE_BLOCKS",
     "TieredPool",
     "default_write_queue_blocks",
+    "tiers_from_config",
 ]
 
 DEFAULT_WRITE_QUEUE_BLOCKS = 1024
@@ -65,6 +70,41 @@ def default_write_queue_blocks(num_cpu_blocks: int) -> int:
     (so write-through never pins most of L1), at most :data:`DEFAULT_WRITE_QUEUE_BLOCKS`, at
     least 1. In blocks."""
     return max(1, min(DEFAULT_WRITE_QUEUE_BLOCKS, num_cpu_blocks // 4))
+
+
+def tiers_from_config(config: OffloadingConfig, fmt: BlockFormat) -> list[SecondaryTier]:
+    """The secondary tiers an :class:`~kvoff.OffloadingConfig` names, fastest first: a
+    :class:`~kvoff.tiers.DiskTier` in ``disk_path`` (``disk_bytes``), then a
+    :class:`~kvoff.tiers.redis_cluster.RedisClusterTier` on ``remote_url`` (``remote_namespace``,
+    ``remote_ttl_s``, ``remote_timeout_s``). Empty when neither is set.
+
+    Args:
+        config: the configuration.
+        fmt: the block format (layout fingerprint, payload bytes = the CPU slot size).
+
+    Raises:
+        ValueError / OSError: what the tiers' constructors raise (a disk path that cannot be
+            created or sized, a bad URL). An unreachable Redis Cluster is not an error: its
+            blocks are misses until it answers.
+    """
+    tiers: list[SecondaryTier] = []
+    if config.disk_path is not None:
+        from kvoff.tiers.disk import DiskTier
+
+        tiers.append(DiskTier(str(config.disk_path), int(config.disk_bytes or 0), fmt))
+    if config.remote_url is not None:
+        from kvoff.tiers.redis_cluster import RedisClusterTier
+
+        tiers.append(
+            RedisClusterTier(
+                config.remote_url,
+                fmt,
+                namespace=config.remote_namespace,
+                ttl_s=config.remote_ttl_s,
+                timeout_s=config.remote_timeout_s,
+            )
+        )
+    return tiers
 
 
 MAX_PROBE_BLOCKS = 4096

@@ -943,6 +943,10 @@ def _replay(args: argparse.Namespace) -> int:
         "cpu_bytes_to_use": args.cpu_bytes,
         "offloaded_block_size": args.offloaded_block_size,
         "eviction_policy": None if args.policy == "min" else args.policy,
+        # the tiers: flags, else KVOFF_DISK_PATH / KVOFF_DISK_BYTES / KVOFF_REMOTE_URL or the file
+        "disk_path": args.disk_path,
+        "disk_bytes": args.disk_bytes,
+        "remote_url": args.remote_url,
     }
     pool = OffloadingConfig.load(
         args.config,
@@ -965,9 +969,9 @@ def _replay(args: argparse.Namespace) -> int:
         mechanism=args.mechanism,
         compute=args.compute,
         compute_chunk_tokens=args.compute_chunk_tokens,
-        disk_path=args.disk_path,
-        disk_bytes=args.disk_bytes,
-        remote_url=args.remote_url,
+        disk_path=None if pool.disk_path is None else str(pool.disk_path),
+        disk_bytes=pool.disk_bytes,
+        remote_url=pool.remote_url,
         remote_namespace=args.remote_namespace,
         remote_timeout_s=args.remote_timeout,
         engines=args.engines,

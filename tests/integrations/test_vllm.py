@@ -167,6 +167,130 @@ def test_the_same_through_vllms_offloading_connector(
     assert _metric(r, 1, "vllm:kv_offload_load_bytes") > 0
 
 
+# ------------------------------------------------------------ secondary tiers (issue 14)
+
+
+def _flip_payload_bytes(path, payload_bytes: int) -> int:
+    """Flips one payload byte in every slot of a disk tier's file; returns the slot count."""
+    from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat
+    from kvoff.tiers.disk import SUPERBLOCK_BYTES, slot_bytes_for
+
+    stride = slot_bytes_for(BlockFormat(bytes(16), payload_bytes))
+    slots = (path.stat().st_size - SUPERBLOCK_BYTES) // stride
+    with open(path, "r+b") as fh:
+        for i in range(slots):
+            fh.seek(SUPERBLOCK_BYTES + i * stride + HEADER_BYTES + 1000)
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 0x5A]))
+    return slots
+
+
+def test_a_disk_tier_serves_a_restarted_engine_and_never_a_corrupted_block(
+    run_engine, tiny_models, llama_reference, tmp_path
+) -> None:
+    """KvoffConnector with disk_path: engine 1 computes A and writes its blocks through to
+    disk; engine 2 (a new process, an empty CPU pool) is told to retry while the blocks are
+    promoted from disk, then loads them: hits with token-identical outputs. A payload byte
+    flipped in every slot: engine 3 rejects and counts every block and recomputes."""
+    ref_a, _ = llama_reference
+    model = str(tiny_models["llama"])
+    disk = tmp_path / "disk"
+    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
+    first = run_engine({**_plan(model, "kvoff", [{"prompts": PROMPTS_A}], extra=extra),
+                        "shutdown": True})  # fmt: skip
+    assert first["phases"][0]["outputs"] == ref_a and first["shutdown"]
+    written = first["phases"][0]["tiers"]["tiers"]["disk"]
+    assert written["written_blocks"] == 768 // BLOCK  # the shared prefix's full blocks
+    assert first["phases"][0]["tiers"]["writes_dropped_queue_full"] == 0
+
+    second = run_engine(_plan(model, "kvoff", [{"prompts": PROMPTS_A, "max_tokens": 7}],
+                              extra=extra))  # fmt: skip
+    ph = second["phases"][0]
+    assert ph["outputs"] == [o[:7] for o in ref_a]
+    assert ph["tiers"]["tiers"]["disk"]["promoted_blocks"] == 768 // BLOCK
+    assert ph["kvoff"]["hit_tokens"] == 768 and ph["tiers"]["probes"] >= 1
+    assert ph["kvoff"]["failed_jobs"] == 0 and ph["cached"] == [768] * 4
+    assert _metric(second, 0, "vllm:kvoff_disk_promoted_blocks") == 768 // BLOCK
+    assert _metric(second, 0, "vllm:external_prefix_cache_hits") > 0
+
+    assert _flip_payload_bytes(disk / "kvoff-blocks.slots", first["bytes_per_gpu_block"]) >= 6
+    third = run_engine(_plan(model, "kvoff", [{"prompts": PROMPTS_A, "max_tokens": 6}],
+                             extra=extra))  # fmt: skip
+    ph = third["phases"][0]
+    assert ph["outputs"] == [o[:6] for o in ref_a]
+    assert ph["tiers"]["tiers"]["disk"]["corrupted_blocks"] >= 1
+    assert ph["tiers"]["tiers"]["disk"]["promoted_blocks"] == 0
+    assert ph["kvoff"]["hit_tokens"] == 0 and min(ph["cached"]) == 0  # computed once
+    assert _metric(third, 0, "vllm:external_prefix_cache_hits") == 0
+
+
+def test_a_second_engine_loads_the_first_engines_blocks_from_redis(
+    run_engine, tiny_models, llama_reference, redis_url
+) -> None:
+    """Two engine processes with remote_url on the 3-master Redis Cluster fixture: the second
+    one's first request is told to retry while the first engine's blocks are read from Redis
+    into its CPU pool, then loads them: hits with token-identical outputs."""
+    ref_a, _ = llama_reference
+    model = str(tiny_models["llama"])
+    extra = {"cpu_bytes_to_use": 64 << 20, "remote_url": redis_url,
+             "remote_namespace": "test-vllm", "remote_timeout_s": 2.0}  # fmt: skip
+    first = run_engine({**_plan(model, "kvoff", [{"prompts": PROMPTS_A}], extra=extra),
+                        "shutdown": True})  # fmt: skip
+    assert first["phases"][0]["outputs"] == ref_a
+    assert first["phases"][0]["tiers"]["tiers"]["remote"]["written_blocks"] == 768 // BLOCK
+    second = run_engine(_plan(model, "kvoff", [{"prompts": PROMPTS_A, "max_tokens": 7}],
+                              extra=extra))  # fmt: skip
+    ph = second["phases"][0]
+    assert ph["outputs"] == [o[:7] for o in ref_a]
+    assert ph["tiers"]["tiers"]["remote"]["promoted_blocks"] == 768 // BLOCK
+    assert ph["tiers"]["tiers"]["remote"]["corrupted_blocks"] == 0
+    assert ph["kvoff"]["hit_tokens"] == 768 and ph["cached"] == [768] * 4
+    assert _metric(second, 0, "vllm:kvoff_remote_promoted_blocks") == 768 // BLOCK
+
+
+def test_tiers_are_refused_where_the_worker_is_not_in_the_engine_core(
+    run_engine, tiny_models, tmp_path
+) -> None:
+    """vLLM's OffloadingConnector path has no tiers: the engine refuses to start, saying so."""
+    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(tmp_path), "disk_bytes": "16MiB"}
+    r = run_engine(_plan(str(tiny_models["llama"]), "spec", [{"prompts": PROMPTS_A[:1]}],
+                         extra=extra), expect_failure=True)  # fmt: skip
+    assert "run under KvoffConnector" in r["stderr"]
+
+
+def test_tier_topology_and_registry_errors() -> None:
+    from types import SimpleNamespace
+
+    from kvoff.config import OffloadingConfig
+    from kvoff.integrations.vllm import _attach_tiers, _check_tier_topology, _tier_config
+
+    tiers = OffloadingConfig(num_cpu_blocks=8, remote_url="redis://127.0.0.1:7000")
+    for ws, backend in ((2, "mp"), (1, "mp"), (4, "ray")):
+        cfg = SimpleNamespace(
+            parallel_config=SimpleNamespace(world_size=ws, distributed_executor_backend=backend)
+        )
+        with pytest.raises(ValueError, match=rf"world_size={ws}.*{backend}"):
+            _check_tier_topology(cfg, tiers)  # type: ignore[arg-type]
+        _check_tier_topology(cfg, OffloadingConfig(num_cpu_blocks=8))  # no tiers: fine
+    one = SimpleNamespace(
+        parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni")
+    )
+    _check_tier_topology(one, tiers)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no kvoff worker of engine 'nobody'"):
+        _attach_tiers("nobody", None, tiers, bytes(16))  # type: ignore[arg-type]
+    # each data-parallel engine gets a disk tier of its own (a tier's file serves one process)
+    disk = OffloadingConfig(num_cpu_blocks=8, disk_path="/data/kv", disk_bytes="1GiB")
+
+    def dp(size: int, rank: int) -> Any:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_size=size, data_parallel_rank=rank)
+        )
+
+    assert str(_tier_config(dp(2, 1), disk).disk_path) == "/data/kv/dp1"
+    assert _tier_config(dp(1, 0), disk) is disk and _tier_config(dp(2, 1), tiers) is tiers
+
+
 # ----------------------------------------------------------------- sliding window (S1, S4)
 
 

@@ -9,6 +9,7 @@ The plan (JSON):
         "spec" (vLLM's OffloadingConnector with KvoffOffloadingSpec)
     extra: kv_connector_extra_config
     engine: keyword arguments of vllm.LLM (block_size, num_gpu_blocks_override, ...)
+    shutdown: true to shut the engine down after the phases (EngineCore.shutdown)
     phases: a list of {prompts: [[token ids]], max_tokens, reset (reset_prefix_cache before),
         fault: null | "fail_loads" | "fail_stores" | "corrupt_loads" | "slow_transfers",
         slow_steps: engine steps a job is held back under "slow_transfers"}
@@ -26,7 +27,8 @@ tokens change with what it is batched with, connector or not), float32 keeps tha
 below the logit gaps of these models, so outputs can be compared across schedules.
 
 The result (JSON): per phase the greedy output tokens and num_cached_tokens of every prompt,
-the kvoff scheduler's counters (KvoffConnector) and vLLM's metrics after it; every job the
+the kvoff scheduler's counters (KvoffConnector), its secondary tiers' stats when it has tiers
+(after waiting for their writes), and vLLM's metrics after it; every job the
 scheduler emitted (direction, group sizes, block indices, GPU block ids); the CPU pool's slot
 count and bytes per GPU block.
 """
@@ -232,8 +234,15 @@ def main(plan_path: str, result_path: str) -> None:
         }
         if plan["connector"] == "kvoff":
             entry["kvoff"] = connector.scheduler.stats()
+            tiers = connector.scheduler.tiers
+            if tiers is not None:  # secondary tiers: their writes finish before the next phase
+                tiers.wait()
+                entry["tiers"] = tiers.stats()
         result["phases"].append(entry)
     FAULT["mode"] = None
+    if plan.get("shutdown"):  # the engine's own shutdown (workers, then the scheduler)
+        core.shutdown()
+        result["shutdown"] = True
     with open(result_path, "w") as fh:
         json.dump(result, fh)
 
