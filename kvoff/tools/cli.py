@@ -836,8 +836,7 @@ def _run_info() -> dict[str, object]:
 _SIM_ONLY = {
     "cpu_blocks": None, "gpu_prefix_blocks": 0, "device": "cpu", "gpu_layout": "layer_major",
     "mechanism": "auto", "compute": False, "model": "tiny", "sweep_capacity": None,
-    "policies": None, "plot": None, "disk_path": None, "disk_bytes": None, "remote_url": None,
-    "engines": 1,
+    "policies": None, "plot": None, "engines": 1,
 }  # fmt: skip
 
 
@@ -857,6 +856,9 @@ def _replay_vllm(args: argparse.Namespace) -> int:
         "cpu_bytes_to_use": args.cpu_bytes,
         "offloaded_block_size": args.offloaded_block_size,
         "eviction_policy": args.policy,
+        "disk_path": args.disk_path,
+        "disk_bytes": args.disk_bytes,
+        "remote_url": args.remote_url,
     }
     pool = OffloadingConfig.load(
         args.config,
@@ -878,6 +880,11 @@ def _replay_vllm(args: argparse.Namespace) -> int:
         model=args.engine_model,
         dtype=args.dtype,
         engines=tuple(dict.fromkeys(args.runs)),
+        disk_path=None if pool.disk_path is None else str(pool.disk_path),
+        disk_bytes=pool.disk_bytes,
+        remote_url=pool.remote_url,
+        remote_namespace=args.remote_namespace,
+        remote_timeout_s=args.remote_timeout,
     )
     result = run_vllm_replay(
         config, log=None if args.no_progress else lambda m: print(f"  {m}", file=sys.stderr)

@@ -23,7 +23,10 @@ added when one finishes, in trace order). It reports:
   request outputs' ``num_cached_tokens`` give engine + kvoff; kvoff's count must equal vLLM's
   ``external_prefix_cache_hits``);
 * ``wall_s``, ``ttft_p50_s``, ``ttft_p99_s`` (first token time from the request's addition),
-  ``preemptions``.
+  ``preemptions``;
+* ``tiers``: with a disk or Redis tier below kvoff's CPU pool (``disk_path``, ``remote_url``),
+  ``TieredPool.stats()`` after the run's writes finished (blocks promoted and written per tier,
+  dropped writes, corrupted blocks rejected); else None.
 
 Then ``outputs_equal``: the greedy tokens of every request agree between the two runs.
 
@@ -77,6 +80,12 @@ class VllmReplayConfig:
         model: a tiny model kind (:data:`kvoff.tools.tiny_models.TINY_MODELS`) or a model folder.
         dtype: the engine's dtype.
         engines: ``("kvoff", "engine_only")`` or one of them.
+        disk_path: a disk tier below kvoff's CPU pool in this folder (with ``disk_bytes``),
+            whose blocks outlive the run (None: no disk tier).
+        disk_bytes: the disk tier's size in bytes.
+        remote_url: a Redis Cluster for a shared tier (None: none).
+        remote_namespace: the shared tier's key prefix.
+        remote_timeout_s: seconds after which a Redis node is a miss.
     """
 
     trace: str = "conversation"
@@ -93,6 +102,11 @@ class VllmReplayConfig:
     model: str = "llama"
     dtype: str = "float32"
     engines: tuple[str, ...] = ("kvoff", "engine_only")
+    disk_path: str | None = None
+    disk_bytes: int | None = None
+    remote_url: str | None = None
+    remote_namespace: str = "kvoff-replay"
+    remote_timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("limit", "trace_block_size", "tokens_per_hash", "max_tokens", "concurrency",
@@ -101,6 +115,11 @@ class VllmReplayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+        if (self.disk_path is None) != (self.disk_bytes is None):
+            raise ValueError(
+                "a disk tier needs both disk_path and disk_bytes (--disk-path DIR --disk-bytes "
+                f"8GiB); got disk_path={self.disk_path}, disk_bytes={self.disk_bytes}"
+            )
         unknown = set(self.engines) - {"kvoff", "engine_only"}
         if unknown or not self.engines:
             raise ValueError(
@@ -216,8 +235,13 @@ def _run_child(plan: dict[str, Any]) -> dict[str, Any]:
     }
     kvoff_stats: dict[str, int] = {}
     connector = engine.engine_core.engine_core.scheduler.connector
+    tier_stats = None
     if connector is not None:
         kvoff_stats = dict(connector.scheduler.stats())
+        tiers = connector.scheduler.tiers
+        if tiers is not None:
+            tiers.wait()
+            tier_stats = tiers.stats()
     input_tokens = sum(len(p) for p in prompts)
     cached_total = sum(cached)
     kvoff_hits = kvoff_stats.get("hit_tokens", 0)
@@ -241,6 +265,7 @@ def _run_child(plan: dict[str, Any]) -> dict[str, Any]:
             )
         },
         "preemptions": int(metrics.get("vllm:num_preemptions", 0)),
+        "tiers": tier_stats,
         "wall_s": wall,
         "ttft_p50_s": _percentile(list(ttft.values()), 50),
         "ttft_p99_s": _percentile(list(ttft.values()), 99),
@@ -286,6 +311,11 @@ def _plans(config: VllmReplayConfig) -> tuple[list[list[int]], dict[str, Any]]:
         extra["offloaded_block_size"] = config.offloaded_block_size
     if config.eviction_policy is not None:
         extra["eviction_policy"] = config.eviction_policy
+    if config.disk_path is not None:
+        extra.update(disk_path=config.disk_path, disk_bytes=config.disk_bytes)
+    if config.remote_url is not None:
+        extra.update(remote_url=config.remote_url, remote_namespace=config.remote_namespace,
+                     remote_timeout_s=config.remote_timeout_s)  # fmt: skip
     return prompts, {
         "model": model,
         "engine": engine,
@@ -370,6 +400,14 @@ def format_vllm_replay(result: dict[str, Any]) -> str:
             f"{r['accounting_exact']!s:>6} {r['wall_s']:>8.2f} {r['ttft_p50_s']:>9.3f} "
             f"{r['ttft_p99_s']:>9.3f} {r['preemptions']:>8}"
         )
+    for name, r in result["runs"].items():
+        for tier, t in ((r.get("tiers") or {}).get("tiers") or {}).items():
+            lines.append(
+                f"{name} {tier} tier: {t['promoted_blocks']} blocks promoted "
+                f"({t['promoted_bytes'] / 2**20:.1f} MiB), {t['written_blocks']} written, "
+                f"{t['writes_dropped']} writes dropped, {t['corrupted_blocks']} corrupted "
+                f"rejected; {r['tiers']['writes_dropped_queue_full']} dropped (queue full)"
+            )
     if "outputs_equal" in result:
         lines.append(
             f"outputs equal: {result['outputs_equal']} "

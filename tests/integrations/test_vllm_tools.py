@@ -33,12 +33,32 @@ def test_replay_engine_vllm_accounts_exactly_and_outputs_match(tmp_path: Path) -
 
 def test_replay_engine_vllm_rejects_simulator_flags() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoff", "replay", "--engine", "vllm", "--disk-path", "/tmp/x",
-         "--disk-bytes", "1GiB"],
+        [sys.executable, "-m", "kvoff", "replay", "--engine", "vllm", "--gpu-layout",
+         "block_contiguous"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "--engine sim only" in proc.stderr
+    assert "--gpu-layout applies to --engine sim only" in proc.stderr
+
+
+def test_replay_engine_vllm_with_a_disk_tier_below_a_tiny_cpu_pool(tmp_path: Path) -> None:
+    """The first reuses of the conversation trace come at requests 133-137; a 2 MiB CPU pool
+    (16 blocks of the tiny model) has lost them by then, the disk tier below it has not."""
+    out = tmp_path / "replay.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoff", "replay", "--engine", "vllm", "--limit", "140",
+         "--concurrency", "4", "--max-tokens", "2", "--runs", "kvoff", "--cpu-bytes", "2MiB",
+         "--disk-path", str(tmp_path / "disk"), "--disk-bytes", "256MiB", "--no-progress",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads(out.read_text())["result"]["runs"]["kvoff"]
+    disk = run["tiers"]["tiers"]["disk"]
+    assert run["accounting_exact"] and run["hit_tokens"]["kvoff"] > 0
+    assert disk["promoted_blocks"] > 0 and disk["written_blocks"] > 0
+    assert disk["corrupted_blocks"] == 0
+    assert "kvoff disk tier:" in proc.stdout
 
 
 def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
