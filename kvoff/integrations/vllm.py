@@ -287,7 +287,8 @@ def _check_tier_topology(vllm_config: VllmConfig, config: OffloadingConfig) -> N
             "need the engine's scheduler and its one worker in one process: "
             f"tensor_parallel_size x pipeline_parallel_size = 1 and the 'uni' executor; this "
             f"engine has world_size={par.world_size}, distributed_executor_backend={backend!r}. "
-            "Remove the tier keys, or run one rank"
+            "Remove the tier keys, or run one rank with the 'uni' executor (vLLM-CPU picks "
+            "'mp' whenever VLLM_ENABLE_V1_MULTIPROCESSING is on: set it to 0 there)"
         )
 
 
