@@ -7,11 +7,14 @@ Both skip (with the reason) only when redis-server / redis-cli are not installed
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from kvoff.tiers.redis_cluster import LocalRedisCluster, redis_server_skip_reason
+if TYPE_CHECKING:  # imported in the fixtures: kvoff.tiers needs xxhash, which not every
+    # environment running tests (the CUDA wheel test's venv) has
+    from kvoff.tiers.redis_cluster import LocalRedisCluster
 
 
 def cuda_skip_reason() -> str | None:
@@ -46,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _start() -> LocalRedisCluster:
+    from kvoff.tiers.redis_cluster import LocalRedisCluster, redis_server_skip_reason
+
     reason = redis_server_skip_reason()
     if reason:
         pytest.skip(reason)
