@@ -35,6 +35,7 @@ write-through calls.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -58,6 +59,7 @@ __all__ = [
     "MAX_PROBE_BLOCKS",
     "TieredPool",
     "default_write_queue_blocks",
+    "make_tiers",
     "tiers_from_config",
 ]
 
@@ -72,39 +74,66 @@ def default_write_queue_blocks(num_cpu_blocks: int) -> int:
     return max(1, min(DEFAULT_WRITE_QUEUE_BLOCKS, num_cpu_blocks // 4))
 
 
-def tiers_from_config(config: OffloadingConfig, fmt: BlockFormat) -> list[SecondaryTier]:
-    """The secondary tiers an :class:`~kvoff.OffloadingConfig` names, fastest first: a
-    :class:`~kvoff.tiers.DiskTier` in ``disk_path`` (``disk_bytes``), then a
-    :class:`~kvoff.tiers.redis_cluster.RedisClusterTier` on ``remote_url`` (``remote_namespace``,
-    ``remote_ttl_s``, ``remote_timeout_s``). Empty when neither is set.
+def make_tiers(
+    fmt: BlockFormat,
+    *,
+    disk_path: str | os.PathLike[str] | None = None,
+    disk_bytes: int | None = None,
+    remote_url: str | None = None,
+    remote_namespace: str = "kvoff",
+    remote_ttl_s: float | None = None,
+    remote_timeout_s: float = 0.25,
+) -> list[SecondaryTier]:
+    """Secondary tiers, fastest first: a :class:`~kvoff.tiers.DiskTier` of ``disk_bytes`` bytes
+    in ``disk_path``, then a :class:`~kvoff.tiers.redis_cluster.RedisClusterTier` on
+    ``remote_url`` (key prefix ``remote_namespace``, TTL ``remote_ttl_s`` seconds, per-node
+    timeout ``remote_timeout_s`` seconds). Empty when neither path nor URL is given.
 
     Args:
-        config: the configuration.
         fmt: the block format (layout fingerprint, payload bytes = the CPU slot size).
 
     Raises:
         ValueError / OSError: what the tiers' constructors raise (a disk path that cannot be
-            created or sized, a bad URL). An unreachable Redis Cluster is not an error: its
-            blocks are misses until it answers.
+            created or sized, a bad URL or namespace). An unreachable Redis Cluster is not an
+            error: its blocks are misses until it answers.
     """
     tiers: list[SecondaryTier] = []
-    if config.disk_path is not None:
+    if disk_path is not None:
         from kvoff.tiers.disk import DiskTier
 
-        tiers.append(DiskTier(str(config.disk_path), int(config.disk_bytes or 0), fmt))
-    if config.remote_url is not None:
+        tiers.append(DiskTier(str(disk_path), int(disk_bytes or 0), fmt))
+    if remote_url is not None:
         from kvoff.tiers.redis_cluster import RedisClusterTier
 
         tiers.append(
             RedisClusterTier(
-                config.remote_url,
+                remote_url,
                 fmt,
-                namespace=config.remote_namespace,
-                ttl_s=config.remote_ttl_s,
-                timeout_s=config.remote_timeout_s,
+                namespace=remote_namespace,
+                ttl_s=remote_ttl_s,
+                timeout_s=remote_timeout_s,
             )
         )
     return tiers
+
+
+def tiers_from_config(config: OffloadingConfig, fmt: BlockFormat) -> list[SecondaryTier]:
+    """:func:`make_tiers` with the tier keys of an :class:`~kvoff.OffloadingConfig`
+    (``disk_path``, ``disk_bytes``, ``remote_url``, ``remote_namespace``, ``remote_ttl_s``,
+    ``remote_timeout_s``).
+
+    Raises:
+        As :func:`make_tiers`.
+    """
+    return make_tiers(
+        fmt,
+        disk_path=config.disk_path,
+        disk_bytes=config.disk_bytes,
+        remote_url=config.remote_url,
+        remote_namespace=config.remote_namespace,
+        remote_ttl_s=config.remote_ttl_s,
+        remote_timeout_s=config.remote_timeout_s,
+    )
 
 
 MAX_PROBE_BLOCKS = 4096

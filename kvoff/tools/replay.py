@@ -66,7 +66,7 @@ from kvoff import _scheduler
 from kvoff.config import OffloadingConfig
 from kvoff.models import ModelPreset, get_model_preset
 from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
-from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
+from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks, make_tiers
 from kvoff.tools.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
 from kvoff.transfer import ALL_MECHANISMS
 from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
@@ -309,28 +309,13 @@ class _Engine:
 
 def _make_tiers(config: ReplayConfig, engine: int, fmt: BlockFormat) -> list[Any]:
     """The engine's secondary tiers: disk (its own folder), then remote (shared)."""
-    tiers: list[Any] = []
-    if config.disk_path is not None:
-        from kvoff.tiers.disk import DiskTier
-
-        path = (
-            os.path.join(config.disk_path, f"engine-{engine}")
-            if config.engines > 1
-            else (config.disk_path)
-        )
-        tiers.append(DiskTier(path, int(config.disk_bytes or 0), fmt))
-    if config.remote_url is not None:
-        from kvoff.tiers.redis_cluster import RedisClusterTier
-
-        tiers.append(
-            RedisClusterTier(
-                config.remote_url,
-                fmt,
-                namespace=config.remote_namespace,
-                timeout_s=config.remote_timeout_s,
-            )
-        )
-    return tiers
+    path = config.disk_path
+    if path is not None and config.engines > 1:
+        path = os.path.join(path, f"engine-{engine}")
+    return make_tiers(
+        fmt, disk_path=path, disk_bytes=config.disk_bytes, remote_url=config.remote_url,
+        remote_namespace=config.remote_namespace, remote_timeout_s=config.remote_timeout_s,
+    )  # fmt: skip
 
 
 def _make_engine(
