@@ -16,17 +16,34 @@ copied it), and so did the ``memcpy`` mechanism's copy of a run of adjacent rows
 boundary (``.ci/results/h200-2026-11-24``). A pool pinned in 1 GiB chunks therefore failed every
 job whose block, or run of adjacent blocks, crossed a cut (``kvoff bench transfer``:
 DeepSeek-V3 MLA's 4.3 MiB blocks).
+
+**Shared pools.** With ``shared_name`` the pool lives in a POSIX shared-memory file
+(``/dev/shm/<name>``) instead, so that another process of the same engine can map the same
+bytes (:class:`SharedHostPool`): vLLM's multiprocess executor runs each rank's worker, which owns
+the pool, outside the engine-core process, where kvoff's scheduler drives the secondary tiers
+that read and write the pool. The file starts with one page of header (magic, format version,
+the tensors' offsets and shapes, the creating process's id) followed by the tensors, each on a
+4 KiB boundary. Its pages are reserved up front (``posix_fallocate``): on a full ``/dev/shm`` the
+constructor fails with a :class:`SharedMemoryError` that says so, instead of the process dying
+of ``SIGBUS`` on first touch. The name is removed when the pool is closed or collected, or at
+process exit; mappings stay valid until the last view goes away.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import mmap
+import os
+import re
+import struct
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostPool", "PinningError"]
+__all__ = ["HostPool", "PinningError", "SharedHostPool", "SharedMemoryError"]
 
 _ALIGN = 4096  # every tensor of the pool starts on its own page
 _CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable (cuda_runtime_api.h)
@@ -35,6 +52,87 @@ _CUDA_HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped
 
 class PinningError(RuntimeError):
     """Page-locking the CPU pool failed; the message says how much was asked and what to lower."""
+
+
+class SharedMemoryError(RuntimeError):
+    """A shared pool could not be created or attached; the message names the file and the fix."""
+
+
+SHM_DIR = "/dev/shm"
+"""Where shared pools live (Linux's POSIX shared-memory tmpfs)."""
+_SHM_MAGIC = b"kvoff-host-pool\x00"  # 16 bytes
+_SHM_VERSION = 1
+_SHM_HEADER = 4096  # one page; the tensors follow, each 4 KiB-aligned
+_SHM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
+def _shm_path(name: str) -> str:
+    if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
+        raise ValueError(
+            f"shared pool name {name!r} is not a file name of 1..201 characters from "
+            "[A-Za-z0-9._-] (starting with a letter or digit)"
+        )
+    return os.path.join(SHM_DIR, name)
+
+
+def _unlink_if_same(path: str, ino: int) -> None:
+    """Removes ``path`` if it is still the file of inode ``ino`` (not a newer pool's)."""
+    try:
+        if os.stat(path).st_ino == ino:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _shm_free() -> str:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return "unknown"
+    return f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB"
+
+
+def _create_shared(name: str, total: int, layout: list[list[int]], description: str):
+    """Creates ``/dev/shm/<name>`` of header + ``total`` bytes with its pages reserved; returns
+    (mmap, inode). A stale file of the same name (a process that died) is replaced."""
+    path = _shm_path(name)
+    size = _SHM_HEADER + total
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            break
+        except FileExistsError:
+            if attempt:
+                raise
+            os.unlink(path)  # names carry the engine id: an old file is a dead process's
+        except OSError as e:
+            raise SharedMemoryError(
+                f"cannot create the shared pool {path} for {description}: {e}. kvoff needs a "
+                f"writable {SHM_DIR} (POSIX shared memory) when the engine's workers run in "
+                "processes of their own"
+            ) from e
+    try:
+        ino = os.fstat(fd).st_ino
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.unlink(path)
+            raise SharedMemoryError(
+                f"{SHM_DIR} has no room for {description}: {size} bytes ({size / 2**30:.2f} GiB) "
+                f"asked for, {_shm_free()} free ({e.strerror}). Give the container more shared "
+                "memory (docker run --ipc=host, or --shm-size larger than the pool) or lower "
+                "the pool size (cpu_bytes_to_use)"
+            ) from e
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    meta = json.dumps({"tensors": layout, "pid": os.getpid(), "bytes": total}).encode()
+    header = _SHM_MAGIC + struct.pack("<II", _SHM_VERSION, len(meta)) + meta
+    if len(header) > _SHM_HEADER:
+        _unlink_if_same(path, ino)
+        raise ValueError(f"too many tensors for one shared pool ({len(layout)})")
+    mm[: len(header)] = header
+    return mm, ino
 
 
 def _memlock_limit() -> str:
@@ -92,15 +190,21 @@ class HostPool:
         pin: page-lock the memory (one ``cudaHostRegister`` call for the whole pool).
         description: what the pool is for, used in error messages (e.g. "4096 CPU blocks of
             2.0 MiB").
+        shared_name: put the pool in ``/dev/shm/<shared_name>`` (see the module docstring) so
+            that :class:`SharedHostPool` can map it from another process; ``None`` (default):
+            private memory from torch's CPU allocator.
 
     Attributes:
         tensors: the ``(rows, row_bytes)`` uint8 tensors, in ``shapes`` order.
         num_bytes: bytes allocated: the sum of ``rows × row_bytes`` plus at most 4 KiB of
             alignment per tensor (no power-of-two rounding).
         pinned: whether the memory is page-locked.
+        shared_name: the shared-memory name, or ``None``.
 
     Raises:
-        ValueError: for a negative shape.
+        ValueError: for a negative shape, or a ``shared_name`` that is not a plain file name.
+        SharedMemoryError: the shared file cannot be created, or ``/dev/shm`` has no room for
+            the pool (nothing is left behind then).
         PinningError: when page-locking fails (nothing stays registered then): the message
             gives the bytes asked for, the CUDA error and the
             locked-memory limit, and says to lower the pool size or raise the limit; also when
@@ -114,6 +218,7 @@ class HostPool:
         *,
         pin: bool,
         description: str = "the CPU pool",
+        shared_name: str | None = None,
         _registrar: _Registrar | None = None,
     ) -> None:
         offsets = []
@@ -126,7 +231,15 @@ class HostPool:
             total += rows * row_bytes
         self.num_bytes = total
         registrar = (_registrar or _cuda_registrar()) if pin and total > 0 else None
-        self._base = torch.empty(total, dtype=torch.uint8)
+        self.shared_name = shared_name
+        if shared_name is None:
+            self._base = torch.empty(total, dtype=torch.uint8)
+        else:
+            layout = [[off, rows, rb] for off, (rows, rb) in zip(offsets, shapes, strict=True)]
+            mm, ino = _create_shared(shared_name, total, layout, description)
+            self._unlinker = weakref.finalize(self, _unlink_if_same, _shm_path(shared_name), ino)
+            whole = torch.frombuffer(mm, dtype=torch.uint8)
+            self._base = whole[_SHM_HEADER:]
         self.tensors = [
             self._base[off : off + rows * row_bytes].view(rows, row_bytes)
             for off, (rows, row_bytes) in zip(offsets, shapes, strict=True)
@@ -156,9 +269,69 @@ class HostPool:
         self._addresses.append(base)
 
     def close(self) -> None:
-        """Unregister the memory now (it is freed when the last tensor view goes away).
-        Idempotent; the pool's tensors must not be used for GPU copies afterwards."""
+        """Unregister the memory now (it is freed when the last tensor view goes away) and
+        remove a shared pool's name. Idempotent; the pool's tensors must not be used for GPU
+        copies afterwards."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()
+        unlinker = getattr(self, "_unlinker", None)
+        if unlinker is not None:
+            unlinker()
         self.pinned = False
+
+
+class SharedHostPool:
+    """The tensors of a shared :class:`HostPool` of another process, mapped into this one.
+
+    The bytes are the same memory as the creator's: writes on either side are seen by the
+    other. Ordering between the two processes is the caller's (kvoff orders every access through
+    job completions, which cross processes through the engine's messages).
+
+    Args:
+        name: the pool's ``shared_name``.
+        unlink: remove the name once mapped (default True): both processes keep their mappings,
+            and no file is left behind when either dies.
+
+    Attributes:
+        tensors: the ``(rows, row_bytes)`` uint8 tensors, in the creator's order.
+        creator_pid: the process id that created the pool.
+
+    Raises:
+        ValueError: ``name`` is not a plain file name.
+        SharedMemoryError: no such pool in ``/dev/shm`` (its creator runs on another machine,
+            has not created it yet, or is gone), or the file is not a kvoff pool of this format.
+    """
+
+    def __init__(self, name: str, *, unlink: bool = True) -> None:
+        path = _shm_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as e:
+            raise SharedMemoryError(
+                f"no shared pool {path}: the process that owns it (the engine's worker) has not "
+                "allocated it, has exited, or runs on another machine"
+            ) from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < _SHM_HEADER:
+                raise SharedMemoryError(f"{path} is {size} bytes, too short for a kvoff pool")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        head = bytes(mm[:_SHM_HEADER])
+        version, n = struct.unpack_from("<II", head, len(_SHM_MAGIC))
+        if not head.startswith(_SHM_MAGIC) or version != _SHM_VERSION:
+            raise SharedMemoryError(f"{path} is not a kvoff shared pool of format {_SHM_VERSION}")
+        meta = json.loads(head[len(_SHM_MAGIC) + 8 : len(_SHM_MAGIC) + 8 + n])
+        if _SHM_HEADER + int(meta["bytes"]) > size:
+            raise SharedMemoryError(f"{path} is shorter than its header says")
+        base = torch.frombuffer(mm, dtype=torch.uint8)[_SHM_HEADER:]
+        self.tensors = [
+            base[off : off + rows * rb].view(rows, rb) for off, rows, rb in meta["tensors"]
+        ]
+        self.creator_pid = int(meta["pid"])
+        self.name = name
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -395,9 +395,10 @@ class OffloadingScheduler:
         *,
         write_queue_blocks: int | None = None,
     ) -> TieredPool:
-        """Puts secondary tiers (disk, a shared store) below this scheduler's CPU pool, for an
-        engine whose scheduler and worker share one process (the tier I/O reads and writes
-        the CPU pool's slots).
+        """Puts secondary tiers (disk, a shared store) below this scheduler's CPU pool. The
+        tier I/O runs in this process and reads and writes the CPU pool's slots: the worker's
+        pool when it shares this process, else the workers' pools mapped from shared memory
+        (:class:`kvoff.pinned.SharedHostPool`).
 
         From then on: every store that completes is written through to every tier in the
         background (bounded queue; a full queue drops and counts, never blocks);
@@ -409,9 +410,12 @@ class OffloadingScheduler:
 
         Args:
             tiers: fastest first; each one's ``fmt.payload_bytes`` must be the CPU slot size
-                (``CPUOffloadingSpec.kv_bytes_per_block`` × ``block_size_factor`` bytes).
+                (``CPUOffloadingSpec.kv_bytes_per_block`` × ``block_size_factor`` bytes), summed
+                over the ranks when ``world_size`` > 1.
             cpu_slot: CPU block id -> that slot's bytes, a writable ``(slot_bytes,)`` uint8
-                array, e.g. ``worker.cpu_pool.numpy().__getitem__``.
+                array, e.g. ``worker.cpu_pool.numpy().__getitem__``; with ``world_size`` > 1 a
+                tuple of one such array per rank (rank order), for tiers that take such tuples
+                (:class:`kvoff.tiers.ranked.RankedTier`).
             write_queue_blocks: blocks pinned in L1 for write-through at most (default: a
                 quarter of the pool, at most 1,024).
 
@@ -420,20 +424,25 @@ class OffloadingScheduler:
             hits, bytes, promotions, dropped writes and rejected blocks).
 
         Raises:
-            ValueError: tiers attached already; ``world_size`` > 1 (each rank has its own
-                CPU pool: a tier here would see rank 0's only); a tier whose payload size is
-                not the slot size; everything :class:`TieredPool` raises.
+            ValueError: tiers attached already; ``world_size`` > 1 and ``cpu_slot`` does not
+                give one array per rank (each rank has its own CPU pool: tiers on rank 0's
+                alone would store part of each block); a tier whose payload size is not the
+                slot size; everything :class:`TieredPool` raises.
         """
         from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
 
         if self._tiers is not None:
             raise ValueError("tiers are attached already; close() them first")
-        if self.spec.world_size != 1:
+        first = cpu_slot(0)
+        world = self.spec.world_size
+        if world != 1 and (not isinstance(first, (tuple, list)) or len(first) != world):
             raise ValueError(
-                f"attach_tiers needs world_size 1, got {self.spec.world_size}: each rank keeps "
-                "its own CPU pool, which this process cannot read"
+                f"attach_tiers with world_size {world} needs cpu_slot to give one slot array per "
+                f"rank (a tuple of {world}), got {type(first).__name__}: each rank keeps its own "
+                "CPU pool, and a block is all ranks' parts"
             )
-        slot_bytes = int(cpu_slot(0).nbytes)
+        parts = first if isinstance(first, (tuple, list)) else (first,)
+        slot_bytes = sum(int(p.nbytes) for p in parts)
         for t in tiers:
             if t.fmt.payload_bytes != slot_bytes:
                 raise ValueError(

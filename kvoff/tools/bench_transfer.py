@@ -36,7 +36,9 @@ same bytes; there is no GEMM slowdown and no ``both`` (CPU copies run in the cal
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -180,6 +182,9 @@ class TransferBenchParams:
         job_sizes: blocks per job of the engine-step section (empty: skip it).
         staging_bytes: the worker's staging buffer, both directions (bytes).
         staging_piece_bytes: bytes per piece of a staged job.
+        shared_pool: put each worker's CPU pool in POSIX shared memory (``/dev/shm``), as
+            kvoff does for an engine whose workers run in processes of their own and that has
+            secondary tiers (:class:`kvoff.pinned.HostPool` ``shared_name``).
     """
 
     presets: tuple[str, ...] = DEFAULT_PRESETS
@@ -195,6 +200,7 @@ class TransferBenchParams:
     job_sizes: tuple[int, ...] = JOB_SIZES
     staging_bytes: int = DEFAULT_STAGING_BYTES
     staging_piece_bytes: int = DEFAULT_STAGING_PIECE_BYTES
+    shared_pool: bool = False
 
     def blocks_for(self, preset: TransferPreset) -> int:
         """Blocks per job for ``preset``."""
@@ -256,6 +262,9 @@ class _Jobs:
         return self.next
 
 
+_POOL_IDS = itertools.count()
+
+
 def _setup(
     preset: TransferPreset,
     layout: str,
@@ -284,12 +293,14 @@ def _setup(
                                    generator=gen).to(device)
             for k in range(t)
         }  # fmt: skip
+    shm_name = f"kvoff-bench-{os.getpid()}-{next(_POOL_IDS)}" if p.shared_pool else None
     worker = OffloadingWorker(
         rows, rows, 1,
         pin_memory=device.type == "cuda",
         mechanism=mechanism,
         staging_bytes=p.staging_bytes,
         staging_piece_bytes=p.staging_piece_bytes,
+        shared_memory_name=shm_name,
     )  # fmt: skip
     worker.register_kv_caches(kv)
     assert worker.gpu_layouts == [layout], (worker.gpu_layouts, layout)

@@ -568,6 +568,12 @@ def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="bytes per piece of a staged job, MiB (default: %(default)s)",
     )
     tp.add_argument(
+        "--shared-pool",
+        action="store_true",
+        help="allocate the CPU pools in /dev/shm, as kvoff does for tiers with workers in "
+        "processes of their own",
+    )
+    tp.add_argument(
         "--sweep",
         action="store_true",
         help="GPU: also sweep chunk sizes 4 KiB..2 MiB per mechanism and derive the auto "
@@ -607,6 +613,7 @@ def _bench_transfer(args: argparse.Namespace, argv: Sequence[str] | None) -> int
         job_sizes=tuple(args.job_sizes),
         staging_bytes=args.staging_mib << 20,
         staging_piece_bytes=args.staging_piece_mib << 20,
+        shared_pool=args.shared_pool,
     )
     doc = run_transfer_bench(
         params,

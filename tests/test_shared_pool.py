@@ -1,0 +1,100 @@
+"""Shared CPU pools (kvoff.pinned.HostPool(shared_name=...) and SharedHostPool): the memory a
+worker process allocates and the engine-core process maps, for the secondary tiers."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+
+from kvoff.pinned import SHM_DIR, HostPool, SharedHostPool, SharedMemoryError
+from kvoff.worker import OffloadingWorker
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(SHM_DIR), reason=f"no {SHM_DIR} (POSIX shared memory) on this system"
+)
+
+
+def fresh_name() -> str:
+    return f"kvoff-test-{uuid.uuid4().hex[:12]}"
+
+
+def test_another_process_maps_the_same_bytes_and_the_name_goes_away() -> None:
+    name = fresh_name()
+    pool = HostPool([(4, 8192), (3, 100)], pin=False, shared_name=name)
+    pool.tensors[0][2].fill_(7)
+    code = textwrap.dedent(f"""
+        from kvoff.pinned import SharedHostPool
+        p = SharedHostPool({name!r})
+        a, b = p.tensors
+        assert a.shape == (4, 8192) and b.shape == (3, 100), (a.shape, b.shape)
+        assert int(a[2].sum()) == 7 * 8192 and int(a[1].sum()) == 0
+        b[1].fill_(9)
+        print(p.creator_pid)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout) == os.getpid()
+    assert int(pool.tensors[1][1].sum()) == 9 * 100  # the other process's write, seen here
+    assert not os.path.exists(os.path.join(SHM_DIR, name))  # unlinked once mapped
+    pool.close()  # nothing left to remove: fine
+
+
+def test_close_removes_the_name_and_a_stale_file_is_replaced() -> None:
+    name = fresh_name()
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as fh:  # a dead process's pool of the same name
+        fh.write(b"stale")
+    pool = HostPool([(2, 4096)], pin=False, shared_name=name)
+    assert os.path.getsize(path) == 4096 + 2 * 4096
+    attached = SharedHostPool(name, unlink=False)
+    assert attached.tensors[0].shape == (2, 4096)
+    pool.close()
+    assert not os.path.exists(path)
+
+
+def test_no_room_in_dev_shm_is_a_clear_error_and_leaves_nothing(monkeypatch) -> None:
+    name = fresh_name()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(SharedMemoryError, match=r"has no room for the CPU pool.*--shm-size"):
+        HostPool([(1024, 4096)], pin=False, shared_name=name)
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_bad_names_and_missing_or_foreign_pools() -> None:
+    for bad in ("", "../etc/passwd", "a/b", "-x", "a" * 300):
+        with pytest.raises(ValueError, match="not a file name"):
+            HostPool([(1, 4096)], pin=False, shared_name=bad)
+    with pytest.raises(SharedMemoryError, match=r"no shared pool .* has not allocated it"):
+        SharedHostPool(fresh_name())
+    name = fresh_name()
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as fh:
+        fh.write(b"x" * 8192)
+    try:
+        with pytest.raises(SharedMemoryError, match="not a kvoff shared pool"):
+            SharedHostPool(name)
+    finally:
+        os.unlink(path)
+
+
+def test_a_worker_with_a_shared_name_puts_its_cpu_pool_there() -> None:
+    name = fresh_name()
+    worker = OffloadingWorker(8, 4, shared_memory_name=name, pin_memory=False)
+    worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 16, dtype=torch.float16)})
+    worker.cpu_pool[1].fill_(3)
+    (seen,) = SharedHostPool(name).tensors
+    assert seen.shape == worker.cpu_pool.shape
+    assert torch.equal(seen, worker.cpu_pool)
+    worker.close()
+    assert int(seen[1].sum()) == 3 * seen.shape[1]  # the mapping outlives the worker's close

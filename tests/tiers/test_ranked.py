@@ -1,0 +1,85 @@
+"""RankedTier: the per-rank tiers of a tensor-parallel engine as one tier (a block is every
+rank's part), on real disk tiers, and the scheduler's promotion through it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
+from kvoff.tiers.ranked import RankedTier
+
+PART = 4096  # bytes of one rank's part of a block
+
+
+def fmt(rank: int) -> BlockFormat:
+    fp = layout_fingerprint(model="tiny", dtype="float16", world_size=2, rank=rank, block_size=16)
+    return BlockFormat(fp, PART)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 2
+
+
+def part(k: bytes, rank: int) -> np.ndarray:
+    rng = np.random.default_rng(int.from_bytes(k[:4], "little") * 7 + rank)
+    return rng.integers(0, 256, PART, dtype=np.uint8)
+
+
+def ranked(tmp_path: Path, blocks: int = 16) -> RankedTier:
+    return RankedTier([
+        DiskTier(tmp_path / f"rank{r}", SUPERBLOCK_BYTES + blocks * slot_bytes_for(fmt(r)), fmt(r))
+        for r in range(2)
+    ])  # fmt: skip
+
+
+def test_round_trip_of_every_ranks_part(tmp_path: Path) -> None:
+    tier = ranked(tmp_path)
+    keys = [key(i) for i in range(5)]
+    assert tier.put(keys, [(part(k, 0), part(k, 1)) for k in keys]) == [True] * 5
+    assert tier.contains([*keys, key(99)]) == [True] * 5 + [False]
+    outs = [(np.zeros(PART, np.uint8), np.zeros(PART, np.uint8)) for _ in keys]
+    assert tier.get(keys, outs) == [True] * 5
+    for k, (a, b) in zip(keys, outs, strict=True):
+        assert np.array_equal(a, part(k, 0)) and np.array_equal(b, part(k, 1))
+    st = tier.stats()
+    assert st["blocks_written"] == 10 and st["hits"] == 10  # the ranks' counters summed
+    assert tier.name == "disk" and tier.fmt.payload_bytes == 2 * PART
+    tier.close()
+
+
+def test_a_part_missing_or_corrupt_on_one_rank_is_a_miss(tmp_path: Path) -> None:
+    """Without the all-ranks rule, rank 0's part would be served next to garbage on rank 1."""
+    tier = ranked(tmp_path)
+    keys = [key(i) for i in range(3)]
+    tier.put(keys, [(part(k, 0), part(k, 1)) for k in keys])
+    tier.ranks[1].evict([keys[1]])  # rank 1 lost its part of block 1
+    assert tier.contains(keys) == [True, False, True]
+    outs = [(np.zeros(PART, np.uint8), np.zeros(PART, np.uint8)) for _ in keys]
+    assert tier.get(keys, outs) == [True, False, True]
+    # a rank that cannot store its part: the block is not stored (as a whole)
+    tier.ranks[1].close()
+    assert tier.put([key(7)], [(part(key(7), 0), part(key(7), 1))]) == [False]
+    tier.close()
+
+
+def test_bad_arguments_raise_and_change_nothing(tmp_path: Path) -> None:
+    tier = ranked(tmp_path)
+    k = key(1)
+    with pytest.raises(ValueError, match="tuple of 2 arrays"):
+        tier.put([k], [part(k, 0)])  # one array, not one per rank
+    with pytest.raises(ValueError, match="tuple of 2 arrays"):
+        tier.get([k], [(np.zeros(PART, np.uint8),)])
+    assert tier.contains([k]) == [False] and tier.stats()["blocks_written"] == 0
+    with pytest.raises(ValueError, match="at least one rank"):
+        RankedTier([])
+    with pytest.raises(ValueError, match="of one kind"):
+
+        class Other(DiskTier):
+            name = "remote"
+
+        RankedTier([tier.ranks[0], Other(tmp_path / "o", SUPERBLOCK_BYTES + 4 * 8192, fmt(1))])
+    tier.close()
