@@ -271,12 +271,17 @@ def test_tiers_with_the_workers_in_processes_of_their_own(
     if tp > 1 and len(os.sched_getaffinity(0)) < tp:
         pytest.skip(f"vLLM-CPU binds each of the {tp} ranks to a CPU of its own; "
                     f"this machine lets the test use {len(os.sched_getaffinity(0))}")  # fmt: skip
+    shm = os.statvfs("/dev/shm")
+    if shm.f_bavail * shm.f_frsize < 48 << 20:
+        pytest.skip("the workers' CPU pools (16 MiB) need room in /dev/shm; this machine has "
+                    f"{shm.f_bavail * shm.f_frsize >> 20} MiB free there")  # fmt: skip
     ref_a, _ = llama_reference
     model = str(tiny_models["llama"])
     disk = tmp_path / "disk"
-    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
+    extra = {"cpu_bytes_to_use": 16 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
     engine = {"tensor_parallel_size": tp}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
+    cpus = sorted(os.sched_getaffinity(0))[:tp]  # one CPU per rank, of those this test may use
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp > 1 else {}
     before = _shm_pools()
 
     def run(max_tokens: int, **kw: Any) -> dict[str, Any]:
