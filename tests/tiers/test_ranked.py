@@ -83,3 +83,23 @@ def test_bad_arguments_raise_and_change_nothing(tmp_path: Path) -> None:
 
         RankedTier([tier.ranks[0], Other(tmp_path / "o", SUPERBLOCK_BYTES + 4 * 8192, fmt(1))])
     tier.close()
+
+
+def test_ranks_share_one_redis_cluster_under_their_own_fingerprints(redis_url: str) -> None:
+    """Two ranks' tiers on one Redis Cluster: each rank's part lives under its own fingerprint
+    (so a rank never reads another's part), and a part deleted on one rank is a miss."""
+    from kvoff.tiers.redis_cluster import RedisClusterTier
+
+    tier = RankedTier([RedisClusterTier(redis_url, fmt(r), timeout_s=2.0) for r in range(2)])
+    keys = [key(i) for i in range(4)]
+    assert tier.put(keys, [(part(k, 0), part(k, 1)) for k in keys]) == [True] * 4
+    outs = [(np.zeros(PART, np.uint8), np.zeros(PART, np.uint8)) for _ in keys]
+    assert tier.get(keys, outs) == [True] * 4
+    for k, (a, b) in zip(keys, outs, strict=True):
+        assert np.array_equal(a, part(k, 0)) and np.array_equal(b, part(k, 1))
+    assert not np.array_equal(outs[0][0], outs[0][1])  # the ranks' parts are distinct objects
+    tier.ranks[0].evict([keys[2]])
+    assert tier.contains(keys) == [True, True, False, True]
+    assert tier.get(keys[2:3], outs[2:3]) == [False]
+    assert tier.stats()["corrupted_blocks"] == 0
+    tier.close()
