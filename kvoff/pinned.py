@@ -43,7 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostPool", "PinningError", "SharedHostPool", "SharedMemoryError"]
+__all__ = [
+    "SHM_DIR",
+    "SHM_HEADER_BYTES",
+    "HostPool",
+    "PinningError",
+    "SharedHostPool",
+    "SharedMemoryError",
+]
 
 _ALIGN = 4096  # every tensor of the pool starts on its own page
 _CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable (cuda_runtime_api.h)
@@ -62,7 +69,9 @@ SHM_DIR = "/dev/shm"
 """Where shared pools live (Linux's POSIX shared-memory tmpfs)."""
 _SHM_MAGIC = b"kvoff-host-pool\x00"  # 16 bytes
 _SHM_VERSION = 1
-_SHM_HEADER = 4096  # one page; the tensors follow, each 4 KiB-aligned
+SHM_HEADER_BYTES = 4096
+"""Bytes before a shared pool's first tensor: one page of header (then the tensors, aligned)."""
+_SHM_HEADER = SHM_HEADER_BYTES
 _SHM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 

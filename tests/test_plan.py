@@ -35,6 +35,11 @@ def test_llama_3_8b_by_hand() -> None:
     assert plan.kv_cache_config.max_model_len == 131_056
     assert plan.cpu.num_blocks == 32_768
     assert _plan("llama-3-8b", world_size=2).cpu.num_blocks == 16_384
+    # with tiers and workers in processes of their own, each rank's pool (16,384 × 2 MiB =
+    # 32 GiB with 2 ranks) plus a 4 KiB header page lives in /dev/shm
+    two = _plan("llama-3-8b", world_size=2)
+    assert two.to_dict()["cpu"]["shared_memory_bytes"] == 2 * (32 * GIB + 4096)
+    assert "/dev/shm with tiers and workers in processes of their own: 64.00 GiB" in two.format()
 
 
 def test_qwen3_32b_by_hand() -> None:

@@ -25,6 +25,7 @@ are the spec's constructor arguments. ``count`` (default 1) repeats the entry. L
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block
 from kvoff.offloading_spec import CPUOffloadingSpec
+from kvoff.pinned import SHM_DIR, SHM_HEADER_BYTES
 from kvoff.specs import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -269,6 +271,11 @@ class Plan:
                 "cpu_bytes_to_use": self.cpu.cpu_bytes_to_use,
                 "world_size": self.cpu.world_size,
                 "eviction_policy": self.cpu.eviction_policy,
+                # with secondary tiers and workers in processes of their own (vLLM's "mp"
+                # executor), every rank's pool lives in /dev/shm (kvoff.pinned.HostPool): the
+                # pools plus one header page each
+                "shared_memory_bytes": self.cpu.world_size
+                * (self.cpu.num_blocks * self.cpu.bytes_per_offloaded_block + SHM_HEADER_BYTES),
             },
             "max_model_len": config.max_model_len,
         }
@@ -293,9 +300,20 @@ class Plan:
             f"  CPU ({cpu['world_size']} rank(s), {cpu['eviction_policy']}): "
             f"{cpu['num_blocks']:,} blocks × {cpu['offloaded_block_size']} tokens = "
             f"{cpu['tokens']:,} tokens; {cpu['bytes_per_rank'] / gib:.2f} GiB per rank",
+            f"  /dev/shm with tiers and workers in processes of their own: "
+            f"{cpu['shared_memory_bytes'] / gib:.2f} GiB ({_shm_free_text()})",
             f"  max model length: {d['max_model_len']:,} tokens",
         ]
         return "\n".join(lines)
+
+
+def _shm_free_text() -> str:
+    """What this machine has free in /dev/shm, for the plan's text."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return f"this machine has no {SHM_DIR}"
+    return f"this machine has {st.f_bavail * st.f_frsize / 2**30:.2f} GiB free there"
 
 
 def compute_plan(
