@@ -700,6 +700,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         _check_tier_topology(vllm_config, self._config)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._tier_seen: dict[str, int] = {}  # tier counters at the last stats call
+        self._tier_version: Any = None  # TieredPool.stats_version() when they were read
         self._scheduler: OffloadingScheduler | None = None
         self._worker: OffloadingWorker | None = None
         self._job_requests: dict[int, str] = {}  # worker: load job -> request
@@ -875,7 +876,10 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                     data[name] = v - w
             self._totals_seen = list(totals)
         tiers = self._scheduler.tiers
-        if tiers is not None:
+        # the tiers' counters cost a few µs per tier and rank to read: only when they moved
+        version = tiers.stats_version() if tiers is not None else None
+        if tiers is not None and version != self._tier_version:
+            self._tier_version = version
             now = _tier_totals(tiers)
             seen = self._tier_seen
             moved = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}

@@ -35,6 +35,7 @@ write-through calls.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import queue
 import threading
@@ -248,6 +249,10 @@ class TieredPool:
         }  # fmt: skip
         self.probes = 0
         self.lookup_retries = 0
+        # stats_version(): a fresh tick after every tier call and counter update (unique values,
+        # so a reader that saw one value sees a different one after any later update)
+        self._ticks = itertools.count(1)
+        self._stats_tick = 0
         self._closed = False
         if self.tiers:
             manager.set_write_through(write_queue_blocks)
@@ -382,6 +387,14 @@ class TieredPool:
         the record is taken), else ``"L1"``."""
         return self._sources.pop(key, "L1")
 
+    def stats_version(self) -> tuple[int, int, int, int]:
+        """Changes whenever :meth:`stats` may have changed (a cheap check before reading them,
+        e.g. once per engine step): after every tier call, counter update, probe, retry and
+        dropped write. A tier's counters that move without a call from this pool (a Redis
+        tier's background refresh) show up with the next call."""
+        return (self._stats_tick, self.probes, self.lookup_retries,
+                self.manager.write_through_dropped)  # fmt: skip
+
     def stats(self) -> dict[str, Any]:
         """Counters: ``probes``, ``lookup_retries``, ``writes_queued``,
         ``writes_dropped_queue_full``, ``write_queue_blocks`` (in flight now), and per tier
@@ -430,6 +443,7 @@ class TieredPool:
 
     def _finish_read(self, r: _Read) -> bool:
         """Applies a finished phase; ``True`` when the promotion is over."""
+        self._stats_tick = next(self._ticks)  # this thread reads the stats: order is kept
         if r.phase == 1:
             sources: list[int] = r.future.result()
             n = len(sources)
@@ -514,6 +528,7 @@ class TieredPool:
                 c["write_failures"] += len(job.keys) - good
                 job.remaining -= 1
                 last = job.remaining == 0
+            self._stats_tick = next(self._ticks)
             if last:
                 self.manager.write_through_done(job.block_ids)
 
@@ -536,6 +551,7 @@ class TieredPool:
             if f is None:
                 break
             run.append(f)
+        self._stats_tick = next(self._ticks)  # after the tiers' counters moved
         return run
 
     def _read(self, keys: list[bytes], sources: list[int], outs: list[np.ndarray]) -> list[bool]:
@@ -549,4 +565,5 @@ class TieredPool:
                 continue
             for i, g in zip(idx, got, strict=True):
                 ok[i] = bool(g)
+        self._stats_tick = next(self._ticks)  # after the tiers' counters moved
         return ok

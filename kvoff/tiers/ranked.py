@@ -14,14 +14,16 @@ is the tuple of the ranks' parts:
   it is never served alone);
 * ``stats``: the ranks' counters summed.
 
-The ranks' I/O runs one after the other in the calling thread (the coordinator already gives
-each tier a thread of its own for writes, and reads are few and small next to a write stream).
+The ranks' calls run in parallel, one thread per rank (a rank's part is 1/world_size of the
+block, so one rank after another would pay each call's latency world_size times); the calling
+thread waits for all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +31,8 @@ from kvoff.tiers.base import SecondaryTier, check_batch
 from kvoff.tiers.block_format import BlockFormat
 
 __all__ = ["RankedTier"]
+
+_T = TypeVar("_T")
 
 
 class RankedTier(SecondaryTier):
@@ -57,6 +61,15 @@ class RankedTier(SecondaryTier):
         self.ranks = list(ranks)
         self.name = ranks[0].name
         self.fmt = BlockFormat(ranks[0].fmt.fingerprint, sum(t.fmt.payload_bytes for t in ranks))
+        self._threads = ThreadPoolExecutor(len(ranks), thread_name_prefix=f"kvoff-{self.name}-rank")
+
+    def _each(self, call: Callable[[int, SecondaryTier], _T]) -> list[_T]:
+        """``call(r, tier)`` for every rank, in parallel; results in rank order (the first
+        exception, if any, is raised after all finished)."""
+        if len(self.ranks) == 1:
+            return [call(0, self.ranks[0])]
+        futures = [self._threads.submit(call, r, t) for r, t in enumerate(self.ranks)]
+        return [f.result() for f in futures]
 
     def _parts(self, bufs: Sequence[Any], what: str) -> list[list[np.ndarray]]:
         """Per rank, the part of each block: ``bufs[i]`` is a sequence of one array per rank."""
@@ -70,15 +83,8 @@ class RankedTier(SecondaryTier):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """True where every rank's tier holds its part of the block (``contains`` of each)."""
-        held = [True] * len(keys)
-        for tier in self.ranks:
-            idx = [i for i, h in enumerate(held) if h]
-            if not idx:
-                break
-            got = tier.contains([keys[i] for i in idx])
-            for i, g in zip(idx, got, strict=True):
-                held[i] = bool(g)
-        return held
+        answers = self._each(lambda r, t: t.contains(keys))
+        return [all(a[i] for a in answers) for i in range(len(keys))]
 
     def get(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         """Reads each rank's part into its array of ``outs[i]`` (a tuple of one writable uint8
@@ -89,15 +95,8 @@ class RankedTier(SecondaryTier):
         """
         check_batch(keys, outs, "outs")
         parts = self._parts(outs, "outs")
-        ok = [True] * len(keys)
-        for tier, part in zip(self.ranks, parts, strict=True):
-            idx = [i for i, g in enumerate(ok) if g]
-            if not idx:
-                break
-            got = tier.get([keys[i] for i in idx], [part[i] for i in idx])
-            for i, g in zip(idx, got, strict=True):
-                ok[i] = bool(g)
-        return ok
+        answers = self._each(lambda r, t: t.get(keys, parts[r]))
+        return [all(a[i] for a in answers) for i in range(len(keys))]
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> list[bool]:
         """Writes each rank's part (``payloads[i]``: a tuple of one array per rank); True where
@@ -108,16 +107,12 @@ class RankedTier(SecondaryTier):
         """
         check_batch(keys, payloads, "payloads")
         parts = self._parts(payloads, "payloads")
-        ok = [True] * len(keys)
-        for tier, part in zip(self.ranks, parts, strict=True):
-            for i, g in enumerate(tier.put(keys, part)):
-                ok[i] = ok[i] and bool(g)
-        return ok
+        answers = self._each(lambda r, t: t.put(keys, parts[r]))
+        return [all(a[i] for a in answers) for i in range(len(keys))]
 
     def evict(self, keys: Sequence[bytes]) -> int:
         """Removes every rank's part; returns how many keys rank 0 held."""
-        counts = [t.evict(keys) for t in self.ranks]
-        return counts[0]
+        return self._each(lambda r, t: t.evict(keys))[0]
 
     def stats(self) -> dict[str, int | float]:
         """The ranks' counters summed (gauges such as ``blocks`` too: parts held, all ranks)."""
@@ -129,6 +124,7 @@ class RankedTier(SecondaryTier):
         return out
 
     def close(self) -> None:
-        """Closes every rank's tier."""
+        """Closes every rank's tier and the rank threads. Idempotent."""
         for t in self.ranks:
             t.close()
+        self._threads.shutdown(wait=True)

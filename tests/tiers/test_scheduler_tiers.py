@@ -205,9 +205,10 @@ def test_two_ranks_promote_every_ranks_part(tmp_path: Path) -> None:
     second_rank0 = second.worker.cpu_pool.numpy()
     promoted = [i for i in range(16) if second_rank1[i].any()]
     assert len(promoted) == 3
+    # (a slot the first engine never used may hold a stale copy of a block: torch.empty)
     for i in promoted:
-        (src,) = [j for j in range(16) if np.array_equal(first_rank0[j], second_rank0[i])]
-        assert np.array_equal(second_rank1[i], first_rank1[src])
+        same = [j for j in range(16) if np.array_equal(first_rank0[j], second_rank0[i])]
+        assert same and any(np.array_equal(second_rank1[i], first_rank1[j]) for j in same)
     second.drain()
     second.sched.close()
 

@@ -76,6 +76,37 @@ def test_l1_miss_is_promoted_from_disk_byte_exact(tmp_path: Path) -> None:
     pool.close()
 
 
+def test_stats_version_moves_with_every_stats_change_and_only_then(tmp_path: Path) -> None:
+    """The connector reads the tiers' counters only when stats_version() moved: a write, a
+    probe, a promotion and a dropped write each move it; nothing happening leaves it."""
+    l1, pool, _ = make_pool(tmp_path, blocks=4, write_queue_blocks=2)
+    seen = [pool.stats_version()]
+    snap = [pool.stats()]
+
+    def moved() -> bool:
+        now, stats = pool.stats_version(), pool.stats()
+        changed = now != seen[-1]
+        assert changed or stats == snap[-1]  # an unchanged version means unchanged stats
+        seen.append(now)
+        snap.append(stats)
+        return changed
+
+    assert not moved()
+    l1.store([key(0), key(1)], [pattern(0), pattern(1)])
+    pool.wait()
+    assert moved()  # written through
+    assert not moved()
+    l1.store([key(i) for i in range(2, 6)], [pattern(i) for i in range(2, 6)])  # 2 dropped
+    pool.wait()
+    assert moved() and pool.stats()["writes_dropped_queue_full"] >= 1
+    assert pool.lookup([key(0)]) is None  # evicted from L1: the disk is asked
+    pool.wait_reads()
+    assert pool.lookup([key(0)]) == 1
+    assert moved()  # probed and promoted
+    assert not moved()
+    pool.close()
+
+
 def test_a_key_no_tier_holds_is_answered_once_then_a_miss(tmp_path: Path) -> None:
     l1, pool, _ = make_pool(tmp_path)
     keys = [key(100), key(101)]
