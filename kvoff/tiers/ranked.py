@@ -25,9 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
-
-from kvoff.tiers.base import SecondaryTier, check_batch
+from kvoff.tiers.base import SecondaryTier, byte_view, check_batch
 from kvoff.tiers.block_format import BlockFormat
 
 __all__ = ["RankedTier"]
@@ -71,15 +69,36 @@ class RankedTier(SecondaryTier):
         futures = [self._threads.submit(call, r, t) for r, t in enumerate(self.ranks)]
         return [f.result() for f in futures]
 
-    def _parts(self, bufs: Sequence[Any], what: str) -> list[list[np.ndarray]]:
-        """Per rank, the part of each block: ``bufs[i]`` is a sequence of one array per rank."""
+    def _parts(self, bufs: Sequence[Any], what: str, *, writable: bool) -> list[list[Any]]:
+        """Per rank, the part of each block (``bufs[i]``: one array per rank), every part
+        checked before any rank is called, so that a bad argument changes nothing.
+
+        Raises:
+            ValueError: an entry that is not one array per rank, or a part that is not a
+                C-contiguous array of its rank's ``payload_bytes`` (writable for reads).
+        """
         for b in bufs:
             if not isinstance(b, (tuple, list)) or len(b) != len(self.ranks):
                 raise ValueError(
                     f"each of the {what} must be a tuple of {len(self.ranks)} arrays (one per "
                     f"rank), got {type(b).__name__}"
                 )
+            for r, (tier, arr) in enumerate(zip(self.ranks, b, strict=True)):
+                byte_view(arr, tier.fmt.payload_bytes, f"rank {r}'s part", writable=writable)
         return [[b[r] for b in bufs] for r in range(len(self.ranks))]
+
+    def _all_ranks(
+        self, keys: Sequence[bytes], bufs: Sequence[Any], what: str, write: bool
+    ) -> list[bool]:
+        """Every rank's ``get`` (``write`` False) or ``put`` of its parts; True per key where
+        every rank answered True."""
+        check_batch(keys, bufs, what)
+        parts = self._parts(bufs, what, writable=not write)
+        if write:
+            answers = self._each(lambda r, t: t.put(keys, parts[r]))
+        else:
+            answers = self._each(lambda r, t: t.get(keys, parts[r]))
+        return [all(a[i] for a in answers) for i in range(len(keys))]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """True where every rank's tier holds its part of the block (``contains`` of each)."""
@@ -93,10 +112,7 @@ class RankedTier(SecondaryTier):
         Raises:
             ValueError: an ``outs`` entry that is not one array per rank, or of the wrong size.
         """
-        check_batch(keys, outs, "outs")
-        parts = self._parts(outs, "outs")
-        answers = self._each(lambda r, t: t.get(keys, parts[r]))
-        return [all(a[i] for a in answers) for i in range(len(keys))]
+        return self._all_ranks(keys, outs, "outs", write=False)
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> list[bool]:
         """Writes each rank's part (``payloads[i]``: a tuple of one array per rank); True where
@@ -105,10 +121,7 @@ class RankedTier(SecondaryTier):
         Raises:
             ValueError: a ``payloads`` entry that is not one array per rank, or of the wrong size.
         """
-        check_batch(keys, payloads, "payloads")
-        parts = self._parts(payloads, "payloads")
-        answers = self._each(lambda r, t: t.put(keys, parts[r]))
-        return [all(a[i] for a in answers) for i in range(len(keys))]
+        return self._all_ranks(keys, payloads, "payloads", write=True)
 
     def evict(self, keys: Sequence[bytes]) -> int:
         """Removes every rank's part; returns how many keys rank 0 held."""

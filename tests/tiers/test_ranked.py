@@ -73,6 +73,13 @@ def test_bad_arguments_raise_and_change_nothing(tmp_path: Path) -> None:
         tier.put([k], [part(k, 0)])  # one array, not one per rank
     with pytest.raises(ValueError, match="tuple of 2 arrays"):
         tier.get([k], [(np.zeros(PART, np.uint8),)])
+    # a part of the wrong size on rank 1: refused before rank 0 writes anything
+    with pytest.raises(ValueError, match="rank 1's part is 100 bytes"):
+        tier.put([k], [(part(k, 0), np.zeros(100, np.uint8))])
+    with pytest.raises(ValueError, match="rank 0's part is read-only"):
+        ro = part(k, 0)
+        ro.flags.writeable = False
+        tier.get([k], [(ro, np.zeros(PART, np.uint8))])
     assert tier.contains([k]) == [False] and tier.stats()["blocks_written"] == 0
     with pytest.raises(ValueError, match="at least one rank"):
         RankedTier([])
