@@ -25,8 +25,10 @@ that read and write the pool. The file starts with one page of header (magic, fo
 the tensors' offsets and shapes, the creating process's id) followed by the tensors, each on a
 4 KiB boundary. Its pages are reserved up front (``posix_fallocate``): on a full ``/dev/shm`` the
 constructor fails with a :class:`SharedMemoryError` that says so, instead of the process dying
-of ``SIGBUS`` on first touch. The name is removed when the pool is closed or collected, or at
-process exit; mappings stay valid until the last view goes away.
+of ``SIGBUS`` on first touch. A file of the same name whose creator still runs (two engines
+given one engine id) is an error; one whose creator is gone is replaced. The name is removed
+when the pool is closed or collected, or at process exit; mappings stay valid until the last
+view goes away.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import mmap
 import os
 import re
 import struct
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,19 +104,55 @@ def _shm_free() -> str:
     return f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB"
 
 
+def _pool_owner(path: str) -> int | None:
+    """The pid that created the kvoff pool at ``path`` if that process still runs (or the file
+    is being created right now: no header yet, younger than 10 s), else None (a stale file)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_SHM_HEADER)
+            age = time.time() - os.fstat(fh.fileno()).st_mtime
+    except OSError:
+        return None
+    try:
+        (n,) = struct.unpack_from("<I", head, len(_SHM_MAGIC) + 4)
+        pid = int(json.loads(head[len(_SHM_MAGIC) + 8 : len(_SHM_MAGIC) + 8 + n])["pid"])
+    except (struct.error, ValueError, KeyError, TypeError):
+        return -1 if age < 10 else None
+    if not head.startswith(_SHM_MAGIC):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    return pid
+
+
 def _create_shared(name: str, total: int, layout: list[list[int]], description: str):
     """Creates ``/dev/shm/<name>`` of header + ``total`` bytes with its pages reserved; returns
-    (mmap, inode). A stale file of the same name (a process that died) is replaced."""
+    (mmap, inode). The header (with this process's id) is written first, so that a file of the
+    same name is known to be live (its creator runs: an error) or stale (replaced)."""
     path = _shm_path(name)
     size = _SHM_HEADER + total
+    meta = json.dumps({"tensors": layout, "pid": os.getpid(), "bytes": total}).encode()
+    header = _SHM_MAGIC + struct.pack("<II", _SHM_VERSION, len(meta)) + meta
+    if len(header) > _SHM_HEADER:
+        raise ValueError(f"too many tensors for one shared pool ({len(layout)})")
     for attempt in range(2):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             break
         except FileExistsError:
-            if attempt:
-                raise
-            os.unlink(path)  # names carry the engine id: an old file is a dead process's
+            owner = _pool_owner(path)
+            if owner is not None or attempt:
+                who = "a process creating it now" if owner in (None, -1) else f"process {owner}"
+                raise SharedMemoryError(
+                    f"the shared pool {path} for {description} is in use by {who}: another "
+                    "engine with the same engine id runs on this machine. Give each engine its "
+                    "own kv_transfer_config.engine_id (vLLM makes a fresh one when it is unset)"
+                ) from None
+            os.unlink(path)  # its creator is gone: a stale pool
         except OSError as e:
             raise SharedMemoryError(
                 f"cannot create the shared pool {path} for {description}: {e}. kvoff needs a "
@@ -123,6 +162,7 @@ def _create_shared(name: str, total: int, layout: list[list[int]], description: 
     try:
         ino = os.fstat(fd).st_ino
         try:
+            os.pwrite(fd, header, 0)
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             os.unlink(path)
@@ -135,12 +175,6 @@ def _create_shared(name: str, total: int, layout: list[list[int]], description: 
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    meta = json.dumps({"tensors": layout, "pid": os.getpid(), "bytes": total}).encode()
-    header = _SHM_MAGIC + struct.pack("<II", _SHM_VERSION, len(meta)) + meta
-    if len(header) > _SHM_HEADER:
-        _unlink_if_same(path, ino)
-        raise ValueError(f"too many tensors for one shared pool ({len(layout)})")
-    mm[: len(header)] = header
     return mm, ino
 
 
@@ -212,8 +246,9 @@ class HostPool:
 
     Raises:
         ValueError: for a negative shape, or a ``shared_name`` that is not a plain file name.
-        SharedMemoryError: the shared file cannot be created, or ``/dev/shm`` has no room for
-            the pool (nothing is left behind then).
+        SharedMemoryError: the shared file cannot be created, its name is held by a running
+            process (two engines with one engine id), or ``/dev/shm`` has no room for the pool
+            (nothing is left behind then).
         PinningError: when page-locking fails (nothing stays registered then): the message
             gives the bytes asked for, the CUDA error and the
             locked-memory limit, and says to lower the pool size or raise the limit; also when

@@ -49,14 +49,40 @@ def test_another_process_maps_the_same_bytes_and_the_name_goes_away() -> None:
 def test_close_removes_the_name_and_a_stale_file_is_replaced() -> None:
     name = fresh_name()
     path = os.path.join(SHM_DIR, name)
-    with open(path, "wb") as fh:  # a dead process's pool of the same name
-        fh.write(b"stale")
+    # a dead process's pool of the same name: its creator (a finished process) is gone
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvoff.pinned import HostPool; import os; "
+         f"p = HostPool([(1, 4096)], pin=False, shared_name={name!r}); os._exit(0)"],
+        check=True,
+    )  # fmt: skip
+    assert done.returncode == 0 and os.path.exists(path)  # os._exit: no clean-up ran
     pool = HostPool([(2, 4096)], pin=False, shared_name=name)
     assert os.path.getsize(path) == 4096 + 2 * 4096
     attached = SharedHostPool(name, unlink=False)
     assert attached.tensors[0].shape == (2, 4096)
     pool.close()
     assert not os.path.exists(path)
+
+
+def test_a_name_held_by_a_running_process_is_refused_and_left_alone() -> None:
+    """Two engines given one engine id: the second worker must not take the first's pool."""
+    name = fresh_name()
+    path = os.path.join(SHM_DIR, name)
+    first = HostPool([(2, 4096)], pin=False, shared_name=name)
+    first.tensors[0].fill_(5)
+    with pytest.raises(SharedMemoryError, match=rf"in use by process {os.getpid()}.*engine_id"):
+        HostPool([(2, 4096)], pin=False, shared_name=name)
+    assert int(SharedHostPool(name).tensors[0].sum()) == 5 * 2 * 4096  # untouched, still there
+    assert not os.path.exists(path)
+    # an old file without a kvoff header is stale; a new one may be a pool being created
+    with open(path, "wb") as fh:
+        fh.write(b"x")
+    with pytest.raises(SharedMemoryError, match="in use by a process creating it now"):
+        HostPool([(1, 4096)], pin=False, shared_name=name)
+    os.utime(path, (0, 0))
+    HostPool([(1, 4096)], pin=False, shared_name=name).close()
+    assert not os.path.exists(path)
+    first.close()
 
 
 def test_no_room_in_dev_shm_is_a_clear_error_and_leaves_nothing(monkeypatch) -> None:
