@@ -43,6 +43,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,7 +75,6 @@ _SHM_MAGIC = b"kvoff-host-pool\x00"  # 16 bytes
 _SHM_VERSION = 1
 SHM_HEADER_BYTES = 4096
 """Bytes before a shared pool's first tensor: one page of header (then the tensors, aligned)."""
-_SHM_HEADER = SHM_HEADER_BYTES
 _SHM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -104,22 +104,38 @@ def _shm_free() -> str:
     return f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB"
 
 
+def _pack_header(meta: dict[str, Any]) -> bytes:
+    """A shared pool's header: magic, format version, length, then ``meta`` as JSON."""
+    data = json.dumps(meta).encode()
+    return _SHM_MAGIC + struct.pack("<II", _SHM_VERSION, len(data)) + data
+
+
+def _parse_header(head: bytes) -> dict[str, Any] | None:
+    """``meta`` of a header written by :func:`_pack_header`; None for anything else (another
+    file, another format version, a header not written yet)."""
+    try:
+        version, n = struct.unpack_from("<II", head, len(_SHM_MAGIC))
+        meta = json.loads(head[len(_SHM_MAGIC) + 8 : len(_SHM_MAGIC) + 8 + n])
+    except (struct.error, ValueError):
+        return None
+    if not head.startswith(_SHM_MAGIC) or version != _SHM_VERSION or not isinstance(meta, dict):
+        return None
+    return meta
+
+
 def _pool_owner(path: str) -> int | None:
     """The pid that created the kvoff pool at ``path`` if that process still runs (or the file
     is being created right now: no header yet, younger than 10 s), else None (a stale file)."""
     try:
         with open(path, "rb") as fh:
-            head = fh.read(_SHM_HEADER)
+            head = fh.read(SHM_HEADER_BYTES)
             age = time.time() - os.fstat(fh.fileno()).st_mtime
     except OSError:
         return None
-    try:
-        (n,) = struct.unpack_from("<I", head, len(_SHM_MAGIC) + 4)
-        pid = int(json.loads(head[len(_SHM_MAGIC) + 8 : len(_SHM_MAGIC) + 8 + n])["pid"])
-    except (struct.error, ValueError, KeyError, TypeError):
+    meta = _parse_header(head)
+    if meta is None or not isinstance(meta.get("pid"), int):
         return -1 if age < 10 else None
-    if not head.startswith(_SHM_MAGIC):
-        return None
+    pid = meta["pid"]
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -134,10 +150,9 @@ def _create_shared(name: str, total: int, layout: list[list[int]], description: 
     (mmap, inode). The header (with this process's id) is written first, so that a file of the
     same name is known to be live (its creator runs: an error) or stale (replaced)."""
     path = _shm_path(name)
-    size = _SHM_HEADER + total
-    meta = json.dumps({"tensors": layout, "pid": os.getpid(), "bytes": total}).encode()
-    header = _SHM_MAGIC + struct.pack("<II", _SHM_VERSION, len(meta)) + meta
-    if len(header) > _SHM_HEADER:
+    size = SHM_HEADER_BYTES + total
+    header = _pack_header({"tensors": layout, "pid": os.getpid(), "bytes": total})
+    if len(header) > SHM_HEADER_BYTES:
         raise ValueError(f"too many tensors for one shared pool ({len(layout)})")
     for attempt in range(2):
         try:
@@ -283,7 +298,7 @@ class HostPool:
             mm, ino = _create_shared(shared_name, total, layout, description)
             self._unlinker = weakref.finalize(self, _unlink_if_same, _shm_path(shared_name), ino)
             whole = torch.frombuffer(mm, dtype=torch.uint8)
-            self._base = whole[_SHM_HEADER:]
+            self._base = whole[SHM_HEADER_BYTES:]
         self.tensors = [
             self._base[off : off + rows * row_bytes].view(rows, row_bytes)
             for off, (rows, row_bytes) in zip(offsets, shapes, strict=True)
@@ -358,19 +373,17 @@ class SharedHostPool:
             ) from e
         try:
             size = os.fstat(fd).st_size
-            if size < _SHM_HEADER:
+            if size < SHM_HEADER_BYTES:
                 raise SharedMemoryError(f"{path} is {size} bytes, too short for a kvoff pool")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        head = bytes(mm[:_SHM_HEADER])
-        version, n = struct.unpack_from("<II", head, len(_SHM_MAGIC))
-        if not head.startswith(_SHM_MAGIC) or version != _SHM_VERSION:
+        meta = _parse_header(bytes(mm[:SHM_HEADER_BYTES]))
+        if meta is None:
             raise SharedMemoryError(f"{path} is not a kvoff shared pool of format {_SHM_VERSION}")
-        meta = json.loads(head[len(_SHM_MAGIC) + 8 : len(_SHM_MAGIC) + 8 + n])
-        if _SHM_HEADER + int(meta["bytes"]) > size:
+        if SHM_HEADER_BYTES + int(meta["bytes"]) > size:
             raise SharedMemoryError(f"{path} is shorter than its header says")
-        base = torch.frombuffer(mm, dtype=torch.uint8)[_SHM_HEADER:]
+        base = torch.frombuffer(mm, dtype=torch.uint8)[SHM_HEADER_BYTES:]
         self.tensors = [
             base[off : off + rows * rb].view(rows, rb) for off, rows, rb in meta["tensors"]
         ]

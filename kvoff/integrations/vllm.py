@@ -375,7 +375,6 @@ def _attach_tiers(
     from kvoff.tiers.block_format import BlockFormat
     from kvoff.tiers.coordinator import tiers_from_config
 
-    slot: Any
     if _worker_in_engine_core(vllm_config):
         with _TIER_LOCK:
             worker = _TIER_WORKERS.get(engine_id)
@@ -384,9 +383,7 @@ def _attach_tiers(
                 f"kvoff's secondary tiers: no kvoff worker of engine {engine_id!r} registered "
                 "its KV caches in this process, where vLLM's 'uni' executor runs it"
             )
-        fmt = BlockFormat(_tier_fingerprint(vllm_config, spec), worker.slot_bytes)
-        tiers = tiers_from_config(config, fmt)
-        slot = worker.cpu_pool.numpy().__getitem__
+        views = [worker.cpu_pool.numpy()]
         where = "in this process"
     else:
         from kvoff.pinned import SharedHostPool
@@ -400,35 +397,36 @@ def _attach_tiers(
                     f"plans {spec.num_blocks}; the ranks must use one kvoff configuration"
                 )
         views = [p.numpy() for p in pools]
-        if world == 1:
-            fmt = BlockFormat(_tier_fingerprint(vllm_config, spec), int(views[0].shape[1]))
-            tiers = tiers_from_config(config, fmt)
-            slot = views[0].__getitem__
-        else:
-            from kvoff.tiers.ranked import RankedTier
-
-            per_rank = []
-            try:
-                for r, v in enumerate(views):
-                    update: dict[str, Any] = {}
-                    if config.disk_path is not None:
-                        share = max(1, (config.disk_bytes or 0) // world)
-                        update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
-                    rank_fmt = BlockFormat(
-                        _tier_fingerprint(vllm_config, spec, rank=r), int(v.shape[1])
-                    )
-                    per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
-            except BaseException:
-                for ts in per_rank:
-                    for t in ts:
-                        t.close()
-                raise
-            tiers = [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
-
-            def slot(block_id: int) -> tuple[Any, ...]:
-                return tuple(v[block_id] for v in views)
-
         where = f"shared with {world} worker process(es)"
+    slot: Any
+    if len(views) == 1:
+        fmt = BlockFormat(_tier_fingerprint(vllm_config, spec), int(views[0].shape[1]))
+        tiers = tiers_from_config(config, fmt)
+        slot = views[0].__getitem__
+    else:
+        from kvoff.tiers.ranked import RankedTier
+
+        world = len(views)
+        per_rank = []
+        try:
+            for r, v in enumerate(views):
+                update: dict[str, Any] = {}
+                if config.disk_path is not None:
+                    share = max(1, (config.disk_bytes or 0) // world)
+                    update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
+                fp = _tier_fingerprint(vllm_config, spec, rank=r)
+                rank_fmt = BlockFormat(fp, int(v.shape[1]))
+                per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
+        except BaseException:
+            for ts in per_rank:
+                for t in ts:
+                    t.close()
+            raise
+        tiers = [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
+
+        def slot(block_id: int) -> tuple[Any, ...]:
+            return tuple(v[block_id] for v in views)
+
     try:
         scheduler.attach_tiers(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
     except BaseException:
