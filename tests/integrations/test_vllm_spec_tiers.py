@@ -1,0 +1,204 @@
+"""kvoff's secondary tiers under vLLM's OffloadingConnector: KvoffOffloadingManager with a real
+disk tier (files in a temporary folder), driven one key at a time the way vLLM's
+OffloadingConnectorScheduler drives it (lookup until a MISS, on_schedule_end once per step).
+The engine end of the same path is in test_vllm.py
+(test_a_disk_tier_through_vllms_offloading_connector)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+SLOT = 8192
+POOL = 16
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(8, "big") + b"\x00"
+
+
+def _payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
+
+
+def _manager(disk: Path, fingerprint: bytes = b"f" * 16):  # type: ignore[no-untyped-def]
+    from kvoff.integrations.vllm import KvoffOffloadingManager
+    from kvoff.tiers.block_format import BlockFormat
+    from kvoff.tiers.disk import DiskTier
+
+    pool = np.zeros((POOL, SLOT), dtype=np.uint8)
+    m = KvoffOffloadingManager(POOL, "lru", True)
+    m.attach_tiers([DiskTier(disk, 1 << 20, BlockFormat(fingerprint, SLOT))], pool.__getitem__)
+    return m, pool
+
+
+def _ctx(req: str = "r", tiers=None):  # type: ignore[no-untyped-def]
+    from vllm.v1.kv_offload.base import ReqContext, TierFilter
+
+    return ReqContext(req_id=req, load_tier_filter=tiers or TierFilter.ALL)
+
+
+def _scan(m, keys: list[bytes], ctx) -> list[str]:  # type: ignore[no-untyped-def]
+    """vLLM's prefix scan: every key until the first MISS (RETRY does not stop it)."""
+    out = []
+    for k in keys:
+        r = m.lookup(k, ctx).name
+        out.append(r)
+        if r == "MISS":
+            break
+    return out
+
+
+def _steps_until_settled(m, limit: float = 30.0) -> int:  # type: ignore[no-untyped-def]
+    """Engine steps (on_schedule_end) until no key waits for the tiers."""
+    steps, t0 = 0, time.monotonic()
+    while m.has_pending_work():
+        assert time.monotonic() - t0 < limit, "the tiers never answered"
+        m.on_schedule_end(None)
+        steps += 1
+        time.sleep(0.005)
+    return steps
+
+
+def _store(m, pool: np.ndarray, ids: range) -> None:  # type: ignore[no-untyped-def]
+    keys = [_key(i) for i in ids]
+    out = m.prepare_store(keys, _ctx())
+    for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        pool[b] = _payload(int.from_bytes(k[:8], "big"))
+    m.complete_store(keys, _ctx())
+    m.tiers.wait()  # the write-through reached the disk
+
+
+def test_a_restarted_manager_promotes_from_disk_and_loads_exact_bytes(tmp_path: Path) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    disk = tmp_path / "disk"
+    first, pool = _manager(disk)
+    _store(first, pool, range(4))
+    assert first.tiers.stats()["tiers"]["disk"]["written_blocks"] == 4
+    first.shutdown()
+
+    m, pool = _manager(disk)  # a new process's manager: an empty CPU pool, the same disk
+    keys = [_key(i) for i in range(6)]  # 4 on disk, then 2 never stored
+    ctx = _ctx()
+    assert _scan(m, keys, ctx) == ["RETRY"] * 6  # the scan goes on past RETRY
+    assert _scan(m, keys, _ctx("other")) == ["RETRY"] * 6  # asked once, not twice
+    assert m.has_pending_work()
+    assert _steps_until_settled(m) >= 1
+    assert m.tiers.probes == 1
+    assert _scan(m, keys, ctx) == ["HIT"] * 4 + ["MISS"]
+    blocks = m.prepare_load(keys[:4], ctx).block_ids
+    for i, b in enumerate(blocks):
+        assert np.array_equal(pool[b], _payload(i))  # byte-exact
+    m.complete_load(keys[:4], ctx)
+    assert m.get_load_source(keys[0], ctx) == CacheHitSource.DISK
+    assert m.get_load_source(keys[0], ctx) == CacheHitSource.HOST  # from the pool since
+
+    stats = m.get_stats()
+    data = stats.reduce()
+    assert data["vllm:kvoff_disk_promoted_blocks"] == 4
+    assert data["vllm:kvoff_disk_promoted_bytes"] == 4 * SLOT
+    assert data["vllm:kvoff_tier_probes"] == 1
+    assert m.get_stats() is None  # nothing moved since
+    # the promoted blocks are CPU pool blocks (events), not written through again
+    assert m.tiers.stats()["tiers"]["disk"]["written_blocks"] == 0
+    m.shutdown()
+
+
+def test_a_missed_key_stays_a_miss_for_a_few_steps_then_is_asked_again(tmp_path: Path) -> None:
+    from kvoff.integrations.vllm import SETTLED_STEPS
+
+    m, _ = _manager(tmp_path / "disk")
+    key, ctx = _key(9), _ctx()
+    assert m.lookup(key, ctx).name == "RETRY"
+    _steps_until_settled(m)
+    for _ in range(SETTLED_STEPS):  # the lookups of the next SETTLED_STEPS steps
+        assert m.lookup(key, ctx).name == "MISS"
+        m.on_schedule_end(None)
+    assert m.lookup(key, ctx).name == "RETRY"  # the answer expired: the tiers are asked again
+    _steps_until_settled(m)
+    assert m.tiers.probes == 2
+    m.shutdown()
+
+
+def test_a_corrupted_block_on_disk_is_a_miss_and_never_served(tmp_path: Path) -> None:
+    from kvoff.tiers.block_format import HEADER_BYTES
+    from kvoff.tiers.disk import SUPERBLOCK_BYTES
+
+    disk = tmp_path / "disk"
+    first, pool = _manager(disk)
+    _store(first, pool, range(2))
+    first.shutdown()
+    path = disk / "kvoff-blocks.slots"
+    with open(path, "r+b") as fh:  # one payload byte of the first slot
+        fh.seek(SUPERBLOCK_BYTES + HEADER_BYTES + 100)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+    m, pool = _manager(disk)
+    keys, ctx = [_key(0), _key(1)], _ctx()
+    assert _scan(m, keys, ctx) == ["RETRY", "RETRY"]
+    _steps_until_settled(m)
+    assert _scan(m, keys, ctx) == ["MISS"]  # the prefix stops at the corrupted block
+    assert m.manager.lookup([_key(0)]) == 0  # it never became a CPU pool block
+    assert m.tiers.stats()["tiers"]["disk"]["corrupted_blocks"] == 1
+    m.shutdown()
+
+
+def test_a_request_that_excludes_the_disk_tier_does_not_ask_it(tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.base import Locality, Medium, TierFilter, TierMatcher
+
+    disk = tmp_path / "disk"
+    first, pool = _manager(disk)
+    _store(first, pool, range(1))
+    first.shutdown()
+    m, _ = _manager(disk)
+    remote_only = TierFilter(matchers=(TierMatcher(Medium.STORAGE, Locality.REMOTE),))
+    assert m.lookup(_key(0), _ctx("r", remote_only)).name == "MISS"
+    assert not m.has_pending_work() and m.tiers.probes == 0
+    local = TierFilter(matchers=(TierMatcher(Medium.STORAGE, Locality.LOCAL),))
+    assert m.lookup(_key(0), _ctx("s", local)).name == "RETRY"
+    _steps_until_settled(m)
+    assert m.lookup(_key(0), _ctx("s", local)).name == "HIT"
+    m.shutdown()
+
+
+def test_the_fingerprint_tells_the_ways_in_ranks_and_models_apart() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    from kvoff.integrations.vllm import _spec_fingerprint
+
+    def config(model: str = "m", world: int = 1) -> SimpleNamespace:
+        return SimpleNamespace(
+            model=SimpleNamespace(name=model, dtype="float32"),
+            groups=(OffloadingGroupConfig(128, ("l0", "l1"), 0),),
+            cache=SimpleNamespace(tokens_per_hash=128, blocks_per_chunk=1),
+            worker_kv_bytes_per_block=1024,
+            kv_cache_layout="LBHNC",
+            canonical_layout=False,
+            parallel=SimpleNamespace(world_size=world, tp_size=world, pp_size=1),
+        )
+
+    base = _spec_fingerprint(config(), 0)
+    assert len(base) == 16 and base == _spec_fingerprint(config(), 0)
+    assert base != _spec_fingerprint(config(), 1)
+    assert base != _spec_fingerprint(config(model="other"), 0)
+    assert base != _spec_fingerprint(config(world=2), 0)
+
+
+def test_without_tiers_the_manager_answers_from_the_pool_alone() -> None:
+    from kvoff.integrations.vllm import KvoffOffloadingManager
+
+    m = KvoffOffloadingManager(4, "lru", False)
+    assert m.lookup(_key(1), _ctx()).name == "MISS"
+    assert not m.has_pending_work() and m.get_stats() is None
+    m.on_schedule_end(None)
+    m.shutdown()
