@@ -1119,6 +1119,7 @@ class KvoffOffloadingManager(OffloadingManager):
         self._asks: dict[str, tuple[list[OffloadKey], tuple[int, ...]]] = {}
         self._asking: set[OffloadKey] = set()  # the keys in _asks
         self._asked: dict[OffloadKey, None] = {}  # keys of probes in flight
+        self._retried: set[str] = set()  # requests told to retry this step while tiers read
         self._settled: dict[OffloadKey, int] = {}  # asked, answered, not promoted -> step
         self._tier_seen: dict[str, int] = {}
         self._tier_version: Any = None
@@ -1167,7 +1168,9 @@ class KvoffOffloadingManager(OffloadingManager):
         if tiers is None or key in self._settled:
             return LookupResult.MISS
         if tiers.is_reading(key):
-            tiers.note_retry()
+            if req_context.req_id not in self._retried:  # counted once per request and step
+                self._retried.add(req_context.req_id)
+                tiers.note_retry()
             return LookupResult.RETRY
         if key not in self._asking:
             allowed = _allowed_tiers(req_context, tiers.tiers)
@@ -1213,6 +1216,7 @@ class KvoffOffloadingManager(OffloadingManager):
             self._asked.update(dict.fromkeys(keys))
         self._asks.clear()
         self._asking.clear()
+        self._retried.clear()
 
     def has_pending_work(self) -> bool:
         """Whether keys wait for the tiers (vLLM then keeps stepping)."""
