@@ -271,9 +271,10 @@ class Plan:
                 "cpu_bytes_to_use": self.cpu.cpu_bytes_to_use,
                 "world_size": self.cpu.world_size,
                 "eviction_policy": self.cpu.eviction_policy,
-                # with secondary tiers and workers in processes of their own (vLLM's "mp"
-                # executor), every rank's pool lives in /dev/shm (kvoff.pinned.HostPool): the
-                # pools plus one header page each
+                # with secondary tiers, every rank's pool lives in /dev/shm
+                # (kvoff.pinned.HostPool) when the workers run in processes of their own
+                # (KvoffConnector under vLLM's "mp" executor) and always under vLLM's
+                # OffloadingConnector (KvoffOffloadingSpec): the pools plus one header page each
                 "shared_memory_bytes": self.cpu.world_size
                 * (self.cpu.num_blocks * self.cpu.bytes_per_offloaded_block + SHM_HEADER_BYTES),
             },
@@ -300,7 +301,7 @@ class Plan:
             f"  CPU ({cpu['world_size']} rank(s), {cpu['eviction_policy']}): "
             f"{cpu['num_blocks']:,} blocks × {cpu['offloaded_block_size']} tokens = "
             f"{cpu['tokens']:,} tokens; {cpu['bytes_per_rank'] / gib:.2f} GiB per rank",
-            f"  /dev/shm with tiers and workers in processes of their own: "
+            f"  /dev/shm with tiers (workers in processes of their own, or the spec path): "
             f"{cpu['shared_memory_bytes'] / gib:.2f} GiB ({_shm_free_text()})",
             f"  max model length: {d['max_model_len']:,} tokens",
         ]
