@@ -406,6 +406,18 @@ def _tiers_on_pools(
     return tiers, slot
 
 
+def _attach_or_close(
+    attach: Callable[..., Any], tiers: list[Any], slot: Callable[[int], Any], config: Any
+) -> None:
+    """``attach(tiers, slot, write_queue_blocks=...)``; the tiers are closed if it raises."""
+    try:
+        attach(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+
+
 def _shared_pool_views(engine_id: str, world: int, num_blocks: int) -> list[Any]:
     """Every rank's CPU pool of engine ``engine_id``, mapped from shared memory
     (:func:`_pool_shm_name`), as ``(num_blocks, slot_bytes)`` uint8 arrays.
@@ -461,12 +473,7 @@ def _attach_tiers(
     tiers, slot = _tiers_on_pools(
         config, views, lambda r: _tier_fingerprint(vllm_config, spec, rank=r)
     )
-    try:
-        scheduler.attach_tiers(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
-    except BaseException:
-        for t in tiers:
-            t.close()
-        raise
+    _attach_or_close(scheduler.attach_tiers, tiers, slot, config)
     with _TIER_LOCK:
         _TIER_SCHEDULERS[engine_id] = scheduler
     logger.info("kvoff: tiers %s below the CPU pool of engine %s (%s)",
@@ -1486,12 +1493,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
             dp = f"dp{int(par.data_parallel_index)}"
             config = config.model_copy(update={"disk_path": config.disk_path / dp})
         tiers, slot = _tiers_on_pools(config, views, lambda r: _spec_fingerprint(self.config, r))
-        try:
-            manager.attach_tiers(tiers, slot, write_queue_blocks=config.tier_write_queue_blocks)
-        except BaseException:
-            for t in tiers:
-                t.close()
-            raise
+        _attach_or_close(manager.attach_tiers, tiers, slot, config)
         logger.info("kvoff: tiers %s below the CPU pool of engine %s (OffloadingConnector, %d "
                     "rank(s))", [t.name for t in tiers], self.config.engine_id, world)  # fmt: skip
 

