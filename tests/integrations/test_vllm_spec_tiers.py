@@ -74,6 +74,15 @@ def _store(m, pool: np.ndarray, ids: range) -> None:  # type: ignore[no-untyped-
     m.tiers.wait()  # the write-through reached the disk
 
 
+def _restarted(disk: Path, ids: range):  # type: ignore[no-untyped-def]
+    """A manager that stores blocks ``ids`` through to ``disk`` and shuts down, then a new one
+    (an empty CPU pool, the same disk): ``(manager, pool)`` of the new one."""
+    first, pool = _manager(disk)
+    _store(first, pool, ids)
+    first.shutdown()
+    return _manager(disk)
+
+
 def test_a_restarted_manager_promotes_from_disk_and_loads_exact_bytes(tmp_path: Path) -> None:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -140,17 +149,14 @@ def test_a_corrupted_block_on_disk_is_a_miss_and_never_served(tmp_path: Path) ->
     from kvoff.tiers.disk import SUPERBLOCK_BYTES
 
     disk = tmp_path / "disk"
-    first, pool = _manager(disk)
-    _store(first, pool, range(2))
-    first.shutdown()
+    m, _ = _restarted(disk, range(2))
     path = disk / "kvoff-blocks.slots"
-    with open(path, "r+b") as fh:  # one payload byte of the first slot
+    with open(path, "r+b") as fh:  # one payload byte of the first slot (not read yet)
         fh.seek(SUPERBLOCK_BYTES + HEADER_BYTES + 100)
         b = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([b[0] ^ 0xFF]))
 
-    m, pool = _manager(disk)
     keys, ctx = [_key(0), _key(1)], _ctx()
     assert _scan(m, keys, ctx) == ["RETRY", "RETRY"]
     _steps_until_settled(m)
@@ -163,11 +169,7 @@ def test_a_corrupted_block_on_disk_is_a_miss_and_never_served(tmp_path: Path) ->
 def test_a_request_that_excludes_the_disk_tier_does_not_ask_it(tmp_path: Path) -> None:
     from vllm.v1.kv_offload.base import Locality, Medium, TierFilter, TierMatcher
 
-    disk = tmp_path / "disk"
-    first, pool = _manager(disk)
-    _store(first, pool, range(1))
-    first.shutdown()
-    m, _ = _manager(disk)
+    m, _ = _restarted(tmp_path / "disk", range(1))
     remote_only = TierFilter(matchers=(TierMatcher(Medium.STORAGE, Locality.REMOTE),))
     assert m.lookup(_key(0), _ctx("r", remote_only)).name == "MISS"
     assert not m.has_pending_work() and m.tiers.probes == 0
