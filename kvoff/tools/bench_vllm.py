@@ -4,10 +4,13 @@ one run, on vLLM's own types.
 Two measurements:
 
 * **Per engine step** (``steps``): a real vLLM ``Scheduler`` (``vllm.v1.core.sched``) schedules
-  the same request stream three times: with ``KvoffConnector`` (kvoff's C++
-  ``OffloadingScheduler``), with vLLM's ``OffloadingConnector`` running
-  ``KvoffOffloadingSpec`` (vLLM's Python ``OffloadingConnectorScheduler`` over kvoff's manager),
-  and with no connector. No model runs: after each ``schedule()`` the driver hands
+  the same request stream four times: with ``KvoffConnector`` (kvoff's C++
+  ``OffloadingScheduler``); with vLLM's ``OffloadingConnector`` as vLLM ships it
+  (``vllm_cpu_spec``: its default ``CPUOffloadingSpec``, whose scheduler side, vLLM's Python
+  ``OffloadingConnectorScheduler`` over vLLM's ``CPUOffloadingManager``, runs on any platform;
+  only its GPU worker refuses the CPU, and no worker runs here); with ``OffloadingConnector``
+  running ``KvoffOffloadingSpec`` (``vllm_offloading``: vLLM's Python scheduler over kvoff's
+  C++ manager, so the difference to ``kvoff`` is the scheduler alone); and with no connector. No model runs: after each ``schedule()`` the driver hands
   ``update_from_output`` one sampled token per request that finished its prompt and reports
   every job of the step as done (a worker whose copies finish within the step). Every call
   the engine makes into the connector's scheduler role is timed (``get_num_new_matched_tokens``,
@@ -22,7 +25,7 @@ Two measurements:
   ``prefixes_per_request × output_tokens`` steps, longer than a request lives, and the GPU has
   room for only 8 requests beyond the batch, so the engine's prefix cache has lost it by then
   while the CPU pool (sized to hold every block of the run: no eviction) still has it: the
-  connectors find hits, load and store. The schedules of the two connectors are
+  connectors find hits, load and store. The schedules of the three connectors are
   compared step by step (``same_schedule``): equal hits give equal schedules. Every
   configuration runs ``rounds`` times in alternating order (the shared machine's speed drifts
   over tens of seconds); medians over rounds and each round's ratio are reported.
@@ -66,11 +69,14 @@ DEFAULT_RUNNING = (64, 256, 1024)
 """Running requests (``max_num_seqs``) measured by default (issue 13)."""
 TARGET_STEP_RATIO = 20.0
 """Target: vLLM's OffloadingConnectorScheduler costs at least 20× KvoffConnector's scheduler
-role per step at 256 running requests (issue 13)."""
+role per step at 256 running requests (issue 13). Reported against vLLM as shipped
+(``vllm_cpu_spec``) and against vLLM's scheduler over kvoff's manager (``vllm_offloading``)."""
 TARGET_MANAGER_SPEEDUP = 20.0
 """Target: kvoff's manager through Python at least 20× vLLM's CPU manager at 32-key calls."""
-CONNECTORS = ("kvoff", "vllm_offloading", "none")
-"""The three configurations of the step benchmark."""
+CONNECTORS = ("kvoff", "vllm_cpu_spec", "vllm_offloading", "none")
+"""The four configurations of the step benchmark (see the module docstring)."""
+_VLLM_CONNECTORS = ("vllm_cpu_spec", "vllm_offloading")
+"""The configurations that run vLLM's ``OffloadingConnector``."""
 
 # The connector methods the engine's scheduler calls (vLLM 0.32's KVConnectorBase_V1).
 _SCHEDULER_HOOKS = (
@@ -205,6 +211,12 @@ def _engine(
         transfer = KVTransferConfig(
             kv_connector="KvoffConnector", kv_connector_module_path="kvoff.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
+            kv_load_failure_policy="recompute",
+        )  # fmt: skip
+    elif connector == "vllm_cpu_spec":  # vLLM's default spec: CPUOffloadingSpec, LRU
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
             kv_load_failure_policy="recompute",
         )  # fmt: skip
     elif connector == "vllm_offloading":
@@ -424,8 +436,12 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
         if gc_enabled:
             gc.enable()
     stats = {}
+    manager = None  # the offloading manager behind the connector's scheduler role
     if connector == "kvoff":
         stats = dict(conn.scheduler.stats())
+        manager = type(conn.scheduler._core.manager)  # kvoff._scheduler.CPUOffloadingManager
+    elif conn is not None:
+        manager = type(conn.connector_scheduler.manager)
     result = {
         "connector": connector,
         "running": running,
@@ -441,6 +457,7 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
         "requests_submitted": submitted,
         "hit_tokens": hit_tokens,
         "kvoff_stats": stats,
+        "manager": None if manager is None else f"{manager.__module__}.{manager.__qualname__}",
     }
     result["_schedule"] = schedule
     return result
@@ -450,13 +467,14 @@ def bench_steps_vs_vllm(
     p: VsVllmParams, log: Callable[[str], None] | None = None
 ) -> list[dict[str, Any]]:
     """The per-step measurement for every ``p.running``: one entry per running count with the
-    three configurations (``kvoff``, ``vllm_offloading``, ``none``), each run ``p.rounds``
-    times in alternating order. Per configuration: the round with the median ``connector_us``
-    (its hooks, stats, step time), plus ``connector_us_rounds`` (every round's median µs per
-    step, in run order). ``vllm_vs_kvoff``: the median over rounds of vLLM's connector µs per
-    step over the median of kvoff's; ``vllm_vs_kvoff_rounds``: the ratio within each round
-    (the two runs next to each other in time). ``same_schedule``: every run of both
-    connectors scheduled the same tokens at every step.
+    four configurations of :data:`CONNECTORS`, each run ``p.rounds`` times in alternating
+    order. Per configuration: the round with the median ``connector_us`` (its hooks, stats,
+    step time), plus ``connector_us_rounds`` (every round's median µs per step, in run order).
+    ``vllm_cpu_spec_vs_kvoff``: the median over rounds of vLLM-as-shipped's connector µs per
+    step over the median of kvoff's; ``vllm_vs_kvoff``: the same for vLLM's scheduler over
+    kvoff's manager (``vllm_offloading``); ``*_rounds``: the ratio within each round (runs next
+    to each other in time). ``same_schedule``: every run of the three connectors scheduled the
+    same tokens at every step.
 
     Raises:
         RuntimeError: the request stream ran dry (a parameter mix that never fills the batch).
@@ -480,23 +498,25 @@ def bench_steps_vs_vllm(
             us = [r["connector_us"] for r in results]
             chosen = sorted(results, key=lambda r: r["connector_us"])[(len(results) - 1) // 2]
             configurations[c] = {**chosen, "connector_us_rounds": us}
-        kv, vl = runs["kvoff"], runs["vllm_offloading"]
+        kv = runs["kvoff"]
         reference = schedules["kvoff"][0]
-        entries.append(
-            {
-                "running": running,
-                "configurations": configurations,
-                "same_schedule": all(
-                    s == reference for c in ("kvoff", "vllm_offloading") for s in schedules[c]
-                ),
-                "vllm_vs_kvoff": statistics.median(r["connector_us"] for r in vl)
-                / max(statistics.median(r["connector_us"] for r in kv), 1e-9),
-                "vllm_vs_kvoff_rounds": [
-                    v["connector_us"] / max(k["connector_us"], 1e-9)
-                    for k, v in zip(kv, vl, strict=True)
-                ],
-            }
-        )
+        entry: dict[str, Any] = {
+            "running": running,
+            "configurations": configurations,
+            "same_schedule": all(
+                s == reference for c in ("kvoff", *_VLLM_CONNECTORS) for s in schedules[c]
+            ),
+        }
+        for c, prefix in (("vllm_offloading", "vllm"), ("vllm_cpu_spec", "vllm_cpu_spec")):
+            vl = runs[c]
+            entry[f"{prefix}_vs_kvoff"] = statistics.median(
+                r["connector_us"] for r in vl
+            ) / max(statistics.median(r["connector_us"] for r in kv), 1e-9)
+            entry[f"{prefix}_vs_kvoff_rounds"] = [
+                v["connector_us"] / max(k["connector_us"], 1e-9)
+                for k, v in zip(kv, vl, strict=True)
+            ]
+        entries.append(entry)
     return entries
 
 
@@ -624,19 +644,30 @@ def bench_manager_vs_vllm(p: VsVllmParams) -> dict[str, Any]:
 def format_vs_vllm(document: dict[str, Any]) -> str:
     """The text tables of a ``--vs-vllm`` document."""
     lines = [
-        "Scheduler cost per engine step (median us; a real vLLM Scheduler, no model)",
-        f"{'running':>8} {'kvoff conn':>11} {'vLLM conn':>10} {'vLLM/kvoff':>11} "
-        f"{'step kvoff':>11} {'step vLLM':>10} {'step none':>10} {'same sched':>11}  "
-        "vLLM/kvoff per round",
+        "Scheduler cost per engine step (median us; a real vLLM Scheduler, no model).",
+        "vLLM: OffloadingConnector as shipped (CPUOffloadingSpec); vLLM+kvoff mgr: "
+        "OffloadingConnector with KvoffOffloadingSpec",
+        f"{'running':>8} {'kvoff':>8} {'vLLM':>8} {'vLLM/kvoff':>11} {'vLLM+kvoff mgr':>15} "
+        f"{'ratio':>7} {'step kvoff':>11} {'step vLLM':>10} {'step none':>10} "
+        f"{'same sched':>11}  vLLM/kvoff per round",
     ]
     for e in document["steps"]:
         c = e["configurations"]
+        stock = c.get("vllm_cpu_spec")  # absent from documents before 2026-11-25 13:30
         lines.append(
-            f"{e['running']:>8} {c['kvoff']['connector_us']:>11.1f} "
-            f"{c['vllm_offloading']['connector_us']:>10.1f} {e['vllm_vs_kvoff']:>10.1f}x "
-            f"{c['kvoff']['step_us']:>11.1f} {c['vllm_offloading']['step_us']:>10.1f} "
+            f"{e['running']:>8} {c['kvoff']['connector_us']:>8.1f} "
+            + (
+                f"{stock['connector_us']:>8.1f} {e['vllm_cpu_spec_vs_kvoff']:>10.1f}x "
+                if stock else f"{'-':>8} {'-':>11} "
+            )
+            + f"{c['vllm_offloading']['connector_us']:>15.1f} {e['vllm_vs_kvoff']:>6.1f}x "
+            f"{c['kvoff']['step_us']:>11.1f} "
+            f"{(stock or c['vllm_offloading'])['step_us']:>10.1f} "
             f"{c['none']['step_us']:>10.1f} {e['same_schedule']!s:>11}  "
-            + " ".join(f"{r:.1f}x" for r in e.get("vllm_vs_kvoff_rounds", ()))
+            + " ".join(
+                f"{r:.1f}x"
+                for r in e.get("vllm_cpu_spec_vs_kvoff_rounds", e.get("vllm_vs_kvoff_rounds", ()))
+            )
         )
     m = document.get("manager")
     if m:
@@ -692,6 +723,7 @@ def run_vs_vllm(
         "units": "*_us: microseconds per engine step (median over the timed steps); "
         "ns_per_key_op: nanoseconds per key and operation; key_ops_per_s over whole rounds",
         "targets": {
+            "vllm_cpu_spec_vs_kvoff_at_256_running_min": TARGET_STEP_RATIO,
             "vllm_vs_kvoff_at_256_running_min": TARGET_STEP_RATIO,
             "manager_kvoff_vs_vllm_min": TARGET_MANAGER_SPEEDUP,
         },

@@ -67,16 +67,24 @@ def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
     p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=64, rounds=2,
                      manager_blocks=2048, manager_rounds=20)  # fmt: skip
     (entry,) = bench_steps_vs_vllm(p)
-    assert entry["same_schedule"] is True  # every round of both connectors
-    kv, vl = entry["configurations"]["kvoff"], entry["configurations"]["vllm_offloading"]
-    assert len(kv["connector_us_rounds"]) == len(vl["connector_us_rounds"]) == 2
+    assert entry["same_schedule"] is True  # every round of the three connectors
+    confs = entry["configurations"]
+    assert set(confs) == {"kvoff", "vllm_cpu_spec", "vllm_offloading", "none"}
+    kv = confs["kvoff"]
     assert kv["connector_us"] in kv["connector_us_rounds"]  # a measured round, the median one
-    # two rounds: the ratio of the medians (means of two) lies between the rounds' ratios
-    ratios = entry["vllm_vs_kvoff_rounds"]
-    assert len(ratios) == 2
-    assert min(ratios) * 0.9999 <= entry["vllm_vs_kvoff"] <= max(ratios) * 1.0001
     assert kv["hit_tokens"]["connector"] > 0  # the stream makes the connectors load
-    assert kv["hit_tokens"]["connector"] == vl["hit_tokens"]["connector"]
-    assert kv["connector_us"] > 0 and vl["connector_us"] > 0
+    for name, prefix in (("vllm_offloading", "vllm"), ("vllm_cpu_spec", "vllm_cpu_spec")):
+        vl = confs[name]
+        assert len(kv["connector_us_rounds"]) == len(vl["connector_us_rounds"]) == 2
+        # two rounds: the ratio of the medians (means of two) lies between the rounds' ratios
+        ratios = entry[f"{prefix}_vs_kvoff_rounds"]
+        assert len(ratios) == 2
+        assert min(ratios) * 0.9999 <= entry[f"{prefix}_vs_kvoff"] <= max(ratios) * 1.0001
+        assert kv["hit_tokens"]["connector"] == vl["hit_tokens"]["connector"]
+        assert kv["connector_us"] > 0 and vl["connector_us"] > 0
+    # vLLM as shipped runs its own manager; the other two run kvoff's
+    assert confs["vllm_cpu_spec"]["manager"].startswith("vllm.v1.kv_offload.cpu.manager.")
+    assert confs["vllm_offloading"]["manager"].startswith("kvoff.")
+    assert kv["manager"].startswith("kvoff.") and kv["kvoff_stats"]["store_jobs"] > 0
     manager = bench_manager_vs_vllm(p)
     assert manager["kvoff"]["key_ops_per_s"] > 0 and manager["vllm"]["key_ops_per_s"] > 0
