@@ -605,11 +605,19 @@ class OffloadingScheduler:
         finished_request_ids: Iterable[str] = (),
         preempted_request_ids: Iterable[str] = (),
         rewritten_block_ids: Sequence[int] = (),
+        tail: tuple[Sequence[str], Sequence[Sequence[Sequence[int]] | None], Sequence[int]]
+        | None = None,
     ) -> tuple[bytes, tuple[str, ...], list[int]]:
         """:meth:`build_connector_meta_columns` with the step's jobs packed into one ``bytes``
         object: the cheapest form to hand to workers in other processes (no per-job Python
         object on the engine's scheduling path). :meth:`jobs_from_packed` makes the
         :class:`TransferJob` records (without keys: the scheduler keeps them).
+
+        ``tail``: more scheduled requests as three columns ``(request_ids, new_block_ids,
+        num_computed_tokens)``, read after the first three as if appended to them (vLLM keeps
+        its running and its new requests apart: no joined lists are made). A
+        ``num_scheduled_tokens`` sequence then covers both, in that order; indices in error
+        messages count across both.
 
         Returns:
             ``(packed, request_ids, jobs_to_flush)``. ``packed`` holds native int64s:
@@ -618,12 +626,13 @@ class OffloadingScheduler:
             gpu_block_ids × n_gpu, cpu_block_ids × n_cpu]``; ``request_ids[i]`` is job i's.
 
         Raises:
-            As :meth:`build_connector_meta_columns`.
+            As :meth:`build_connector_meta_columns`; TypeError: ``tail`` is not None or a
+            tuple of three sequences; ValueError: its columns differ in length.
         """
         columns = (request_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens)
         return self._build_step(
             columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
-            rewritten_block_ids, with_keys=False, packed=True,
+            rewritten_block_ids, with_keys=False, packed=True, tail=tail,
         )  # fmt: skip
 
     def _build_step(
@@ -636,6 +645,7 @@ class OffloadingScheduler:
         *,
         with_keys: bool,
         packed: bool,
+        tail: tuple | None = None,
     ) -> tuple:
         """The one core call behind the build_connector_meta_* methods (``packed``: jobs in one
         bytes object, else tuples), then the finished requests' objects are let go."""
@@ -643,7 +653,7 @@ class OffloadingScheduler:
             self._tiers.poll()  # promotions read by now become L1 blocks
         out = self._core.build_connector_meta(
             *columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
-            rewritten_block_ids, self._requests, with_keys, packed,
+            rewritten_block_ids, self._requests, with_keys, packed, tail,
         )  # fmt: skip
         for rid in finished_request_ids:
             self._requests.pop(rid, None)

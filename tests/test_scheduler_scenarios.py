@@ -552,7 +552,15 @@ def test_scheduled_token_counts_are_read_by_request_whatever_the_dict_order() ->
     ids = [f"req-{i}" for i in range(6)]
     counts = [4, 8, 12, 16, 20, 24]  # offloaded blocks full after the step: 1..6
 
-    def step(scheduled: dict[str, int], order: list[str]) -> tuple:
+    def step(
+        scheduled: dict[str, int] | list[int],
+        order: list[str],
+        split: int | None = None,
+        bad_tail: object = None,
+    ) -> tuple:
+        """The step's (request, stored blocks) pairs; ``split``: the requests from that
+        position on go in ``tail`` (as vLLM's new requests do); ``bad_tail``: a call with it
+        must be refused first, changing nothing."""
         sim = EngineSim((FULL,), block_size=4, num_gpu_blocks=64, num_cpu_blocks=64)
         s = sim.sched
         tables = {}
@@ -561,9 +569,15 @@ def test_scheduled_token_counts_are_read_by_request_whatever_the_dict_order() ->
             assert s.get_num_new_matched_tokens(req, 0) == (0, False)
             tables[rid] = [list(range(1 + 6 * k, 7 + 6 * k))]
             s.update_state_after_alloc(req, tables[rid], 0)
-        packed, job_ids, _ = s.build_connector_meta_packed(
-            order, [tables[r] for r in order], [0] * len(order), scheduled
-        )
+        columns = (list(order), [tables[r] for r in order], [0] * len(order))
+        if bad_tail is not None:
+            with pytest.raises((TypeError, ValueError), match="tail"):
+                s.build_connector_meta_packed(*columns, scheduled, tail=bad_tail)
+        tail = None
+        if split is not None:
+            tail = tuple(c[split:] for c in columns)
+            columns = tuple(c[:split] for c in columns)
+        packed, job_ids, _ = s.build_connector_meta_packed(*columns, scheduled, tail=tail)
         _, stores = OffloadingScheduler.jobs_from_packed(packed, job_ids)
         return tuple(sorted((j.request_id, len(j.gpu.block_ids)) for j in stores))
 
@@ -582,3 +596,11 @@ def test_scheduled_token_counts_are_read_by_request_whatever_the_dict_order() ->
     missing = dict(zip(ids, counts, strict=True))
     del missing["req-3"]
     assert step(missing, ids) == tuple(x for x in expected if x[0] != "req-3")
+    # the requests split into columns and a tail (vLLM's running and new requests) read as
+    # one: the same jobs at every split, with the counts as a dict or as one sequence
+    for split in range(len(ids) + 1):
+        assert step(dict(zip(ids, counts, strict=True)), ids, split) == expected
+        assert step(list(counts), ids, split) == expected
+    # a bad tail is refused, naming it, and changes nothing (the next call stores as usual)
+    for bad in ([ids[3:], [None] * 3, [0] * 3], (ids[3:], [None] * 3), (ids[3:], [None], [0])):
+        assert step(dict(zip(ids, counts, strict=True)), ids, 3, bad_tail=bad) == expected

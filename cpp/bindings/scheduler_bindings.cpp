@@ -569,26 +569,72 @@ py::list str_list(const std::vector<std::string>& v) {
 /// When `requests` is a dict (request id -> object with block_hashes and num_tokens), each
 /// scheduled request's new block hashes are added first (update_request). Returns
 /// (load job tuples, store job tuples, job ids to flush).
+/// The request columns of build_step (request ids, new block ids, computed tokens), each one
+/// sequence, or a sequence followed by the matching column of `tail` (vLLM keeps its running
+/// and its new requests apart): read as one column without building a joined list, whose
+/// reference counts would touch every item.
+class StepColumns {
+ public:
+  StepColumns(py::handle request_ids, py::handle new_block_ids, py::handle num_computed_tokens,
+              py::handle tail) {
+    read(0, request_ids, new_block_ids, num_computed_tokens, "");
+    if (tail.is_none()) {
+      for (std::size_t c = 0; c < 3; ++c) items_[c] = PySequence_Fast_ITEMS(seqs_[0][c].ptr());
+      return;
+    }
+    if (!PyTuple_Check(tail.ptr()) || PyTuple_GET_SIZE(tail.ptr()) != 3) {
+      throw py::type_error(std::string("tail must be None or a tuple (request_ids, new_block_ids, "
+                                       "num_computed_tokens) of the requests after the columns, "
+                                       "got ") + Py_TYPE(tail.ptr())->tp_name);
+    }
+    read(1, PyTuple_GET_ITEM(tail.ptr(), 0), PyTuple_GET_ITEM(tail.ptr(), 1),
+         PyTuple_GET_ITEM(tail.ptr(), 2), "tail ");
+    for (std::size_t c = 0; c < 3; ++c) {
+      PyObject** head = PySequence_Fast_ITEMS(seqs_[0][c].ptr());
+      PyObject** more = PySequence_Fast_ITEMS(seqs_[1][c].ptr());
+      joined_[c].assign(head, head + sizes_[0]);
+      joined_[c].insert(joined_[c].end(), more, more + sizes_[1]);
+      items_[c] = joined_[c].data();
+    }
+  }
+  Py_ssize_t size() const noexcept { return sizes_[0] + sizes_[1]; }
+  PyObject** ids() const noexcept { return items_[0]; }
+  PyObject** blocks() const noexcept { return items_[1]; }
+  PyObject** computed() const noexcept { return items_[2]; }
+
+ private:
+  void read(std::size_t part, py::handle ids, py::handle blocks, py::handle computed,
+            const std::string& prefix) {
+    const std::string names[3] = {prefix + "request_ids", prefix + "new_block_ids",
+                                  prefix + "num_computed_tokens"};
+    seqs_[part][0] = fast_sequence(ids.ptr(), Where{names[0].c_str()}, "str");
+    seqs_[part][1] =
+        fast_sequence(blocks.ptr(), Where{names[1].c_str()}, "block id lists or None");
+    seqs_[part][2] = fast_sequence(computed.ptr(), Where{names[2].c_str()}, "ints");
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs_[part][0].ptr());
+    for (std::size_t c = 1; c < 3; ++c) {
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(seqs_[part][c].ptr());
+      if (m != n) {
+        throw py::value_error(names[c] + " has " + std::to_string(m) + " entries but " +
+                              names[0] + " has " + std::to_string(n) +
+                              "; give one entry per scheduled request");
+      }
+    }
+    sizes_[part] = n;
+  }
+  py::object seqs_[2][3];
+  Py_ssize_t sizes_[2] = {0, 0};
+  std::vector<PyObject*> joined_[3];
+  PyObject** items_[3] = {nullptr, nullptr, nullptr};
+};
+
 py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                      py::handle new_block_ids, py::handle num_computed_tokens,
                      py::handle num_scheduled_tokens, py::handle resumed_request_ids,
                      py::handle finished, py::handle preempted, py::handle rewritten,
-                     py::handle requests, bool with_keys, bool packed) {
-  const py::object ids = fast_sequence(request_ids.ptr(), Where{"request_ids"}, "str");
-  const py::object blocks =
-      fast_sequence(new_block_ids.ptr(), Where{"new_block_ids"}, "block id lists or None");
-  const py::object computed =
-      fast_sequence(num_computed_tokens.ptr(), Where{"num_computed_tokens"}, "ints");
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(ids.ptr());
-  for (const auto& [name, seq] : {std::pair{"new_block_ids", blocks.ptr()},
-                                  std::pair{"num_computed_tokens", computed.ptr()}}) {
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
-      throw py::value_error(std::string(name) + " has " +
-                            std::to_string(PySequence_Fast_GET_SIZE(seq)) +
-                            " entries but request_ids has " + std::to_string(n) +
-                            "; give one entry per scheduled request");
-    }
-  }
+                     py::handle requests, bool with_keys, bool packed, py::handle tail) {
+  const StepColumns columns(request_ids, new_block_ids, num_computed_tokens, tail);
+  const Py_ssize_t n = columns.size();
   PyObject* scheduled_dict = PyDict_Check(num_scheduled_tokens.ptr()) ? num_scheduled_tokens.ptr()
                                                                        : nullptr;
   py::object scheduled_seq;
@@ -606,9 +652,9 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   static PyObject* const kHashes = PyUnicode_InternFromString("block_hashes");
   static PyObject* const kTokens = PyUnicode_InternFromString("num_tokens");
 
-  PyObject** id_items = PySequence_Fast_ITEMS(ids.ptr());
-  PyObject** block_items = PySequence_Fast_ITEMS(blocks.ptr());
-  PyObject** computed_items = PySequence_Fast_ITEMS(computed.ptr());
+  PyObject** id_items = columns.ids();
+  PyObject** block_items = columns.blocks();
+  PyObject** computed_items = columns.computed();
   std::vector<kvoff::ScheduledRequest> reqs(static_cast<std::size_t>(n));
   // The engine's objects are scattered and mostly out of cache by now: the id and count of the
   // request kPrefetchAhead positions on are fetched while this one is read, so that the misses
@@ -829,16 +875,17 @@ void bind(py::module_& m) {
           [](OffloadingScheduler& self, py::handle request_ids, py::handle new_block_ids,
              py::handle num_computed_tokens, py::handle num_scheduled_tokens,
              py::handle resumed_request_ids, py::handle finished, py::handle preempted,
-             py::handle rewritten, py::handle requests, bool with_keys, bool packed) {
+             py::handle rewritten, py::handle requests, bool with_keys, bool packed,
+             py::handle tail) {
             return build_step(self, request_ids, new_block_ids, num_computed_tokens,
                               num_scheduled_tokens, resumed_request_ids, finished, preempted,
-                              rewritten, requests, with_keys, packed);
+                              rewritten, requests, with_keys, packed, tail);
           },
           py::arg("request_ids"), py::arg("new_block_ids"), py::arg("num_computed_tokens"),
           py::arg("num_scheduled_tokens"), py::arg("resumed_request_ids"),
           py::arg("finished_request_ids"), py::arg("preempted_request_ids"),
           py::arg("rewritten_block_ids"), py::arg("requests"), py::arg("with_keys") = true,
-          py::arg("packed") = false)
+          py::arg("packed") = false, py::arg("tail") = py::none())
       .def("num_hashes", &OffloadingScheduler::num_hashes, py::arg("request_id"))
       .def(
           "update_connector_output",

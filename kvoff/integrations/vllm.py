@@ -834,23 +834,26 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         cached = out.scheduled_cached_reqs
         # Columns straight from vLLM's lists (no per-request objects): the running requests
         # first, in the order vLLM scheduled them (and filled num_scheduled_tokens), then the
-        # new ones; the core reads the dict's entries in that order without lookups.
+        # new ones as the tail (not joined: a joined list would touch every running request's
+        # objects once more); the core reads the dict's entries in that order without lookups.
+        tail = None
         if new:
-            ids = cached.req_ids + [r.req_id for r in new]
-            blocks = cached.new_block_ids + [r.block_ids for r in new]
-            computed = cached.num_computed_tokens + [r.num_computed_tokens for r in new]
-        else:
-            ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+            tail = (
+                [r.req_id for r in new],
+                [r.block_ids for r in new],
+                [r.num_computed_tokens for r in new],
+            )
         copies = out.kv_cache_block_copies
         packed, request_ids, flush = self.scheduler.build_connector_meta_packed(
-            ids,
-            blocks,
-            computed,
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
             out.num_scheduled_tokens,
             cached.resumed_req_ids,
             out.finished_req_ids,
             out.preempted_req_ids or (),
             [c.dst_block_id for c in copies] if copies else (),
+            tail,
         )
         return KvoffConnectorMetadata(packed, request_ids, tuple(flush))
 

@@ -10,7 +10,8 @@ Two measurements:
   ``OffloadingConnectorScheduler`` over vLLM's ``CPUOffloadingManager``, runs on any platform;
   only its GPU worker refuses the CPU, and no worker runs here); with ``OffloadingConnector``
   running ``KvoffOffloadingSpec`` (``vllm_offloading``: vLLM's Python scheduler over kvoff's
-  C++ manager, so the difference to ``kvoff`` is the scheduler alone); and with no connector. No model runs: after each ``schedule()`` the driver hands
+  C++ manager, so the difference to ``kvoff`` is the scheduler alone); and with no connector.
+  No model runs: after each ``schedule()`` the driver hands
   ``update_from_output`` one sampled token per request that finished its prompt and reports
   every job of the step as done (a worker whose copies finish within the step). Every call
   the engine makes into the connector's scheduler role is timed (``get_num_new_matched_tokens``,
@@ -509,9 +510,9 @@ def bench_steps_vs_vllm(
         }
         for c, prefix in (("vllm_offloading", "vllm"), ("vllm_cpu_spec", "vllm_cpu_spec")):
             vl = runs[c]
-            entry[f"{prefix}_vs_kvoff"] = statistics.median(
-                r["connector_us"] for r in vl
-            ) / max(statistics.median(r["connector_us"] for r in kv), 1e-9)
+            entry[f"{prefix}_vs_kvoff"] = statistics.median(r["connector_us"] for r in vl) / max(
+                statistics.median(r["connector_us"] for r in kv), 1e-9
+            )
             entry[f"{prefix}_vs_kvoff_rounds"] = [
                 v["connector_us"] / max(k["connector_us"], 1e-9)
                 for k, v in zip(kv, vl, strict=True)
@@ -658,7 +659,8 @@ def format_vs_vllm(document: dict[str, Any]) -> str:
             f"{e['running']:>8} {c['kvoff']['connector_us']:>8.1f} "
             + (
                 f"{stock['connector_us']:>8.1f} {e['vllm_cpu_spec_vs_kvoff']:>10.1f}x "
-                if stock else f"{'-':>8} {'-':>11} "
+                if stock
+                else f"{'-':>8} {'-':>11} "
             )
             + f"{c['vllm_offloading']['connector_us']:>15.1f} {e['vllm_vs_kvoff']:>6.1f}x "
             f"{c['kvoff']['step_us']:>11.1f} "
