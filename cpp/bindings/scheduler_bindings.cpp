@@ -562,13 +562,6 @@ py::list str_list(const std::vector<std::string>& v) {
   return out;
 }
 
-/// build_connector_meta from columns (see kvoff.scheduler.OffloadingScheduler.
-/// build_connector_meta_columns): request_ids[i], new_block_ids[i] (None or per group a
-/// sequence of ints), num_computed_tokens[i]; num_scheduled_tokens a dict by request id
-/// (missing: 0) or a sequence aligned with request_ids; resumed_request_ids any container.
-/// When `requests` is a dict (request id -> object with block_hashes and num_tokens), each
-/// scheduled request's new block hashes are added first (update_request). Returns
-/// (load job tuples, store job tuples, job ids to flush).
 /// The request columns of build_step (request ids, new block ids, computed tokens), each one
 /// sequence, or a sequence followed by the matching column of `tail` (vLLM keeps its running
 /// and its new requests apart): read as one column without building a joined list, whose
@@ -628,6 +621,14 @@ class StepColumns {
   PyObject** items_[3] = {nullptr, nullptr, nullptr};
 };
 
+/// build_connector_meta from columns (see kvoff.scheduler.OffloadingScheduler.
+/// build_connector_meta_columns): request_ids[i], new_block_ids[i] (None or per group a
+/// sequence of ints), num_computed_tokens[i]; num_scheduled_tokens a dict by request id
+/// (missing: 0) or a sequence aligned with request_ids; resumed_request_ids any container.
+/// When `requests` is a dict (request id -> object with block_hashes and num_tokens), each
+/// scheduled request's new block hashes are added first (update_request). Returns
+/// (load job tuples, store job tuples, job ids to flush). `tail`: None, or three more columns
+/// read after the first three (StepColumns); a num_scheduled_tokens sequence covers both.
 py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                      py::handle new_block_ids, py::handle num_computed_tokens,
                      py::handle num_scheduled_tokens, py::handle resumed_request_ids,
