@@ -86,6 +86,43 @@ def test_values_are_sent_from_the_block_buffer(redis_url: str) -> None:
         assert all(np.array_equal(b, block(k)) for b, k in zip(bufs, keys, strict=True))
 
 
+def test_values_are_checked_in_the_node_threads(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get over several masters verifies and copies each value in the thread that read it
+    (the nodes' threads overlap this with the other nodes' replies), byte-exact; the node
+    connections read with the tier's socket_read_size."""
+    import kvoff.tiers.redis_cluster as redis_cluster_module
+
+    checked_in: list[str] = []
+    real_check = redis_cluster_module.check_block
+
+    def spy(*args: object) -> str | None:
+        checked_in.append(threading.current_thread().name)
+        return real_check(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(redis_cluster_module, "check_block", spy)
+    keys = [key(i) for i in range(60)]
+    with RedisClusterTier(redis_url, FMT, socket_read_size=256 << 10) as tier:
+        rc = tier._client()
+        assert rc is not None
+        for node in rc.get_primaries():
+            assert node.redis_connection.connection_pool.connection_kwargs["socket_read_size"] == (
+                256 << 10
+            )
+        assert tier.put(keys, [block(k) for k in keys]) == [True] * 60
+        assert len({tier.node_of(k) for k in keys}) == 3
+        bufs = outs(60)
+        assert tier.get(keys, bufs) == [True] * 60
+        for k, b in zip(keys, bufs, strict=True):
+            np.testing.assert_array_equal(b, block(k))
+        assert tier.stats()["bytes_read"] == 60 * FMT.object_bytes
+    assert len(checked_in) == 60
+    assert all(name.startswith("kvoff-redis") for name in checked_in), Counter(checked_in)
+    with pytest.raises(ValueError, match="socket_read_size=1000"):
+        RedisClusterTier(redis_url, FMT, socket_read_size=1000)
+
+
 def test_small_batches_and_ttl(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
     keys = [key(i) for i in range(20)]
     with RedisClusterTier(redis_url, FMT, ttl_s=30, max_batch=3, namespace="t") as tier:
