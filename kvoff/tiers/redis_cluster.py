@@ -330,13 +330,15 @@ class RedisClusterTier(SecondaryTier):
         self,
         op: str,
         keys: Sequence[bytes],
-        values: Sequence[Any] | None = None,
+        values: Sequence[Any] | Callable[[int], Any] | None = None,
         on_value: Callable[[int, bytes], Any] | None = None,
     ) -> list[Any]:
         """Run ``op`` (get / exists / set / del) for every key; one result per key: the reply,
-        or an Exception instance when the key's node failed or was skipped. ``on_value(i,
-        reply)``, when given, is called for every bytes reply in the thread that read it (the
-        nodes' threads run it in parallel) and its return value is the result instead."""
+        or an Exception instance when the key's node failed or was skipped. ``values`` (set):
+        one value per key, or a function of the key's index that the sending thread calls right
+        before the key's pipeline. ``on_value(i, reply)``, when given, is called for every
+        bytes reply in the thread that read it (the nodes' threads run it in parallel) and its
+        return value is the result instead."""
         results: list[Any] = [None] * len(keys)
         rc = self._client()
         if rc is None:
@@ -365,7 +367,7 @@ class RedisClusterTier(SecondaryTier):
                 f.result()
         return results
 
-    def _chunks(self, idx: list[int], values: Sequence[Any] | None) -> list[list[int]]:
+    def _chunks(self, idx: list[int], values: object) -> list[list[int]]:
         per_key = self.fmt.object_bytes if values is not None else 64
         step = max(1, min(self.max_batch, self.max_batch_bytes // per_key))
         return [idx[i : i + step] for i in range(0, len(idx), step)]
@@ -376,7 +378,7 @@ class RedisClusterTier(SecondaryTier):
         idx: list[int],
         op: str,
         keys: Sequence[bytes],
-        values: Sequence[Any] | None,
+        values: Sequence[Any] | Callable[[int], Any] | None,
         results: list[Any],
         on_value: Callable[[int, bytes], Any] | None,
     ) -> None:
@@ -395,7 +397,8 @@ class RedisClusterTier(SecondaryTier):
                             pipe.exists(rkey)
                         elif op == "set":
                             assert values is not None
-                            pipe.set(rkey, values[i], px=self.ttl_ms)
+                            value = values(i) if callable(values) else values[i]
+                            pipe.set(rkey, value, px=self.ttl_ms)
                         else:
                             pipe.delete(rkey)
                     replies = pipe.execute(raise_on_error=False)
@@ -492,20 +495,29 @@ class RedisClusterTier(SecondaryTier):
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray]) -> list[bool]:
         """Pipelined ``SET key header+payload [PX ttl]``; False (dropped, counted) for keys of
-        failed / slow nodes and rejected writes (e.g. OOM without an eviction policy)."""
+        failed / slow nodes and rejected writes (e.g. OOM without an eviction policy).
+
+        Each value (header, then a copy of the payload) is made by the node thread that sends
+        it, right before its pipeline: the nodes' threads encode in parallel, and a batch never
+        holds more than one pipeline's values per node."""
         check_batch(keys, payloads, "payloads")
         views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
         if self._closed:
             self._stats.add(writes_dropped=len(keys))
             return [False] * len(keys)
+        fmt = self.fmt
+
+        def value_of(i: int) -> memoryview:
+            # made by the thread that sends it, right before its pipeline (node threads run in
+            # parallel; numpy.copyto and xxHash of a whole block run without the GIL)
+            buf = bytearray(fmt.object_bytes)
+            buf[:HEADER_BYTES] = encode_header(fmt, bytes(keys[i]), views[i], stamp=time.time_ns())
+            np.copyto(np.frombuffer(buf, np.uint8, fmt.payload_bytes, HEADER_BYTES),
+                      np.frombuffer(views[i], np.uint8))  # fmt: skip
+            return memoryview(buf)
+
         t0 = time.perf_counter()
-        values = []
-        for k, v in zip(keys, views, strict=True):
-            buf = bytearray(self.fmt.object_bytes)
-            buf[:HEADER_BYTES] = encode_header(self.fmt, bytes(k), v, stamp=time.time_ns())
-            buf[HEADER_BYTES:] = v
-            values.append(memoryview(buf))
-        stored = [r is True for r in self._run("set", keys, values)]
+        stored = [r is True for r in self._run("set", keys, value_of)]
         n = sum(stored)
         self._stats.add(
             blocks_written=n,

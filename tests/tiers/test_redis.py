@@ -86,30 +86,31 @@ def test_values_are_sent_from_the_block_buffer(redis_url: str) -> None:
         assert all(np.array_equal(b, block(k)) for b, k in zip(bufs, keys, strict=True))
 
 
-def test_values_are_checked_in_the_node_threads(
+def test_values_are_made_and_checked_in_the_node_threads(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A get over several masters verifies and copies each value in the thread that read it
-    (the nodes' threads overlap this with the other nodes' replies), byte-exact; the node
-    connections read with the tier's socket_read_size."""
+    """A put over several masters encodes each value in the thread that sends it, and a get
+    verifies and copies each value in the thread that read it (the nodes' threads overlap this
+    with the other nodes' traffic), byte-exact; the node connections read with the tier's
+    socket_read_size."""
     import kvoff.tiers.redis_cluster as redis_cluster_module
 
-    checked_in: list[str] = []
-    real_check = redis_cluster_module.check_block
+    threads: dict[str, list[str]] = {"encode_header": [], "check_block": []}
+    for name in threads:
+        real = getattr(redis_cluster_module, name)
 
-    def spy(*args: object) -> str | None:
-        checked_in.append(threading.current_thread().name)
-        return real_check(*args)  # type: ignore[arg-type]
+        def spy(*args: object, _real: object = real, _name: str = name, **kw: object) -> object:
+            threads[_name].append(threading.current_thread().name)
+            return _real(*args, **kw)  # type: ignore[operator]
 
-    monkeypatch.setattr(redis_cluster_module, "check_block", spy)
+        monkeypatch.setattr(redis_cluster_module, name, spy)
     keys = [key(i) for i in range(60)]
     with RedisClusterTier(redis_url, FMT, socket_read_size=256 << 10) as tier:
         rc = tier._client()
         assert rc is not None
         for node in rc.get_primaries():
-            assert node.redis_connection.connection_pool.connection_kwargs["socket_read_size"] == (
-                256 << 10
-            )
+            kwargs = node.redis_connection.connection_pool.connection_kwargs
+            assert kwargs["socket_read_size"] == 256 << 10
         assert tier.put(keys, [block(k) for k in keys]) == [True] * 60
         assert len({tier.node_of(k) for k in keys}) == 3
         bufs = outs(60)
@@ -117,8 +118,9 @@ def test_values_are_checked_in_the_node_threads(
         for k, b in zip(keys, bufs, strict=True):
             np.testing.assert_array_equal(b, block(k))
         assert tier.stats()["bytes_read"] == 60 * FMT.object_bytes
-    assert len(checked_in) == 60
-    assert all(name.startswith("kvoff-redis") for name in checked_in), Counter(checked_in)
+    for name, seen in threads.items():
+        assert len(seen) == 60, name
+        assert all(t.startswith("kvoff-redis") for t in seen), (name, Counter(seen))
     with pytest.raises(ValueError, match="socket_read_size=1000"):
         RedisClusterTier(redis_url, FMT, socket_read_size=1000)
 
