@@ -347,8 +347,9 @@ class RedisClusterTier(SecondaryTier):
         now = time.monotonic()
         skipped = 0
         table = self._slot_table(rc)
-        for i, key in enumerate(keys):
-            node = table[key_slot(self._rkey(key))]
+        rkeys = [self._rkey(key) for key in keys]  # each made once: routed, then sent
+        for i, rkey in enumerate(rkeys):
+            node = table[key_slot(rkey)]
             if node is None:
                 results[i] = ConnectionError("slot not covered by the cluster")
                 continue
@@ -359,7 +360,7 @@ class RedisClusterTier(SecondaryTier):
             groups.setdefault(node.name, (node, []))[1].append(i)
         if skipped:
             self._stats.add(node_skips=skipped)
-        tasks = [(node, idx, op, keys, values, results, on_value) for node, idx in groups.values()]
+        tasks = [(node, idx, op, rkeys, values, results, on_value) for node, idx in groups.values()]
         if len(tasks) == 1:
             self._node_task(*tasks[0])
         elif tasks:
@@ -377,7 +378,7 @@ class RedisClusterTier(SecondaryTier):
         node: ClusterNode,
         idx: list[int],
         op: str,
-        keys: Sequence[bytes],
+        rkeys: list[bytes],
         values: Sequence[Any] | Callable[[int], Any] | None,
         results: list[Any],
         on_value: Callable[[int, bytes], Any] | None,
@@ -390,7 +391,7 @@ class RedisClusterTier(SecondaryTier):
                 try:
                     pipe = client.pipeline(transaction=False)
                     for i in chunk:
-                        rkey = self._rkey(keys[i])
+                        rkey = rkeys[i]
                         if op == "get":
                             pipe.get(rkey)
                         elif op == "exists":
