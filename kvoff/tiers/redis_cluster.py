@@ -368,7 +368,9 @@ class RedisClusterTier(SecondaryTier):
                 f.result()
         return results
 
-    def _chunks(self, idx: list[int], values: object) -> list[list[int]]:
+    def _chunks(
+        self, idx: list[int], values: Sequence[Any] | Callable[[int], Any] | None
+    ) -> list[list[int]]:
         per_key = self.fmt.object_bytes if values is not None else 64
         step = max(1, min(self.max_batch, self.max_batch_bytes // per_key))
         return [idx[i : i + step] for i in range(0, len(idx), step)]

@@ -11,9 +11,9 @@ Two measurements:
   only its GPU worker refuses the CPU, and no worker runs here); with ``OffloadingConnector``
   running ``KvoffOffloadingSpec`` (``vllm_offloading``: vLLM's Python scheduler over kvoff's
   C++ manager, so the difference to ``kvoff`` is the scheduler alone); and with no connector.
-  No model runs: after each ``schedule()`` the driver hands
-  ``update_from_output`` one sampled token per request that finished its prompt and reports
-  every job of the step as done (a worker whose copies finish within the step). Every call
+  No model runs: after each ``schedule()`` the driver hands ``update_from_output`` one sampled
+  token per request that finished its prompt and reports every job of the step as done (a
+  worker whose copies finish within the step). Every call
   the engine makes into the connector's scheduler role is timed (``get_num_new_matched_tokens``,
   ``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
   ``request_finished``, ``take_events``, ``get_kv_connector_stats``, ...); ``connector_us``
