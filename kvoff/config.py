@@ -254,12 +254,10 @@ class OffloadingConfig(BaseModel):
                 "the disk tier needs both disk_path (a folder) and disk_bytes (its size, e.g. "
                 f"'100GiB'); got disk_path={self.disk_path}, disk_bytes={self.disk_bytes}"
             )
-        url = self.remote_url
-        if url is not None and not url.startswith(("redis://", "rediss://")):
-            raise ValueError(
-                f"remote_url={url!r} is not a Redis URL; write redis://host:port (any node of "
-                "the cluster)"
-            )
+        if self.remote_url is not None:
+            from kvoff.tiers.cluster_url import parse_cluster_url
+
+            parse_cluster_url(self.remote_url)  # the tier's own check: names the URL and the fix
         ns = self.remote_namespace
         if not ns or any(c in ns for c in " :\n\t"):
             raise ValueError(f"remote_namespace={ns!r} must be non-empty, without spaces or ':'")

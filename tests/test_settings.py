@@ -278,6 +278,9 @@ def test_tier_keys_are_checked_together() -> None:
         ({"disk_path": "/tmp/x"}, "disk_bytes"),
         ({"disk_bytes": "1GiB"}, "disk_path"),
         ({"remote_url": "http://h:7000"}, "redis://host:port"),
+        # the tier's own URL check, at configuration time (not at engine start)
+        ({"remote_url": "redis://127.0.0.1:notaport"}, "bad node '127.0.0.1:notaport'"),
+        ({"remote_url": "redis://h"}, "needs host:port"),
         ({"remote_url": "redis://h:7000", "remote_namespace": "a b"}, "remote_namespace"),
         ({"remote_url": "redis://h:7000", "remote_timeout_s": 0}, "greater than 0"),
         ({"tier_write_queue_blocks": 0}, "tier_write_queue_blocks"),

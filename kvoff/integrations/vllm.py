@@ -377,6 +377,7 @@ def _tiers_on_pools(
     """
     from kvoff.tiers.block_format import BlockFormat
     from kvoff.tiers.coordinator import tiers_from_config
+    from kvoff.tiers.disk import SUPERBLOCK_BYTES, slot_bytes_for
 
     if len(views) == 1:
         fmt = BlockFormat(fingerprint(0), int(views[0].shape[1]))
@@ -388,10 +389,18 @@ def _tiers_on_pools(
     try:
         for r, v in enumerate(views):
             update: dict[str, Any] = {}
+            rank_fmt = BlockFormat(fingerprint(r), int(v.shape[1]))
             if config.disk_path is not None:
                 share = max(1, (config.disk_bytes or 0) // world)
+                need = SUPERBLOCK_BYTES + slot_bytes_for(rank_fmt)
+                if share < need:
+                    raise ValueError(
+                        f"disk_bytes={config.disk_bytes} is split over {world} ranks ({share} "
+                        f"bytes each), less than one block of rank {r} ({need} bytes with the "
+                        f"file header); raise disk_bytes to at least {need * world} (a useful "
+                        f"tier holds many blocks)"
+                    )
                 update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
-            rank_fmt = BlockFormat(fingerprint(r), int(v.shape[1]))
             per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
     except BaseException:
         for ts in per_rank:
@@ -813,7 +822,12 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` kvoff can load (``None``: retry later)."""
+        """Tokens beyond ``num_computed_tokens`` kvoff can load (``None``: retry later).
+
+        Raises:
+            TypeError, ValueError: as :meth:`kvoff.OffloadingScheduler.get_num_new_matched_tokens`
+                (a token count out of range, a request whose block hashes do not fit).
+        """
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -821,7 +835,13 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Builds the request's load job (``blocks``: the request's whole block table)."""
+        """Builds the request's load job (``blocks``: the request's whole block table).
+
+        Raises:
+            ValueError: as :meth:`kvoff.OffloadingScheduler.update_state_after_alloc`
+                (``num_external_tokens`` that is not what kvoff offered, block ids out of
+                range).
+        """
         table: Sequence[Sequence[int]] = ()  # nothing to load (the usual case): no table
         if num_external_tokens:
             table = blocks.get_block_ids(allow_none=True) or ((),) * self._groups
@@ -858,7 +878,13 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         return KvoffConnectorMetadata(packed, request_ids, tuple(flush))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Counts the ranks' job reports; jobs reported by every rank complete."""
+        """Counts the ranks' job reports; jobs reported by every rank complete.
+
+        Raises:
+            TypeError: ``kv_connector_worker_meta`` that is not a :class:`KvoffWorkerMetadata`.
+            ValueError: as :meth:`kvoff.OffloadingScheduler.update_connector_output_counts`
+                (an unknown job, more reports than ranks); nothing is counted.
+        """
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -1233,15 +1259,29 @@ class KvoffOffloadingManager(OffloadingManager):
         return bool(self._asks or self._asked)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvoffCPUBlocks:
-        """Pins the keys' blocks until :meth:`complete_load`; their CPU block ids."""
+        """Pins the keys' blocks until :meth:`complete_load`; their CPU block ids.
+
+        Raises:
+            ValueError: a key that is not ready in the pool (missing or still being stored),
+                named with its state; nothing is pinned.
+        """
         return KvoffCPUBlocks(self.manager.prepare_load(list(keys)))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Marks the keys used, the first most recently (invariant 8)."""
+        """Marks the keys used, the first most recently (invariant 8).
+
+        Raises:
+            TypeError, ValueError: a key that is not a non-empty bytes object.
+        """
         self.manager.touch(list(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Unpins the keys' blocks."""
+        """Unpins the keys' blocks.
+
+        Raises:
+            ValueError: a key that is not being loaded (no :meth:`prepare_load`); nothing is
+                unpinned.
+        """
         self.manager.complete_load(list(keys))
 
     def prepare_store(
@@ -1261,7 +1301,12 @@ class KvoffOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         """Makes the keys hits (or, when ``success`` is False, frees their slots); with tiers,
-        queues them for write-through."""
+        queues them for write-through.
+
+        Raises:
+            ValueError: a key that is not pending (no :meth:`prepare_store`, or completed
+                already); nothing is completed.
+        """
         self.manager.complete_store(list(keys), success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, wait
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -101,6 +102,29 @@ def check_batch(keys: Sequence[bytes], bufs: Sequence[Any] | None, what: str) ->
             raise ValueError(f"offload keys must be bytes of 1..64, got {k!r}")
     if bufs is not None and len(bufs) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(bufs)} {what}; pass one per key")
+
+
+_T = TypeVar("_T")
+
+
+def run_all(pool: Executor, fn: Callable[..., _T], calls: Sequence[tuple[Any, ...]]) -> list[_T]:
+    """``fn(*args)`` for every ``args`` in ``calls`` on ``pool``; the results in order.
+
+    Every call that was submitted has finished before this returns or raises, so no thread is
+    still writing into a caller's buffer (a CPU slot that may be freed and reused) when the
+    caller sees the first exception.
+
+    Raises:
+        The first exception of a call, in call order; RuntimeError when the pool is shut down
+        (the calls already submitted are waited for first).
+    """
+    futures: list[Future[_T]] = []
+    try:
+        for args in calls:
+            futures.append(pool.submit(fn, *args))
+    finally:
+        wait(futures)
+    return [f.result() for f in futures]
 
 
 class SecondaryTier(ABC):

@@ -8,7 +8,8 @@ the engine's step:
 
 * **Lookup** (:meth:`TieredPool.lookup`): the manager answers from L1. When L1 misses a block of
   the asked keys, the tiers are probed in the background (``contains``, first tier first) and the
-  call returns ``None`` ("retry later", as for a block still being stored). When the probe is
+  call returns ``None`` ("retry later", as for a block still being stored). Probes run on a
+  thread of their own, so they never wait behind another request's promotion. When the probe is
   back, the leading run of keys some tier holds gets L1 slots (``prepare_store``, which may evict)
   and is read into them (``get``); ``complete_store`` makes them L1 blocks (**promotion**). The
   retry then finds them in L1 and loads them to the GPU as usual. A block a tier cannot serve
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -54,6 +56,8 @@ from kvoff.tiers.base import SecondaryTier
 if TYPE_CHECKING:
     from kvoff.config import OffloadingConfig
     from kvoff.tiers.block_format import BlockFormat
+
+log = logging.getLogger("kvoff.tiers")
 
 __all__ = [
     "DEFAULT_WRITE_QUEUE_BLOCKS",
@@ -95,26 +99,32 @@ def make_tiers(
 
     Raises:
         ValueError / OSError: what the tiers' constructors raise (a disk path that cannot be
-            created or sized, a bad URL or namespace). An unreachable Redis Cluster is not an
-            error: its blocks are misses until it answers.
+            created or sized, a bad URL or namespace); the tiers already made are closed
+            first. An unreachable Redis Cluster is not an error: its blocks are misses until it
+            answers.
     """
     tiers: list[SecondaryTier] = []
-    if disk_path is not None:
-        from kvoff.tiers.disk import DiskTier
+    try:
+        if disk_path is not None:
+            from kvoff.tiers.disk import DiskTier
 
-        tiers.append(DiskTier(str(disk_path), int(disk_bytes or 0), fmt))
-    if remote_url is not None:
-        from kvoff.tiers.redis_cluster import RedisClusterTier
+            tiers.append(DiskTier(str(disk_path), int(disk_bytes or 0), fmt))
+        if remote_url is not None:
+            from kvoff.tiers.redis_cluster import RedisClusterTier
 
-        tiers.append(
-            RedisClusterTier(
-                remote_url,
-                fmt,
-                namespace=remote_namespace,
-                ttl_s=remote_ttl_s,
-                timeout_s=remote_timeout_s,
+            tiers.append(
+                RedisClusterTier(
+                    remote_url,
+                    fmt,
+                    namespace=remote_namespace,
+                    ttl_s=remote_ttl_s,
+                    timeout_s=remote_timeout_s,
+                )
             )
-        )
+    except BaseException:
+        for t in tiers:  # a tier already open would keep its file locked for the retry
+            t.close()
+        raise
     return tiers
 
 
@@ -226,6 +236,10 @@ class TieredPool:
         self._reading: set[bytes] = set()
         self._answered: OrderedDict[bytes, None] = OrderedDict()
         self._sources: OrderedDict[bytes, str] = OrderedDict()
+        # Probes (contains: an index or EXISTS) and reads (get: whole blocks) on threads of
+        # their own, so that one request's long promotion does not hold up every other
+        # request's "is it on a tier?" answer.
+        self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoff-tier-probe")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoff-tier-read")
         # The manager queues stored blocks; a dispatcher thread takes them and feeds one writer
         # thread per tier; the last tier done hands the blocks back to the manager.
@@ -351,7 +365,7 @@ class TieredPool:
         self._reading.update(probe)
         asked = None if tiers is None else frozenset(tiers)
         self._reads.append(
-            _Read(probe, self._reader.submit(self._probe, probe, asked), time.perf_counter())
+            _Read(probe, self._prober.submit(self._probe, probe, asked), time.perf_counter())
         )
         return True
 
@@ -451,6 +465,7 @@ class TieredPool:
         if self._closed:
             return
         self.wait()
+        self._prober.shutdown()
         self._reader.shutdown()
         if self.tiers:
             self.manager.set_write_through(0)  # later stores are not queued
@@ -572,8 +587,11 @@ class TieredPool:
             if not rest:
                 break
             try:
-                present = tier.contains([keys[j] for j in rest])
-            except Exception:  # a tier must not raise; treat as absent
+                present = list(tier.contains([keys[j] for j in rest]))
+                if len(present) != len(rest):
+                    raise ValueError(f"{len(present)} answers for {len(rest)} keys")
+            except Exception as e:  # a tier must not raise (or miscount); treat as absent
+                log.warning("tier %s: contains failed, its blocks are misses: %s", tier.name, e)
                 continue
             for j, p in zip(rest, present, strict=True):
                 if p:
@@ -592,8 +610,11 @@ class TieredPool:
         for s in sorted(set(sources)):
             idx = [i for i, src in enumerate(sources) if src == s]
             try:
-                got = self.tiers[s].get([keys[i] for i in idx], [outs[i] for i in idx])
-            except Exception:
+                got = list(self.tiers[s].get([keys[i] for i in idx], [outs[i] for i in idx]))
+                if len(got) != len(idx):
+                    raise ValueError(f"{len(got)} answers for {len(idx)} keys")
+            except Exception as e:  # as above: misses (the slots are dropped, never served)
+                log.warning("tier %s: get failed, its blocks are misses: %s", self.tiers[s].name, e)
                 continue
             for i, g in zip(idx, got, strict=True):
                 ok[i] = bool(g)

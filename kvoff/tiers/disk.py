@@ -179,17 +179,21 @@ class DiskTier(SecondaryTier):
             self._open(direct)
         except _Refused as e:
             self._pool.shutdown(wait=False)
+            self._close_fd()  # a refused tier keeps no descriptor and no lock on the file
             raise ValueError(str(e)) from None
         except OSError as e:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._close_fd()
             self.error = f"disk tier at {self.file} is unavailable: {e}; its writes are dropped"
             log.warning("%s", self.error)
             self._stats.set(unavailable=1, direct_io=0)
             self._free = []
 
     # ------------------------------------------------------------------ opening and scanning
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # also drops the flock, held per open file description
+            self._fd = -1
 
     def _open(self, direct: bool | None) -> None:
         if self.dir.exists() and not self.dir.is_dir():
@@ -530,8 +534,16 @@ class DiskTier(SecondaryTier):
     # ------------------------------------------------------------------ the tier interface
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is in the index (its bytes are verified by :meth:`get`)."""
+        """Whether each key is in the index (its bytes are verified by :meth:`get`); all False
+        once the tier is closed.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64 (nothing is looked up).
+        """
+        check_batch(keys, None, "keys")
         with self._lock:
+            if self._closed:
+                return [False] * len(keys)
             found = [bytes(k) in self._index for k in keys]
         self._stats.add(lookups=len(found), lookup_hits=sum(found))
         return found
@@ -661,7 +673,12 @@ class DiskTier(SecondaryTier):
 
     def evict(self, keys: Sequence[bytes]) -> int:
         """Remove blocks (header zeroed on disk so a restart does not bring them back); returns
-        how many were present."""
+        how many were present (0 once the tier is closed).
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64 (nothing is evicted).
+        """
+        check_batch(keys, None, "keys")
         if not self._enter():
             return 0
         try:
@@ -701,9 +718,7 @@ class DiskTier(SecondaryTier):
             while self._inflight:
                 self._idle.wait()
         self._pool.shutdown(wait=True)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close_fd()
 
     # ------------------------------------------------------------------ introspection (tests)
 

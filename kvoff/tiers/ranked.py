@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvoff.tiers.base import SecondaryTier, byte_view, check_batch
+from kvoff.tiers.base import SecondaryTier, byte_view, check_batch, run_all
 from kvoff.tiers.block_format import BlockFormat
 
 __all__ = ["RankedTier"]
@@ -66,8 +66,7 @@ class RankedTier(SecondaryTier):
         exception, if any, is raised after all finished)."""
         if len(self.ranks) == 1:
             return [call(0, self.ranks[0])]
-        futures = [self._threads.submit(call, r, t) for r, t in enumerate(self.ranks)]
-        return [f.result() for f in futures]
+        return run_all(self._threads, call, list(enumerate(self.ranks)))
 
     def _parts(self, bufs: Sequence[Any], what: str, *, writable: bool) -> list[list[Any]]:
         """Per rank, the part of each block (``bufs[i]``: one array per rank), every part

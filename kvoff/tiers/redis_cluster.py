@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import redis
@@ -57,8 +56,9 @@ from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch
+from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch, run_all
 from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat, check_block, encode_header
+from kvoff.tiers.cluster_url import parse_cluster_url
 
 log = logging.getLogger("kvoff.tiers.redis")
 
@@ -71,48 +71,6 @@ class _Read(NamedTuple):
 
     reason: str | None
     nbytes: int
-
-
-def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """Startup nodes and connection options from ``redis://[user:pass@]host:port[,host:port...]``
-    (``rediss://`` for TLS).
-
-    Returns:
-        ``([(host, port), ...], {"username", "password", "ssl"} options)``.
-
-    Raises:
-        ValueError: not a redis:// or rediss:// URL, or a node without host or port.
-    """
-    if not isinstance(url, str) or "://" not in url:
-        raise ValueError(
-            f"remote_url={url!r} is not a Redis Cluster URL; pass redis://host:port (several "
-            f"startup nodes: redis://h1:7000,h2:7000; TLS: rediss://...)"
-        )
-    scheme, rest = url.split("://", 1)
-    if scheme not in ("redis", "rediss"):
-        raise ValueError(f"remote_url={url!r}: scheme must be redis:// or rediss://, got {scheme}")
-    auth = ""
-    if "@" in rest:
-        auth, rest = rest.rsplit("@", 1)
-    rest = rest.split("/", 1)[0].split("?", 1)[0]
-    nodes = []
-    for part in rest.split(","):
-        try:
-            parsed = urlsplit(f"//{part}")
-            host, port = parsed.hostname, parsed.port
-        except ValueError as e:
-            raise ValueError(f"remote_url={url!r}: bad node {part!r} ({e})") from None
-        if not host or port is None:
-            raise ValueError(
-                f"remote_url={url!r}: node {part!r} needs host:port (e.g. redis://10.0.0.5:7000)"
-            )
-        nodes.append((host, port))
-    options: dict[str, Any] = {"ssl": scheme == "rediss"}
-    if auth:
-        user, _, password = auth.partition(":")
-        options["username"] = unquote(user) or None
-        options["password"] = unquote(password) or None
-    return nodes, options
 
 
 class _SendFromBuffer(Connection):
@@ -364,8 +322,7 @@ class RedisClusterTier(SecondaryTier):
         if len(tasks) == 1:
             self._node_task(*tasks[0])
         elif tasks:
-            for f in [self._pool.submit(self._node_task, *t) for t in tasks]:
-                f.result()
+            run_all(self._pool, self._node_task, tasks)  # all finish before any error is raised
         return results
 
     def _chunks(
@@ -531,7 +488,11 @@ class RedisClusterTier(SecondaryTier):
         return stored
 
     def evict(self, keys: Sequence[bytes]) -> int:
-        """Pipelined DEL; returns how many keys existed (keys of failed nodes count as absent)."""
+        """Pipelined DEL; returns how many keys existed (keys of failed nodes count as absent).
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64 (nothing is deleted).
+        """
         check_batch(keys, None, "")
         if self._closed:
             return 0
@@ -552,8 +513,16 @@ class RedisClusterTier(SecondaryTier):
             self._closed = True
             rc, self._rc = self._rc, None
         self._pool.shutdown(wait=True)
+        self._table = None  # it holds the node objects (and so their connection pools)
         if rc is not None:
+            nodes = rc.get_nodes()
             rc.close()
+            # redis-py makes the node clients with auto_close_connection_pool=False, so
+            # RedisCluster.close() leaves one open socket per node: disconnect them here
+            for node in nodes:
+                client = node.redis_connection
+                if client is not None:
+                    client.connection_pool.disconnect()
 
 
 # ---------------------------------------------------------------------- local cluster for tests

@@ -213,3 +213,23 @@ def test_without_tiers_the_manager_answers_from_the_pool_alone() -> None:
     assert not m.has_pending_work() and m.get_stats() is None
     m.on_schedule_end(None)
     m.shutdown()
+
+
+def test_a_disk_too_small_for_every_rank_names_the_configured_size(tmp_path: Path) -> None:
+    """With two ranks each rank's disk tier gets half of disk_bytes: the error names the
+    configured value and the size that would work, and leaves no tier open."""
+    from kvoff.config import OffloadingConfig
+    from kvoff.integrations.vllm import _tiers_on_pools
+    from kvoff.tiers.block_format import BlockFormat
+    from kvoff.tiers.disk import SUPERBLOCK_BYTES, slot_bytes_for
+
+    views = [np.zeros((POOL, SLOT), dtype=np.uint8) for _ in range(2)]
+    need = SUPERBLOCK_BYTES + slot_bytes_for(BlockFormat(b"f" * 16, SLOT))
+    config = OffloadingConfig(num_cpu_blocks=POOL, disk_path=tmp_path, disk_bytes=need)
+    with pytest.raises(ValueError, match=rf"disk_bytes={need} is split over 2 ranks.*{2 * need}"):
+        _tiers_on_pools(config, views, lambda r: bytes([r]) * 16)
+    ok = OffloadingConfig(num_cpu_blocks=POOL, disk_path=tmp_path, disk_bytes=2 * need)
+    tiers, _ = _tiers_on_pools(ok, views, lambda r: bytes([r]) * 16)  # no file left locked
+    assert [t.name for t in tiers] == ["disk"]
+    for t in tiers:
+        t.close()

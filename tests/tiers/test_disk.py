@@ -258,6 +258,52 @@ def test_bad_config_raises_value_error(tmp_path: Path) -> None:
     tier.close()
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd (Linux)")
+def test_a_refused_open_keeps_no_descriptor_and_no_lock(tmp_path: Path) -> None:
+    """A refusal (file locked by another tier, or not a kvoff file) closes what it opened: no
+    descriptor is leaked, and once the cause is gone the same path opens in the same process."""
+    holder = DiskTier(tmp_path / "held", capacity(FMT, 4), FMT)
+    before = open_fds()
+    for _ in range(20):
+        with pytest.raises(ValueError, match="in use by another DiskTier"):
+            DiskTier(tmp_path / "held", capacity(FMT, 4), FMT)
+    assert open_fds() == before
+    holder.close()
+    DiskTier(tmp_path / "held", capacity(FMT, 4), FMT).close()  # the lock went with the holder
+
+    (tmp_path / "foreign").mkdir()
+    slots = tmp_path / "foreign" / "kvoff-blocks.slots"
+    slots.write_bytes(b"not ours" * 1000)
+    before = open_fds()
+    with pytest.raises(ValueError, match="not a kvoff disk tier file"):
+        DiskTier(tmp_path / "foreign", capacity(FMT, 4), FMT)
+    assert open_fds() == before
+    with open(slots, "r+b") as f:  # the operator empties the file in place
+        f.truncate(0)
+    tier = DiskTier(tmp_path / "foreign", capacity(FMT, 4), FMT)  # not "in use by another"
+    assert tier.put([key(1)], [block(key(1))]) == [True]
+    tier.close()
+
+
+def test_contains_and_evict_check_keys_and_answer_nothing_once_closed(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    assert tier.put([key(1)], [block(key(1))]) == [True]
+    for bad in (["a str key"], [7], [b""], [b"x" * 65]):
+        with pytest.raises(ValueError, match=r"offload keys must be bytes of 1\.\.64"):
+            tier.contains(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"offload keys must be bytes of 1\.\.64"):
+            tier.evict(bad)  # type: ignore[arg-type]
+    assert tier.contains([key(1)]) == [True]  # the bad calls changed nothing
+    assert tier.stats()["lookups"] == 1
+    tier.close()
+    assert tier.contains([key(1)]) == [False]
+    assert tier.evict([key(1)]) == 0
+
+
 def test_unwritable_path_drops_writes_and_never_raises(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     tier = DiskTier(tmp_path / "file" / "tier", capacity(FMT, 4), FMT)  # parent is a file

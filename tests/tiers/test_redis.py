@@ -200,6 +200,27 @@ def test_bad_url_and_unreachable_cluster() -> None:
         assert tier.stats()["writes_dropped"] == 1
 
 
+def test_close_disconnects_from_every_master(private_redis_cluster: LocalRedisCluster) -> None:
+    """redis-py leaves the node clients' sockets open at RedisCluster.close(): a closed tier
+    must not, even while the caller still holds it."""
+    c = private_redis_cluster
+    admin = [c.client(i) for i in range(c.masters)]
+
+    def connected() -> list[int]:
+        return [a.info("clients")["connected_clients"] for a in admin]
+
+    before = connected()
+    closed = []
+    for _ in range(5):
+        tier = RedisClusterTier(c.url, FMT)
+        assert tier.put([key(i) for i in range(9)], [block(key(i)) for i in range(9)]) == [True] * 9
+        assert connected() != before  # it did connect to the masters
+        tier.close()
+        closed.append(tier)  # still referenced: no garbage collector to close the sockets
+    assert connected() == before
+    assert closed[0].contains([key(1)]) == [False]  # and a closed tier misses
+
+
 def test_killed_master_mid_replay(private_redis_cluster: LocalRedisCluster) -> None:
     """One master is SIGKILLed while another thread keeps reading and writing: its keys miss
     (or are dropped), the other masters keep serving, nothing raises, nothing corrupt."""

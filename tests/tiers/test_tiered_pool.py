@@ -257,3 +257,91 @@ def test_groups_are_answered_together(tmp_path: Path) -> None:
     assert pool.stats()["probes"] == 2
     assert pool.lookup_groups([a, b]) is None  # answers used up: asked again
     pool.close()
+
+
+class StuckDisk(DiskTier):
+    """The real disk tier whose reads hang until released (a failing drive retrying)."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)
+        self.release = threading.Event()
+        self.reading = threading.Event()
+
+    def get(self, keys, outs):  # type: ignore[no-untyped-def]
+        self.reading.set()
+        self.release.wait(30)
+        return super().get(keys, outs)
+
+
+def test_a_probe_does_not_wait_behind_another_requests_read(tmp_path: Path) -> None:
+    """Request A's promotion hangs in the tier's get; request B, whose block no tier holds,
+    is answered (a miss) without waiting for A's read to end."""
+    l1 = L1(8)
+    disk = StuckDisk(tmp_path / "disk", 64 * (PAYLOAD + 8192), FMT)
+    pool = TieredPool(l1.manager, l1.slots.__getitem__, [disk])
+    a, b = [key(1)], [key(2)]
+    assert disk.put(a, [pattern(1)]) == [True]
+    assert pool.lookup(a) is None  # a probe; once it is back, poll() starts a read that hangs
+    for _ in range(200):
+        pool.poll()
+        if disk.reading.wait(0.05):
+            break
+    assert disk.reading.is_set()
+    answers = []
+    for _ in range(200):  # 10 s at most; answered within a few polls
+        answers.append(pool.lookup(b))
+        if answers[-1] is not None:
+            break
+        threading.Event().wait(0.05)
+    assert answers[-1] == 0 and not disk.release.is_set()  # answered while A's read hangs
+    assert pool.lookup(a) is None  # A still waits for its own read
+    disk.release.set()
+    pool.wait_reads()
+    assert pool.lookup(a) == 1  # and is promoted once the read ends
+    l1.manager.prepare_load(a)
+    l1.manager.complete_load(a)
+    pool.close()
+
+
+class MiscountingContains(DiskTier):
+    """A broken tier: ``contains`` answers one result too few."""
+
+    def contains(self, keys):  # type: ignore[no-untyped-def]
+        return super().contains(keys)[:-1]
+
+
+class MiscountingGet(DiskTier):
+    """A broken tier: ``get`` answers one result too few (after reading every block)."""
+
+    def get(self, keys, outs):  # type: ignore[no-untyped-def]
+        return super().get(keys, outs)[:-1]
+
+
+@pytest.mark.parametrize("cls", [MiscountingContains, MiscountingGet])
+def test_a_tier_that_miscounts_gives_misses_and_poll_keeps_working(
+    tmp_path: Path, cls: type[DiskTier]
+) -> None:
+    l1 = L1(8)
+    disk = cls(tmp_path / "disk", 64 * (PAYLOAD + 8192), FMT)
+    keys = [key(i) for i in range(3)]
+    assert disk.put(keys, [pattern(i) for i in range(3)]) == [True] * 3
+    pool = TieredPool(l1.manager, l1.slots.__getitem__, [disk])
+    assert pool.lookup(keys) is None
+    pool.wait_reads()  # raised from poll() for ever before
+    assert pool.lookup(keys) == 0  # misses, never half-served
+    assert l1.manager.lookup(keys) == 0 and pool.promoting_keys() == set()
+    if cls is MiscountingGet:  # the read ran, and its slots were dropped, not served
+        assert pool.stats()["tiers"]["disk"]["promotion_failures"] == 3
+    pool.close()
+
+
+def test_make_tiers_closes_the_disk_tier_when_the_remote_tier_is_refused(tmp_path: Path) -> None:
+    from kvoff.tiers.coordinator import make_tiers
+
+    kw = {"disk_path": tmp_path / "disk", "disk_bytes": 64 * (PAYLOAD + 8192)}
+    with pytest.raises(ValueError, match="namespace"):
+        make_tiers(FMT, **kw, remote_url="redis://127.0.0.1:1", remote_namespace="bad:ns")
+    tiers = make_tiers(FMT, **kw)  # the file is not left locked by the first attempt
+    assert [t.name for t in tiers] == ["disk"]
+    for t in tiers:
+        t.close()
