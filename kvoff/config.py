@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -106,7 +107,10 @@ def parse_byte_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"{text!r} is not a byte count; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
-    value = int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    number = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if not math.isfinite(number) or number >= 2**63:
+        raise ValueError(f"{text!r} is too large a byte count (at most 2**63 - 1 bytes)")
+    value = int(number)
     if value <= 0:
         raise ValueError(f"{text!r}: the byte count must be positive")
     return value

@@ -28,6 +28,7 @@ state after the last token of block ``p`` once that block is full.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
@@ -273,10 +274,26 @@ def group_kinds(spec: CPUOffloadingSpec) -> tuple[tuple[str, int], ...]:
 
 
 def _report(item: Any) -> tuple[int, bool]:
+    """``(job_id, success)`` of one job report, checked: a report the scheduler would
+    misread (a string ``"False"`` taken as success, a float id truncated to another job) is
+    refused, naming the value."""
     if isinstance(item, tuple):
+        if len(item) != 2:
+            raise ValueError(f"report {item!r} must be a (job_id, success) pair")
         job_id, success = item
-        return int(job_id), bool(success)
-    return int(item.job_id), bool(item.success)
+    else:
+        try:
+            job_id, success = item.job_id, item.success
+        except AttributeError:
+            raise TypeError(
+                f"report {item!r} ({type(item).__name__}) must be a JobReport, a "
+                "(job_id, success) tuple or an object with job_id and success"
+            ) from None
+    if isinstance(job_id, bool) or not hasattr(job_id, "__index__"):
+        raise TypeError(f"job_id={job_id!r} in report {item!r} must be an int")
+    if type(success).__name__ not in ("bool", "bool_"):  # bool or numpy.bool_
+        raise TypeError(f"success={success!r} in report {item!r} must be a bool")
+    return operator.index(job_id), bool(success)
 
 
 class OffloadingScheduler:
@@ -649,6 +666,8 @@ class OffloadingScheduler:
     ) -> tuple:
         """The one core call behind the build_connector_meta_* methods (``packed``: jobs in one
         bytes object, else tuples), then the finished requests' objects are let go."""
+        if not isinstance(finished_request_ids, (set, frozenset, list, tuple, str, dict)):
+            finished_request_ids = tuple(finished_request_ids)  # read twice: not a one-shot
         if self._tiers is not None:
             self._tiers.poll()  # promotions read by now become L1 blocks
         out = self._core.build_connector_meta(
@@ -750,6 +769,8 @@ class OffloadingScheduler:
         Raises:
             ValueError: a job that is not in flight, or more reports than ``world_size``
                 (nothing is changed).
+            TypeError: a report that is not one of the above, a job id that is not an int or
+                a success that is not a bool (nothing is changed).
         """
         loaded, failed, stored, done, bad = self._core.update_connector_output(
             [_report(r) for r in reports]
@@ -818,15 +839,28 @@ class OffloadingScheduler:
 
         Raises:
             TypeError: ``seen`` is neither None nor a tuple of len(COUNTER_NAMES) ints.
+            ValueError: a value of ``seen`` that is negative or above the counter now (not
+                from this scheduler).
         """
         return self._core.counters_delta(seen)
 
     def offload_key(self, request: RequestLike, block: int, group: int = 0) -> bytes:
         """The offload key of offloaded block ``block`` of ``group`` for ``request``.
 
+        Args:
+            request: the engine's request (its ``block_hashes``).
+            block: offloaded block index, >= 0.
+            group: KV cache group index, in ``range(len(spec.groups))``.
+
         Raises:
             IndexError: the request has no hash for that block yet.
+            ValueError: ``block`` is negative, or ``group`` is not a group of the spec.
         """
+        if not isinstance(block, int) or block < 0:
+            raise ValueError(f"block={block!r} must be an offloaded block index >= 0")
+        groups = len(self.spec.kv_cache_config.kv_cache_groups)
+        if not isinstance(group, int) or not 0 <= group < groups:
+            raise ValueError(f"group={group!r} is not a KV cache group; the spec has {groups}")
         h = request.block_hashes[(block + 1) * self._hashes_per_block - 1]
         hb = h if isinstance(h, bytes) else (int(h) % 2**64).to_bytes(8, "little")
         return hb + bytes([group])
@@ -837,15 +871,27 @@ class OffloadingScheduler:
         return self.spec.offloaded_block_size // hash_bs
 
     def block_state(self, key: bytes | int) -> str:
-        """``"missing"``, ``"pending"`` or ``"ready"`` for an offload key."""
+        """``"missing"``, ``"pending"`` or ``"ready"`` for an offload key.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
+        """
         return self._core.block_state(key)
 
     def cpu_block_id(self, key: bytes | int) -> int | None:
-        """The CPU block id holding ``key``, or None."""
+        """The CPU block id holding ``key``, or None.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
+        """
         return self._core.block_id(key)
 
     def pin_count(self, key: bytes | int) -> int:
-        """Loads in flight that pin ``key``."""
+        """Loads in flight that pin ``key``.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
+        """
         return self._core.pin_count(key)
 
     def next_store_block(self, request_id: str) -> int:

@@ -432,10 +432,10 @@ class OffloadingWorker:
 
         Raises:
             ValueError: when already registered, when ``kv_caches`` is empty or does not name
-                exactly the config's layers, when tensors are on different devices, when a
-                tensor's bytes do not fit ``num_gpu_blocks`` blocks of its spec's page, when
-                groups have gaps, or when ``staging_bytes`` is too small for one GPU block of
-                all layers in each direction (nothing is registered then).
+                exactly the config's layers, when tensors are on different devices or on the
+                meta device, when a tensor's bytes do not fit ``num_gpu_blocks`` blocks of its
+                spec's page, when groups have gaps, or when ``staging_bytes`` is too small for
+                one GPU block of all layers in each direction (nothing is registered then).
         """
         if self._groups:
             raise ValueError("register_kv_caches was already called on this worker")
@@ -449,6 +449,11 @@ class OffloadingWorker:
         if len(devices) != 1:
             raise ValueError(
                 f"all KV cache tensors must be on one device, got {sorted(map(str, devices))}"
+            )
+        if next(iter(devices)).type == "meta":  # no storage: a store would copy nothing
+            raise ValueError(
+                "the KV cache tensors are on the meta device (shapes only, no memory); "
+                "register the engine's allocated tensors (cuda or cpu)"
             )
         mapping, specs = self._layer_plan(kv_caches, layer_to_group)
         if set(mapping) != set(kv_caches):
@@ -966,9 +971,17 @@ class OffloadingWorker:
         of other jobs stay queued.
 
         Raises:
-            KeyError: for a job id that was never submitted or whose result was already taken.
+            KeyError: for a job id that was never submitted or whose result was already taken
+                (checked before waiting: then no result is taken, every job stays reportable).
         """
         wanted = list(job_ids)
+        finished = {r.job_id for r in self._finished}
+        missing = [j for j in wanted if j not in self._in_flight and j not in finished]
+        if missing:
+            raise KeyError(
+                f"unknown job ids {missing}: never submitted, or their results were already "
+                "taken; nothing was taken"
+            )
         results: dict[int, TransferResult] = {}
         for jid in wanted:
             job = self._in_flight.get(jid)
@@ -982,9 +995,4 @@ class OffloadingWorker:
             else:
                 keep.append(r)
         self._finished = keep
-        missing = [j for j in wanted if j not in results]
-        if missing:
-            raise KeyError(
-                f"unknown job ids {missing}: never submitted, or their results were already taken"
-            )
         return [results[j] for j in wanted]

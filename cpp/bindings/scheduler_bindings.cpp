@@ -156,6 +156,15 @@ class KeyBatch {
                             static_cast<std::size_t>(PyBytes_GET_SIZE(item)));
         continue;
       }
+      if (!PyLong_Check(item) && PyList_Check(seq_.ptr())) {
+        // item.__index__ is user code that could change the list and free the bytes that
+        // earlier views point into: work on a tuple of the same items from here on
+        PyObject* copy = PySequence_Tuple(seq_.ptr());
+        if (copy == nullptr) throw py::error_already_set();
+        seq_ = py::reinterpret_steal<py::object>(copy);
+        items = PySequence_Fast_ITEMS(copy) + start_;
+        item = items[i];
+      }
       const std::string_view v = to_key(item, "keys", i + start_, scratch);
       if (PyBytes_Check(item)) {
         views_.push_back(v);
@@ -460,7 +469,16 @@ std::string_view id_view(PyObject* item, const Where& where) {
   return {data, static_cast<std::size_t>(n)};
 }
 
+/// A str where a collection of request ids belongs would be read one character per id.
+void reject_str(py::handle obj, const char* what) {
+  if (PyUnicode_Check(obj.ptr())) {
+    throw py::type_error(std::string(what) + " must be a collection of request ids, got the "
+                         "single str " + short_repr(obj.ptr()) + "; wrap one id in a list");
+  }
+}
+
 std::vector<std::string> to_strs(py::handle obj, const char* what) {
+  reject_str(obj, what);
   std::vector<std::string> out;
   Py_ssize_t i = 0;
   for (py::handle item : obj) {
@@ -634,6 +652,8 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                      py::handle num_scheduled_tokens, py::handle resumed_request_ids,
                      py::handle finished, py::handle preempted, py::handle rewritten,
                      py::handle requests, bool with_keys, bool packed, py::handle tail) {
+  reject_str(request_ids, "request_ids");
+  reject_str(resumed_request_ids, "resumed_request_ids");
   const StepColumns columns(request_ids, new_block_ids, num_computed_tokens, tail);
   const Py_ssize_t n = columns.size();
   PyObject* scheduled_dict = PyDict_Check(num_scheduled_tokens.ptr()) ? num_scheduled_tokens.ptr()
@@ -777,6 +797,23 @@ py::object sync_request(kvoff::OffloadingScheduler& self, py::handle request,
   return id;
 }
 
+/// After a refused call that sync_request began: a request it registered (the count of
+/// requests grew from `before`) is forgotten again, in the core and in `requests`, so that a
+/// bad call leaves nothing behind. A request known before keeps its state (hashes it was
+/// given stay, as the next call would add them anyway).
+void forget_if_new(kvoff::OffloadingScheduler& self, std::size_t before, std::string_view rid,
+                   const py::object& id, py::handle requests) {
+  if (self.num_requests() <= before) return;
+  try {
+    self.request_finished(rid);  // a new request has no jobs: erased at once
+  } catch (...) {
+    return;  // the caller's own error is the one to report
+  }
+  if (PyDict_Check(requests.ptr()) && PyDict_DelItem(requests.ptr(), id.ptr()) < 0) {
+    PyErr_Clear();
+  }
+}
+
 kvoff::GroupKind to_kind(const std::string& name) {
   if (name == "full_attention") return kvoff::GroupKind::kFullAttention;
   if (name == "sliding_window") return kvoff::GroupKind::kSlidingWindow;
@@ -845,9 +882,16 @@ void bind(py::module_& m) {
           "sync_and_match",
           [](OffloadingScheduler& self, py::handle request, std::int64_t computed,
              py::handle requests) {
+            const std::size_t before = self.num_requests();
             const py::object id = sync_request(self, request, requests);
-            const auto r =
-                self.get_num_new_matched_tokens(id_view(id.ptr(), Where{"request_id"}), computed);
+            const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
+            kvoff::MatchResult r;
+            try {
+              r = self.get_num_new_matched_tokens(rid, computed);
+            } catch (...) {
+              forget_if_new(self, before, rid, id, requests);
+              throw;
+            }
             py::object n = r.num_tokens ? py::object(py::int_(*r.num_tokens)) : py::none();
             return py::make_tuple(n, r.load_async);
           },
@@ -857,9 +901,15 @@ void bind(py::module_& m) {
           [](OffloadingScheduler& self, py::handle request, py::handle block_ids,
              std::int64_t num_external_tokens, py::handle requests) {
             const auto ids = to_int_lists(block_ids, "block_ids");  // validated before any change
+            const std::size_t before = self.num_requests();
             const py::object id = sync_request(self, request, requests);
-            self.update_state_after_alloc(id_view(id.ptr(), Where{"request_id"}), ids,
-                                          num_external_tokens);
+            const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
+            try {
+              self.update_state_after_alloc(rid, ids, num_external_tokens);
+            } catch (...) {
+              forget_if_new(self, before, rid, id, requests);
+              throw;
+            }
           },
           py::arg("request"), py::arg("block_ids"), py::arg("num_external_tokens"),
           py::arg("requests"))
@@ -946,6 +996,15 @@ void bind(py::module_& m) {
                     "counts[" + std::to_string(id) +
                     "] must be a job id >= 0 mapped to (succeeded, failed) rank counts >= 0");
               }
+              // checked before one report per rank is made: a huge count must not allocate
+              const std::int64_t world = self.config().world_size;
+              if (pair[0] > world || pair[1] > world - pair[0]) {
+                throw py::value_error(
+                    "counts[" + std::to_string(id) + "] = (" + std::to_string(pair[0]) + ", " +
+                    std::to_string(pair[1]) + ") reports more ranks than world_size = " +
+                    std::to_string(world) + "; each rank reports a job once. Nothing was "
+                    "changed.");
+              }
               for (std::int64_t k = 0; k < pair[0] + pair[1]; ++k) {
                 reps.push_back(kvoff::JobReport{static_cast<kvoff::JobId>(id), k < pair[0]});
               }
@@ -1013,8 +1072,16 @@ void bind(py::module_& m) {
                                      " ints from counters()");
               }
               for (std::size_t i = 0; i < n; ++i) {
-                before[i] = static_cast<std::uint64_t>(to_int64(
-                    PyTuple_GET_ITEM(seen.ptr(), static_cast<Py_ssize_t>(i)), "seen"));
+                const std::int64_t v = to_int64(
+                    PyTuple_GET_ITEM(seen.ptr(), static_cast<Py_ssize_t>(i)), "seen");
+                if (v < 0 || static_cast<std::uint64_t>(v) > now[i]) {
+                  throw py::value_error(
+                      std::string("seen[") + std::to_string(i) + "] (" + kCounterNames[i] +
+                      ") = " + std::to_string(v) + " is not an earlier value of this "
+                      "scheduler's counter (now " + std::to_string(now[i]) +
+                      "); pass None or a tuple that counters() or counters_delta() returned");
+                }
+                before[i] = static_cast<std::uint64_t>(v);
               }
             }
             if (now == before) {
@@ -1319,9 +1386,10 @@ PYBIND11_MODULE(_scheduler, m) {
                   "list[int]]]\n\n"
                   "Any thread (a tier writer; the GIL is released while waiting): the batches "
                   "queued since the last call, oldest first, as (keys, block_ids) with keys[i] "
-                  "in CPU block block_ids[i]; waits up to timeout seconds for one. [] on "
-                  "timeout or after close_write_through. Hand each block back once with "
-                  "write_through_done."))
+                  "in CPU block block_ids[i]; waits up to timeout seconds for one (0: not at "
+                  "all; 1e6 or more, inf included: until a batch comes or close_write_through "
+                  "runs). [] on timeout or after close_write_through. Hand each block back once "
+                  "with write_through_done.\n\nRaises:\n    ValueError: timeout is NaN."))
       .def(
           "write_through_done",
           [](CPUOffloadingManager& self, py::handle ids_obj) {
@@ -1360,8 +1428,10 @@ PYBIND11_MODULE(_scheduler, m) {
           },
           py::arg("timeout"),
           py::doc("wait_write_through(self, timeout: float) -> int\n\n"
-                  "Engine thread: waits up to timeout seconds for blocks to be handed back, "
-                  "then unpins them; returns how many (for replays, which must not drop)."))
+                  "Engine thread: waits up to timeout seconds for blocks to be handed back "
+                  "(1e6 or more, inf included: until some are), then unpins them; returns how "
+                  "many (for replays, which must not drop).\n\nRaises:\n    ValueError: "
+                  "timeout is NaN."))
       .def("close_write_through", &CPUOffloadingManager::close_write_through,
            py::doc("close_write_through(self) -> None\n\n"
                    "Wakes every take_write_through; later ones return at once. Idempotent."))

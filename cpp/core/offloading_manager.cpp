@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
 #include <utility>
 
@@ -27,6 +30,28 @@ constexpr const char* kMedium = "CPU";
 constexpr std::size_t kCommitAhead = 12;
 // How many recency-log entries ahead of the victim walk prepare_store prefetches.
 constexpr std::size_t kVictimAhead = 64;
+
+// Waits longer than this (about 11.6 days, inf included) wait until woken: converting a huge
+// double to the condition variable's clock ticks would overflow (undefined behaviour).
+constexpr double kWaitForeverSeconds = 1e6;
+
+void check_timeout(const char* op, double timeout_seconds) {
+  if (std::isnan(timeout_seconds)) {
+    throw std::invalid_argument(std::string(op) +
+                                ": timeout_seconds is NaN; pass seconds >= 0 (0: do not wait, "
+                                "inf: until woken)");
+  }
+}
+
+template <class Predicate>
+void wait_up_to(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                double timeout_seconds, Predicate done) {
+  if (timeout_seconds >= kWaitForeverSeconds) {
+    cv.wait(lock, done);
+  } else {
+    cv.wait_for(lock, std::chrono::duration<double>(timeout_seconds), done);
+  }
+}
 
 inline void prefetch_byte(const void* p) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
@@ -598,10 +623,11 @@ void CPUOffloadingManager::queue_write_through(std::span<const std::uint32_t> sl
 }
 
 std::vector<WriteThroughBatch> CPUOffloadingManager::take_write_through(double timeout_seconds) {
+  check_timeout("take_write_through", timeout_seconds);
   std::unique_lock lock(wt_mutex_);
   if (wt_batches_.empty() && !wt_closed_ && timeout_seconds > 0) {
-    wt_queued_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
-                           [&] { return !wt_batches_.empty() || wt_closed_; });
+    wait_up_to(wt_queued_cv_, lock, timeout_seconds,
+               [&] { return !wt_batches_.empty() || wt_closed_; });
   }
   return std::exchange(wt_batches_, {});
 }
@@ -663,11 +689,11 @@ std::size_t CPUOffloadingManager::drain_write_through() {
 std::size_t CPUOffloadingManager::poll_write_through() { return drain_write_through(); }
 
 std::size_t CPUOffloadingManager::wait_write_through(double timeout_seconds) {
+  check_timeout("wait_write_through", timeout_seconds);
   {
     std::unique_lock lock(wt_mutex_);
     if (wt_done_.empty() && timeout_seconds > 0) {
-      wt_done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
-                           [&] { return !wt_done_.empty(); });
+      wait_up_to(wt_done_cv_, lock, timeout_seconds, [&] { return !wt_done_.empty(); });
     }
   }
   return drain_write_through();

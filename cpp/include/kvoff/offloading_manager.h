@@ -183,8 +183,9 @@ class CPUOffloadingManager {
   std::uint32_t write_through_capacity() const noexcept { return wt_capacity_; }
 
   /// Any thread (a tier writer): the batches queued since the last call, oldest first,
-  /// waiting up to `timeout_seconds` for one (0: do not wait). Returns an empty vector on
-  /// timeout or once close_write_through ran.
+  /// waiting up to `timeout_seconds` for one (0: do not wait; 1e6 or more, inf included: until
+  /// one is queued or close_write_through runs). Returns an empty vector on timeout or once
+  /// close_write_through ran. Throws std::invalid_argument for a NaN timeout.
   std::vector<WriteThroughBatch> take_write_through(double timeout_seconds);
 
   /// Any thread: every tier is done with these blocks (of batches from take_write_through);
@@ -197,8 +198,9 @@ class CPUOffloadingManager {
   /// Engine thread: unpins the blocks handed back by write_through_done; returns how many.
   std::size_t poll_write_through();
 
-  /// Engine thread: waits up to `timeout_seconds` for blocks to be handed back, then polls;
-  /// returns how many were unpinned (for callers that must not drop, e.g. trace replays).
+  /// Engine thread: waits up to `timeout_seconds` for blocks to be handed back (1e6 or more,
+  /// inf included: until some are), then polls; returns how many were unpinned (for callers
+  /// that must not drop, e.g. trace replays). Throws std::invalid_argument for a NaN timeout.
   std::size_t wait_write_through(double timeout_seconds);
 
   /// Wakes every take_write_through; later ones return at once. Idempotent.

@@ -1,0 +1,189 @@
+"""Bad calls into the scheduler, the manager and the worker (DESIGN.md invariant 7: bad input is
+rejected with an error that names the value, and changes nothing). Each case here came out of
+an audit of the public API (2026-11-25) and failed before its fix: a process crash, a lost job
+result, a request left registered by a refused call, a string read as a success or as a list
+of ids, a huge count allocating gigabytes, an infinite timeout returning at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from scheduler_harness import EngineSim, snapshot
+
+from kvoff import CPUBlockSpec, CPUOffloadingManager, GPUBlockSpec, OffloadingWorker
+from kvoff.config import parse_byte_size
+from kvoff.scheduler import Request
+
+
+def _sim_with_store_in_flight() -> tuple[EngineSim, int]:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, auto_complete=False)
+    sim.add_request("a", list(range(9)))
+    (store,) = sim.step().meta.store_jobs
+    return sim, store.job_id
+
+
+def test_a_key_whose_index_changes_the_key_list_does_not_crash() -> None:
+    """``__index__`` is user code run while the binding reads the list: it must not be able to
+    free the bytes objects the binding already views (this was a segfault)."""
+    script = textwrap.dedent(
+        """
+        from kvoff import CPUOffloadingManager
+        keys = []
+        class Key:
+            def __index__(self):
+                keys.clear()
+                keys.extend(bytes([i % 256]) * 64 for i in range(1000))
+                return 7
+        keys.extend([b"\\x01" * 100000, Key(), b"\\x02" * 100000])
+        m = CPUOffloadingManager(64)
+        out = m.prepare_store(keys)
+        assert out is not None and len(out.keys_to_store) == 3, out
+        assert out.keys_to_store[0] == b"\\x01" * 100000
+        assert out.keys_to_store[1] == (7).to_bytes(8, "little")
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
+
+
+def test_summed_counts_beyond_world_size_are_refused_before_any_allocation() -> None:
+    sim, job = _sim_with_store_in_flight()
+    s = sim.sched
+    before = snapshot(s, [], ["a"])
+    for counts in ((10**12, 0), (0, 10**12), (1, 1)):  # 10**12 reports: a terabyte before
+        with pytest.raises(ValueError, match=r"reports more ranks than world_size = 1"):
+            s.update_connector_output_counts({job: counts})
+    assert snapshot(s, [], ["a"]) == before
+    s.update_connector_output_counts({job: (1, 0)})  # the job is still there to complete
+
+
+def test_a_refused_first_call_leaves_no_request_registered() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+    s = sim.sched
+    for i in range(50):
+        with pytest.raises(ValueError, match="num_computed_tokens 3"):
+            s.get_num_new_matched_tokens(Request(f"x{i}", [b"h1", b"h2"], 9), 3)
+        with pytest.raises(ValueError, match="block id 999"):
+            s.update_state_after_alloc(Request(f"y{i}", [b"h1", b"h2"], 9), [[1, 999]], 0)
+    assert s.stats()["num_requests"] == 0 and s._requests == {}
+    # a known request refused later keeps its registration
+    r = Request("k", [b"h1", b"h2"], 9)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    with pytest.raises(ValueError, match="num_computed_tokens 3"):
+        s.get_num_new_matched_tokens(r, 3)
+    assert s.stats()["num_requests"] == 1 and list(s._requests) == ["k"]
+
+
+def test_finished_ids_as_a_one_shot_iterator_release_the_request() -> None:
+    s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    assert s.get_num_new_matched_tokens(Request("z", [b"h1", b"h2"], 9), 0) == (0, False)
+    assert list(s._requests) == ["z"]
+    s.build_connector_meta_columns([], [], [], [], finished_request_ids=iter(["z"]))
+    assert s.stats()["num_requests"] == 0 and s._requests == {}
+
+
+def test_a_str_is_not_read_as_a_collection_of_request_ids() -> None:
+    sim, _ = _sim_with_store_in_flight()
+    s = sim.sched
+    before = snapshot(s, [], ["a"])
+    for kwargs, name in (
+        ({"finished_request_ids": "a"}, "finished_request_ids"),
+        ({"preempted_request_ids": "a"}, "preempted_request_ids"),
+        ({"resumed_request_ids": "xaz"}, "resumed_request_ids"),
+    ):
+        with pytest.raises(TypeError, match=rf"{name} must be a collection of request ids"):
+            s.build_connector_meta_columns([], [], [], [], **kwargs)
+    with pytest.raises(TypeError, match="request_ids must be a collection"):
+        s.build_connector_meta_columns("a", [None], [0], [0])
+    assert snapshot(s, [], ["a"]) == before
+
+
+@pytest.mark.parametrize(
+    ("report", "error", "match"),
+    [
+        (lambda j: (j, "False"), TypeError, "success='False'"),
+        (lambda j: (j + 0.7, False), TypeError, "must be an int"),
+        (lambda j: (str(j), True), TypeError, "must be an int"),
+        (lambda j: (j,), ValueError, "pair"),
+        (lambda j: [j, True], TypeError, "must be a JobReport"),
+    ],
+)
+def test_a_report_the_scheduler_would_misread_is_refused(report, error, match) -> None:  # type: ignore[no-untyped-def]
+    sim, job = _sim_with_store_in_flight()
+    s = sim.sched
+    before = snapshot(s, [], ["a"])
+    with pytest.raises(error, match=match):
+        s.update_connector_output([report(job)])
+    assert snapshot(s, [], ["a"]) == before  # the store is still pending, not a hit
+
+
+def test_offload_key_refuses_a_negative_block_and_an_unknown_group() -> None:
+    sim, _ = _sim_with_store_in_flight()
+    s, req = sim.sched, sim.requests["a"].req
+    assert s.offload_key(req, 1) == bytes(req.block_hashes[1]) + b"\x00"
+    with pytest.raises(ValueError, match="block=-1"):
+        s.offload_key(req, -1)
+    for group in (1, 300, -1):
+        with pytest.raises(ValueError, match=f"group={group} is not a KV cache group"):
+            s.offload_key(req, 0, group)
+
+
+def test_counters_delta_refuses_values_that_are_not_earlier_counters() -> None:
+    sim, _ = _sim_with_store_in_flight()
+    s = sim.sched
+    now = s.counters()
+    assert s.counters_delta(now) == (None, now)
+    with pytest.raises(ValueError, match=r"seen\[0\].* = -1 is not an earlier value"):
+        s.counters_delta((-1,) * len(now))
+    ahead = (now[0] + 1, *now[1:])
+    with pytest.raises(ValueError, match="is not an earlier value"):
+        s.counters_delta(ahead)
+
+
+def test_write_through_waits_forever_on_inf_and_refuses_nan() -> None:
+    m = CPUOffloadingManager(8)
+    m.set_write_through(2)
+    for call in (m.take_write_through, m.wait_write_through):
+        with pytest.raises(ValueError, match="NaN"):
+            call(float("nan"))
+    closer = threading.Timer(0.3, m.close_write_through)
+    closer.start()
+    t0 = time.perf_counter()
+    assert m.take_write_through(float("inf")) == []  # woken by close, not returned at once
+    assert time.perf_counter() - t0 >= 0.25
+    t0 = time.perf_counter()
+    assert m.take_write_through(1e18) == []  # closed: at once
+    assert time.perf_counter() - t0 < 0.25
+
+
+def test_worker_wait_with_an_unknown_id_takes_no_result() -> None:
+    kv = torch.zeros((8, 2, 4, 2, 8), dtype=torch.bfloat16)
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l0": kv})
+    assert w.transfer_async(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+    with pytest.raises(KeyError, match=r"unknown job ids \[99\].*nothing was taken"):
+        w.wait([1, 99])
+    assert w.pending_jobs() == {1}  # job 1's result is still there to report
+    (r,) = w.wait([1])
+    assert r.job_id == 1 and r.success
+
+
+def test_meta_tensors_are_refused() -> None:
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    with pytest.raises(ValueError, match="meta device"):
+        w.register_kv_caches({"l0": torch.empty((8, 2, 4, 2, 8), device="meta")})
+
+
+def test_a_byte_count_too_large_names_the_value() -> None:
+    for text in ("1e400", "9.3e18"):
+        with pytest.raises(ValueError, match=f"'{text}' is too large a byte count"):
+            parse_byte_size(text)
