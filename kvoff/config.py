@@ -379,10 +379,13 @@ class OffloadingConfig(BaseModel):
         """GPU blocks per offloaded block for GPU blocks of ``block_size`` tokens.
 
         Raises:
-            ValueError: when ``offloaded_block_size`` is not a multiple of ``block_size``.
+            ValueError: when ``block_size`` is not a positive int, or ``offloaded_block_size``
+                is not a multiple of it.
         """
-        if block_size < 1:
-            raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(
+                f"block_size must be a positive int number of tokens, got {block_size!r}"
+            )
         obs = self.offloaded_block_size or block_size
         if obs % block_size:
             raise ValueError(

@@ -71,13 +71,20 @@ class RequestLike(Protocol):
     """What the scheduler reads from an engine's request object (any object with these)."""
 
     @property
-    def request_id(self) -> str: ...
+    def request_id(self) -> str:
+        """The engine's id of the request, unique while it lives."""
+        ...
 
     @property
-    def block_hashes(self) -> Sequence[bytes | int]: ...
+    def block_hashes(self) -> Sequence[bytes | int]:
+        """One hash per full hash block of the prompt and output so far (``hash_block_size``
+        tokens each), in order: non-empty bytes (vLLM's ``BlockHash``) or 64-bit ints."""
+        ...
 
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        """Tokens of the request so far (prompt + output), >= what the hashes cover."""
+        ...
 
 
 @dataclass
@@ -273,6 +280,23 @@ def group_kinds(spec: CPUOffloadingSpec) -> tuple[tuple[str, int], ...]:
     return tuple(_group_kind(g.kv_cache_spec) for g in spec.kv_cache_config.kv_cache_groups)
 
 
+def _token_count(name: str, value: Any) -> int:
+    """``value`` as a token count the core takes (a 64-bit int), or an error naming ``name``.
+
+    Raises:
+        TypeError: not an int (a float, None, a bool).
+        ValueError: outside the 64-bit range.
+    """
+    if type(value) is int and -(2**63) <= value < 2**63:  # the engine's case: no work
+        return value
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int number of tokens, got {value!r}")
+    v = operator.index(value)
+    if not -(2**63) <= v < 2**63:
+        raise ValueError(f"{name}={v} does not fit in 64 bits; pass a token count")
+    return v
+
+
 def _report(item: Any) -> tuple[int, bool]:
     """``(job_id, success)`` of one job report, checked: a report the scheduler would
     misread (a string ``"False"`` taken as success, a float id truncated to another job) is
@@ -371,11 +395,14 @@ class OffloadingScheduler:
         Raises:
             ValueError: ``num_computed_tokens`` not a multiple of the block size or above
                 ``num_tokens``; ``num_tokens`` smaller than the hashes cover; an empty hash.
-            TypeError: a hash that is neither bytes nor int.
+                Nothing is changed (a request seen for the first time is not registered).
+            TypeError: a hash that is neither bytes nor int, ``num_computed_tokens`` that is
+                not an int.
         """
         if self._tiers is not None:  # finished promotions first: the L1 answer must hold
             self._tiers.poll()
         # one core call: the request's new hashes (read in place), then the lookup
+        num_computed_tokens = _token_count("num_computed_tokens", num_computed_tokens)
         n, load = self._core.sync_and_match(request, num_computed_tokens, self._requests)
         if self._tiers is None or n is None:
             return n, load
@@ -506,7 +533,9 @@ class OffloadingScheduler:
             ValueError: a token count that does not match; a table with the wrong number of
                 groups, too short for the load, or with ids outside ``[0, num_gpu_blocks)``.
                 Nothing is changed.
+            TypeError: ``num_external_tokens`` that is not an int.
         """
+        num_external_tokens = _token_count("num_external_tokens", num_external_tokens)
         self._core.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
 
     def build_connector_meta(self, step: SchedulerStep) -> ConnectorMetadata:
@@ -800,9 +829,20 @@ class OffloadingScheduler:
         Returns:
             True when jobs of the request are still in flight: keep its GPU blocks until it
             appears in ``ConnectorOutput.finished_storing`` (freeing them earlier is safe but
-            makes the next step flush those jobs).
+            makes the next step flush those jobs). Unknown ids return False.
+
+        Raises:
+            TypeError: ``request`` is neither a str id nor an object with ``request_id``.
         """
-        rid = request if isinstance(request, str) else request.request_id
+        if isinstance(request, str):
+            rid = request
+        else:
+            rid = getattr(request, "request_id", None)
+            if not isinstance(rid, str):
+                raise TypeError(
+                    f"request_finished takes a request or its str id, got {request!r} "
+                    f"({type(request).__name__})"
+                )
         self._requests.pop(rid, None)
         return self._core.request_finished(rid)
 
@@ -820,9 +860,9 @@ class OffloadingScheduler:
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict[str, int]:
         """Counters: lookups, lookup_retries, hit_tokens, load_jobs, store_jobs,
-        blocks_loaded, blocks_stored (GPU blocks), store_refusals, blocks_evicted (offloaded
-        blocks), stale_blocks_skipped, jobs_flushed, failed_jobs, and the pool and request
-        gauges."""
+        blocks_loaded, blocks_stored (GPU blocks), store_refusals, blocks_evicted and
+        blocks_discarded (offloaded blocks), stale_blocks_skipped, jobs_flushed, failed_jobs,
+        and the pool and request gauges."""
         return self._core.stats()
 
     def counters(self) -> tuple[int, ...]:

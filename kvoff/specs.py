@@ -498,6 +498,14 @@ class KVCacheGroupSpec:
         object.__setattr__(self, "layer_names", names)
 
 
+def _layer_page(group: KVCacheGroupSpec, layer: str) -> int:
+    """Bytes of one GPU block of ``layer`` (its own spec inside a UniformTypeKVCacheSpecs)."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.kv_cache_specs[layer].page_size_bytes
+    return spec.page_size_bytes
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """The engine's GPU cache plan (DESIGN.md): blocks, raw tensors and groups.
@@ -512,8 +520,8 @@ class KVCacheConfig:
 
     Raises:
         ValueError: for a negative ``num_blocks``, non-positive ``max_model_len``, elements of
-            the wrong type, a layer in two groups or two tensors, or a tensor naming a layer of
-            no group.
+            the wrong type, a layer in two groups or two tensors, a tensor naming a layer of
+            no group, or a tensor smaller than ``num_blocks`` pages of one of its layers.
     """
 
     num_blocks: int
@@ -556,6 +564,18 @@ class KVCacheConfig:
                         "layer uses exactly one tensor"
                     )
                 in_tensor.add(name)
+        for tensor in tensors:
+            # every layer needs num_blocks pages inside its tensor: a smaller tensor would make
+            # the CPU pool's block size (tensor bytes // num_blocks) smaller than a real block
+            need = self.num_blocks * max(
+                (_layer_page(groups[seen[n]], n) for n in tensor.shared_by), default=0
+            )
+            if tensor.size < need:
+                raise ValueError(
+                    f"KVCacheConfig: the tensor of {list(tensor.shared_by)} has size="
+                    f"{tensor.size} bytes, less than num_blocks ({self.num_blocks}) pages of its "
+                    f"layers ({need} bytes); give each tensor at least num_blocks x page_size_bytes"
+                )
         object.__setattr__(self, "kv_cache_tensors", tensors)
         object.__setattr__(self, "kv_cache_groups", groups)
 

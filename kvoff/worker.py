@@ -42,6 +42,7 @@ when pinned (:class:`kvoff.pinned.HostPool`).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +85,20 @@ GPU_LAYOUTS: tuple[str, ...] = ("block_contiguous", "layer_major")
 
 
 def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
-    out = tuple(int(v) for v in values)
+    """``values`` as a tuple of ints >= 0 (numpy integers accepted).
+
+    Raises:
+        TypeError: a str, or an item that is not an integer (1.9 or "3" are not ids).
+        ValueError: a negative value.
+    """
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints, got {values!r}")
+    items = list(values)
+    try:
+        out = tuple(operator.index(v) for v in items)
+    except TypeError:
+        bad = next(v for v in items if not hasattr(v, "__index__"))
+        raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})") from None
     if any(v < 0 for v in out):
         raise ValueError(f"{name} must be non-negative, got {list(out)}")
     return out
@@ -104,6 +118,7 @@ class GPUBlockSpec:
 
     Raises:
         ValueError: when the sizes disagree or a value is negative.
+        TypeError: a value that is not an int.
     """
 
     block_ids: tuple[int, ...]
@@ -127,7 +142,11 @@ class GPUBlockSpec:
 
     @classmethod
     def single_group(cls, block_ids: Sequence[int], block_index: int = 0) -> GPUBlockSpec:
-        """A spec for a model with one KV cache group starting at logical ``block_index``."""
+        """A spec for a model with one KV cache group starting at logical ``block_index``.
+
+        Raises:
+            ValueError, TypeError: as the constructor (negative or non-int ids).
+        """
         return cls(tuple(block_ids), (len(block_ids),), (block_index,))
 
 
@@ -137,6 +156,10 @@ class CPUBlockSpec:
 
     For group ``g`` with ``n`` GPU blocks starting at logical index ``s``, the job uses
     ``(s + n - 1) // block_size_factor - s // block_size_factor + 1`` CPU blocks (0 if n == 0).
+
+    Raises:
+        ValueError: a negative block id.
+        TypeError: block ids that are not a sequence of ints.
     """
 
     block_ids: tuple[int, ...]
@@ -279,6 +302,7 @@ class OffloadingWorker:
     Raises:
         ValueError: on non-positive sizes, a negative budget or staging size, or an unknown
             mechanism.
+        TypeError: a size that is not an int (or a bool), a budget that is not a number.
     """
 
     def __init__(
@@ -300,6 +324,21 @@ class OffloadingWorker:
             raise ValueError(
                 f"mechanism={mechanism!r} is not one of {list(ALL_MECHANISMS)}; use 'auto' to "
                 "let each job choose"
+            )
+        for name, value in (
+            ("num_gpu_blocks", num_gpu_blocks),
+            ("num_cpu_blocks", num_cpu_blocks),
+            ("block_size_factor", block_size_factor),
+            ("staging_bytes", staging_bytes),
+            ("staging_piece_bytes", staging_piece_bytes),
+        ):
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if isinstance(compute_slowdown_budget, bool) or not isinstance(
+            compute_slowdown_budget, (int, float)
+        ):
+            raise TypeError(
+                f"compute_slowdown_budget must be a number, got {compute_slowdown_budget!r}"
             )
         if not compute_slowdown_budget >= 0:
             raise ValueError(

@@ -187,3 +187,62 @@ def test_a_byte_count_too_large_names_the_value() -> None:
     for text in ("1e400", "9.3e18"):
         with pytest.raises(ValueError, match=f"'{text}' is too large a byte count"):
             parse_byte_size(text)
+
+
+def test_token_counts_that_would_overflow_their_sum_are_refused() -> None:
+    s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    r = Request("t", [b"h1", b"h2"], 9)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, [[1, 2, 3]], 0)
+    before = snapshot(s, [], ["t"])
+    big = 2**63 - 1
+    for computed, scheduled in ((big, big), (0, big), (2**61 + 1, 0)):
+        with pytest.raises(ValueError, match=r"must be in \[0, 2\^61\]"):
+            s.build_connector_meta_columns(["t"], [[[1, 2, 3]]], [computed], [scheduled])
+        assert snapshot(s, [], ["t"]) == before
+    s.build_connector_meta_columns(["t"], [[[1, 2, 3]]], [0], [9])  # the request is intact
+
+
+def test_a_pool_too_large_says_both_bounds() -> None:
+    with pytest.raises(ValueError, match=r"at least one block, and for at most 2\^31-1"):
+        CPUOffloadingManager(2**31)
+
+
+def test_request_finished_with_neither_a_request_nor_an_id() -> None:
+    s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    for bad in (5, None, b"a"):
+        with pytest.raises(TypeError, match="takes a request or its str id"):
+            s.request_finished(bad)  # type: ignore[arg-type]
+    assert s.request_finished("never-seen") is False
+
+
+def test_block_specs_take_ints_only() -> None:
+    assert CPUBlockSpec((3, 0)).block_ids == (3, 0)
+    for bad, match in (("12", "sequence of ints"), ((1.9,), "1.9"), (("3",), "'3'")):
+        with pytest.raises(TypeError, match=match):
+            CPUBlockSpec(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=match):
+            GPUBlockSpec(bad, (1,), (0,))  # type: ignore[arg-type]
+
+
+def test_worker_sizes_of_the_wrong_type_name_the_argument() -> None:
+    for kwargs, name in (
+        ({"num_gpu_blocks": "8", "num_cpu_blocks": 4}, "num_gpu_blocks"),
+        ({"num_gpu_blocks": 8, "num_cpu_blocks": True}, "num_cpu_blocks"),
+        ({"num_gpu_blocks": 8, "num_cpu_blocks": 4, "staging_bytes": None}, "staging_bytes"),
+    ):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            OffloadingWorker(**kwargs)  # type: ignore[arg-type]
+
+
+def test_token_counts_of_the_wrong_type_name_the_argument() -> None:
+    s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    r = Request("t", [b"h1", b"h2"], 9)
+    for bad in (4.0, None, True):
+        with pytest.raises(TypeError, match="num_computed_tokens must be an int"):
+            s.get_num_new_matched_tokens(r, bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="num_external_tokens must be an int"):
+            s.update_state_after_alloc(r, [], bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_computed_tokens=1180591620717411303424 does not"):
+        s.get_num_new_matched_tokens(r, 2**70)
+    assert s.stats()["num_requests"] == 0

@@ -197,11 +197,15 @@ def test_kv_cache_config_containers() -> None:
     with pytest.raises(ValueError, match="groups 0 and 1"):
         KVCacheConfig(1, [], [KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["a"], full)])
     with pytest.raises(ValueError, match="'z', which is in no group"):
-        KVCacheConfig(1, [KVCacheTensor(8, ["z"])], [KVCacheGroupSpec(["a"], full)])
+        KVCacheConfig(1, [KVCacheTensor(65536, ["z"])], [KVCacheGroupSpec(["a"], full)])
     with pytest.raises(ValueError, match="two KVCacheTensors"):
         KVCacheConfig(
-            1, [KVCacheTensor(8, ["a"]), KVCacheTensor(8, ["a"])], [KVCacheGroupSpec(["a"], full)]
+            1,
+            [KVCacheTensor(65536, ["a"]), KVCacheTensor(65536, ["a"])],
+            [KVCacheGroupSpec(["a"], full)],
         )
+    with pytest.raises(ValueError, match=r"size=655359 bytes, less than num_blocks \(10\) pages"):
+        KVCacheConfig(10, [KVCacheTensor(655_359, ["a"])], [KVCacheGroupSpec(["a"], full)])
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheConfig(-1, [], [KVCacheGroupSpec(["a"], full)])
     with pytest.raises(ValueError, match="max_model_len"):

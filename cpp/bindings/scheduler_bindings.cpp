@@ -274,8 +274,7 @@ std::int64_t to_num_blocks(py::handle obj) {
     throw py::error_already_set();
   }
   if (overflow != 0) {
-    throw py::value_error("num_blocks must be in [1, 2^31-1] (CPU block ids are 32-bit), got " +
-                          short_repr(obj.ptr()) + "; size the CPU pool with at least one block");
+    throw py::value_error(kvoff::bad_num_blocks_message(short_repr(obj.ptr())));
   }
   return v;
 }

@@ -7,9 +7,7 @@ namespace kvoff {
 
 CPUBlockPool::CPUBlockPool(std::int64_t num_blocks) : num_blocks_(0) {
   if (num_blocks < 1 || num_blocks > kMaxNumBlocks) {
-    throw std::invalid_argument(
-        "num_blocks must be in [1, 2^31-1] (CPU block ids are 32-bit), got " +
-        std::to_string(num_blocks) + "; size the CPU pool with at least one block");
+    throw std::invalid_argument(bad_num_blocks_message(std::to_string(num_blocks)));
   }
   num_blocks_ = static_cast<std::uint32_t>(num_blocks);
   free_.resize(num_blocks_);

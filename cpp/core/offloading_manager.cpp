@@ -89,9 +89,7 @@ inline bool evictable(std::uint64_t p) noexcept {
 /// Validates the arguments before anything large is allocated; returns num_blocks.
 std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy) {
   if (num_blocks < 1 || num_blocks > kMaxNumBlocks) {
-    throw std::invalid_argument(
-        "num_blocks must be in [1, 2^31-1] (CPU block ids are 32-bit), got " +
-        std::to_string(num_blocks) + "; size the CPU pool with at least one block");
+    throw std::invalid_argument(bad_num_blocks_message(std::to_string(num_blocks)));
   }
   const auto names = eviction_policy_names();
   if (std::find(names.begin(), names.end(), policy) == names.end()) {

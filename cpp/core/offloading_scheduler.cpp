@@ -14,6 +14,14 @@ namespace {
 constexpr std::int64_t kAllTokens = std::numeric_limits<std::int64_t>::max();
 constexpr std::size_t kMaxGroups = 256;  // the group index is one byte of the offload key
 constexpr std::int64_t kMaxGpuBlocks = std::int64_t{1} << 31;
+// Token counts are summed (computed + scheduled) before anything else: bounded so that the sum
+// cannot overflow (2^61 tokens is far beyond any context).
+constexpr std::int64_t kMaxTokenCount = std::int64_t{1} << 61;
+
+bool token_counts_valid(const ScheduledRequest& s) noexcept {
+  return s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
+         s.num_computed_tokens <= kMaxTokenCount && s.num_scheduled_tokens <= kMaxTokenCount;
+}
 
 std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
 
@@ -785,8 +793,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
       const ScheduledRequest& s = scheduled[i];
       hashes[i] = id_hash_of(s.request_id);
       if (idle_.size() != 0 && s.new_block_ids.empty() && !s.resumed_from_preemption &&
-          s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
-          s.num_scheduled_tokens < obs &&
+          token_counts_valid(s) && s.num_scheduled_tokens < obs &&
           (s.num_computed_tokens + s.num_scheduled_tokens) / obs == s.num_computed_tokens / obs) {
         maybe_idle[i] = 1;
         idle_.prefetch(hashes[i]);
@@ -809,7 +816,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
       }
       Request& r = get(s.request_id, hashes[i], kHook);
       resolved.push_back(&r);
-      if (hash_source && s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0) {
+      if (hash_source && token_counts_valid(s)) {
         // Pull hashes only when the blocks full after this step need more than are known (in
         // decode: once per offloaded block, not every step).
         const std::int64_t full = (s.num_computed_tokens + s.num_scheduled_tokens) /
@@ -831,12 +838,12 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
       if (!s.new_block_ids.empty()) {
         validate_block_ids(s.new_block_ids, kHook, s.request_id);
       }
-      if (s.num_computed_tokens < 0 || s.num_scheduled_tokens < 0) {
+      if (!token_counts_valid(s)) {
         throw std::invalid_argument(hook_error(
             kHook, s.request_id,
             "num_computed_tokens (" + std::to_string(s.num_computed_tokens) +
                 ") and num_scheduled_tokens (" + std::to_string(s.num_scheduled_tokens) +
-                ") must be >= 0"));
+                ") must be in [0, 2^61]"));
       }
     }
   }

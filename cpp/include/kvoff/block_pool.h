@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kvoff/large_page_allocator.h"
@@ -11,6 +12,13 @@ namespace kvoff {
 /// Largest pool size, in blocks: CPU block ids must fit in a signed 32-bit integer (they are
 /// passed to copy kernels as int32/int64 tensors), so ids are 0 .. 2^31-2.
 inline constexpr std::int64_t kMaxNumBlocks = 2147483647;  // 2^31 - 1
+
+/// The message for a CPU block count out of [1, kMaxNumBlocks]; `got` is the value as written.
+inline std::string bad_num_blocks_message(const std::string& got) {
+  return "num_blocks must be in [1, 2^31-1] (CPU block ids are 32-bit), got " + got +
+         "; size the CPU pool (cpu_bytes_to_use) for at least one block, and for at most 2^31-1 "
+         "(a larger block_size_factor makes fewer, larger blocks)";
+}
 
 /// A fixed pool of `num_blocks` CPU block slots with a free-list stack.
 ///
