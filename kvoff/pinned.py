@@ -244,7 +244,8 @@ class HostPool:
     """One host allocation holding several 2-D uint8 tensors back to back, optionally pinned.
 
     Args:
-        shapes: ``(rows, row_bytes)`` of each tensor, in order; each starts on a 4 KiB boundary.
+        shapes: ``(rows, row_bytes)`` of each tensor, in order; each starts on a 4 KiB boundary
+            (of the address space, not only of the pool).
         pin: page-lock the memory (one ``cudaHostRegister`` call for the whole pool).
         description: what the pool is for, used in error messages (e.g. "4096 CPU blocks of
             2.0 MiB").
@@ -254,8 +255,9 @@ class HostPool:
 
     Attributes:
         tensors: the ``(rows, row_bytes)`` uint8 tensors, in ``shapes`` order.
-        num_bytes: bytes allocated: the sum of ``rows × row_bytes`` plus at most 4 KiB of
-            alignment per tensor (no power-of-two rounding).
+        num_bytes: bytes of the pool: the sum of ``rows × row_bytes`` plus at most 4 KiB of
+            alignment per tensor (no power-of-two rounding); private memory allocates one page
+            more, to start on a page boundary.
         pinned: whether the memory is page-locked.
         shared_name: the shared-memory name, or ``None``.
 
@@ -292,7 +294,13 @@ class HostPool:
         registrar = (_registrar or _cuda_registrar()) if pin and total > 0 else None
         self.shared_name = shared_name
         if shared_name is None:
-            self._base = torch.empty(total, dtype=torch.uint8)
+            # torch's CPU allocator aligns to 64 bytes only: one page more, and the pool starts
+            # on the first page boundary, so that every tensor (and every slot whose size is a
+            # multiple of 4 KiB) is page-aligned as documented; the disk tier then reads and
+            # writes the slots with O_DIRECT in place, without a bounce buffer and a copy
+            raw = torch.empty(total + _ALIGN, dtype=torch.uint8)
+            shift = -raw.data_ptr() % _ALIGN
+            self._base = raw[shift : shift + total]
         else:
             layout = [[off, rows, rb] for off, (rows, rb) in zip(offsets, shapes, strict=True)]
             mm, ino = _create_shared(shared_name, total, layout, description)

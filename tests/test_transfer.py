@@ -219,6 +219,7 @@ def test_host_pool_is_exact_and_registers_once() -> None:
     assert [t.shape for t in pool.tensors] == [(5, 1000), (3, 4096)]
     assert pool.tensors[1].data_ptr() - pool.tensors[0].data_ptr() == 8192
     base = pool.tensors[0].data_ptr()
+    assert base % 4096 == 0  # page-aligned in the address space, not only within the pool
     assert fake.registered == {base: 8192 + 12288} and fake.calls == 1
     assert pool.pinned
     pool.tensors[1][2] = 7  # the views are ordinary writable memory
@@ -255,6 +256,9 @@ def test_pinning_failure_names_size_and_fix_and_leaves_nothing_registered() -> N
 def test_host_pool_without_pinning_and_pinning_without_cuda() -> None:
     pool = HostPool([(2, 16)], pin=False)
     assert not pool.pinned and pool.num_bytes == 32
+    for _ in range(20):  # torch's allocator gives 64-byte alignment; the pool gives pages
+        pool = HostPool([(3, 65536), (1, 100), (2, 8192)], pin=False)
+        assert all(t.data_ptr() % 4096 == 0 for t in pool.tensors)
     if not torch.cuda.is_available():
         with pytest.raises(PinningError, match=r"needs CUDA.*use pin_memory=False"):
             HostPool([(2, 16)], pin=True)

@@ -19,6 +19,7 @@ its engine-thread part is one ``poll``.
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import tempfile
 import time
@@ -32,7 +33,7 @@ from kvoff.tiers.coordinator import TieredPool
 from kvoff.tiers.disk import DiskTier
 from kvoff.tools.bench_steps import StepWorkload
 
-__all__ = ["bench_engine_calls", "bench_scheduler_steps_tiers"]
+__all__ = ["bench_engine_calls", "bench_promotion", "bench_scheduler_steps_tiers"]
 
 
 def _key(i: int) -> bytes:
@@ -254,4 +255,180 @@ def bench_scheduler_steps_tiers(
         "ratio_of_means": statistics.fmean(on_s) / statistics.fmean(off_s),
         "per_repeat": per_repeat,
         "tier_stats": stats,
+    }
+
+
+def bench_promotion(
+    *,
+    block_sizes: tuple[int, ...] = (65536, 524288, 2097152),
+    request_bytes: int = 64 << 20,
+    repeat: int = 5,
+    device: str | None = None,
+    disk_path: str | None = None,
+) -> dict[str, Any]:
+    """What a promotion from the disk tier costs on top of the disk read itself (issue 14's
+    target: a promotion from disk to GPU adds no more than the disk read time + 10 %).
+
+    Per block size, one request's worth of blocks (``request_bytes // block_size``, at least 1)
+    is written to a real :class:`~kvoff.tiers.DiskTier` (O_DIRECT where the file system allows
+    it, so no page cache on either side). Then, ``repeat`` times, in alternating order:
+
+    * **disk read**: the tier's own ``get`` of those keys into page-aligned buffers (header and
+      xxh3 checked), the floor of any promotion;
+    * **promotion**: the engine's path through :class:`~kvoff.tiers.coordinator.TieredPool` on
+      an empty L1 whose slots are the worker's CPU pool: ``lookup`` (an L1 miss: "retry
+      later", a probe starts), ``wait_reads`` (probe, L1 slots, the tier's ``get`` into them,
+      ``complete_store``), the retried ``lookup`` (all hits); then the load into the device's
+      KV cache: ``prepare_load``, :meth:`kvoff.OffloadingWorker.transfer_async` of the CPU
+      blocks into GPU blocks, ``wait``, ``complete_load``. The loaded blocks are checked byte
+      for byte in every pass (untimed), and L1 is emptied (``clear``) after it.
+
+    An engine polls the tiers once per step, so in an engine a promotion also waits for step
+    boundaries; this measures the data path alone.
+
+    Reported per block size: median seconds of each, and the medians of the per-pass ratios
+    ``promote_ratio`` (to L1 / disk read) and ``load_ratio`` (to L1 and into the KV cache /
+    disk read); the target is ``load_ratio <= 1.10`` on a GPU. On a CPU build the "device" is
+    CPU memory, so the load is a host memcpy of the same bytes, not a DMA.
+
+    Args:
+        block_sizes: bytes per block (positive multiples of 8 KiB: the KV cache is bf16 blocks
+            of 16 tokens × 2 (K, V) × heads × 128 lanes, 8 KiB per head).
+        request_bytes: bytes of one request's blocks.
+        repeat: passes (>= 1).
+        device: the KV cache's device (default: ``cuda`` when kvoff's CUDA kernels and a GPU
+            are there, else ``cpu``).
+        disk_path: folder of the disk tiers (default: a temporary folder).
+
+    Returns:
+        ``{"parameters", "results": [per block size: block_size, blocks, bytes, direct_io,
+        read_s, promote_s, load_s, promote_ratio, load_ratio, passes]}``.
+
+    Raises:
+        ValueError: a block size that is not a positive multiple of 8 KiB, ``repeat`` < 1 or
+            ``request_bytes`` < 1.
+    """
+    import torch
+
+    import kvoff._build_info as info
+
+    for bs in block_sizes:
+        if bs < _LANE_BYTES or bs % _LANE_BYTES:
+            raise ValueError(f"block size {bs} must be a positive multiple of {_LANE_BYTES} bytes")
+    if repeat < 1 or request_bytes < 1:
+        raise ValueError(f"need repeat >= 1 and request_bytes >= 1, got {repeat}, {request_bytes}")
+    if device is None:
+        device = "cuda" if info.WITH_CUDA and torch.cuda.is_available() else "cpu"
+    tmp = tempfile.TemporaryDirectory(prefix="kvoff-bench-promo-") if disk_path is None else None
+    path = disk_path if disk_path is not None else tmp.name  # type: ignore[union-attr]
+    try:
+        results = [
+            _promotion_one_size(bs, request_bytes, repeat, device, f"{path}/promo-{bs}")
+            for bs in block_sizes
+        ]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return {
+        "parameters": {
+            "block_sizes": list(block_sizes),
+            "request_bytes": request_bytes,
+            "repeat": repeat,
+            "device": device,
+        },
+        "results": results,
+    }
+
+
+_LANE_BYTES = 16 * 2 * 128 * 2  # one head of a bf16 block: 16 tokens × (K, V) × 128 × 2 bytes
+
+
+def _promotion_one_size(
+    block_size: int, request_bytes: int, repeat: int, device: str, path: str
+) -> dict[str, Any]:
+    """:func:`bench_promotion` for one block size."""
+    import torch
+
+    from kvoff import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
+    from kvoff.tiers.disk import SUPERBLOCK_BYTES, slot_bytes_for
+
+    n = max(1, request_bytes // block_size)
+    heads = block_size // _LANE_BYTES
+    kv = torch.zeros((n + 1, 2, 16, heads, 128), dtype=torch.bfloat16, device=device)
+    worker = OffloadingWorker(num_gpu_blocks=n + 1, num_cpu_blocks=n)
+    worker.register_kv_caches({"layer0": kv})
+    slots = worker.cpu_pool.numpy()
+    assert slots.shape == (n, block_size), slots.shape
+    fmt = BlockFormat(layout_fingerprint(bench="promotion", block_size=block_size), block_size)
+    disk = DiskTier(path, SUPERBLOCK_BYTES + n * slot_bytes_for(fmt), fmt)
+    manager = _scheduler.CPUOffloadingManager(n, "lru")
+    pool = TieredPool(manager, slots.__getitem__, [disk])
+    keys = [_key(i) for i in range(n)]
+    rng = np.random.default_rng(block_size)
+    payloads = [rng.integers(0, 256, block_size, dtype=np.uint8) for _ in range(n)]
+    passes: list[dict[str, Any]] = []
+    try:
+        if disk.put(keys, payloads) != [True] * n:
+            raise RuntimeError(f"the disk tier at {path} refused the benchmark's blocks")
+        outs = [np.frombuffer(mmap.mmap(-1, block_size), dtype=np.uint8) for _ in range(n)]
+        gpu_ids = list(range(1, n + 1))  # block 0 is the engine's null block
+
+        def read() -> float:
+            t0 = time.perf_counter()
+            served = disk.get(keys, outs)
+            seconds = time.perf_counter() - t0
+            if served != [True] * n:
+                raise RuntimeError("the disk tier did not serve every block")
+            return seconds
+
+        def promote_and_load(job: int) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            if pool.lookup(keys) is not None:
+                raise RuntimeError("L1 was not empty before a promotion pass")
+            pool.wait_reads()
+            hits = pool.lookup(keys)
+            t1 = time.perf_counter()
+            if hits != n:
+                raise RuntimeError(f"the promotion brought {hits} of {n} blocks into L1")
+            cpu_ids = manager.prepare_load(keys)
+            worker.transfer_async(
+                job, CPUBlockSpec(tuple(cpu_ids)), GPUBlockSpec.single_group(gpu_ids)
+            )
+            (result,) = worker.wait([job])
+            manager.complete_load(keys)
+            t2 = time.perf_counter()
+            if not result.success:
+                raise RuntimeError(f"the load failed: {result.error}")
+            return t1 - t0, t2 - t0
+
+        for p in range(repeat):
+            if p % 2 == 0:
+                read_s = read()
+                promote_s, load_s = promote_and_load(p)
+            else:
+                promote_s, load_s = promote_and_load(p)
+                read_s = read()
+            loaded = kv[1:].view(torch.uint8).reshape(n, block_size).cpu().numpy()
+            if not all(np.array_equal(loaded[i], payloads[i]) for i in range(n)):
+                raise RuntimeError("a promoted block differs from what was written")
+            kv.zero_()
+            manager.clear()
+            passes.append({
+                "read_first": p % 2 == 0, "read_s": read_s, "promote_s": promote_s,
+                "load_s": load_s, "promote_ratio": promote_s / read_s,
+                "load_ratio": load_s / read_s,
+            })  # fmt: skip
+        direct = bool(disk.stats()["direct_io"])
+    finally:
+        pool.close()  # closes the disk tier
+    med = lambda name: statistics.median(p[name] for p in passes)  # noqa: E731
+    return {
+        "block_size": block_size,
+        "blocks": n,
+        "bytes": n * block_size,
+        "direct_io": direct,
+        **{name: med(name) for name in ("read_s", "promote_s", "load_s")},
+        "promote_ratio": med("promote_ratio"),
+        "load_ratio": med("load_ratio"),
+        "passes": passes,
     }

@@ -429,15 +429,16 @@ def _add_bench_tiers_parser(bench_sub: argparse._SubParsersAction) -> None:
     """``kvoff bench tiers``."""
     tp = bench_sub.add_parser(
         "tiers",
-        help="secondary tiers: disk against dd, Redis Cluster GB/s and lookup cost, and the "
-        "engine thread's cost with tiers on against off",
+        help="secondary tiers: disk against dd, Redis Cluster GB/s and lookup cost, the "
+        "engine thread's cost with tiers on against off, and a promotion against the disk read",
         description=(
             "Time the disk tier's sequential block writes and reads against dd with O_DIRECT on "
             "the same file system, in the same run; a Redis Cluster tier's put and get GB/s and "
             "per-key lookup cost (a local 3-master cluster is started when --remote-url is not "
             "given and redis-server is installed); and the engine thread's manager calls through "
-            "the tiered pool against the bare manager, rounds alternated. See "
-            "kvoff/tools/bench_tiers.py and kvoff/tools/bench_tiered_pool.py."
+            "the tiered pool against the bare manager, rounds alternated; and one request's "
+            "promotion from disk into L1 and the KV cache against the disk tier's own read of "
+            "the same blocks. See kvoff/tools/bench_tiers.py and kvoff/tools/bench_tiered_pool.py."
         ),
     )
     tp.add_argument(
@@ -478,6 +479,15 @@ def _add_bench_tiers_parser(bench_sub: argparse._SubParsersAction) -> None:
         default=3,
         help="side-by-side passes of the disk tier and dd per block size, medians reported "
         "(default: 3)",
+    )
+    tp.add_argument(
+        "--promotion-bytes",
+        type=parse_bytes,
+        default=64 << 20,
+        metavar="BYTES",
+        help="bytes of the request promoted from disk per block size (default: 64MiB); the "
+        "promotion is timed against the disk tier's own read of the same blocks, "
+        "--disk-repeat passes",
     )
     tp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
@@ -662,7 +672,11 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     """``kvoff bench tiers``."""
     import tempfile
 
-    from kvoff.tools.bench_tiered_pool import bench_engine_calls, bench_scheduler_steps_tiers
+    from kvoff.tools.bench_tiered_pool import (
+        bench_engine_calls,
+        bench_promotion,
+        bench_scheduler_steps_tiers,
+    )
     from kvoff.tools.bench_tiers import DEFAULT_BLOCK_SIZES, format_bench_tiers, run_bench_tiers
 
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -684,8 +698,16 @@ def _bench_tiers(args: argparse.Namespace) -> int:
         engine = bench_engine_calls(disk_path=tmp)
         log("scheduler steps: tiers off vs on, step by step")
         steps = bench_scheduler_steps_tiers(disk_path=tmp)
+        log("promotion from disk into L1 and the KV cache vs the disk read")
+        promotion = bench_promotion(
+            block_sizes=tuple(args.block_sizes or DEFAULT_BLOCK_SIZES),
+            request_bytes=args.promotion_bytes,
+            repeat=args.disk_repeat,
+            disk_path=tmp,
+        )
     result["engine_thread"] = engine
     result["scheduler_steps"] = steps
+    result["promotion"] = promotion
     print(format_bench_tiers(result))
     print(
         f"engine thread per round (lookup + store + touch of 32 keys): tiers off "
@@ -699,6 +721,17 @@ def _bench_tiers(args: argparse.Namespace) -> int:
         f"{steps['tier_stats']['writes_queued']} blocks written through, "
         f"{steps['tier_stats']['writes_dropped_queue_full']} dropped"
     )
+    print(
+        f"promotion of one request from disk (device {promotion['parameters']['device']}; "
+        "medians; ratios to the disk tier's own read of the same blocks; target: into the KV "
+        "cache <= 1.10x on a GPU)"
+    )
+    print(f"{'block':>9} {'blocks':>7} {'read ms':>8} {'to L1':>7} {'+ load':>7}")
+    for r in promotion["results"]:
+        print(
+            f"{r['block_size'] >> 10:>5} KiB {r['blocks']:>7} {r['read_s'] * 1e3:>8.2f}"
+            f" {r['promote_ratio']:>6.2f}x {r['load_ratio']:>6.2f}x"
+        )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

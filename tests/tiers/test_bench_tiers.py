@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoff.tools.bench_tiered_pool import bench_promotion
 from kvoff.tools.bench_tiers import bench_disk
 
 pytestmark = pytest.mark.skipif(shutil.which("dd") is None, reason="dd is not installed")
@@ -41,7 +42,7 @@ def test_cli_writes_every_block_size_and_the_engine_thread(tmp_path: Path) -> No
     proc = subprocess.run(
         [sys.executable, "-m", "kvoff", "bench", "tiers", "--disk-path", str(tmp_path / "d"),
          "--no-remote", "--block-sizes", "64KiB", "128KiB", "--total-bytes", "1MiB",
-         "--disk-repeat", "2", "--json", str(out)],
+         "--disk-repeat", "2", "--promotion-bytes", "1MiB", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -55,6 +56,11 @@ def test_cli_writes_every_block_size_and_the_engine_thread(tmp_path: Path) -> No
     assert steps["ratio"] > 0 and steps["tier_stats"]["writes_queued"] > 0
     assert "scheduler decode step" in proc.stdout
     assert "medians over passes" in proc.stdout
+    promo = result["promotion"]
+    assert [r["block_size"] for r in promo["results"]] == [65536, 131072]
+    assert [r["blocks"] for r in promo["results"]] == [16, 8]
+    assert all(len(r["passes"]) == 2 for r in promo["results"])
+    assert "promotion of one request from disk" in proc.stdout
 
 
 def test_scheduler_steps_write_through_every_decode_store(tmp_path: Path) -> None:
@@ -74,3 +80,21 @@ def test_scheduler_steps_write_through_every_decode_store(tmp_path: Path) -> Non
     assert len(r["per_repeat"]) == 2 and r["tiers_off_step_us"] > 0 and r["ratio"] > 0
     with pytest.raises(ValueError, match="step_gap_s"):
         bench_scheduler_steps_tiers(step_gap_s=-1.0)
+
+
+def test_promotion_passes_alternate_and_every_pass_loads_the_written_bytes(tmp_path: Path) -> None:
+    """bench_promotion checks the KV cache against the written payloads in every pass (it
+    raises otherwise); here: what it reports."""
+    r = bench_promotion(block_sizes=(32768,), request_bytes=256 << 10, repeat=3,
+                        device="cpu", disk_path=str(tmp_path))  # fmt: skip
+    assert r["parameters"]["device"] == "cpu"
+    (res,) = r["results"]
+    assert res["blocks"] == 8 and res["bytes"] == 8 * 32768
+    assert [p["read_first"] for p in res["passes"]] == [True, False, True]
+    for name in ("read_s", "promote_s", "load_s", "promote_ratio", "load_ratio"):
+        assert res[name] == sorted(p[name] for p in res["passes"])[1], name  # median of three
+    for p in res["passes"]:
+        assert 0 < p["promote_s"] <= p["load_s"]  # the load comes after the promotion
+        assert p["load_ratio"] == pytest.approx(p["load_s"] / p["read_s"])
+    with pytest.raises(ValueError, match="multiple of 8192"):
+        bench_promotion(block_sizes=(20000,), disk_path=str(tmp_path))
