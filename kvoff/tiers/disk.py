@@ -26,9 +26,10 @@ could never be served under this layout anyway, just as blocks of another finger
 overwritten. A file that is not a kvoff disk tier (no superblock magic, not all zeros) is refused
 with ValueError.
 
-Crash safety: a block's payload is written first, its header second; ``evict`` zeroes the header.
-A torn write leaves an old or missing header, or a header whose payload checksum does not match:
-a miss at ``get``, counted in ``corrupted_blocks``, never served.
+Crash safety: a block's header and payload are written by one system call (a run of blocks in
+consecutive slots by one ``pwritev``); ``evict`` zeroes the header. A torn write leaves an old or
+missing header, or a header whose payload checksum does not match: a miss at ``get``, counted in
+``corrupted_blocks``, never served.
 
 Failures: an unwritable path (say its parent is a regular file), a full disk (ENOSPC), the file
 size limit (EFBIG), I/O errors: ``put`` drops the blocks (``writes_dropped``, ``io_errors``),
@@ -76,15 +77,17 @@ SUPER_MAGIC = b"KVOFFDSK"
 SUPER_VERSION = 1
 _SUPER = struct.Struct("<8sIIQQ")
 DEFAULT_FILE_NAME = "kvoff-blocks.slots"
-#: Most bytes one ``get`` reads in a single ``preadv`` when the blocks of a batch sit in
-#: consecutive slots (headers and payloads of a run in one system call: small blocks stop paying
-#: a call and a thread hand-off each; 2 MiB keeps a batch spread over the I/O threads).
-READ_RUN_BYTES = 2 << 20
+#: Most bytes one ``get`` reads in a single ``preadv`` (one ``put`` writes in a single
+#: ``pwritev``) when the blocks of a batch sit in consecutive slots (headers and payloads of a
+#: run in one system call: small blocks stop paying a call and a thread hand-off each; 2 MiB
+#: keeps a batch spread over the I/O threads).
+RUN_BYTES = 2 << 20
 #: The kernel's limit on buffers per ``preadv`` (IOV_MAX on Linux), two per block.
 _IOV_MAX = 1024
 _ZERO_HEADER = bytes(HEADER_BYTES)
 
 T = TypeVar("T")
+J = TypeVar("J", bound=tuple)
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -398,24 +401,52 @@ class DiskTier(SecondaryTier):
             return False
 
     def _write_block(self, slot: int, key: bytes, payload: memoryview, stamp: int) -> str | None:
-        """Write payload, then header. Returns None, or the OSError text."""
+        """Write one block's header and payload with one system call (the payload straight
+        from the caller's buffer when it is aligned, else through the bounce buffer). Returns
+        None, or the OSError text."""
         try:
             header = encode_header(self.fmt, key, payload, stamp=stamp)
             off = self._offset(slot)
-            if self._aligned(payload):
-                self._pwrite_all(payload, off + HEADER_BYTES)
+            pb = self.fmt.payload_bytes
+            if self._aligned(payload) and self.slot_bytes == HEADER_BYTES + pb:
+                hbuf = self._run_headers(1)[:HEADER_BYTES]
+                hbuf[:] = header
+                self._pwritev_all([hbuf, payload], off)
             else:
                 buf = self._bounce()
-                pb = self.fmt.payload_bytes
+                buf[:HEADER_BYTES] = header
                 buf[HEADER_BYTES : HEADER_BYTES + pb] = payload
                 buf[HEADER_BYTES + pb :] = bytes(self.slot_bytes - HEADER_BYTES - pb)
-                self._pwrite_all(buf[HEADER_BYTES:], off + HEADER_BYTES)
-            hbuf = self._bounce()[:HEADER_BYTES]
-            hbuf[:] = header
-            self._pwrite_all(hbuf, off)
+                self._pwrite_all(buf, off)
             return None
         except OSError as e:
             return f"{type(e).__name__}: {e}"
+
+    def _write_run(self, run: list[tuple[int, bytes, memoryview, int]]) -> list[str | None]:
+        """Write a run of blocks into consecutive slots (:meth:`_runs`) with one ``pwritev``
+        (every header, then its payload, in slot order). Per block: None, or the OSError
+        text (a failed call fails the whole run)."""
+        if len(run) == 1:
+            return [self._write_block(*run[0])]
+        headers = self._run_headers(len(run))
+        iov: list[memoryview] = []
+        try:
+            for i, (_, key, payload, stamp) in enumerate(run):
+                h = headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+                h[:] = encode_header(self.fmt, key, payload, stamp=stamp)
+                iov += [h, payload]
+            self._pwritev_all(iov, self._offset(run[0][0]))
+        except OSError as e:
+            return [f"{type(e).__name__}: {e}"] * len(run)
+        return [None] * len(run)
+
+    def _pwritev_all(self, iov: list[memoryview], offset: int) -> None:
+        """``pwritev`` of every buffer of ``iov`` at ``offset``; a short write (a full disk, the
+        file size limit) is an OSError."""
+        total = sum(v.nbytes for v in iov)
+        n = os.pwritev(self._fd, iov, offset)
+        if n != total:
+            raise OSError(errno.ENOSPC, f"short write: {n} of {total} bytes")
 
     def _read_block(self, slot: int, key: bytes, out: memoryview) -> str | None:
         """Read and verify one block into ``out``. Returns None if served, else the reason
@@ -438,17 +469,15 @@ class DiskTier(SecondaryTier):
             out[:] = payload
         return reason
 
-    def _read_runs(
-        self, jobs: list[tuple[int, bytes, memoryview]]
-    ) -> list[list[tuple[int, bytes, memoryview]]]:
-        """``jobs`` (slot, key, out) cut into runs read with one ``preadv`` each: consecutive
-        slots, in order, whose outputs can take the bytes directly (aligned, and slots without
-        padding), at most :data:`READ_RUN_BYTES` and :data:`_IOV_MAX` buffers per run; any
-        other job is a run of one."""
+    def _runs(self, jobs: list[J]) -> list[list[J]]:
+        """``jobs`` (slot, key, buffer, ...) cut into runs moved with one ``preadv`` /
+        ``pwritev`` each: consecutive slots, in order, whose buffers can be used directly
+        (aligned, and slots without padding), at most :data:`RUN_BYTES` and :data:`_IOV_MAX`
+        buffers per run; any other job is a run of one. The runs, joined, are ``jobs``."""
         pb = self.fmt.payload_bytes
-        cap = max(1, min(READ_RUN_BYTES // self.slot_bytes, _IOV_MAX // 2))
+        cap = max(1, min(RUN_BYTES // self.slot_bytes, _IOV_MAX // 2))
         fits = cap > 1 and self.slot_bytes == HEADER_BYTES + pb
-        runs: list[list[tuple[int, bytes, memoryview]]] = []
+        runs: list[list[J]] = []
         for job in jobs:
             ok = fits and self._aligned(job[2])
             if ok and runs and runs[-1][-1][0] + 1 == job[0] and len(runs[-1]) < cap:
@@ -460,7 +489,7 @@ class DiskTier(SecondaryTier):
         return runs
 
     def _read_run(self, run: list[tuple[int, bytes, memoryview]]) -> list[str | None]:
-        """Read and verify a run of blocks in consecutive slots (:meth:`_read_runs`) with one
+        """Read and verify a run of blocks in consecutive slots (:meth:`_runs`) with one
         ``preadv``: per block, None if served, else the reason (as :meth:`_read_block`)."""
         if len(run) == 1:
             return [self._read_block(*run[0])]
@@ -568,7 +597,7 @@ class DiskTier(SecondaryTier):
                         self._readers[slot] = self._readers.get(slot, 0) + 1
                         jobs.append((slot, bytes(k), views[i]))
                         where.append(i)
-            runs = self._read_runs(jobs)
+            runs = self._runs(jobs)
             reasons = [r for rs in self._run(self._read_run, [(run,) for run in runs]) for r in rs]
             release: list[int] = []
             counts = dict.fromkeys(("corrupted_blocks", "fingerprint_mismatches", "io_errors"), 0)
@@ -641,7 +670,8 @@ class DiskTier(SecondaryTier):
                     self._stamp = max(time.time_ns(), self._stamp + 1)
                     jobs.append((slot, key, views[i], self._stamp))
                     where.append(i)
-            errors = self._run(self._write_block, jobs)
+            errors = [e for run in self._run(self._write_run, [(r,) for r in self._runs(jobs)])
+                      for e in run]  # fmt: skip
             release: list[int] = []
             with self._lock:
                 for i, (slot, key, _, _), err in zip(where, jobs, errors, strict=True):
