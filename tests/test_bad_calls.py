@@ -246,3 +246,65 @@ def test_token_counts_of_the_wrong_type_name_the_argument() -> None:
     with pytest.raises(ValueError, match="num_computed_tokens=1180591620717411303424 does not"):
         s.get_num_new_matched_tokens(r, 2**70)
     assert s.stats()["num_requests"] == 0
+
+
+def test_user_code_cannot_change_the_step_columns_while_they_are_read() -> None:
+    """A str subclass, a container or a block-id sequence written in Python would run user
+    code (__hash__, __contains__, __iter__) while the binding reads the step's lists through
+    borrowed pointers: each is refused or copied first, and the process survives."""
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from scheduler_harness import EngineSim
+        from kvoff.scheduler import Request
+        s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+        for rid in ("a", "b"):
+            s.get_num_new_matched_tokens(Request(rid, [b"h1", b"h2"], 9), 0)
+            s.update_state_after_alloc(Request(rid, [b"h1", b"h2"], 9), [[1, 2, 3]], 0)
+        ids = ["a", "b"]
+        blocks = [None, None]
+        def clobber():
+            ids[:] = [str(i) * 5000 for i in range(100)]
+            blocks[:] = [[[i]] for i in range(100)]
+
+        class Id(str):
+            def __hash__(self):
+                clobber()
+                return 1
+
+        class Resumed:
+            def __contains__(self, x):
+                clobber()
+                return False
+            def __iter__(self):
+                return iter(())
+
+        class Blocks(list):
+            def __iter__(self):
+                clobber()
+                return super().__iter__()
+
+        outcomes = []
+        def attempt(**kw):
+            try:
+                s.build_connector_meta_columns(list(ids), list(blocks), [0, 0], [1, 1], **kw)
+                outcomes.append("ok")
+            except TypeError as e:
+                outcomes.append("TypeError: " + str(e)[:120])
+
+        ids[0] = Id("a"); attempt(); ids[:] = ["a", "b"]
+        attempt(resumed_request_ids=Resumed())
+        blocks[:] = [Blocks([[4]]), None]; attempt(); blocks[:] = [None, None]
+        print(outcomes)
+        """
+    )
+    harness = str(__import__("pathlib").Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, harness], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    out = proc.stdout
+    assert "request_ids[0] must be a str request id, got the str subclass Id" in out
+    assert "new_block_ids[0] must be a list or tuple, got the Python class Blocks" in out
+    assert out.count("'ok'") == 1  # the custom container was read once, as a frozenset

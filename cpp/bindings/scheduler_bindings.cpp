@@ -417,7 +417,19 @@ py::object fast_sequence(PyObject* obj, const Where& where, const char* of) {
   return py::reinterpret_steal<py::object>(seq);
 }
 
+/// Block ids come as nested sequences read while the step's columns are held as borrowed
+/// pointers: a sequence type written in Python (its __iter__ / __len__ is user code) is refused;
+/// built-in and C types (list, tuple, range, numpy arrays) are read as usual.
+void reject_python_sequence(PyObject* obj, const Where& where) {
+  if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj) &&
+      (Py_TYPE(obj)->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0) {
+    throw py::type_error(where.str() + " must be a list or tuple, got the Python class " +
+                         Py_TYPE(obj)->tp_name + "; pass list(...)");
+  }
+}
+
 std::vector<std::int64_t> to_ints(PyObject* obj, const Where& where) {
+  reject_python_sequence(obj, where);
   py::object seq = fast_sequence(obj, where, "ints");
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
   PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
@@ -440,6 +452,7 @@ std::vector<std::int64_t> to_ints(PyObject* obj, const Where& where) {
 
 /// Per KV cache group, a list of ints: `obj` is a sequence (one entry per group) of sequences.
 std::vector<std::vector<std::int64_t>> to_int_lists(PyObject* obj, const Where& where) {
+  reject_python_sequence(obj, where);
   py::object seq = fast_sequence(obj, where, "sequences of ints (one per KV cache group)");
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
   PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
@@ -459,6 +472,12 @@ std::string_view id_view(PyObject* item, const Where& where) {
   if (!PyUnicode_Check(item)) {
     throw py::type_error(where.str() + " must be a str request id, got " +
                          Py_TYPE(item)->tp_name + " (" + short_repr(item) + ")");
+  }
+  if (!PyUnicode_CheckExact(item) && (Py_TYPE(item)->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0) {
+    // a str subclass written in Python may run its own __hash__ / __eq__ while the binding
+    // holds borrowed pointers into the caller's lists
+    throw py::type_error(where.str() + " must be a str request id, got the str subclass " +
+                         Py_TYPE(item)->tp_name + "; pass str(request_id)");
   }
   Py_ssize_t n = 0;
   const char* data = PyUnicode_AsUTF8AndSize(item, &n);
@@ -653,6 +672,16 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                      py::handle requests, bool with_keys, bool packed, py::handle tail) {
   reject_str(request_ids, "request_ids");
   reject_str(resumed_request_ids, "resumed_request_ids");
+  // Any container of resumed ids but the built-in ones becomes a frozenset first: its own
+  // __contains__ / __len__ would run while the columns' items are held as borrowed pointers
+  py::object resumed_set;
+  if (!resumed_request_ids.is_none() && !PyAnySet_CheckExact(resumed_request_ids.ptr()) &&
+      !PyList_CheckExact(resumed_request_ids.ptr()) &&
+      !PyTuple_CheckExact(resumed_request_ids.ptr())) {
+    resumed_set = py::reinterpret_steal<py::object>(PyFrozenSet_New(resumed_request_ids.ptr()));
+    if (!resumed_set) throw py::error_already_set();
+    resumed_request_ids = resumed_set;
+  }
   const StepColumns columns(request_ids, new_block_ids, num_computed_tokens, tail);
   const Py_ssize_t n = columns.size();
   PyObject* scheduled_dict = PyDict_Check(num_scheduled_tokens.ptr()) ? num_scheduled_tokens.ptr()
