@@ -186,7 +186,8 @@ def test_consecutive_slots_are_read_in_runs_and_mixed_outputs_are_served(
     assert tier.get(keys, bufs) == [True] * n
     assert all(np.array_equal(b, block(k)) for b, k in zip(bufs, keys, strict=True))
     if tier.stats()["direct_io"]:
-        assert calls == [2 * per_run, 2 * (n - per_run)]
+        # two runs on two I/O threads: either may call preadv first
+        assert sorted(calls) == sorted([2 * per_run, 2 * (n - per_run)])
     calls.clear()
     mixed = [aligned(FMT.payload_bytes) if i % 3 else outs(1)[0] for i in range(12)]
     assert tier.get(keys[:12], mixed) == [True] * 12
