@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 import numpy as np
 import xxhash
 
-from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch
+from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch, run_all
 from kvoff.tiers.block_format import (
     HEADER_BYTES,
     BlockFormat,
@@ -517,10 +517,11 @@ class DiskTier(SecondaryTier):
         return buf
 
     def _run(self, fn: Callable[..., T], jobs: list[tuple[Any, ...]]) -> list[T]:
+        """``fn(*job)`` for every job on the I/O threads (in the caller when there is one);
+        every job has finished before an error is raised (:func:`~kvoff.tiers.base.run_all`)."""
         if len(jobs) == 1:
             return [fn(*jobs[0])]
-        futures = [self._pool.submit(fn, *job) for job in jobs]
-        return [f.result() for f in futures]
+        return run_all(self._pool, fn, jobs)
 
     def _enter(self) -> bool:
         """Count an operation in flight (close waits for it); False once closed/unavailable."""
