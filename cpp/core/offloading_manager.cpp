@@ -231,6 +231,25 @@ std::pair<BlockState, std::uint32_t> CPUOffloadingManager::state_and_load_pins(
   return {state_bits(p), pins};
 }
 
+std::size_t CPUOffloadingManager::states_until_missing(
+    KeySpan keys, std::pair<BlockState, std::uint32_t>* out) const noexcept {
+  std::size_t held = 0;
+  index_.find_each(keys.data(), keys.size(),
+                   [&](std::size_t i, std::uint32_t slot, std::uint64_t /*hash*/) {
+                     if (slot == KeyIndex::kNotFound || keys[i].empty()) {
+                       out[i] = {BlockState::kMissing, 0};
+                       return false;
+                     }
+                     const std::uint64_t p = index_.payload(slot);
+                     std::uint32_t pins = pins_bits(p);
+                     if (pins > 0 && slot < wt_pinned_.size()) pins -= wt_pinned_[slot];
+                     out[i] = {state_bits(p), pins};
+                     ++held;
+                     return true;
+                   });
+  return held;
+}
+
 std::optional<std::uint32_t> CPUOffloadingManager::block_id(std::string_view key) const noexcept {
   const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
   if (slot == KeyIndex::kNotFound) {

@@ -325,22 +325,20 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   const std::size_t num_groups = config_.groups.size();
   const auto width = static_cast<std::size_t>(n_max - c0);
   // status[g][j - c0]: -1 unknown, 0 missing, 1 ready, 2 busy (pending, or loading elsewhere).
+  // A load pin is a load in flight (a block being written through to a secondary tier is
+  // pinned too, but can be loaded meanwhile: state_and_load_pins leaves that pin out).
+  const auto status_code = [](BlockState st, std::uint32_t load_pins) -> std::int8_t {
+    if (st == BlockState::kMissing) return 0;
+    return st == BlockState::kPending || load_pins > 0 ? 2 : 1;
+  };
   std::vector<std::vector<std::int8_t>> status(num_groups, std::vector<std::int8_t>(width, -1));
   std::string buf;
   auto status_of = [&](std::size_t g, std::int64_t j) -> std::int8_t {
     std::int8_t& s = status[g][static_cast<std::size_t>(j - c0)];
     if (s < 0) {
       const std::string_view key = key_in(buf, r, j, g);
-      // A load pin is a load in flight (a block being written through to a secondary tier
-      // is pinned too, but can be loaded meanwhile).
       const auto [st, pins] = manager_.state_and_load_pins(key);
-      if (st == BlockState::kMissing) {
-        s = 0;
-      } else if (st == BlockState::kPending || pins > 0) {
-        s = 2;
-      } else {
-        s = 1;
-      }
+      s = status_code(st, pins);
     }
     return s;
   };
@@ -352,12 +350,32 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
     return std::max(c0, first_tok / offloaded_block_size_);
   };
 
-  // Full-attention groups: the longest prefix of present blocks bounds the hit.
+  // Full-attention groups: the longest prefix of present blocks bounds the hit. Their keys are
+  // looked up a chunk at a time in one pipelined manager call (states_until_missing), so the
+  // index's cache misses overlap instead of queueing one per block; a chunk bounds the keys
+  // made past the first missing block.
+  constexpr std::int64_t kLookupChunk = 128;
   std::int64_t n = n_max;
   for (std::size_t g = 0; g < num_groups; ++g) {
     if (config_.groups[g].kind != GroupKind::kFullAttention) continue;
     std::int64_t j = c0;
-    while (j < n && status_of(g, j) != 0) ++j;
+    while (j < n) {
+      const std::int64_t end = std::min(n, j + kLookupChunk);
+      KeyList& keys = lookup_keys_;  // scratch: memory reused from call to call
+      keys.clear();
+      for (std::int64_t k = j; k < end; ++k) append_key(keys, r, k, g);
+      lookup_key_views_.assign(keys.begin(), keys.end());
+      lookup_states_.resize(lookup_key_views_.size());
+      const std::size_t held =
+          manager_.states_until_missing(lookup_key_views_, lookup_states_.data());
+      const std::size_t seen = std::min(held + 1, lookup_key_views_.size());
+      for (std::size_t i = 0; i < seen; ++i) {
+        const auto [st, pins] = lookup_states_[i];
+        status[g][static_cast<std::size_t>(j - c0) + i] = status_code(st, pins);
+      }
+      j += static_cast<std::int64_t>(held);
+      if (held < lookup_key_views_.size()) break;  // block j is missing
+    }
     n = j;
   }
   // Other groups: the window before n must be present; a missing block at j forces n <= j.

@@ -949,6 +949,42 @@ TEST(CPUOffloadingManagerWriteThrough, QueuesPinsDropsAndUnpinsWhenHandedBack) {
   EXPECT_TRUE(m.prepare_store(K({"x", "y", "z"})).has_value());
 }
 
+TEST(CPUOffloadingManagerWriteThrough, StatesUntilMissingEqualsOneLookupPerKey) {
+  // The scheduler's pipelined prefix query answers what state_and_load_pins answers key by key,
+  // in every state (ready, pending, pinned by a load, pinned for write-through), and stops at the
+  // first missing key; batches longer than the pipeline (2 x KeyIndex::kFindAhead) included.
+  CPUOffloadingManager m(512);
+  m.set_write_through(8);
+  Strings names;
+  for (int i = 0; i < 300; ++i) names.push_back("k" + std::to_string(i));
+  Keys all(names.begin(), names.end());
+  store(m, Keys(all.begin(), all.begin() + 200));     // ready; the first 8 written through
+  m.prepare_load(Keys(all.begin() + 10, all.begin() + 12));  // pinned by a load
+  m.prepare_load(Keys(all.begin() + 3, all.begin() + 4));    // write-through and load pins
+  ASSERT_TRUE(m.prepare_store(Keys(all.begin() + 200, all.begin() + 250)));  // pending
+  // k250..k299 missing
+  for (const std::size_t begin : {0u, 3u, 150u, 199u, 249u, 250u}) {
+    for (const std::size_t len : {0u, 1u, 7u, 64u, 65u, 129u, 300u}) {
+      const std::size_t end = std::min<std::size_t>(names.size(), begin + len);
+      const Keys keys(all.begin() + begin, all.begin() + end);
+      std::vector<std::pair<BlockState, std::uint32_t>> out(keys.size());
+      const std::size_t held = m.states_until_missing(keys, out.data());
+      std::size_t expect = 0;
+      while (expect < keys.size() && m.state(keys[expect]) != BlockState::kMissing) ++expect;
+      ASSERT_EQ(held, expect) << begin << "+" << len;
+      for (std::size_t i = 0; i < std::min(held + 1, keys.size()); ++i) {
+        EXPECT_EQ(out[i], m.state_and_load_pins(keys[i])) << keys[i];
+      }
+    }
+  }
+  EXPECT_EQ(m.state_and_load_pins("k3"), std::make_pair(BlockState::kReady, 1u));
+  EXPECT_EQ(m.state_and_load_pins("k10"), std::make_pair(BlockState::kReady, 1u));
+  EXPECT_EQ(m.state_and_load_pins("k5"), std::make_pair(BlockState::kReady, 0u));
+  std::vector<std::pair<BlockState, std::uint32_t>> out(2);
+  EXPECT_EQ(m.states_until_missing(K({"", "k0"}), out.data()), 0u);  // empty: missing
+  EXPECT_EQ(out[0], std::make_pair(BlockState::kMissing, 0u));
+}
+
 TEST(CPUOffloadingManagerWriteThrough, LoadPinsLeaveOutTheWriteThroughPin) {
   CPUOffloadingManager m(4);
   m.set_write_through(4);

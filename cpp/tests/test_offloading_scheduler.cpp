@@ -237,6 +237,41 @@ TEST(OffloadingSchedulerLookup, FullAttentionLongestPrefix) {
                {"'ghost'", "unknown request"});
 }
 
+TEST(OffloadingSchedulerLookup, LongPrefixesAcrossLookupChunks) {
+  // Full-attention lookups go 128 blocks per pipelined manager call: a miss or a busy block
+  // past the first chunk, and a miss at a chunk's edge, bound the hit exactly as at block 0.
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/1024,
+                                    /*gpu_blocks=*/1024));
+  Table seed_table(1);
+  for (std::int64_t i = 1; i <= 300; ++i) seed_table[0].push_back(i);
+  seed(s, "seed", hashes("a", 300), seed_table);
+  const auto with_gap = [](int gap) {
+    Strs hs = hashes("a", 300);
+    hs[static_cast<std::size_t>(gap)] = "x";
+    return hs;
+  };
+  add(s, "all", hashes("a", 300), 1200);
+  expect_match(s.get_num_new_matched_tokens("all", 0), hit(1200));
+  expect_match(s.get_num_new_matched_tokens("all", 4 * 100), hit(800));  // starts mid-chunk
+  for (const int gap : {0, 127, 128, 129, 200, 255, 256, 299}) {
+    const std::string id = "gap" + std::to_string(gap);
+    add(s, id, with_gap(gap), 1200);
+    expect_match(s.get_num_new_matched_tokens(id, 0), gap == 0 ? miss() : hit(4 * gap));
+  }
+  // A block being stored (pending) at 200, after a present prefix: retry later.
+  Strs busy = hashes("a", 200);
+  busy.push_back("b200");
+  add(s, "store", busy, 804);
+  Table store_table(1);
+  for (std::int64_t i = 301; i <= 501; ++i) store_table[0].push_back(i);
+  auto meta = step(s, {sched("store", store_table, 0, 804)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  add(s, "reader", busy, 900);
+  expect_match(s.get_num_new_matched_tokens("reader", 0), retry());
+  report(s, {meta.store_jobs[0].job_id});
+  expect_match(s.get_num_new_matched_tokens("reader", 0), hit(804));
+}
+
 TEST(OffloadingSchedulerLookup, SlidingWindowRightmostRunOfEnoughHits) {
   // window 9 tokens -> the last 8 tokens (2 blocks) before the resume point are needed.
   OffloadingScheduler s(make_config({SW(9)}));

@@ -238,6 +238,15 @@ class CPUOffloadingManager {
   /// state(key) and its pins by loads only: pin_count(key) less the write-through pin (a block
   /// being written to the secondary tiers can still be loaded). Engine thread.
   std::pair<BlockState, std::uint32_t> state_and_load_pins(std::string_view key) const noexcept;
+  /// state_and_load_pins of keys[0], keys[1], ... up to the first key that is missing:
+  /// out[i] gets key i's, and the number of leading keys that are held (ready or pending) is
+  /// returned (keys.size() when all are; otherwise keys[returned] is missing and out[returned]
+  /// is {kMissing, 0}). `out` must have room for keys.size() entries. The index lookups are
+  /// pipelined (KeyIndex::find_each), so a batch costs about one memory latency per 64 keys
+  /// instead of one per key; stopping at a miss wastes at most 64 hashes. Changes nothing.
+  /// Engine thread. An empty key counts as missing.
+  std::size_t states_until_missing(KeySpan keys,
+                                   std::pair<BlockState, std::uint32_t>* out) const noexcept;
   /// CPU block id of a held key, or std::nullopt.
   std::optional<std::uint32_t> block_id(std::string_view key) const noexcept;
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kvoff/flat_hash_table.h"
@@ -459,6 +460,10 @@ class OffloadingScheduler {
     std::size_t end;
     std::size_t rank;  // runs of its group before it (the job it goes to)
   };
+  // get_num_new_matched_tokens' scratch: one chunk of keys, their views and states
+  KeyList lookup_keys_;
+  std::vector<std::string_view> lookup_key_views_;
+  std::vector<std::pair<BlockState, std::uint32_t>> lookup_states_;
   KeyList store_keys_;
   PrepareStoreResult store_result_;
   std::vector<std::string_view> store_key_views_;
