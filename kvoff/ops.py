@@ -9,6 +9,7 @@ adds the Python wrappers :func:`copy_blocks` and :func:`batch_copy_supported`, t
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -131,13 +132,16 @@ def copy_blocks(
 
     Raises:
         ValueError: an unknown ``mechanism`` or a negative ``kernel_blocks`` (raised by this
-            wrapper and by the op); empty ``src`` or ``len(src) != len(dst)``; a 0-d tensor;
+            wrapper and by the op); empty ``src`` or ``len(src) != len(dst)``; a tensor or id
+            tensor that is not dense (sparse, mkldnn: naming it and its layout); a 0-d tensor;
             a pair whose dtypes or row sizes differ; rows that are not contiguous or
             ``stride(0)`` smaller than the row; id tensors that are not 1-D ``torch.int64`` or
             of different lengths; a repeated destination id.
         TypeError: id sequences (not tensors) that do not hold integers, or a
             ``kernel_blocks`` that is not an int; raised by this wrapper before the op runs.
-        IndexError: a negative id, or an id ``>= size(0)`` of some tensor on its side.
+        IndexError: a negative id, or an id ``>= size(0)`` of some tensor on its side (ids in
+            sequences beyond int64, such as ``2**63``, are refused by this wrapper, naming
+            the position and value, before the op runs).
         RuntimeError: ``src`` (or ``dst``) tensors on different devices; id tensors not on the
             CPU; an unsupported device combination; an unpinned CPU tensor in a CPU-GPU copy;
             a CUDA failure.
@@ -183,19 +187,63 @@ def copy_blocks_fast(
 def _as_block_ids(ids: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
     """Return ``ids`` as a tensor; sequences become 1-D int64 CPU tensors.
 
-    Tensors pass through unchanged, so that the op reports a wrong dtype or device itself.
+    Tensors pass through unchanged, so that the op reports a wrong dtype, device or layout
+    itself.
+
+    Raises:
+        TypeError: an id that is not an integer (naming its position and value).
+        IndexError: an id that does not fit in int64, such as ``2**63`` (naming its position
+            and value): NumPy would otherwise wrap it to a negative id or read the list as
+            floats.
     """
     if isinstance(ids, torch.Tensor):
         return ids
     arr = np.asarray(ids)
     if arr.size == 0:
         return torch.empty(0, dtype=torch.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(
-            f"{_PREFIX}{name} must hold integers, got values of dtype {arr.dtype} "
-            f"(first: {arr.reshape(-1)[0]!r}); pass block ids as ints."
-        )
+    kind = arr.dtype.kind
+    if kind == "u" and arr.dtype.itemsize >= 8:  # uint64: 2**63 and up would wrap
+        flat = arr.reshape(-1)
+        too_big = np.flatnonzero(flat > np.uint64(2**63 - 1))
+        if too_big.size:
+            _check_int64_ids(flat[too_big[:1]], name, arr.dtype, first=int(too_big[0]))
+    elif kind not in "iu":
+        if kind != "O" and isinstance(ids, np.ndarray):
+            raise TypeError(
+                f"{_PREFIX}{name} must hold integers, got values of dtype {arr.dtype} "
+                f"(first: {arr.reshape(-1)[0]!r}); pass block ids as ints."
+            )
+        # A sequence NumPy did not read as integers: Python ints beyond int64 make it object
+        # or float64 ([1, 2**63]); look at the items themselves.
+        items = np.asarray(ids, dtype=object)
+        _check_int64_ids(items.reshape(-1), name, arr.dtype)
+        return torch.from_numpy(np.ascontiguousarray(items, dtype=np.int64))
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+
+
+def _check_int64_ids(flat: np.ndarray, name: str, dtype: np.dtype, first: int = 0) -> None:
+    """Raise for the first of ``flat`` (ids from position ``first`` on) that is not an integer
+    (TypeError) or that does not fit in int64 (IndexError: it is no row of any tensor),
+    naming its position and value. ``dtype``: what NumPy made of the whole sequence."""
+    side = name.removesuffix("_block_ids")
+    for i, item in enumerate(flat.tolist(), start=first):
+        if isinstance(item, (bool, np.bool_)) or not hasattr(item, "__index__"):
+            raise TypeError(
+                f"{_PREFIX}{name} must hold integers, got values of dtype {dtype} ({name}[{i}] "
+                f"= {item!r} is a {type(item).__name__}); pass block ids as ints."
+            )
+        v = operator.index(item)
+        if v < 0:
+            raise IndexError(
+                f"{_PREFIX}{name}[{i}] = {v} is negative; block ids are row indices in "
+                f"[0, size(0)) of every {side} tensor (negative indexing is not supported)."
+            )
+        if v >= 2**63:
+            raise IndexError(
+                f"{_PREFIX}{name}[{i}] = {v} is out of range: it does not fit in int64, so no "
+                f"{side} tensor has that row; block ids are row indices in [0, size(0)) of "
+                f"every {side} tensor. Pass ids of existing blocks."
+            )
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -230,6 +278,12 @@ def _copy_blocks_fake(
         )
     for k, (s, d) in enumerate(zip(src, dst, strict=True)):
         for side, t in (("src", s), ("dst", d)):
+            if t.layout != torch.strided:
+                raise ValueError(
+                    f"{_PREFIX}{side}[{k}] is a {t.layout} tensor (shape {list(t.shape)}); "
+                    "block tensors must be dense (torch.strided) with dim 0 = blocks. Convert "
+                    "it with .to_dense(), or allocate the cache as a dense tensor."
+                )
             if t.dim() == 0:
                 raise ValueError(
                     f"{_PREFIX}{side}[{k}] is a 0-d tensor; block tensors need dim 0 = blocks, "
@@ -257,6 +311,12 @@ def _copy_blocks_fake(
                     f'{side}[{k}] with .to("{tensors[0].device}").'
                 )
     for name, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
+        if ids.layout != torch.strided:
+            raise ValueError(
+                f"{_PREFIX}{name} is a {ids.layout} tensor (shape {list(ids.shape)}); block ids "
+                "must be a dense 1-D int64 CPU tensor. Convert them with .to_dense(), or pass a "
+                "list of ints."
+            )
         if ids.dtype != torch.int64:
             raise ValueError(
                 f"{_PREFIX}{name} has dtype {ids.dtype}; block ids must be torch.int64. Convert "

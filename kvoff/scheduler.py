@@ -332,6 +332,9 @@ class OffloadingScheduler:
     Raises:
         ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``), or a group type
             the scheduler cannot offload.
+        MemoryError: the host cannot hold the CPU pool's index and eviction policy (about 110
+            bytes per CPU block); the message names ``num_blocks``, the bytes needed and the
+            fix (a smaller ``cpu_bytes_to_use``). Nothing stays allocated.
     """
 
     def __init__(self, spec: CPUOffloadingSpec, *, enable_events: bool = False) -> None:

@@ -12,11 +12,20 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from scheduler_harness import EngineSim, snapshot
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kvoff import CPUBlockSpec, CPUOffloadingManager, GPUBlockSpec, OffloadingWorker
+from kvoff import (
+    CPUBlockSpec,
+    CPUOffloadingManager,
+    GPUBlockSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    copy_blocks,
+)
 from kvoff.config import parse_byte_size
 from kvoff.scheduler import Request
 
@@ -308,3 +317,167 @@ def test_user_code_cannot_change_the_step_columns_while_they_are_read() -> None:
     assert "request_ids[0] must be a str request id, got the str subclass Id" in out
     assert "new_block_ids[0] must be a list or tuple, got the Python class Blocks" in out
     assert out.count("'ok'") == 1  # the custom container was read once, as a frozenset
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="caps the address space (RLIMIT_AS, /proc)")
+def test_a_pool_too_large_for_the_host_is_a_memory_error_that_names_it() -> None:
+    """A bare ``MemoryError('std::bad_alloc')`` before. Run with the address space capped 1 GiB
+    above what the process uses, so that on any machine one of the two paths is taken: a pool
+    larger than the host is refused before allocating; one that fits the host but not the cap
+    fails to allocate. Both name num_blocks and the fix, through the manager and through the
+    scheduler of a spec, and free what they had allocated."""
+    script = textwrap.dedent(
+        """
+        import resource, sys
+        sys.path.insert(0, sys.argv[1])
+        from scheduler_harness import GroupDesc, build_spec
+        from kvoff import CPUOffloadingManager
+        from kvoff.scheduler import OffloadingScheduler
+
+        def vm_bytes():
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmSize:"):
+                        return int(line.split()[1]) * 1024
+
+        spec, _ = build_spec(
+            (GroupDesc(),), block_size=4, num_gpu_blocks=32, num_cpu_blocks=2**31 - 1
+        )
+        cap = vm_bytes() + (1 << 30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        calls = [
+            lambda: CPUOffloadingManager(2**31 - 1),
+            lambda: CPUOffloadingManager(2**25, "arc"),
+            lambda: OffloadingScheduler(spec),
+        ]
+        for call in calls:
+            try:
+                call()
+                print("no error")
+            except MemoryError as e:
+                print(type(e).__name__, e)
+        print("fits", CPUOffloadingManager(2**22).num_blocks)
+        """
+    )
+    harness = str(__import__("pathlib").Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, harness], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 4, proc.stdout
+    cases = ((2**31 - 1, "lru"), (2**25, "arc"), (2**31 - 1, "lru"))
+    for line, (n, policy) in zip(lines[:3], cases, strict=True):
+        assert line.startswith("MemoryError CPUOffloadingManager: "), line
+        assert f"num_blocks={n} needs about " in line, line
+        assert "GiB of host memory (~1" in line and f"'{policy}' eviction policy" in line, line
+        assert "a smaller cpu_bytes_to_use" in line, line
+    assert lines[3] == f"fits {2**22}"  # what the failed attempts allocated was freed
+
+
+def _copy_args() -> dict:
+    """Two healthy pairs of CPU block tensors and ids (tests/test_ops.py's conventions: the bad
+    value goes last, and a refused call must leave every dst byte unchanged)."""
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "src": [torch.randn(8, 2, 4, generator=gen), torch.randn(6, 16, generator=gen)],
+        "dst": [torch.randn(5, 8, generator=gen), torch.randn(7, 4, 4, generator=gen)],
+        "src_ids": [0, 1, 2],
+        "dst_ids": [2, 3, 4],
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "ids", "match"),
+    [
+        ("src_ids", [0, 1, 2**63], r"src_block_ids\[2\] = 9223372036854775808 is out of range"),
+        ("dst_ids", [2, 3, 2**63], r"dst_block_ids\[2\] = 9223372036854775808 is out of range"),
+        ("src_ids", [2**63], r"src_block_ids\[0\] = 9223372036854775808 is out of range"),
+        ("src_ids", [0, 1, 2**64], r"src_block_ids\[2\] = 18446744073709551616 is out of"),
+        ("src_ids", [0, 1, -(2**63) - 1], r"src_block_ids\[2\] = -9223372036854775809 is neg"),
+        (
+            "dst_ids",
+            np.array([2, 3, 2**63 + 5], dtype=np.uint64),
+            r"dst_block_ids\[2\] = 9223372036854775813 is out of range",
+        ),
+    ],
+    ids=["src-2**63", "dst-2**63", "alone", "2**64", "below-int64", "uint64-array"],
+)
+def test_copy_blocks_ids_beyond_int64_are_refused_naming_them(key, ids, match) -> None:  # type: ignore[no-untyped-def]
+    """2**63 wrapped to -2**63 ("is negative") or made the list float64 ("must hold
+    integers")."""
+    args = _copy_args()
+    args[key] = ids
+    before = [t.clone() for t in args["dst"]]
+    with pytest.raises(IndexError, match=r"^kvoff\.copy_blocks: " + match + r".*\[0, size\(0\)\)"):
+        copy_blocks(args["src"], args["dst"], args["src_ids"], args["dst_ids"])
+    assert all(torch.equal(a, b) for a, b in zip(args["dst"], before, strict=True))
+
+
+def _sparse(key: str, index: int | None, to: str) -> object:
+    def mutate(a: dict) -> None:
+        t = torch.as_tensor(a[key]) if index is None else a[key][index]
+        t = t.to_sparse() if to == "coo" else t.reshape(t.shape[0], -1).to_sparse_csr()
+        if index is None:
+            a[key] = t
+        else:
+            a[key][index] = t
+
+    return mutate
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("call", ["wrapper", "op", "fake"])
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (_sparse("src", 1, "coo"), r"src\[1\] is a torch.sparse_coo tensor \(shape \[6, 16\]\)"),
+        (_sparse("dst", 1, "coo"), r"dst\[1\] is a torch.sparse_coo tensor \(shape \[7, 4, 4\]"),
+        (_sparse("dst", 1, "csr"), r"dst\[1\] is a torch.sparse_csr tensor \(shape \[7, 16\]\)"),
+        (_sparse("src_ids", None, "coo"), r"src_block_ids is a torch.sparse_coo tensor"),
+        (_sparse("dst_ids", None, "coo"), r"dst_block_ids is a torch.sparse_coo tensor"),
+    ],
+    ids=["src", "dst", "dst-csr", "src-ids", "dst-ids"],
+)
+def test_copy_blocks_sparse_tensors_are_refused_naming_them(call: str, mutate, match) -> None:  # type: ignore[no-untyped-def]
+    """torch's own NotImplementedError ("Could not run 'kvoff::copy_blocks' with arguments
+    from the 'SparseCPU' backend") before."""
+    args = _copy_args()
+    mutate(args)
+    for key in ("src_ids", "dst_ids"):
+        if not isinstance(args[key], torch.Tensor):
+            args[key] = torch.tensor(args[key])
+    dense_dst = [t for t in args["dst"] if t.layout == torch.strided]
+    before = [t.clone() for t in dense_dst]
+    full = r"^kvoff\.copy_blocks: " + match + r".*dense.*\.to_dense\(\)"
+    with pytest.raises(ValueError, match=full):
+        if call == "wrapper":
+            copy_blocks(args["src"], args["dst"], args["src_ids"], args["dst_ids"])
+        elif call == "op":
+            torch.ops.kvoff.copy_blocks.default(
+                args["src"], args["dst"], args["src_ids"], args["dst_ids"]
+            )
+        else:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            fake = {
+                k: [mode.from_tensor(t) for t in v] if isinstance(v, list) else mode.from_tensor(v)
+                for k, v in args.items()
+            }
+            with mode:
+                torch.ops.kvoff.copy_blocks.default(
+                    fake["src"], fake["dst"], fake["src_ids"], fake["dst_ids"]
+                )
+    assert all(torch.equal(a, b) for a, b in zip(dense_dst, before, strict=True))
+
+
+def test_prepare_store_output_refuses_lengths_that_differ() -> None:
+    """block_ids[i] is the slot of keys_to_store[i]: a missing or extra id was accepted."""
+    assert PrepareStoreOutput([b"a", 7], [0, 1]).block_ids == [0, 1]
+    assert PrepareStoreOutput([], [], [b"x"]).evicted_keys == [b"x"]
+    for keys, ids in (([b"a", b"b"], [0]), ([b"a"], [0, 1]), ([], [3])):
+        with pytest.raises(
+            ValueError,
+            match=rf"len\(keys_to_store\) = {len(keys)} but len\(block_ids\) = {len(ids)}; "
+            r"pass one CPU block id \(slot\) per key",
+        ):
+            PrepareStoreOutput(keys, ids, [b"e"])

@@ -340,6 +340,11 @@ Raises:
     ValueError: num_blocks out of range (naming it) or an unknown eviction_policy (listing the
         choices).
     TypeError: num_blocks is not an int.
+    MemoryError: the host cannot hold the pool's index and policy (about 110 bytes per block,
+        more with "arc" or "probation"): refused before allocating when they exceed physical
+        memory (or the cgroup limit), or when an allocation fails. The message names
+        num_blocks, the bytes needed and the fix (a smaller cpu_bytes_to_use); nothing stays
+        allocated.
 )doc";
 
 constexpr const char* kKeysNote = R"doc(
@@ -1197,14 +1202,32 @@ PYBIND11_MODULE(_scheduler, m) {
               "deduplicated, in call order: copy these blocks GPU->CPU.\n"
               "    block_ids (list[int]): the CPU block id (slot) given to each of "
               "keys_to_store, same order.\n"
-              "    evicted_keys (list[bytes]): keys evicted to make room, in eviction order."))
+              "    evicted_keys (list[bytes]): keys evicted to make room, in eviction order.\n\n"
+              "Raises:\n"
+              "    TypeError: a key that is neither bytes nor int, or a block id that is not "
+              "an int.\n"
+              "    ValueError: an empty key, or len(keys_to_store) != len(block_ids) (naming "
+              "both lengths)."))
       .def(py::init([](py::handle keys_to_store, py::handle block_ids, py::handle evicted_keys) {
-             return PrepareStoreOutput{normalized_keys(keys_to_store), normalized_ids(block_ids),
-                                       normalized_keys(evicted_keys)};
+             PrepareStoreOutput out{normalized_keys(keys_to_store), normalized_ids(block_ids),
+                                    normalized_keys(evicted_keys)};
+             if (out.keys_to_store.size() != out.block_ids.size()) {
+               throw py::value_error(
+                   "PrepareStoreOutput: len(keys_to_store) = " +
+                   std::to_string(out.keys_to_store.size()) + " but len(block_ids) = " +
+                   std::to_string(out.block_ids.size()) +
+                   "; pass one CPU block id (slot) per key to store, in the same order");
+             }
+             return out;
            }),
            py::arg("keys_to_store"), py::arg("block_ids"), py::arg("evicted_keys") = py::tuple(),
            py::doc("__init__(self, keys_to_store: Sequence[bytes | int], block_ids: "
-                   "Sequence[int], evicted_keys: Sequence[bytes | int] = ()) -> None"))
+                   "Sequence[int], evicted_keys: Sequence[bytes | int] = ()) -> None\n\n"
+                   "Raises:\n"
+                   "    TypeError: a key that is neither bytes nor int, or a block id that is "
+                   "not an int.\n"
+                   "    ValueError: an empty key, or len(keys_to_store) != len(block_ids) "
+                   "(naming both lengths)."))
       .def_readonly("keys_to_store", &PrepareStoreOutput::keys_to_store,
                     py::doc("list[bytes]: keys to copy, in call order."))
       .def_readonly("block_ids", &PrepareStoreOutput::block_ids,

@@ -21,6 +21,10 @@ LRUEvictionPolicy::LRUEvictionPolicy(std::uint32_t capacity) : capacity_(capacit
   nodes_[head_] = Node{head_, head_};
 }
 
+std::uint64_t LRUEvictionPolicy::memory_bytes(std::uint32_t capacity) noexcept {
+  return (std::uint64_t{capacity} + 1) * sizeof(Node);
+}
+
 void LRUEvictionPolicy::check_tracked(std::uint32_t slot, const char* op) const {
   if (slot >= capacity_) {
     throw std::out_of_range(std::string("lru ") + op + ": slot " + std::to_string(slot) +
@@ -143,6 +147,12 @@ ARCEvictionPolicy::ARCEvictionPolicy(std::uint32_t capacity)
   ghost_nodes_[b2_head_] = Ghost{0, b2_head_, b2_head_};
   ghost_list_.assign(2 * c + 2, List::kNone);
   buckets_.assign(3 * c + 1, b1_head_);
+}
+
+std::uint64_t ARCEvictionPolicy::memory_bytes(std::uint32_t capacity) noexcept {
+  const std::uint64_t c = capacity;
+  return (c + 2) * sizeof(Link) + c * sizeof(List) + (2 * c + 2) * (sizeof(Ghost) + sizeof(List)) +
+         (3 * c + 1) * sizeof(std::uint32_t);
 }
 
 void ARCEvictionPolicy::check_slot(std::uint32_t slot, const char* op) const {
@@ -374,19 +384,23 @@ using Factory = std::unique_ptr<EvictionPolicy> (*)(std::uint32_t capacity);
 struct Registration {
   std::string_view name;
   Factory make;
+  std::uint64_t (*memory_bytes)(std::uint32_t capacity) noexcept;
 };
 
 // Add new policies here (name, factory). The first entry is the default.
 constexpr std::array<Registration, 3> kPolicies{{
     {"lru", [](std::uint32_t capacity) -> std::unique_ptr<EvictionPolicy> {
        return std::make_unique<LRUEvictionPolicy>(capacity);
-     }},
+     },
+     &LRUEvictionPolicy::memory_bytes},
     {"arc", [](std::uint32_t capacity) -> std::unique_ptr<EvictionPolicy> {
        return std::make_unique<ARCEvictionPolicy>(capacity);
-     }},
+     },
+     &ARCEvictionPolicy::memory_bytes},
     {"probation", [](std::uint32_t capacity) -> std::unique_ptr<EvictionPolicy> {
        return std::make_unique<ProbationEvictionPolicy>(capacity);
-     }},
+     },
+     &ProbationEvictionPolicy::memory_bytes},
 }};
 
 }  // namespace
@@ -398,6 +412,16 @@ std::vector<std::string> eviction_policy_names() {
     names.emplace_back(p.name);
   }
   return names;
+}
+
+std::uint64_t eviction_policy_memory_bytes(std::string_view name,
+                                           std::uint32_t capacity) noexcept {
+  for (const auto& p : kPolicies) {
+    if (p.name == name) {
+      return p.memory_bytes(capacity);
+    }
+  }
+  return 0;
 }
 
 std::unique_ptr<EvictionPolicy> make_eviction_policy(std::string_view name,

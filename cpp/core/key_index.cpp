@@ -17,15 +17,25 @@ std::string slot_range_message(std::uint32_t slot, std::uint32_t num_slots) {
 
 }  // namespace
 
+std::uint64_t KeyIndex::bucket_count(std::uint32_t num_slots) noexcept {
+  std::uint64_t buckets = 8;
+  while (buckets < 4 * static_cast<std::uint64_t>(num_slots)) {  // load factor <= 1/4
+    buckets <<= 1;
+  }
+  return buckets;
+}
+
+std::uint64_t KeyIndex::memory_bytes(std::uint32_t num_slots) noexcept {
+  return bucket_count(num_slots) * sizeof(std::uint64_t) +
+         std::uint64_t{num_slots} * sizeof(Record);
+}
+
 KeyIndex::KeyIndex(std::uint32_t num_slots) : num_slots_(num_slots), mask_(0) {
   if (num_slots == 0 || static_cast<std::int64_t>(num_slots) > kMaxNumBlocks) {
     throw std::invalid_argument("KeyIndex needs 1..2^31-1 slots, got " +
                                 std::to_string(num_slots));
   }
-  std::uint64_t buckets = 8;
-  while (buckets < 4 * static_cast<std::uint64_t>(num_slots)) {  // load factor <= 1/4
-    buckets <<= 1;
-  }
+  const std::uint64_t buckets = bucket_count(num_slots);
   mask_ = buckets - 1;
   buckets_.assign(buckets, 0);
   records_.resize(num_slots);

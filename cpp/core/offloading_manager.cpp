@@ -4,9 +4,16 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <utility>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 namespace kvoff {
 
@@ -86,7 +93,22 @@ inline bool evictable(std::uint64_t p) noexcept {
   return (p & kLow32) == static_cast<std::uint64_t>(BlockState::kReady);
 }
 
-/// Validates the arguments before anything large is allocated; returns num_blocks.
+/// Entries of the recency log of a pool of `num_blocks` slots: a power of two >= 2 x
+/// num_blocks, at least 1024 and at most kMaxRecentLog.
+std::uint64_t recent_log_entries(std::uint32_t num_blocks, std::uint64_t max_entries) noexcept {
+  std::uint64_t ring = 1024;
+  while (ring < 2 * static_cast<std::uint64_t>(num_blocks) && ring < max_entries) {
+    ring <<= 1;
+  }
+  return ring;
+}
+
+// Pools needing less than this are not checked against the host's memory (no file is read):
+// any host that runs the engine has it.
+constexpr std::uint64_t kCheckHostMemoryFrom = std::uint64_t{256} << 20;
+
+/// Validates the arguments before anything large is allocated, the pool's memory included;
+/// returns num_blocks.
 std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy) {
   if (num_blocks < 1 || num_blocks > kMaxNumBlocks) {
     throw std::invalid_argument(bad_num_blocks_message(std::to_string(num_blocks)));
@@ -95,8 +117,117 @@ std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy
   if (std::find(names.begin(), names.end(), policy) == names.end()) {
     make_eviction_policy(policy, 1);  // throws the "unknown eviction_policy" error
   }
+  const std::uint64_t needed = CPUOffloadingManager::memory_bytes(num_blocks, policy);
+  if (needed >= kCheckHostMemoryFrom) {
+    const std::uint64_t limit = host_memory_limit_bytes();
+    if (needed > limit) {
+      throw HostMemoryError(num_blocks, policy, needed, limit);
+    }
+  }
   return num_blocks;
 }
+
+std::string format_bytes(std::uint64_t bytes) {
+  char buf[32];
+  const double gib = static_cast<double>(bytes) / static_cast<double>(std::uint64_t{1} << 30);
+  if (gib >= 1.0) {
+    std::snprintf(buf, sizeof buf, "%.1f GiB", gib);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", gib * 1024.0);
+  }
+  return buf;
+}
+
+#if defined(__linux__)
+/// The first number in file `path`, or UINT64_MAX (no such file, "max", unreadable).
+std::uint64_t read_limit_file(const std::string& path) {
+  std::ifstream in(path);
+  std::uint64_t value = 0;
+  if (in >> value) {
+    return value;
+  }
+  return std::numeric_limits<std::uint64_t>::max();
+}
+
+/// The lowest memory limit of this process's cgroup (v2 memory.max or v1
+/// memory.limit_in_bytes, at the cgroup's path and at the mount's root, which is the cgroup
+/// itself inside a container), or UINT64_MAX.
+std::uint64_t cgroup_memory_limit() {
+  std::uint64_t limit = read_limit_file("/sys/fs/cgroup/memory.max");
+  limit = std::min(limit, read_limit_file("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(in, line)) {  // "0::/path" (v2) or "4:memory:/path" (v1)
+    if (line.rfind("0::", 0) == 0) {
+      limit = std::min(limit, read_limit_file("/sys/fs/cgroup" + line.substr(3) + "/memory.max"));
+      continue;
+    }
+    const auto first = line.find(':');
+    const auto second = first == std::string::npos ? first : line.find(':', first + 1);
+    if (second == std::string::npos) {
+      continue;
+    }
+    const std::string controllers = "," + line.substr(first + 1, second - first - 1) + ",";
+    if (controllers.find(",memory,") != std::string::npos) {
+      limit = std::min(limit, read_limit_file("/sys/fs/cgroup/memory" + line.substr(second + 1) +
+                                              "/memory.limit_in_bytes"));
+    }
+  }
+  return limit;
+}
+#endif
+
+}  // namespace
+
+HostMemoryError::HostMemoryError(std::int64_t num_blocks, std::string_view eviction_policy,
+                                 std::uint64_t needed_bytes, std::uint64_t limit_bytes) {
+  const std::uint64_t per_block =
+      num_blocks > 0 ? needed_bytes / static_cast<std::uint64_t>(num_blocks) : 0;
+  std::string m = "CPUOffloadingManager: num_blocks=" + std::to_string(num_blocks) +
+                  " needs about " + format_bytes(needed_bytes) + " of host memory (~" +
+                  std::to_string(per_block) + " bytes per block for the key index, the '" +
+                  std::string(eviction_policy) + "' eviction policy and the recency log), ";
+  if (limit_bytes > 0) {
+    m += "more than the " + format_bytes(limit_bytes) +
+         " this process can use (physical memory or its cgroup limit)";
+  } else {
+    m += "and allocating it failed (std::bad_alloc)";
+  }
+  m += "; use fewer CPU blocks: a smaller cpu_bytes_to_use (or num_blocks), or a larger "
+       "block_size_factor for fewer, larger blocks. Nothing is left allocated.";
+  message_ = std::make_shared<const std::string>(std::move(m));
+}
+
+std::uint64_t host_memory_limit_bytes() noexcept {
+  std::uint64_t limit = std::numeric_limits<std::uint64_t>::max();
+#if defined(__unix__) || defined(__APPLE__)
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page_size > 0) {
+    limit = static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size);
+  }
+#endif
+#if defined(__linux__)
+  try {
+    limit = std::min(limit, cgroup_memory_limit());
+  } catch (...) {  // std::bad_alloc reading a file: physical memory is the answer
+  }
+#endif
+  return limit;
+}
+
+std::uint64_t CPUOffloadingManager::memory_bytes(std::int64_t num_blocks,
+                                                 std::string_view eviction_policy) {
+  if (num_blocks < 1 || num_blocks > kMaxNumBlocks) {
+    return 0;
+  }
+  const auto n = static_cast<std::uint32_t>(num_blocks);
+  return CPUBlockPool::memory_bytes(n) + KeyIndex::memory_bytes(n) +
+         eviction_policy_memory_bytes(eviction_policy, n) +
+         recent_log_entries(n, kMaxRecentLog) * sizeof(std::uint32_t);
+}
+
+namespace {
 
 void validate_keys(KeySpan keys, const char* op) {
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -136,17 +267,20 @@ std::string describe_state(BlockState state) {
 
 }  // namespace
 
+// A function-try-block: when an allocation fails, the members built so far are destroyed
+// (their memory freed) before the handler turns std::bad_alloc into a HostMemoryError.
 CPUOffloadingManager::CPUOffloadingManager(std::int64_t num_blocks,
                                            std::string_view eviction_policy, bool enable_events)
-    : pool_(checked_num_blocks(num_blocks, eviction_policy)),
+try : pool_(checked_num_blocks(num_blocks, eviction_policy)),
       index_(pool_.num_blocks()),
       policy_(make_eviction_policy(eviction_policy, pool_.num_blocks())),
       enable_events_(enable_events) {
-  std::uint64_t ring = 1024;
-  while (ring < 2 * static_cast<std::uint64_t>(pool_.num_blocks()) && ring < kMaxRecentLog) {
-    ring <<= 1;
-  }
-  recent_.assign(ring, 0);
+  recent_.assign(recent_log_entries(pool_.num_blocks(), kMaxRecentLog), 0);
+} catch (const HostMemoryError&) {
+  throw;
+} catch (const std::bad_alloc&) {
+  throw HostMemoryError(num_blocks, eviction_policy, memory_bytes(num_blocks, eviction_policy),
+                        0);
 }
 
 void CPUOffloadingManager::note_recent(std::uint32_t slot) noexcept {

@@ -50,6 +50,11 @@ ProbationEvictionPolicy::ProbationEvictionPolicy(std::uint32_t capacity)
   ghost_sets_.assign(ghost_sets_for(capacity), GhostSet{});
 }
 
+std::uint64_t ProbationEvictionPolicy::memory_bytes(std::uint32_t capacity) noexcept {
+  return (std::uint64_t{capacity} + 2) * sizeof(Node) +
+         std::uint64_t{ghost_sets_for(capacity)} * sizeof(GhostSet);
+}
+
 void ProbationEvictionPolicy::check_slot(std::uint32_t slot, const char* op) const {
   if (slot >= capacity_) {
     throw std::out_of_range(std::string("probation ") + op + ": slot " + std::to_string(slot) +

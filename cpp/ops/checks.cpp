@@ -1,6 +1,7 @@
 // Argument validation for torch.ops.kvoff.copy_blocks; see checks.h for the contract.
 #include "checks.h"
 
+#include <c10/core/Layout.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -21,6 +22,30 @@ std::string dtype_name(c10::ScalarType t) {
   return "torch." + std::string(c10::getDtypeNames(t).first);
 }
 
+// "torch.sparse_coo" rather than c10's "Sparse", as Python prints tensor.layout.
+std::string layout_name(c10::Layout layout) {
+  switch (layout) {
+    case c10::kStrided:
+      return "torch.strided";
+    case c10::kSparse:
+      return "torch.sparse_coo";
+    case c10::kSparseCsr:
+      return "torch.sparse_csr";
+    case c10::kSparseCsc:
+      return "torch.sparse_csc";
+    case c10::kSparseBsr:
+      return "torch.sparse_bsr";
+    case c10::kSparseBsc:
+      return "torch.sparse_bsc";
+    case c10::kMkldnn:
+      return "torch._mkldnn";
+    case c10::kJagged:
+      return "torch.jagged";
+    default:
+      return "layout " + std::to_string(static_cast<int>(layout));
+  }
+}
+
 // Row layout of one block tensor: dim 0 indexes blocks, dims 1.. form one contiguous row.
 struct RowLayout {
   int64_t row_numel = 0;
@@ -29,6 +54,11 @@ struct RowLayout {
 RowLayout check_block_tensor(const at::Tensor& t, const char* side, size_t k) {
   TORCH_CHECK_VALUE(t.defined(), kOp, side, "[", k,
                     "] is an undefined tensor; pass a tensor whose dim 0 indexes blocks.");
+  // First: strides (read below) do not exist for sparse layouts.
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, kOp, side, "[", k, "] is a ",
+                    layout_name(t.layout()), " tensor (shape ", t.sizes(),
+                    "); block tensors must be dense (torch.strided) with dim 0 = blocks. "
+                    "Convert it with .to_dense(), or allocate the cache as a dense tensor.");
   TORCH_CHECK_VALUE(t.dim() >= 1, kOp, side, "[", k,
                     "] is a 0-d tensor; block tensors need dim 0 = blocks, "
                     "for example view it as (num_blocks, -1).");
@@ -58,6 +88,10 @@ RowLayout check_block_tensor(const at::Tensor& t, const char* side, size_t k) {
 void check_ids_tensor(const at::Tensor& ids, const char* name) {
   TORCH_CHECK_VALUE(ids.defined(), kOp, name,
                     " is an undefined tensor; pass a 1-D int64 CPU tensor.");
+  TORCH_CHECK_VALUE(ids.layout() == c10::kStrided, kOp, name, " is a ",
+                    layout_name(ids.layout()), " tensor (shape ", ids.sizes(),
+                    "); block ids must be a dense 1-D int64 CPU tensor. Convert them with "
+                    ".to_dense(), or pass a list of ints.");
   TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, kOp, name, " has dtype ",
                     dtype_name(ids.scalar_type()),
                     "; block ids must be torch.int64. Convert them with .to(torch.int64) "
@@ -211,6 +245,18 @@ void check_no_duplicates(const int64_t* ids, int64_t n, int64_t rows) {
 }
 
 }  // namespace
+
+void check_copy_blocks_layouts(at::TensorList src, at::TensorList dst,
+                               const at::Tensor& src_block_ids, const at::Tensor& dst_block_ids,
+                               c10::string_view mechanism, int64_t kernel_blocks) {
+  // Every check up to the layouts runs in the order of check_copy_blocks_args, so the first
+  // error is the one a dense call would get.
+  (void)check_copy_blocks_args(src, dst, src_block_ids, dst_block_ids, mechanism, kernel_blocks,
+                               DeviceRule::kCpu);
+  TORCH_CHECK(false, kOp, "internal error: dispatched to the kernel for non-dense tensors, but "
+              "every tensor argument is dense. Please report this.");
+  throw std::logic_error("unreachable");  // TORCH_CHECK(false, ...) always throws
+}
 
 Mechanism parse_mechanism(c10::string_view name) {
   constexpr Mechanism kAll[] = {Mechanism::kAuto, Mechanism::kMemcpy, Mechanism::kBatch,

@@ -5,7 +5,8 @@
 // destination tensor unchanged. Error types (as seen from Python):
 //
 //   ValueError   (TORCH_CHECK_VALUE)  an unknown mechanism name, a negative kernel_blocks,
-//                                     list lengths, tensor ranks, dtypes within a pair, row
+//                                     list lengths, tensors or ids that are not dense
+//                                     (sparse, mkldnn), tensor ranks, dtypes within a pair, row
 //                                     sizes, row layout (contiguity, stride(0)), id dtype,
 //                                     shape and lengths, duplicate destination ids
 //   IndexError   (TORCH_CHECK_INDEX)  negative or out-of-range block ids
@@ -78,5 +79,14 @@ CopyBlocksArgs check_copy_blocks_args(at::TensorList src, at::TensorList dst,
                                       const at::Tensor& dst_block_ids,
                                       c10::string_view mechanism, int64_t kernel_blocks,
                                       DeviceRule rule);
+
+// The kernel of the dispatch keys of non-dense tensors (SparseCPU, SparseCsrCPU, MkldnnCPU
+// and their CUDA twins; copy_blocks_layouts.cpp): a call with a sparse tensor anywhere in it
+// reaches this instead of a dense kernel, which raises the ValueError that names it (or an
+// earlier error of check_copy_blocks_args). Never returns.
+[[noreturn]] void check_copy_blocks_layouts(at::TensorList src, at::TensorList dst,
+                                            const at::Tensor& src_block_ids,
+                                            const at::Tensor& dst_block_ids,
+                                            c10::string_view mechanism, int64_t kernel_blocks);
 
 }  // namespace kvoff::ops

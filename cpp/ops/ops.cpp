@@ -1,6 +1,7 @@
 // Every schema of torch.ops.kvoff, in one TORCH_LIBRARY block. Kernels register separately:
 //   CPU   cpp/ops/copy_blocks_cpu.cpp         (TORCH_LIBRARY_IMPL(kvoff, CPU, m))
 //   CUDA  cuda/torch/copy_blocks_cuda.cpp     (TORCH_LIBRARY_IMPL(kvoff, CUDA, m); CUDA builds)
+//   not dense (sparse, mkldnn) cpp/ops/copy_blocks_layouts.cpp (raises the layout error)
 //   fake  kvoff/ops.py                        (torch.library.register_fake)
 #include <torch/library.h>
 

@@ -3,7 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <initializer_list>
+#include <new>
 #include <thread>
 #include <random>
 #include <stdexcept>
@@ -15,6 +19,10 @@
 #include <vector>
 
 #include "kvoff/offloading_manager.h"
+
+#if defined(__linux__)
+#include <sys/resource.h>
+#endif
 
 namespace kvoff {
 namespace {
@@ -106,6 +114,99 @@ TEST(Manager, UnknownPolicyListsChoices) {
     EXPECT_NE(std::string(e.what()).find("'lru'"), std::string::npos);
   }
 }
+
+TEST(Manager, MemoryBytesCountsEveryPerSlotArray) {
+  const std::uint64_t n = std::uint64_t{1} << 20;
+  // Pool 5 bytes per slot, index buckets 4n x 8 and 64-byte records, LRU links (n + 1) x 8,
+  // recency log 2n x 4.
+  EXPECT_EQ(CPUOffloadingManager::memory_bytes(n, "lru"), 5 * n + 32 * n + 64 * n + 8 * (n + 1) +
+                                                              8 * n);
+  EXPECT_GT(CPUOffloadingManager::memory_bytes(n, "arc"),
+            CPUOffloadingManager::memory_bytes(n, "lru"));
+  EXPECT_GT(CPUOffloadingManager::memory_bytes(n, "probation"),
+            CPUOffloadingManager::memory_bytes(n, "lru"));
+  EXPECT_EQ(CPUOffloadingManager::memory_bytes(0, "lru"), 0u);
+  EXPECT_EQ(CPUOffloadingManager::memory_bytes(kMaxNumBlocks + 1, "lru"), 0u);
+  // The largest pool: 2^33 buckets, a recency log capped at 2^28 entries.
+  const std::uint64_t max_n = kMaxNumBlocks;
+  EXPECT_EQ(CPUOffloadingManager::memory_bytes(kMaxNumBlocks, "lru"),
+            5 * max_n + (std::uint64_t{8} << 33) + 64 * max_n + 8 * (max_n + 1) +
+                (std::uint64_t{4} << 28));
+}
+
+TEST(Manager, HostMemoryErrorNamesTheBlocksTheBytesAndTheFix) {
+  const HostMemoryError over(1000000, "arc", std::uint64_t{150} << 30, std::uint64_t{64} << 30);
+  const std::string what = over.what();
+  for (const char* part : {"num_blocks=1000000", "150.0 GiB", "'arc' eviction policy",
+                           "more than the 64.0 GiB", "cpu_bytes_to_use"}) {
+    EXPECT_NE(what.find(part), std::string::npos) << part << " in " << what;
+  }
+  const HostMemoryError failed(4096, "lru", std::uint64_t{3} << 20, 0);
+  EXPECT_NE(std::string(failed.what()).find("3.0 MiB"), std::string::npos) << failed.what();
+  EXPECT_NE(std::string(failed.what()).find("allocating it failed"), std::string::npos);
+  const std::bad_alloc& as_bad_alloc = failed;  // callers that catch std::bad_alloc still do
+  EXPECT_EQ(std::string(as_bad_alloc.what()), failed.what());
+}
+
+TEST(Manager, APoolLargerThanTheHostIsRefusedBeforeAnyAllocation) {
+  const std::uint64_t needed = CPUOffloadingManager::memory_bytes(kMaxNumBlocks, "lru");
+  if (needed <= host_memory_limit_bytes()) {
+    GTEST_SKIP() << "this host has " << host_memory_limit_bytes() << " bytes, enough for "
+                 << needed;
+  }
+  try {
+    CPUOffloadingManager m(kMaxNumBlocks);
+    FAIL();
+  } catch (const HostMemoryError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("num_blocks=2147483647"), std::string::npos) << what;
+    EXPECT_NE(what.find("more than the"), std::string::npos) << what;  // checked, not tried
+  }
+}
+
+#if defined(__linux__)
+std::uint64_t virtual_memory_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string field;
+  while (status >> field) {
+    if (field == "VmSize:") {
+      std::uint64_t kib = 0;
+      status >> kib;
+      return kib << 10;
+    }
+  }
+  return 0;
+}
+
+// In a child process whose address space is capped 512 MiB above its current size, a pool
+// needing ~3.7 GiB fails to allocate (its 1 GiB of index buckets, after the 160 MiB block pool);
+// the error names it, and the arrays built before the failure are freed.
+[[noreturn]] void build_a_pool_too_large_for_the_address_space() {
+  const std::uint64_t used = virtual_memory_bytes();
+  const rlimit cap{used + (std::uint64_t{512} << 20), used + (std::uint64_t{512} << 20)};
+  if (used == 0 || setrlimit(RLIMIT_AS, &cap) != 0) {
+    std::_Exit(2);
+  }
+  try {
+    CPUOffloadingManager m(std::int64_t{1} << 25);
+    std::_Exit(3);
+  } catch (const HostMemoryError& e) {
+    const std::string what = e.what();
+    if (what.find("num_blocks=33554432") == std::string::npos ||
+        what.find("allocating it failed") == std::string::npos) {
+      std::fputs(e.what(), stderr);
+      std::_Exit(4);
+    }
+  }
+  // ~470 MiB: fits only if the ~160 MiB block pool built before the failure was freed.
+  CPUOffloadingManager fits(std::int64_t{1} << 22);
+  std::_Exit(fits.num_blocks() == (1u << 22) ? 0 : 5);
+}
+
+TEST(ManagerDeathTest, AFailedAllocationBecomesAHostMemoryErrorAndFreesEverything) {
+  EXPECT_EXIT(build_a_pool_too_large_for_the_address_space(), ::testing::ExitedWithCode(0), "");
+}
+#endif
 
 // ------------------------------------------------------------------------ lookup / pool
 

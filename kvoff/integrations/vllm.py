@@ -1139,6 +1139,9 @@ class KvoffOffloadingManager(OffloadingManager):
 
     Raises:
         ValueError: a pool of fewer than one block, or an unknown policy.
+        MemoryError: the host cannot hold the pool's index and policy (about 110 bytes per
+            block); the message names ``num_blocks``, the bytes needed and the fix (a smaller
+            ``cpu_bytes_to_use``).
     """
 
     def __init__(self, num_blocks: int, eviction_policy: str, enable_events: bool) -> None:

@@ -34,6 +34,11 @@ class CPUBlockPool {
   /// Throws std::invalid_argument when num_blocks < 1 or num_blocks > kMaxNumBlocks
   /// (2^31-1), naming the value.
   explicit CPUBlockPool(std::int64_t num_blocks);
+  /// Bytes the constructor allocates for `num_blocks` slots (5 per slot: the free stack and
+  /// the allocated flags). Allocates nothing, checks nothing.
+  static std::uint64_t memory_bytes(std::uint32_t num_blocks) noexcept {
+    return std::uint64_t{num_blocks} * (sizeof(std::uint32_t) + sizeof(std::uint8_t));
+  }
 
   /// Total slots (blocks).
   std::uint32_t num_blocks() const noexcept { return num_blocks_; }

@@ -105,6 +105,8 @@ class LRUEvictionPolicy final : public EvictionPolicy {
   /// Creates an empty policy for slots [0, capacity).
   /// Throws std::invalid_argument when capacity is 0 or above 2^31-1.
   explicit LRUEvictionPolicy(std::uint32_t capacity);
+  /// Bytes the constructor allocates for `capacity` slots (no allocation, no check).
+  static std::uint64_t memory_bytes(std::uint32_t capacity) noexcept;
 
   std::string_view name() const noexcept override { return "lru"; }
   std::uint32_t capacity() const noexcept override { return capacity_; }
@@ -183,6 +185,8 @@ class ARCEvictionPolicy final : public EvictionPolicy {
   /// Creates an empty policy for slots [0, capacity) with p = 0.
   /// Throws std::invalid_argument when capacity is 0 or above 2^31-1.
   explicit ARCEvictionPolicy(std::uint32_t capacity);
+  /// Bytes the constructor allocates for `capacity` slots (no allocation, no check).
+  static std::uint64_t memory_bytes(std::uint32_t capacity) noexcept;
 
   std::string_view name() const noexcept override { return "arc"; }
   std::uint32_t capacity() const noexcept override { return capacity_; }
@@ -330,6 +334,8 @@ class ProbationEvictionPolicy final : public EvictionPolicy {
   /// Creates an empty policy for slots [0, capacity) with budget b = capacity.
   /// Throws std::invalid_argument when capacity is 0 or above 2^31-1.
   explicit ProbationEvictionPolicy(std::uint32_t capacity);
+  /// Bytes the constructor allocates for `capacity` slots (no allocation, no check).
+  static std::uint64_t memory_bytes(std::uint32_t capacity) noexcept;
 
   std::string_view name() const noexcept override { return "probation"; }
   std::uint32_t capacity() const noexcept override { return capacity_; }
@@ -421,6 +427,11 @@ class ProbationEvictionPolicy final : public EvictionPolicy {
 
 /// Names accepted by make_eviction_policy, in registration order ({"lru", "arc", "probation"}).
 std::vector<std::string> eviction_policy_names();
+
+/// Bytes the policy registered under `name` allocates when created for `capacity` slots
+/// (its memory_bytes); 0 for an unknown name. Allocates nothing.
+std::uint64_t eviction_policy_memory_bytes(std::string_view name,
+                                           std::uint32_t capacity) noexcept;
 
 /// Creates the policy registered under `name` for slots [0, capacity).
 /// Throws std::invalid_argument for an unknown name, listing the registered names, and for a

@@ -39,6 +39,9 @@ class KeyIndex {
   /// Creates an empty index for slots [0, num_slots).
   /// Throws std::invalid_argument when num_slots is 0 or above kMaxNumBlocks (2^31-1).
   explicit KeyIndex(std::uint32_t num_slots);
+  /// Bytes the constructor allocates for `num_slots` slots (buckets and records; keys longer
+  /// than kInlineKeyBytes add their bytes later). Allocates nothing, checks nothing.
+  static std::uint64_t memory_bytes(std::uint32_t num_slots) noexcept;
   ~KeyIndex();
   KeyIndex(const KeyIndex&) = delete;
   KeyIndex& operator=(const KeyIndex&) = delete;
@@ -191,6 +194,8 @@ class KeyIndex {
     };
   };
   static_assert(sizeof(Record) == 64);
+  /// Buckets of an index of `num_slots` slots: a power of two >= max(8, 4 x num_slots).
+  static std::uint64_t bucket_count(std::uint32_t num_slots) noexcept;
 
   static void prefetch(const void* p) noexcept {
 #if defined(__GNUC__) || defined(__clang__)

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -59,6 +60,28 @@ struct OffloadingEvent {
   std::string_view kind() const noexcept { return removed ? "BlockRemoved" : "BlockStored"; }
 };
 
+/// Thrown by CPUOffloadingManager's constructor when this host cannot hold the manager's
+/// per-slot arrays. A std::bad_alloc (code that catches that still does; Python sees a
+/// MemoryError with this message) whose what() names num_blocks, about how much host memory
+/// they need and the fix (fewer blocks: a smaller cpu_bytes_to_use).
+class HostMemoryError : public std::bad_alloc {
+ public:
+  /// `needed_bytes`: CPUOffloadingManager::memory_bytes(num_blocks, eviction_policy).
+  /// `limit_bytes`: the host limit (host_memory_limit_bytes) that needed_bytes exceeds, or 0
+  /// when an allocation failed below it.
+  HostMemoryError(std::int64_t num_blocks, std::string_view eviction_policy,
+                  std::uint64_t needed_bytes, std::uint64_t limit_bytes);
+  const char* what() const noexcept override { return message_->c_str(); }
+
+ private:
+  std::shared_ptr<const std::string> message_;  // shared: copying an exception cannot throw
+};
+
+/// Bytes of memory this process can use at most: physical memory, or its cgroup's memory
+/// limit when lower; UINT64_MAX when neither is known. Reads /proc and /sys on Linux (a few
+/// microseconds); allocates nothing that outlives the call.
+std::uint64_t host_memory_limit_bytes() noexcept;
+
 /// Keys passed to the manager: views of non-empty byte strings, valid during the call.
 using KeySpan = std::span<const std::string_view>;
 
@@ -93,7 +116,7 @@ struct WriteThroughBatch {
 /// Memory: about 115 bytes per slot (a 64-byte record holding the key inline up to 40 bytes, the
 /// slot's state and its recency-log position; 32 bytes of hash buckets; 8 bytes of LRU links;
 /// 5 bytes of free list and flags; 4..8 bytes of recency log), plus the bytes of keys longer
-/// than 40.
+/// than 40; memory_bytes() gives the exact figure for a pool size and policy.
 /// Not thread-safe: call it from one thread (the scheduler's).
 ///
 /// Speed on large pools (the per-slot arrays are far larger than the CPU caches, so a key costs
@@ -112,9 +135,16 @@ class CPUOffloadingManager {
   /// `eviction_policy` ("lru", "arc", "probation"); with `enable_events` it records
   /// OffloadingEvents.
   /// Throws std::invalid_argument when num_blocks < 1 or num_blocks > 2^31-1 (naming the
-  /// value) or when the policy name is unknown (listing the choices).
+  /// value) or when the policy name is unknown (listing the choices); HostMemoryError (a
+  /// std::bad_alloc) when memory_bytes() exceeds host_memory_limit_bytes() (checked before
+  /// anything is allocated) or when an allocation fails; nothing stays allocated then.
   explicit CPUOffloadingManager(std::int64_t num_blocks, std::string_view eviction_policy = "lru",
                                 bool enable_events = false);
+  /// Bytes of host memory the constructor allocates for `num_blocks` slots with
+  /// `eviction_policy` (pool, key index, policy and recency log; keys longer than 40 bytes add
+  /// theirs later; write-through adds 2 bytes per slot once enabled). Allocates nothing.
+  /// Counts no policy for an unknown name; 0 for num_blocks outside [1, 2^31-1].
+  static std::uint64_t memory_bytes(std::int64_t num_blocks, std::string_view eviction_policy);
   ~CPUOffloadingManager();
   CPUOffloadingManager(const CPUOffloadingManager&) = delete;
   CPUOffloadingManager& operator=(const CPUOffloadingManager&) = delete;
