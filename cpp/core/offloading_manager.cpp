@@ -359,6 +359,11 @@ std::pair<BlockState, std::uint32_t> CPUOffloadingManager::state_and_load_pins(
     std::string_view key) const noexcept {
   const std::uint32_t slot = key.empty() ? KeyIndex::kNotFound : index_.find(key);
   if (slot == KeyIndex::kNotFound) return {BlockState::kMissing, 0};
+  return load_state(slot);
+}
+
+std::pair<BlockState, std::uint32_t> CPUOffloadingManager::load_state(
+    std::uint32_t slot) const noexcept {
   const std::uint64_t p = index_.payload(slot);
   std::uint32_t pins = pins_bits(p);
   if (pins > 0 && slot < wt_pinned_.size()) pins -= wt_pinned_[slot];
@@ -374,10 +379,7 @@ std::size_t CPUOffloadingManager::states_until_missing(
                        out[i] = {BlockState::kMissing, 0};
                        return false;
                      }
-                     const std::uint64_t p = index_.payload(slot);
-                     std::uint32_t pins = pins_bits(p);
-                     if (pins > 0 && slot < wt_pinned_.size()) pins -= wt_pinned_[slot];
-                     out[i] = {state_bits(p), pins};
+                     out[i] = load_state(slot);
                      ++held;
                      return true;
                    });

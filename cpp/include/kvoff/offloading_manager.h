@@ -302,6 +302,8 @@ class CPUOffloadingManager {
   static constexpr std::uint32_t kMaxPins = (1u << 30) - 1;
 
   std::uint32_t next_stamp() noexcept;
+  /// State and pins by loads of a held slot (its pin count less the write-through pin).
+  std::pair<BlockState, std::uint32_t> load_state(std::uint32_t slot) const noexcept;
   /// Finds all keys (hashes into scratch_hashes_, slots into scratch_slots_).
   void find_all(KeySpan keys);
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
