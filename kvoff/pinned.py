@@ -246,7 +246,9 @@ class HostPool:
     Args:
         shapes: ``(rows, row_bytes)`` of each tensor, in order; each starts on a 4 KiB boundary
             (of the address space, not only of the pool).
-        pin: page-lock the memory (one ``cudaHostRegister`` call for the whole pool).
+        pin: page-lock the memory: one ``cudaHostRegister`` call for the whole allocation (the
+            pool, the alignment before it or a shared pool's header page), so that
+            ``Tensor.is_pinned()``, which looks at a tensor's storage, is true for every tensor.
         description: what the pool is for, used in error messages (e.g. "4096 CPU blocks of
             2.0 MiB").
         shared_name: put the pool in ``/dev/shm/<shared_name>`` (see the module docstring) so
@@ -300,12 +302,14 @@ class HostPool:
             # writes the slots with O_DIRECT in place, without a bounce buffer and a copy
             raw = torch.empty(total + _ALIGN, dtype=torch.uint8)
             shift = -raw.data_ptr() % _ALIGN
+            self._storage = raw
             self._base = raw[shift : shift + total]
         else:
             layout = [[off, rows, rb] for off, (rows, rb) in zip(offsets, shapes, strict=True)]
             mm, ino = _create_shared(shared_name, total, layout, description)
             self._unlinker = weakref.finalize(self, _unlink_if_same, _shm_path(shared_name), ino)
             whole = torch.frombuffer(mm, dtype=torch.uint8)
+            self._storage = whole
             self._base = whole[SHM_HEADER_BYTES:]
         self.tensors = [
             self._base[off : off + rows * row_bytes].view(rows, row_bytes)
@@ -317,17 +321,24 @@ class HostPool:
             self._register(registrar, description)
             self.pinned = True
             self._finalizer = weakref.finalize(
-                self, _unregister_all, registrar, self._addresses, self._base
+                self, _unregister_all, registrar, self._addresses, self._storage
             )
 
     def _register(self, registrar: _Registrar, description: str) -> None:
-        base = self._base.data_ptr()
+        # the whole allocation, from its first byte: torch's Tensor.is_pinned() (which
+        # kvoff.copy_blocks and torch's own non_blocking copies consult) asks CUDA about the
+        # tensor's *storage* pointer, not its data pointer. Registering only the aligned pool
+        # inside it (the page of alignment before it, or a shared pool's header page, left out)
+        # made every tensor of a pinned pool read as unpinned, and every GPU copy was refused
+        # (seen on an H200, 2026-11-26)
+        base = self._storage.data_ptr()
+        size = self._storage.numel()
         flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
-        err = registrar.register(base, self.num_bytes, flags)
+        err = registrar.register(base, size, flags)
         if err != 0:
-            gib = self.num_bytes / 2**30
+            gib = size / 2**30
             raise PinningError(
-                f"pinning {description} failed: {self.num_bytes} bytes ({gib:.2f} GiB) asked "
+                f"pinning {description} failed: {size} bytes ({gib:.2f} GiB) asked "
                 f"for were refused: {registrar.error_string(err)}. Lower the pool size "
                 f"(num_cpu_blocks, or cpu_bytes_to_use in the config) or raise the locked-memory "
                 f"limit (ulimit -l; now {_memlock_limit()}); pin_memory=False avoids pinning at "

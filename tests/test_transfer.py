@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -220,13 +221,40 @@ def test_host_pool_is_exact_and_registers_once() -> None:
     assert pool.tensors[1].data_ptr() - pool.tensors[0].data_ptr() == 8192
     base = pool.tensors[0].data_ptr()
     assert base % 4096 == 0  # page-aligned in the address space, not only within the pool
-    assert fake.registered == {base: 8192 + 12288} and fake.calls == 1
+    assert fake.calls == 1 and len(fake.registered) == 1
+    _assert_registration_covers_storages(fake, pool.tensors)
     assert pool.pinned
     pool.tensors[1][2] = 7  # the views are ordinary writable memory
     assert int(pool.tensors[1][2].sum()) == 7 * 4096
     pool.close()
     assert fake.registered == {} and not pool.pinned
     pool.close()  # idempotent
+
+
+def _assert_registration_covers_storages(fake: _FakeCuda, tensors: list[torch.Tensor]) -> None:
+    """The one registered range holds every tensor's bytes *and its storage's first byte*:
+    torch's ``Tensor.is_pinned()`` asks CUDA about the storage pointer, so a range that starts
+    at the aligned data (one page of alignment, or a shared pool's header, before it) made every
+    tensor of a pinned pool read as unpinned and kvoff.copy_blocks refused every GPU copy (H200,
+    2026-11-26)."""
+    ((start, size),) = fake.registered.items()
+    for t in tensors:
+        storage = t.untyped_storage()
+        assert start <= storage.data_ptr() < start + size, "is_pinned() would be False"
+        assert start <= t.data_ptr() and t.data_ptr() + t.numel() <= start + size
+        assert storage.data_ptr() + storage.nbytes() <= start + size
+
+
+def test_shared_host_pool_registers_its_header_page_too() -> None:
+    fake = _FakeCuda()
+    name = f"kvoff-test-pin-{os.getpid()}"
+    pool = HostPool([(3, 4096), (2, 100)], pin=True, shared_name=name, _registrar=fake.registrar())
+    try:
+        assert fake.calls == 1
+        _assert_registration_covers_storages(fake, pool.tensors)
+    finally:
+        pool.close()
+    assert fake.registered == {}
 
 
 def test_host_pool_unregisters_when_garbage_collected() -> None:
@@ -248,7 +276,8 @@ def test_pinning_failure_names_size_and_fix_and_leaves_nothing_registered() -> N
         )
     msg = str(info.value)
     assert "pinning the CPU pool (10 CPU blocks of 4096 bytes" in msg
-    assert "40960 bytes" in msg and "were refused: fake error 2" in msg
+    # the whole allocation: the pool and the page of alignment in front of it
+    assert "45056 bytes" in msg and "were refused: fake error 2" in msg
     assert "num_cpu_blocks" in msg and "ulimit -l" in msg
     assert fake.registered == {}
 
