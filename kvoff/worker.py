@@ -763,8 +763,15 @@ class OffloadingWorker:
         """Submit one job: a store (``GPUBlockSpec`` → ``CPUBlockSpec``) or a load (the reverse).
 
         On CPU the copy runs before this returns; its result is queued for
-        :meth:`get_finished`. On CUDA the copies are queued on the direction's streams (a store
-        first waits on the current compute stream so it sees the forward pass's writes).
+        :meth:`get_finished`. On CUDA the copies are queued on the direction's streams, and
+        both directions first wait for the work already queued on the current (compute)
+        stream: a store must see the forward pass's writes to its GPU blocks, and a load must
+        land after every earlier write to (or read of) its destination blocks, such as the
+        last forward pass into a block since freed and handed to this request, or zeroing of
+        a fresh block. vLLM's own CPU offloading worker orders its loads the same way. Work
+        queued on the compute stream after this call is not ordered against the job: the
+        engine waits for the job (:meth:`get_finished` / :meth:`wait`) before it reads loaded
+        blocks or overwrites stored ones.
 
         Returns:
             True when the job was submitted (CUDA) or ran successfully (CPU); False when the
@@ -956,10 +963,14 @@ class OffloadingWorker:
         used: str,
     ) -> bool:
         dma, sm = self._dma[direction], self._sm[direction]
+        # both lanes wait for the compute stream: a store reads blocks the forward pass wrote;
+        # a load overwrites blocks that earlier compute work may still write or read (a block
+        # freed after the last step and handed to this request: found on an H200 by
+        # `kvoff replay --device cuda`, whose loads were overwritten by the previous request's
+        # pending writes into the same blocks: 88-226 corrupted GPU blocks per 300 requests)
         compute = torch.cuda.current_stream(self._device)
-        if direction == "store":  # both lanes read blocks the forward pass wrote
-            dma.wait_stream(compute)
-            sm.wait_stream(compute)
+        dma.wait_stream(compute)
+        sm.wait_stream(compute)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         first = sm if direction == "store" and "staged" in mechanisms else dma

@@ -262,6 +262,31 @@ def test_cuda_store_sees_the_compute_streams_writes() -> None:
 
 
 @requires_cuda
+@pytest.mark.parametrize("mechanism", ["auto", "memcpy", "batch", "kernel", "per_block", "staged"])
+def test_cuda_load_lands_after_the_compute_streams_earlier_writes(mechanism: str) -> None:
+    """A load waits for the compute stream too: a write into the destination block queued
+    before the load (the previous request's forward pass into a block since freed and
+    reallocated) must not land on top of the loaded bytes. Without the wait the load's DMA ran
+    first and the pending fill won (the corrupted blocks of ``kvoff replay --device cuda``)."""
+    w, kv = _cuda_worker(mechanism, staging_bytes=4 * 1024, staging_piece_bytes=1024)
+    layer = kv["l0"]
+    assert w.transfer_async(1, GPUBlockSpec.single_group([2, 3]), CPUBlockSpec((4, 5)))
+    w.wait([1])
+    want = [t.clone() for t in kv.values()]  # blocks 2 and 3 of every layer, as stored
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy so the fill is still pending
+    for t in kv.values():
+        t[7].fill_(-3.0)
+        t[8].fill_(-3.0)
+    assert w.transfer_async(2, CPUBlockSpec((4, 5)), GPUBlockSpec.single_group([7, 8]))
+    (r,) = w.wait([2])
+    assert r.success
+    torch.cuda.synchronize()
+    for t, before in zip(kv.values(), want, strict=True):
+        assert torch.equal(t[7], before[2]) and torch.equal(t[8], before[3])
+    assert not bool((layer[7] == -3.0).all())
+
+
+@requires_cuda
 def test_cuda_jobs_of_one_direction_finish_in_order() -> None:
     """FIFO per direction: two stores into the same slot; the later job's bytes win and the
     jobs finish in submission order."""
