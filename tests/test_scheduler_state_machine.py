@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -30,6 +31,39 @@ MAX_PROMPT = 20
 MAX_OUTPUT = 4
 
 
+class _GatedTier:
+    """A tier whose calls from the tiers' background threads (probe, read, write: threads named
+    ``kvoff-tier-*``) wait until the test opens the gate, so that background work runs only in
+    ``SchedulerMachine._settle``, never during a step. A run is then a function of hypothesis's
+    choices alone. Without the gate, how far a write or a read got during one step decided
+    queue-full drops, pinned slots and hits, and hypothesis saw the same choices lead to
+    different draws (``FlakyStrategyDefinition``: once on a 16-core H200 machine, once in 2,500
+    examples on the 2-core CPU machine). Calls from the engine thread pass straight through."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        self._tier = tier
+        self.gate = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._tier, name)
+
+    def _wait(self) -> None:
+        if threading.current_thread().name.startswith("kvoff-tier-"):
+            self.gate.wait()
+
+    def contains(self, keys):
+        self._wait()
+        return self._tier.contains(keys)
+
+    def get(self, keys, outs):
+        self._wait()
+        return self._tier.get(keys, outs)
+
+    def put(self, keys, payloads):
+        self._wait()
+        return self._tier.put(keys, payloads)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Drives one simulated engine with random operations, its CPU pool evicting with the
     policy ``POLICY`` (one subclass per registered policy below)."""
@@ -42,6 +76,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sim: EngineSim | None = None
         self.count = 0
         self.tmp: str | None = None
+        self.gated: _GatedTier | None = None
 
     @initialize(
         model=st.sampled_from(["full", "full+sw", "full+sw+mamba", "sw"]),
@@ -101,8 +136,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             slot = self.sim.worker.slot_bytes
             fmt = BlockFormat(layout_fingerprint(test="sm", payload=slot), slot)
             disk = DiskTier(self.tmp, 8 * (slot + 8192) + (1 << 16), fmt)
+            self.gated = _GatedTier(disk)
             self.sim.sched.attach_tiers(
-                [disk], self.sim.worker.cpu_pool.numpy().__getitem__, write_queue_blocks=2
+                [self.gated], self.sim.worker.cpu_pool.numpy().__getitem__, write_queue_blocks=2
             )
 
     def _live(self, *statuses: str) -> list[str]:
@@ -180,7 +216,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         lookup that misses L1 answers "retry later", the next step finds the promoted
         blocks)."""
         if self.TIERS and self.sim is not None and self.sim.sched.tiers is not None:
+            assert self.gated is not None
+            self.gated.gate.set()
             self.sim.sched.tiers.wait()
+            self.gated.gate.clear()  # nothing is in flight: the next step starts none of it
             self.sim._take_events()  # promoted blocks' BlockStored
 
     @precondition(lambda self: self.sim is not None and self.TIERS)
@@ -199,6 +238,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Everything drains: all requests finish, all jobs complete, all blocks are freed."""
+        if self.gated is not None:
+            self.gated.gate.set()  # draining steps and close() wait for the tiers' threads
         try:
             if self.sim is not None and not self.sim.violations:
                 self.sim.drain()
