@@ -353,14 +353,19 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   // Full-attention groups: the longest prefix of present blocks bounds the hit. Their keys are
   // looked up a chunk at a time in one pipelined manager call (states_until_missing), so the
   // index's cache misses overlap instead of queueing one per block; a chunk bounds the keys
-  // made past the first missing block.
+  // made (and hashed) past the first missing block. Chunks grow from kFirstLookupChunk by 4x
+  // up to kLookupChunk: a miss at the first block (a new prompt, the usual lookup) makes and
+  // hashes 4 keys instead of the whole prompt's, and a long hit still goes in long chunks.
+  constexpr std::int64_t kFirstLookupChunk = 4;
   constexpr std::int64_t kLookupChunk = 128;
   std::int64_t n = n_max;
   for (std::size_t g = 0; g < num_groups; ++g) {
     if (config_.groups[g].kind != GroupKind::kFullAttention) continue;
     std::int64_t j = c0;
+    std::int64_t chunk = kFirstLookupChunk;
     while (j < n) {
-      const std::int64_t end = std::min(n, j + kLookupChunk);
+      const std::int64_t end = std::min(n, j + chunk);
+      chunk = std::min(kLookupChunk, 4 * chunk);
       KeyList& keys = lookup_keys_;  // scratch: memory reused from call to call
       keys.clear();
       for (std::int64_t k = j; k < end; ++k) append_key(keys, r, k, g);

@@ -238,8 +238,10 @@ TEST(OffloadingSchedulerLookup, FullAttentionLongestPrefix) {
 }
 
 TEST(OffloadingSchedulerLookup, LongPrefixesAcrossLookupChunks) {
-  // Full-attention lookups go 128 blocks per pipelined manager call: a miss or a busy block
-  // past the first chunk, and a miss at a chunk's edge, bound the hit exactly as at block 0.
+  // Full-attention lookups go a chunk per pipelined manager call, chunks of 4, 16, 64, then
+  // 128 blocks (edges at 4, 20, 84, 212, 340 blocks past the first block asked): a miss or a
+  // busy block past the first chunk, and a miss on either side of a chunk's edge, bound the
+  // hit exactly as at block 0.
   OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/1024,
                                     /*gpu_blocks=*/1024));
   Table seed_table(1);
@@ -252,11 +254,16 @@ TEST(OffloadingSchedulerLookup, LongPrefixesAcrossLookupChunks) {
   };
   add(s, "all", hashes("a", 300), 1200);
   expect_match(s.get_num_new_matched_tokens("all", 0), hit(1200));
-  expect_match(s.get_num_new_matched_tokens("all", 4 * 100), hit(800));  // starts mid-chunk
-  for (const int gap : {0, 127, 128, 129, 200, 255, 256, 299}) {
+  expect_match(s.get_num_new_matched_tokens("all", 4 * 100), hit(800));  // starts mid-prompt
+  for (const int gap : {0, 1, 3, 4, 5, 19, 20, 21, 83, 84, 85, 127, 128, 129, 200, 211, 212, 213,
+                        255, 256, 299}) {
     const std::string id = "gap" + std::to_string(gap);
     add(s, id, with_gap(gap), 1200);
     expect_match(s.get_num_new_matched_tokens(id, 0), gap == 0 ? miss() : hit(4 * gap));
+    // the chunks count from the first block asked (here block 2, after an engine hit)
+    if (gap > 2) {
+      expect_match(s.get_num_new_matched_tokens(id, 4 * 2), hit(4 * (gap - 2)));
+    }
   }
   // A block being stored (pending) at 200, after a present prefix: retry later.
   Strs busy = hashes("a", 200);
