@@ -45,6 +45,10 @@ def test_cli_writes_json_with_every_field(tmp_path, capsys):
         assert r["decode_store_jobs"] == r["num_requests"]
         assert r["decode_step_us"] > 0 and r["decode_step_core_us"] > 0
         assert r["admit_us_per_request"] > 0 and r["complete_us_per_job"] > 0
+        # every request admitted again hits its whole prompt (a load job of all 64 blocks)
+        assert r["admit_hit_requests"] == r["num_requests"]
+        assert r["admit_hit_tokens_per_request"] == 1024
+        assert r["admit_hit_us_per_request"] > 0
 
     (entry,) = doc["manager"]
     assert entry["pool_size"] == 4096

@@ -483,15 +483,34 @@ void CPUOffloadingManager::complete_load(KeySpan keys) {
 void CPUOffloadingManager::touch(KeySpan keys) {
   validate_keys(keys, "touch");
   find_all(keys);
-  for (const std::uint32_t slot : scratch_slots_) {
+  touch_slots(scratch_slots_);
+}
+
+void CPUOffloadingManager::touch_blocks(std::span<const std::uint32_t> block_ids) {
+  for (std::size_t i = 0; i < block_ids.size(); ++i) {
+    const std::uint32_t slot = block_ids[i];
+    if (slot < index_.num_slots() && policy_->contains(slot)) continue;
+    throw std::invalid_argument(
+        "touch_blocks: block_ids[" + std::to_string(i) + "] = " + std::to_string(slot) + " is " +
+        (slot < index_.num_slots() ? std::string("a free block")
+                                   : "outside [0, num_blocks=" +
+                                         std::to_string(index_.num_slots()) + ")") +
+        "; pass block ids of held blocks (from prepare_load or prepare_store). Nothing was "
+        "changed.");
+  }
+  touch_slots(block_ids);
+}
+
+void CPUOffloadingManager::touch_slots(std::span<const std::uint32_t> slots) {
+  for (const std::uint32_t slot : slots) {
     if (slot != KeyIndex::kNotFound) {
       policy_->prefetch(slot);
     }
   }
-  // Last to first: keys[0] ends the most recent, so a prefix's tail is evicted before its head.
-  // A pending key is being stored by the request that uses it: ordered, but no reuse.
-  for (std::size_t i = keys.size(); i-- > 0;) {
-    const std::uint32_t slot = scratch_slots_[i];
+  // Last to first: the first ends the most recent, so a prefix's tail is evicted before its
+  // head. A pending key is being stored by the request that uses it: ordered, but no reuse.
+  for (std::size_t i = slots.size(); i-- > 0;) {
+    const std::uint32_t slot = slots[i];
     if (slot != KeyIndex::kNotFound) {
       if (state_bits(index_.payload(slot)) == BlockState::kPending) {
         policy_->touch_pending(slot);

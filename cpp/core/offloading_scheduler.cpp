@@ -1,6 +1,7 @@
 #include "kvoff/offloading_scheduler.h"
 
 #include <algorithm>
+#include <tuple>
 #include <limits>
 #include <stdexcept>
 #include <utility>
@@ -538,7 +539,8 @@ void OffloadingScheduler::update_state_after_alloc(
   const std::int64_t f = config_.block_size_factor;
   const std::int64_t bs = config_.gpu_block_size;
   std::vector<Segment> segments;
-  std::vector<std::pair<std::int64_t, std::size_t>> touched;  // (offloaded block, group)
+  // (offloaded block, group, position of its key among the segments' keys, in order)
+  std::vector<std::tuple<std::int64_t, std::size_t, std::size_t>> touched;
   for (std::size_t g = 0; g < config_.groups.size(); ++g) {
     const std::int64_t needed = needed_tokens(g);
     const std::int64_t end_tok = m.end_block * offloaded_block_size_;
@@ -568,7 +570,7 @@ void OffloadingScheduler::update_state_after_alloc(
       const std::int64_t j = l / f;
       if (cur->gpu_ids.empty() || (l - 1) / f != j) {
         append_key(cur->keys, r, j, g);
-        touched.emplace_back(j, g);
+        touched.emplace_back(j, g, touched.size());
       }
       cur->gpu_ids.push_back(id);
     }
@@ -580,12 +582,23 @@ void OffloadingScheduler::update_state_after_alloc(
   }
   std::vector<std::string_view> keys;
   for (const auto& s : segments) keys.insert(keys.end(), s.keys.begin(), s.keys.end());
-  manager_.prepare_load(keys);  // throws (changing nothing) if a key is not ready
+  // The keys' CPU blocks, in the keys' order (throws, changing nothing, if a key is not ready).
+  // The jobs and the touch below take them by block id: no key is hashed or looked up again.
+  const std::vector<std::uint32_t> slots = manager_.prepare_load(keys);
   // -- no exception below this line except std::bad_alloc --
+  std::size_t at = 0;
+  for (auto& seg : segments) {
+    seg.cpu_ids.assign(slots.begin() + static_cast<std::ptrdiff_t>(at),
+                       slots.begin() + static_cast<std::ptrdiff_t>(at + seg.keys.size()));
+    at += seg.keys.size();
+  }
+  // Touched in (offloaded block, group) order, so the request's first block ends the most
+  // recent (invariant 8), as touch(keys) would order them.
   std::sort(touched.begin(), touched.end());
-  KeyList touch_keys;
-  for (const auto& [j, g] : touched) append_key(touch_keys, r, j, g);
-  manager_.touch(views_of(touch_keys));
+  std::vector<std::uint32_t> touch_slots;
+  touch_slots.reserve(touched.size());
+  for (const auto& t : touched) touch_slots.push_back(slots[std::get<2>(t)]);
+  manager_.touch_blocks(touch_slots);
   for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
     r.unemitted_loads.push_back(add_job(std::move(job), r));
     pending_loads_.push_back(r.unemitted_loads.back());

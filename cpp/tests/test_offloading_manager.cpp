@@ -462,6 +462,68 @@ TEST(Invariant8, PrepareStoreDoesNotTouchHeldKeys) {
   EXPECT_EQ(drain(m, 1), S({"a"}));
 }
 
+// touch_blocks (by CPU block id, as the scheduler's loads use it) orders exactly as touch (by
+// key) under every policy, pending blocks included; a bad id changes nothing.
+TEST(Invariant8, TouchBlocksOrdersAsTouchByKeyUnderEveryPolicy) {
+  for (const char* policy : {"lru", "arc", "probation"}) {
+    SCOPED_TRACE(policy);
+    CPUOffloadingManager by_key(13, policy);  // full: every fresh key of drain() evicts
+    CPUOffloadingManager by_id(13, policy);
+    std::mt19937 rng(7);
+    Strings names;
+    for (int i = 0; i < 12; ++i) names.push_back("k" + std::to_string(i));
+    for (auto* m : {&by_key, &by_id}) {
+      for (int i = 0; i < 12; i += 3) store(*m, Keys{names[i], names[i + 1], names[i + 2]});
+      ASSERT_TRUE(m->prepare_store(K({"pending"})));  // touched while pending: touch_pending
+    }
+    for (int round = 0; round < 20; ++round) {
+      Keys keys;
+      std::vector<std::uint32_t> ids;
+      const int n = 1 + static_cast<int>(rng() % 5);
+      for (int i = 0; i < n; ++i) {
+        const std::string_view k =
+            rng() % 6 == 0 ? std::string_view("pending") : std::string_view(names[rng() % 12]);
+        keys.push_back(k);
+        ids.push_back(by_id.block_id(k).value());
+      }
+      by_key.touch(keys);
+      by_id.touch_blocks(ids);
+    }
+    // One call that evicts every block shows the whole victim order (the same new keys).
+    std::vector<Strings> victims;
+    for (auto* m : {&by_key, &by_id}) {
+      m->complete_store(K({"pending"}));
+      Strings fresh;
+      for (int i = 0; i < 13; ++i) fresh.push_back("new" + std::to_string(i));
+      auto r = m->prepare_store(Keys(fresh.begin(), fresh.end()));
+      ASSERT_TRUE(r.has_value());
+      victims.push_back(str(r->evicted_keys));
+    }
+    EXPECT_EQ(victims[0].size(), 13u);
+    EXPECT_EQ(victims[0], victims[1]);
+  }
+}
+
+TEST(Invariant7, TouchBlocksWithABadIdChangesNothing) {
+  CPUOffloadingManager m(4);
+  store(m, K({"c", "b", "a"}));  // eviction order: a b c; block 3 is free
+  const std::uint32_t a = m.block_id("a").value();
+  const std::uint32_t free_block = 3;
+  ASSERT_NE(a, free_block);
+  for (const std::uint32_t bad : {free_block, 4u, 0xffffffffu}) {
+    try {
+      m.touch_blocks(std::vector<std::uint32_t>{a, bad});
+      ADD_FAILURE() << "touch_blocks accepted block id " << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("block_ids[1] = " + std::to_string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  store(m, K({"d"}));                                // fills the free block
+  EXPECT_EQ(drain(m, 4), S({"a", "b", "c", "d"}));  // "a" was not touched by the refused calls
+}
+
 // ------------------------------------------------------------------------ events
 
 TEST(Events, StoredAndRemovedInOrder) {

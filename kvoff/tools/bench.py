@@ -580,19 +580,21 @@ DEFAULT_STEP_SHAPES: tuple[tuple[int, int], ...] = ((64, 1), (256, 2), (1024, 1)
 
 
 def format_steps_table(steps: list[dict[str, Any]]) -> str:
-    """The per-step scheduler results as a text table (µs per decode step, facade and core)."""
+    """The per-step scheduler results as a text table (µs per decode step, facade and core;
+    µs per admitted request, a miss and a whole-prompt hit with its load job)."""
     lines = [
         "",
         "scheduler steps (decode: 1 token per request per step; median step)",
         f"{'B':>6} {'G':>3} {'step us':>10} {'ns/req':>8} {'core us':>10} {'core ns/req':>12} "
-        f"{'admit us/req':>13} {'prefill ms':>11} {'blocks':>8}",
+        f"{'admit us/req':>13} {'hit us/req':>11} {'prefill ms':>11} {'blocks':>8}",
     ]
     for r in steps:
         lines.append(
             f"{r['num_requests']:>6} {r['num_groups']:>3} {r['decode_step_us']:>10.1f} "
             f"{r['decode_step_per_request_ns']:>8.0f} {r['decode_step_core_us']:>10.1f} "
             f"{r['decode_step_core_per_request_ns']:>12.0f} {r['admit_us_per_request']:>13.2f} "
-            f"{r['prefill_step_ms']:>11.1f} {r['prefill_blocks_stored']:>8}"
+            f"{r['admit_hit_us_per_request']:>11.2f} {r['prefill_step_ms']:>11.1f} "
+            f"{r['prefill_blocks_stored']:>8}"
         )
     return "\n".join(lines)
 

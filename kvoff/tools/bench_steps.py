@@ -37,6 +37,8 @@ from kvoff.specs import (
 __all__ = ["StepWorkload", "bench_scheduler_steps"]
 
 _BLOCK_SIZE = 16
+_HIT_REQUESTS = 256
+"""Requests admitted as CPU pool hits per shape (at most ``B``): ``admit_hit_us_per_request``."""
 
 
 def _spec(num_groups: int, num_gpu_blocks: int, num_cpu_blocks: int) -> CPUOffloadingSpec:
@@ -94,7 +96,8 @@ class StepWorkload:
             )
         self.num_groups = num_groups
         blocks_per_request = -(-(prompt_tokens + decode_steps + 1) // _BLOCK_SIZE)
-        num_gpu_blocks = num_requests * num_groups * blocks_per_request + 1
+        num_hits = min(num_requests, _HIT_REQUESTS)
+        num_gpu_blocks = (num_requests + num_hits) * num_groups * blocks_per_request + 1
         self.sched = OffloadingScheduler(_spec(num_groups, num_gpu_blocks, num_cpu_blocks))
         self._rng = random.Random(seed)
         self._next_block = 1
@@ -130,6 +133,27 @@ class StepWorkload:
         self.prefill_s = time.perf_counter() - t0
         self.prefill_blocks = sum(len(j.gpu.block_ids) for j in meta.store_jobs)
         sched.update_connector_output([(j.job_id, True) for j in meta.store_jobs])
+        # Hit admission: new requests repeating admitted prompts (every block is in the CPU
+        # pool), each looked up and given a load job of the whole prompt, then let go (their
+        # loads are cancelled, unpinning the blocks).
+        hit_s = 0.0
+        self.hit_tokens = 0
+        hit_requests = []
+        for i in range(num_hits):
+            src = self.requests[i]
+            hit = Request(f"h{i}", list(src.block_hashes), prompt_tokens + 1)
+            table = [list(self._alloc(-(-(prompt_tokens + 1) // _BLOCK_SIZE)))
+                     for _ in range(num_groups)]  # fmt: skip
+            t0 = time.perf_counter()
+            n, _ = sched.get_num_new_matched_tokens(hit, 0)
+            sched.update_state_after_alloc(hit, table, n or 0)
+            hit_s += time.perf_counter() - t0
+            self.hit_tokens += n or 0
+            hit_requests.append(hit)
+        for hit in hit_requests:
+            sched.request_finished(hit)
+        self.admit_hit_s = hit_s / max(num_hits, 1)
+        self.num_hits = num_hits
         self._computed = dict.fromkeys((r.request_id for r in self.requests), prompt_tokens)
         self._empty = tuple(() for _ in range(num_groups))
         self.facade_s: list[float] = []
@@ -201,7 +225,10 @@ def bench_scheduler_steps(
 
     Returns:
         A dict: parameters, ``admit_us_per_request`` (get_num_new_matched_tokens +
-        update_state_after_alloc, a miss), ``prefill_step_ms`` (the step storing every
+        update_state_after_alloc, a miss), ``admit_hit_us_per_request`` (the same for a
+        request whose whole prompt is in the CPU pool: its lookup and load job, over
+        ``admit_hit_requests`` = min(B, 256) requests; ``admit_hit_tokens_per_request``: the
+        hit), ``prefill_step_ms`` (the step storing every
         prompt block) with ``prefill_blocks_stored``, and for decode steps
         ``decode_step_us`` / ``decode_step_core_us`` (median over steps, facade and C++ call),
         per request (``..._per_request_ns``), ``complete_us_per_job``
@@ -225,6 +252,9 @@ def bench_scheduler_steps(
         "decode_steps": decode_steps,
         "num_cpu_blocks": num_cpu_blocks,
         "admit_us_per_request": w.admit_s / num_requests * 1e6,
+        "admit_hit_us_per_request": w.admit_hit_s * 1e6,
+        "admit_hit_requests": w.num_hits,
+        "admit_hit_tokens_per_request": w.hit_tokens / max(w.num_hits, 1),
         "prefill_step_ms": w.prefill_s * 1e3,
         "prefill_blocks_stored": w.prefill_blocks,
         "decode_step_us": decode_us,

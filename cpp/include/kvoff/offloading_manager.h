@@ -171,6 +171,11 @@ class CPUOffloadingManager {
   /// uses it: ordered, but no reuse).
   /// Throws std::invalid_argument, changing nothing, for an empty key.
   void touch(KeySpan keys);
+  /// touch() by CPU block id (as prepare_load and prepare_store return them), for callers that
+  /// know the blocks already: block_ids[0] ends the most recently used; no key is hashed.
+  /// Throws std::invalid_argument, changing nothing, for an id that is not a held block (out of
+  /// [0, num_blocks), or free).
+  void touch_blocks(std::span<const std::uint32_t> block_ids);
 
   /// Gives every key that is not held a slot (pending), evicting if needed; see
   /// PrepareStoreResult. New keys enter the policy as most recent, keys[0] the most recent of
@@ -306,6 +311,8 @@ class CPUOffloadingManager {
   std::pair<BlockState, std::uint32_t> load_state(std::uint32_t slot) const noexcept;
   /// Finds all keys (hashes into scratch_hashes_, slots into scratch_slots_).
   void find_all(KeySpan keys);
+  /// touch() of slots (kNotFound entries skipped), last to first; no checks.
+  void touch_slots(std::span<const std::uint32_t> slots);
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
