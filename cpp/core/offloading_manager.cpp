@@ -480,6 +480,42 @@ void CPUOffloadingManager::complete_load(KeySpan keys) {
   num_evictable_ += unpinned;
 }
 
+void CPUOffloadingManager::complete_load_blocks(std::span<const std::uint32_t> block_ids) {
+  maybe_drain();
+  const auto refuse = [&](std::size_t i, const std::string& what) {
+    throw std::invalid_argument("complete_load_blocks: block_ids[" + std::to_string(i) +
+                                "] = " + std::to_string(block_ids[i]) + " is " + what +
+                                "; pass the block ids of a prepare_load whose load has not "
+                                "completed, once per prepare_load. Nothing was changed.");
+  };
+  for (std::size_t i = 0; i < block_ids.size(); ++i) {
+    const std::uint32_t slot = block_ids[i];
+    if (slot >= index_.num_slots()) {
+      refuse(i, "outside [0, num_blocks=" + std::to_string(index_.num_slots()) + ")");
+    }
+    if (!policy_->contains(slot)) refuse(i, "a free block");
+    const BlockState st = state_bits(index_.payload(slot));
+    if (st != BlockState::kReady) refuse(i, describe_state(st) + ", not ready");
+  }
+  std::uint32_t unpinned = 0;
+  for (std::size_t i = 0; i < block_ids.size(); ++i) {
+    const std::uint32_t slot = block_ids[i];
+    std::uint64_t& p = index_.payload(slot);
+    // The write-through pin is not a load's: complete_load_blocks cannot take it.
+    if (pins_bits(p) <= (slot < wt_pinned_.size() ? wt_pinned_[slot] : 0U)) {
+      for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
+        index_.payload(block_ids[j]) += kOnePin;
+      }
+      refuse(i, "not pinned by a load as many times as it occurs in this call");
+    }
+    p -= kOnePin;
+    if (pins_bits(p) == 0) {
+      ++unpinned;
+    }
+  }
+  num_evictable_ += unpinned;
+}
+
 void CPUOffloadingManager::touch(KeySpan keys) {
   validate_keys(keys, "touch");
   find_all(keys);

@@ -63,10 +63,6 @@ SchedulerConfig validated(SchedulerConfig c) {
   return c;
 }
 
-std::vector<std::string_view> views_of(const KeyList& keys) {
-  return {keys.begin(), keys.end()};
-}
-
 }  // namespace
 
 OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
@@ -613,8 +609,7 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
   for (const JobId id : r.unemitted_loads) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;
-    const auto keys = views_of(it->second.job.keys);
-    manager_.complete_load(keys);
+    manager_.complete_load_blocks(it->second.job.cpu_block_ids);  // unpins what it pinned
     jobs_.erase(it);
     std::erase(pending_loads_, id);
   }
@@ -1022,12 +1017,12 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       }
       --r.stores_in_flight;
     } else {
-      std::vector<std::string_view>& keys = report_key_views_;
-      keys.assign(job.keys.begin(), job.keys.end());
-      manager_.complete_load(keys);
+      manager_.complete_load_blocks(job.cpu_block_ids);  // the blocks prepare_load pinned
       if (j.failed) {
         // The blocks could not be read: never offer them again (a retry of the request would
         // fail the same way), so that the engine recomputes them and stores them anew.
+        std::vector<std::string_view>& keys = report_key_views_;
+        keys.assign(job.keys.begin(), job.keys.end());
         stats_.blocks_discarded += manager_.discard(keys);
       }
       --r.loads_in_flight;

@@ -596,6 +596,64 @@ TEST(BadInput, CompleteLoadOfKeyNotBeingLoadedChangesNothing) {
   EXPECT_EQ(m.num_evictable_blocks(), 2u);
 }
 
+// complete_load_blocks (by the block ids prepare_load returned, as the scheduler's load jobs
+// complete) unpins exactly as complete_load by key, and refuses what complete_load refuses.
+TEST(Invariant6, CompleteLoadBlocksUnpinsAsCompleteLoad) {
+  CPUOffloadingManager m(2);
+  store(m, K({"a"}));
+  store(m, K({"b"}));  // LRU order: a b
+  const std::vector<std::uint32_t> ids = m.prepare_load(K({"a"}));
+  m.prepare_load(K({"a"}));  // pinned twice
+  ASSERT_TRUE(m.prepare_store(K({"c"})));  // evicts b, not the pinned a
+  m.complete_store(K({"c"}));
+  m.complete_load_blocks(ids);
+  EXPECT_EQ(m.pin_count("a"), 1u);
+  EXPECT_EQ(m.num_evictable_blocks(), 1u);  // c; a is still pinned once
+  m.complete_load_blocks(ids);
+  EXPECT_EQ(m.pin_count("a"), 0u);
+  EXPECT_EQ(m.num_evictable_blocks(), 2u);
+}
+
+TEST(BadInput, CompleteLoadBlocksOfBlockNotBeingLoadedChangesNothing) {
+  CPUOffloadingManager m(5);
+  m.set_write_through(4);
+  store(m, K({"w"}));  // ready, pinned for write-through only
+  m.set_write_through(0);
+  store(m, K({"a", "b"}));
+  ASSERT_TRUE(m.prepare_store(K({"p"})));  // pending
+  const std::vector<std::uint32_t> ab = m.prepare_load(K({"a", "b"}));
+  const std::uint32_t a = ab[0];
+  const std::uint32_t w = m.block_id("w").value();
+  const std::uint32_t p = m.block_id("p").value();
+  std::uint32_t free_block = 0;
+  while (free_block == a || free_block == ab[1] || free_block == w || free_block == p) {
+    ++free_block;
+  }
+  const Keys all = K({"a", "b", "w", "p"});
+  const Snapshot before = snap(m, all);
+  const auto refused = [&](std::vector<std::uint32_t> ids, std::size_t bad) {
+    try {
+      m.complete_load_blocks(ids);
+      ADD_FAILURE() << "complete_load_blocks accepted block_ids[" << bad << "]";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("block_ids[" + std::to_string(bad) + "] = " +
+                                           std::to_string(ids[bad])),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(snap(m, all), before);
+  };
+  refused({a, 5}, 1);           // out of range
+  refused({a, free_block}, 1);  // free
+  refused({a, p}, 1);           // pending
+  refused({a, w}, 1);           // only the write-through pin: no load in flight
+  refused({a, ab[1], a}, 2);    // a is pinned by one load, asked twice
+  m.complete_load_blocks(std::vector<std::uint32_t>{ab[1], a});
+  EXPECT_EQ(m.pin_count("a"), 0u);
+  EXPECT_EQ(m.pin_count("b"), 0u);
+  EXPECT_EQ(m.pin_count("w"), 1u);
+}
+
 TEST(BadInput, CompleteStoreOfKeyNotPendingChangesNothing) {
   CPUOffloadingManager m(4, "lru", true);
   store(m, K({"r"}));

@@ -164,6 +164,12 @@ class CPUOffloadingManager {
   /// Throws std::invalid_argument, changing nothing, when a key is not ready or not pinned as
   /// many times as it occurs (naming it in hex).
   void complete_load(KeySpan keys);
+  /// complete_load by CPU block id (the ids prepare_load returned), for callers that kept them:
+  /// a block pinned by a load cannot be evicted, so its id names it as well as its key does,
+  /// and no key is hashed or looked up.
+  /// Throws std::invalid_argument, changing nothing, when an id is outside [0, num_blocks),
+  /// free, not ready, or not pinned by loads as many times as it occurs (naming it).
+  void complete_load_blocks(std::span<const std::uint32_t> block_ids);
 
   /// Marks held keys (ready or pending) as used, processing them last to first so that keys[0]
   /// ends the most recently used. Keys not held are ignored. A ready key's use goes to the
