@@ -600,9 +600,11 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   // Pass 1 (no state change but the call's marks): mark the keys already held with this
   // call's stamp (they are protected from eviction) and collect the distinct new keys.
   std::size_t num_protected = 0;  // held keys of the call that are evictable
+  std::size_t num_held_in_call = 0;  // keys of the call (repeats included) held already
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
     if (slot != KeyIndex::kNotFound) {
+      ++num_held_in_call;
       std::uint64_t& p = index_.payload(slot);
       if (mark_bits(p) != stamp) {
         set_mark(p, stamp);
@@ -708,6 +710,19 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
     note_recent(result.block_ids[j]);
   }
   num_pending_ += static_cast<std::uint32_t>(need);
+  // Every key's block: held ones from pass 1, new ones from the commit, and a repeat of a new
+  // key (rare: not found in pass 1, not among the new) from the index.
+  result.key_block_ids.assign(scratch_slots_.begin(), scratch_slots_.end());
+  for (std::size_t j = 0; j < need; ++j) {
+    result.key_block_ids[scratch_new_[j]] = result.block_ids[j];
+  }
+  if (need + num_held_in_call < keys.size()) {
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (result.key_block_ids[i] == KeyIndex::kNotFound) {
+        result.key_block_ids[i] = index_.find(keys[i], scratch_hashes_[i]);
+      }
+    }
+  }
   return true;
 }
 

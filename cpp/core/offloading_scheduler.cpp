@@ -665,7 +665,8 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   }
   r.next_store = full;
   stats_.blocks_evicted += result.evicted_keys.size();
-  manager_.touch(key_views);  // keys[0] (the head) ends most recent (invariant 8)
+  // keys[0] (the head) ends most recent (invariant 8); by block id: no key is looked up again
+  manager_.touch_blocks(result.key_block_ids);
   if (result.store_indices.empty()) return;
   for (std::size_t i = 0; i < result.store_indices.size(); ++i) {
     items[result.store_indices[i]].slot = result.block_ids[i];

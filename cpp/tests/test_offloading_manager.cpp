@@ -464,6 +464,21 @@ TEST(Invariant8, PrepareStoreDoesNotTouchHeldKeys) {
 
 // touch_blocks (by CPU block id, as the scheduler's loads use it) orders exactly as touch (by
 // key) under every policy, pending blocks included; a bad id changes nothing.
+TEST(Invariant6, PrepareStoreGivesEveryKeysBlock) {
+  CPUOffloadingManager m(3);
+  store(m, K({"a", "b"}));
+  // held, new, repeated held, repeated new, new (evicts: 1 free slot for 2 new keys)
+  auto r = m.prepare_store(K({"a", "x", "a", "x", "y"}));
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(str(r->keys_to_store), S({"x", "y"}));
+  ASSERT_EQ(str(r->evicted_keys), S({"b"}));
+  std::vector<std::uint32_t> want;
+  for (const char* k : {"a", "x", "a", "x", "y"}) want.push_back(m.block_id(k).value());
+  EXPECT_EQ(r->key_block_ids, want);
+  EXPECT_EQ(r->key_block_ids[1], r->block_ids[0]);
+  EXPECT_EQ(r->key_block_ids[4], r->block_ids[1]);
+}
+
 TEST(Invariant8, TouchBlocksOrdersAsTouchByKeyUnderEveryPolicy) {
   for (const char* policy : {"lru", "arc", "probation"}) {
     SCOPED_TRACE(policy);
@@ -727,6 +742,7 @@ TEST(Invariant6, PrepareStoreIntoAReusedResultEqualsTheFreshOne) {
     EXPECT_EQ(reused.keys_to_store, fresh->keys_to_store);
     EXPECT_EQ(reused.block_ids, fresh->block_ids);
     EXPECT_EQ(reused.evicted_keys, fresh->evicted_keys);
+    EXPECT_EQ(reused.key_block_ids, fresh->key_block_ids);
     a.complete_store(fresh->keys_to_store);
     b.complete_store(reused.keys_to_store);
   }

@@ -43,6 +43,10 @@ struct PrepareStoreResult {
   std::vector<std::string_view> keys_to_store;
   /// The CPU block id (slot) allocated for each of keys_to_store, same order.
   std::vector<std::uint32_t> block_ids;
+  /// The CPU block id of every key of the call, in the call's order: the block that held it
+  /// already, or the one allocated for it now (a repeated key: the same block each time). For
+  /// touch_blocks after the store, which then hashes and looks up no key.
+  std::vector<std::uint32_t> key_block_ids;
   /// Keys evicted to make room, in eviction order (their slots may be among block_ids).
   KeyList evicted_keys;
 };
