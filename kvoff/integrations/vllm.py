@@ -760,6 +760,8 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         # workers; the values at the last get_kv_connector_stats
         self._transfer_totals = [0, 0, 0.0, 0.0]  # _TRANSFER_TOTALS
         self._totals_seen = [0, 0, 0.0, 0.0]  # their values at the last stats call
+        self._totals_moved = False  # whether _transfer_totals moved since that call
+        self._has_tiers = False  # whether tiers were attached (their counters are read then)
         self._counters_seen: tuple[int, ...] | None = None  # the scheduler's, likewise
         if role == KVConnectorRole.SCHEDULER:
             events = self._config.enable_events or bool(
@@ -768,6 +770,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             )
             self._scheduler = OffloadingScheduler(self._spec, enable_events=events)
             if self._config.has_tiers:
+                self._has_tiers = True
                 _attach_tiers(
                     self._engine_id, self._scheduler, _tier_config(vllm_config, self._config),
                     vllm_config, self._spec,
@@ -891,11 +894,13 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, KvoffWorkerMetadata):
             raise TypeError(f"expected KvoffWorkerMetadata, got {type(meta).__name__}")
         self.scheduler.update_connector_output_counts(meta.reports)
-        t = self._transfer_totals
-        t[0] += meta.load_bytes
-        t[1] += meta.store_bytes
-        t[2] += meta.load_seconds
-        t[3] += meta.store_seconds
+        if meta.load_bytes or meta.store_bytes or meta.load_seconds or meta.store_seconds:
+            t = self._transfer_totals
+            t[0] += meta.load_bytes
+            t[1] += meta.store_bytes
+            t[2] += meta.load_seconds
+            t[3] += meta.store_seconds
+            self._totals_moved = True
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -936,14 +941,15 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return None
         data, self._counters_seen = self._scheduler.counters_delta(self._counters_seen)
-        totals, seen = self._transfer_totals, self._totals_seen
-        if totals != seen:
+        if self._totals_moved:  # (the engine calls this every step: the usual case is cheap)
+            self._totals_moved = False
+            totals, seen = self._transfer_totals, self._totals_seen
             data = data if data is not None else {}
             for name, v, w in zip(_TRANSFER_TOTALS, totals, seen, strict=True):
                 if v != w:
                     data[name] = v - w
             self._totals_seen = list(totals)
-        tiers = self._scheduler.tiers
+        tiers = self._scheduler.tiers if self._has_tiers else None
         # the tiers' counters cost a few µs per tier and rank to read: only when they moved
         version = tiers.stats_version() if tiers is not None else None
         if tiers is not None and version != self._tier_version:

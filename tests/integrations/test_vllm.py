@@ -118,6 +118,9 @@ def test_outputs_are_token_identical_to_full_recompute_while_kvoff_hits(
     assert r["phases"][1]["cached"] == [768] * 4
     assert _metric(r, 1, "vllm:external_prefix_cache_hits") > 0
     assert _metric(r, 1, "vllm:kvoff_hit_tokens") == r["phases"][1]["kvoff"]["hit_tokens"]
+    # the workers' byte counts reach the stats (every GPU block loaded once, stored once)
+    assert _metric(r, 1, "vllm:kvoff_load_bytes") == 768 // BLOCK * GPU_BLOCK_BYTES
+    assert _metric(r, 0, "vllm:kvoff_store_bytes") >= 768 // BLOCK * GPU_BLOCK_BYTES
 
 
 def test_cpu_block_count_follows_invariant_3_on_vllms_config(llama_kvoff) -> None:
