@@ -451,33 +451,23 @@ void CPUOffloadingManager::complete_load(KeySpan keys) {
   validate_keys(keys, "complete_load");
   maybe_drain();
   find_all(keys);
-  std::uint32_t unpinned = 0;
+  const auto refuse = [&](std::size_t i, const std::string& what) {
+    throw_bad_key("complete_load", i, keys[i], what,
+                  "call complete_load once per prepare_load, with the same keys");
+  };
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
     const BlockState st =
         slot == KeyIndex::kNotFound ? BlockState::kMissing : state_bits(index_.payload(slot));
-    // The write-through pin is not a load's: complete_load cannot take it.
-    if (st != BlockState::kReady ||
-        pins_bits(index_.payload(slot)) <= (slot < wt_pinned_.size() ? wt_pinned_[slot] : 0U)) {
-      for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
-        index_.payload(scratch_slots_[j]) += kOnePin;
-      }
-      const bool repeated = st == BlockState::kReady &&
-                            std::find(scratch_slots_.begin(), scratch_slots_.begin() + i, slot) !=
-                                scratch_slots_.begin() + i;
-      throw_bad_key("complete_load", i, keys[i],
-                    st != BlockState::kReady ? describe_state(st)
-                    : repeated ? "not being loaded as many times as it occurs in this call"
-                               : "not being loaded (no prepare_load is in flight for it)",
-                    "call complete_load once per prepare_load, with the same keys");
-    }
-    std::uint64_t& p = index_.payload(slot);
-    p -= kOnePin;
-    if (pins_bits(p) == 0) {
-      ++unpinned;
-    }
+    if (st != BlockState::kReady) refuse(i, describe_state(st));
   }
-  num_evictable_ += unpinned;
+  if (const auto bad = unpin_loads(scratch_slots_)) {
+    const auto first = scratch_slots_.begin();
+    const auto at = first + static_cast<std::ptrdiff_t>(*bad);
+    const bool repeated = std::find(first, at, *at) != at;
+    refuse(*bad, repeated ? "not being loaded as many times as it occurs in this call"
+                          : "not being loaded (no prepare_load is in flight for it)");
+  }
 }
 
 void CPUOffloadingManager::complete_load_blocks(std::span<const std::uint32_t> block_ids) {
@@ -497,16 +487,22 @@ void CPUOffloadingManager::complete_load_blocks(std::span<const std::uint32_t> b
     const BlockState st = state_bits(index_.payload(slot));
     if (st != BlockState::kReady) refuse(i, describe_state(st) + ", not ready");
   }
+  if (const auto bad = unpin_loads(block_ids)) {
+    refuse(*bad, "not pinned by a load as many times as it occurs in this call");
+  }
+}
+
+std::optional<std::size_t> CPUOffloadingManager::unpin_loads(
+    std::span<const std::uint32_t> slots) {
   std::uint32_t unpinned = 0;
-  for (std::size_t i = 0; i < block_ids.size(); ++i) {
-    const std::uint32_t slot = block_ids[i];
-    std::uint64_t& p = index_.payload(slot);
-    // The write-through pin is not a load's: complete_load_blocks cannot take it.
-    if (pins_bits(p) <= (slot < wt_pinned_.size() ? wt_pinned_[slot] : 0U)) {
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    std::uint64_t& p = index_.payload(slots[i]);
+    // The write-through pin is not a load's: a load's completion cannot take it.
+    if (pins_bits(p) <= (slots[i] < wt_pinned_.size() ? wt_pinned_[slots[i]] : 0U)) {
       for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
-        index_.payload(block_ids[j]) += kOnePin;
+        index_.payload(slots[j]) += kOnePin;
       }
-      refuse(i, "not pinned by a load as many times as it occurs in this call");
+      return i;
     }
     p -= kOnePin;
     if (pins_bits(p) == 0) {
@@ -514,6 +510,7 @@ void CPUOffloadingManager::complete_load_blocks(std::span<const std::uint32_t> b
     }
   }
   num_evictable_ += unpinned;
+  return std::nullopt;
 }
 
 void CPUOffloadingManager::touch(KeySpan keys) {
@@ -600,11 +597,9 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   // Pass 1 (no state change but the call's marks): mark the keys already held with this
   // call's stamp (they are protected from eviction) and collect the distinct new keys.
   std::size_t num_protected = 0;  // held keys of the call that are evictable
-  std::size_t num_held_in_call = 0;  // keys of the call (repeats included) held already
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
     if (slot != KeyIndex::kNotFound) {
-      ++num_held_in_call;
       std::uint64_t& p = index_.payload(slot);
       if (mark_bits(p) != stamp) {
         set_mark(p, stamp);
@@ -716,11 +711,9 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   for (std::size_t j = 0; j < need; ++j) {
     result.key_block_ids[scratch_new_[j]] = result.block_ids[j];
   }
-  if (need + num_held_in_call < keys.size()) {
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (result.key_block_ids[i] == KeyIndex::kNotFound) {
-        result.key_block_ids[i] = index_.find(keys[i], scratch_hashes_[i]);
-      }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (result.key_block_ids[i] == KeyIndex::kNotFound) {
+      result.key_block_ids[i] = index_.find(keys[i], scratch_hashes_[i]);
     }
   }
   return true;

@@ -323,6 +323,10 @@ class CPUOffloadingManager {
   void find_all(KeySpan keys);
   /// touch() of slots (kNotFound entries skipped), last to first; no checks.
   void touch_slots(std::span<const std::uint32_t> slots);
+  /// Takes one load pin off each of `slots` (ready blocks; a slot may repeat). When a slot has
+  /// no load pin left to take (the write-through pin is not a load's), undoes the call's
+  /// unpins and returns that slot's index: nothing changed. Else std::nullopt.
+  std::optional<std::size_t> unpin_loads(std::span<const std::uint32_t> slots);
   bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
