@@ -633,6 +633,21 @@ _TIER_COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 
+def _configured_tier_counters(extra: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The :data:`_TIER_COUNTERS` of the tiers ``kv_connector_extra_config`` configures: the
+    coordinator's ``tier_*`` when any, ``disk_*`` with ``disk_path``, ``remote_*`` with
+    ``remote_url``; none without tiers (an operator's ``/metrics`` lists no counter of a tier
+    the engine does not have). The tiers' stats report exactly these names."""
+    tiers = [t for t, key in (("disk", "disk_path"), ("remote", "remote_url")) if extra.get(key)]
+    if not tiers:
+        return ()
+    return tuple(
+        (name, doc)
+        for name, doc in _TIER_COUNTERS
+        if name.startswith("tier_") or name.split("_", 1)[0] in tiers
+    )
+
+
 #: The workers' transfer totals, after the scheduler's COUNTER_NAMES in the connector's stats.
 _TRANSFER_TOTALS = ("load_bytes", "store_bytes", "load_seconds", "store_seconds")
 
@@ -690,7 +705,8 @@ class KvoffPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[tuple[int, str], Any] = {}
-        docs = dict(_COUNTERS) | dict(_TIER_COUNTERS)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        docs = dict(_COUNTERS) | dict(_configured_tier_counters(extra))
         docs["load_seconds"] = "Seconds spent loading (all ranks)"
         docs["store_seconds"] = "Seconds spent storing (all ranks)"
         for name, doc in docs.items():
@@ -1495,15 +1511,13 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        """The tiers' Prometheus counters ``vllm:kvoff_<name>`` (:data:`_TIER_COUNTERS`) when
-        ``extra_config`` configures a tier; none otherwise."""
+        """The Prometheus counters ``vllm:kvoff_<name>`` of the tiers ``extra_config``
+        configures (:func:`_configured_tier_counters`); none without tiers."""
         from vllm.v1.kv_offload.base import OffloadingCounterMetadata
 
-        if not any(extra_config.get(k) for k in ("disk_path", "remote_url")):
-            return {}
         return {
             f"vllm:kvoff_{name}": OffloadingCounterMetadata(documentation=doc)
-            for name, doc in _TIER_COUNTERS
+            for name, doc in _configured_tier_counters(extra_config)
         }
 
     def __init__(self, config: Any) -> None:

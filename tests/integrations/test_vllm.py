@@ -580,6 +580,25 @@ def test_worker_metadata_sums_ranks_and_stats_reduce() -> None:
     assert KvoffConnectorStats({}).is_empty() and not s.is_empty()
 
 
+def test_prometheus_lists_the_counters_of_the_configured_tiers_only() -> None:
+    """Both ways in define ``vllm:kvoff_<tier>_*`` counters only for the tiers
+    ``kv_connector_extra_config`` configures (and the coordinator's ``tier_*`` with any)."""
+    from kvoff.integrations.vllm import KvoffOffloadingSpec
+
+    def names(extra: dict) -> set[str]:
+        return set(KvoffOffloadingSpec.build_metric_definitions(extra))
+
+    assert names({"cpu_bytes_to_use": 1}) == set()
+    remote = names({"remote_url": "redis://127.0.0.1:7000"})
+    assert "vllm:kvoff_remote_promoted_blocks" in remote and "vllm:kvoff_tier_probes" in remote
+    assert not any(n.startswith("vllm:kvoff_disk_") for n in remote)
+    disk = names({"disk_path": "/tmp/x", "disk_bytes": "1GiB"})
+    assert "vllm:kvoff_disk_corrupted_blocks" in disk
+    assert not any(n.startswith("vllm:kvoff_remote_") for n in disk)
+    both = names({"disk_path": "/tmp/x", "remote_url": "redis://127.0.0.1:7000"})
+    assert both == disk | remote
+
+
 def test_vllm_configs_translate_with_one_shared_allocation() -> None:
     """Every KVCacheTensor of vLLM 0.32 states the whole shared allocation's size: kvoff's
     translation keeps it once (invariant 3), for one group and for overlaying hybrid groups."""
