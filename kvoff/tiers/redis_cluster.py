@@ -609,7 +609,13 @@ class LocalRedisCluster:
         return self.ports.index(int(node_name.rsplit(":", 1)[1]))
 
     def start(self) -> LocalRedisCluster:
-        """Start the servers, create the cluster, wait for ``cluster_state:ok`` everywhere."""
+        """Start the servers, create the cluster, wait for ``cluster_state:ok`` everywhere.
+
+        Raises:
+            RuntimeError: ``redis-server`` or ``redis-cli`` is missing (the reason says how to
+                install them), or the cluster did not come up within ``startup_timeout_s``
+                (with the servers' log tails); the servers started are stopped first.
+        """
         reason = redis_server_skip_reason()
         if reason:
             raise RuntimeError(reason)

@@ -149,6 +149,14 @@ def run_manager_sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kvoff.tools.policy_sim``: full-block hit rates per policy and CPU pool
+    capacity (blocks) on one trace, through the manager alone (no GPU model); a table, and
+    with ``--json`` / ``--plot`` the sweep as JSON and a PNG. Returns the exit status (0).
+
+    Raises:
+        SystemExit: bad arguments (argparse names them).
+        ValueError: an unknown policy or trace, or a capacity below 1 (naming it).
+    """
     parser = argparse.ArgumentParser(prog="python -m kvoff.tools.policy_sim")
     parser.add_argument("--trace", default="conversation", help="bundled name or JSONL path")
     parser.add_argument("--sweep-capacity", required=True, metavar="N,N,...")

@@ -135,6 +135,14 @@ def write_trace(requests: list[TraceRequest], path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kvoff.tools.trace_mix KIND OUT``: writes trace ``KIND`` (``--requests``
+    requests for the generated kinds, seeded by ``--seed``) as JSONL to ``OUT``. Returns the
+    exit status (0).
+
+    Raises:
+        SystemExit: bad arguments (argparse names them).
+        OSError: ``OUT`` cannot be written.
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("out", help="the JSONL file to write")
