@@ -540,6 +540,48 @@ def test_preempted_requests_with_jobs_in_flight(run_engine, tiny_models, connect
         assert stats["store_jobs"] > 0 and stats["jobs_flushed"] > 0 and stats["failed_jobs"] == 0
 
 
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_requests_aborted_with_loads_in_flight(
+    run_engine, tiny_models, llama_reference, connector
+) -> None:
+    """A client goes away while its prompt is being loaded from kvoff: A is stored, the
+    engine's prefix cache is dropped, A comes back with every job held 6 engine steps (a slow
+    DMA), and every request is aborted after one step, its load still in flight. The engine
+    frees the requests' GPU blocks at once; the load is waited for when a block is reused.
+    Afterwards A and B run normally: identical outputs, A still hits in kvoff (no block stays
+    pinned by the aborted load: emptying kvoff's pool at the end leaves nothing behind), and
+    nothing is left in flight."""
+    ref_a, ref_b = llama_reference
+    phases = [
+        {"prompts": PROMPTS_A},
+        {"prompts": PROMPTS_A, "reset": True, "abort_after_steps": 1,
+         "fault": "slow_transfers", "slow_steps": 6},
+        {"prompts": PROMPTS_A, "reset": True},
+        {"prompts": PROMPTS_B},
+        {"prompts": PROMPTS_B[:1], "reset_connector": True},
+    ]  # fmt: skip
+    r = run_engine(_plan(str(tiny_models["llama"]), connector, phases))
+    assert r["phases"][2]["outputs"] == ref_a and r["phases"][3]["outputs"] == ref_b
+    assert r["phases"][2]["cached"][0] >= 768  # the prefix came back from kvoff
+    assert _metric(r, 2, "vllm:external_prefix_cache_hits") > _metric(
+        r, 1, "vllm:external_prefix_cache_hits"
+    )
+    if connector == "kvoff":
+        at_abort = r["phases"][1]["kvoff_at_abort"]
+        assert (
+            at_abort["num_jobs_in_flight"] >= 1
+            and at_abort["load_jobs"] > r["phases"][0]["kvoff"]["load_jobs"]
+        )
+        assert _delta(r, 2, "hit_tokens") >= 768
+        end = r["phases"][3]["kvoff"]
+        assert end["num_jobs_in_flight"] == 0 and end["failed_jobs"] == 0
+        assert end["num_pending_blocks"] == 0
+        # emptied, then B[0]'s 5 blocks stored: a block still pinned by the aborted load
+        # would have survived the reset
+        assert r["phases"][4]["kvoff"]["num_stored_blocks"] == 640 // BLOCK
+    assert r["phases"][4]["outputs"] == ref_b[:1]
+
+
 # -------------------------------------------------------------------- unit-level (no engine)
 
 

@@ -16,8 +16,13 @@ The plan (JSON):
         faults do not apply
     env: environment variables to set before vLLM is imported (e.g. VLLM_CPU_OMP_THREADS_BIND)
     phases: a list of {prompts: [[token ids]], max_tokens, reset (reset_prefix_cache before),
+        reset_connector (reset_prefix_cache(reset_connector=True) before: the connector's
+        cache too),
         fault: null | "fail_loads" | "fail_stores" | "corrupt_loads" | "slow_transfers",
-        slow_steps: engine steps a job is held back under "slow_transfers"}
+        slow_steps: engine steps a job is held back under "slow_transfers",
+        abort_after_steps: N to add the prompts, run N engine steps, abort every request (as
+        a client that goes away does), then step until the engine has no request left; the
+        phase then has no outputs}
 
 Faults act on kvoff's worker in this process for one phase: "fail_loads" and "fail_stores"
 report every load (store) as failed without copying (what a real failure does),
@@ -221,12 +226,30 @@ def main(plan_path: str, result_path: str) -> None:
     for phase in plan["phases"]:
         FAULT["mode"] = phase.get("fault")
         FAULT["slow_steps"] = phase.get("slow_steps", 2)
-        if phase.get("reset"):
+        if phase.get("reset_connector"):
+            llm.reset_prefix_cache(reset_connector=True)
+        elif phase.get("reset"):
             llm.reset_prefix_cache()
         params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0)
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], params, use_tqdm=False
-        )
+        at_abort: dict[str, Any] | None = None
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
+        if "abort_after_steps" in phase:
+            engine_ = llm.llm_engine
+            ids = [engine_.add_request(f"abort-{len(result['phases'])}-{i}", p, params)
+                   for i, p in enumerate(prompts)]  # fmt: skip
+            for _ in range(phase["abort_after_steps"]):
+                engine_.step()
+            if connector is not None and plan["connector"] == "kvoff":
+                at_abort = connector.scheduler.stats()  # the jobs the abort leaves in flight
+            engine_.abort_request(ids, internal=True)
+            steps = 0
+            while engine_.has_unfinished_requests():
+                engine_.step()
+                steps += 1
+                assert steps < 10_000, "the engine kept aborted requests"
+            outs = []
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         entry: dict[str, Any] = {
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [int(o.num_cached_tokens or 0) for o in outs],
@@ -236,6 +259,8 @@ def main(plan_path: str, result_path: str) -> None:
                 if isinstance(getattr(m, "value", None), (int, float))
             },
         }
+        if at_abort is not None:
+            entry["kvoff_at_abort"] = at_abort
         if connector is not None and plan["connector"] == "kvoff":
             entry["kvoff"] = connector.scheduler.stats()
             tiers = connector.scheduler.tiers
