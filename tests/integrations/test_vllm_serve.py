@@ -16,6 +16,7 @@ arguments (README, "kvoff inside vLLM").
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import subprocess
@@ -73,8 +74,13 @@ class Server:
              "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
              "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
              "--num-gpu-blocks-override", str(GPU_BLOCKS), "--enable-prefix-caching",
-             "--max-model-len", "2048", "--kv-transfer-config", json.dumps(kv_transfer_config)],
+             "--max-model-len", "2048", "--kv-transfer-config", json.dumps(kv_transfer_config),
+             # on the CPU backend: the share of the machine's memory vLLM checks is free at
+             # start-up (the default, 0.92, fails whenever anything else runs)
+             "--gpu-memory-utilization", "0.2"],
             stdout=self._log_file, stderr=subprocess.STDOUT,
+            # vLLM's default process layout, whatever the caller's environment says
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
         )  # fmt: skip
 
     def log_tail(self, chars: int = 6000) -> str:
