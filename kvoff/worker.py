@@ -35,6 +35,8 @@ On CPU builds jobs run synchronously inside :meth:`OffloadingWorker.transfer_asy
 memcpy; ``"staged"`` can be forced and runs the same staging logic with a CPU buffer). On CUDA
 each direction has its own copy stream and its own SM stream (FIFO within a direction), every job
 records events, and :meth:`OffloadingWorker.get_finished` polls them without blocking.
+:meth:`OffloadingWorker.transfer_many_async` submits one step's jobs of a direction together:
+one copy per group and one pair of events for all of them, one result per job.
 
 The CPU pool is one exact-size host allocation (no power-of-two rounding), page-locked by one call
 when pinned (:class:`kvoff.pinned.HostPool`).
@@ -225,6 +227,24 @@ class _Group:
     staged: StagedGroup | None = None  # what a staged copy of this group needs (made once)
 
 
+def _sides(
+    src: GPUBlockSpec | CPUBlockSpec, dst: GPUBlockSpec | CPUBlockSpec
+) -> tuple[Direction, GPUBlockSpec, CPUBlockSpec]:
+    """``(direction, gpu side, cpu side)`` of a job.
+
+    Raises:
+        ValueError: both sides of the same type (or neither a block spec).
+    """
+    if isinstance(src, GPUBlockSpec) and isinstance(dst, CPUBlockSpec):
+        return "store", src, dst
+    if isinstance(src, CPUBlockSpec) and isinstance(dst, GPUBlockSpec):
+        return "load", dst, src
+    raise ValueError(
+        f"a job copies GPUBlockSpec→CPUBlockSpec (store) or CPUBlockSpec→GPUBlockSpec "
+        f"(load), got {type(src).__name__}→{type(dst).__name__}"
+    )
+
+
 @dataclass
 class _InFlight:
     job_id: int
@@ -233,6 +253,7 @@ class _InFlight:
     mechanism: str
     start: torch.cuda.Event
     end: torch.cuda.Event
+    share: float = 1.0  # this job's part of its submission's bytes (transfer_many_async)
 
 
 def _adjacent(a: _Region, b: _Region) -> bool:
@@ -787,17 +808,7 @@ class OffloadingWorker:
             raise ValueError("no KV caches registered: call register_kv_caches first")
         if job_id in self._in_flight:
             raise ValueError(f"job_id {job_id} is already in flight; use a fresh job id")
-        if isinstance(src, GPUBlockSpec) and isinstance(dst, CPUBlockSpec):
-            direction: Direction = "store"
-            gpu, cpu = src, dst
-        elif isinstance(src, CPUBlockSpec) and isinstance(dst, GPUBlockSpec):
-            direction = "load"
-            gpu, cpu = dst, src
-        else:
-            raise ValueError(
-                f"a job copies GPUBlockSpec→CPUBlockSpec (store) or CPUBlockSpec→GPUBlockSpec "
-                f"(load), got {type(src).__name__}→{type(dst).__name__}"
-            )
+        direction, gpu, cpu = _sides(src, dst)
         per_group = self._expand(gpu, cpu)
         num_bytes = sum(
             len(gpu_ids) * g.row_bytes
@@ -833,7 +844,147 @@ class OffloadingWorker:
                                None, label)
             )  # fmt: skip
             return True
-        return self._submit_cuda(job_id, direction, per_group, mechanisms, num_bytes, used)
+        return self._submit_cuda([(job_id, num_bytes)], direction, per_group, mechanisms, used)
+
+    def transfer_many_async(
+        self,
+        jobs: Sequence[tuple[int, GPUBlockSpec | CPUBlockSpec, GPUBlockSpec | CPUBlockSpec]],
+    ) -> list[bool]:
+        """Submit several jobs of one direction together: one step's stores, or its loads.
+
+        The result is what :meth:`transfer_async` of each ``(job_id, src, dst)`` in turn
+        gives (each job still gets its own :class:`TransferResult`), but their blocks move as
+        one copy per KV cache group: one call of the copy op (CPU), or one set of copies and
+        one pair of CUDA events on the direction's streams (CUDA), instead of one per job. A
+        step that stores one block for each of 16 requests pays the per-job cost (spec
+        checks, id expansion, the copy op's launch and thread hand-off) once instead of 16
+        times. ``mechanism="auto"`` decides on the jobs' blocks together.
+
+        On CUDA every job of the call finishes when the last copy of the call ends, and its
+        ``seconds`` is its share (by bytes) of the call's GPU time; on CPU its share of the
+        call's wall time. The shares add up to the call's time, so bytes / seconds summed
+        over jobs stays the real rate.
+
+        A job whose ids are out of range (or whose destination ids repeat) fails alone, as
+        in :meth:`transfer_async`: ``TransferResult(success=False)``, nothing of it copied.
+        When two jobs of the call write the same destination block, the jobs are submitted
+        one by one instead (in order, so the later write wins, as in separate calls).
+
+        Args:
+            jobs: ``(job_id, src, dst)`` triples, as :meth:`transfer_async` takes them; all
+                stores (``GPUBlockSpec`` → ``CPUBlockSpec``) or all loads.
+
+        Returns:
+            Per job, in order: True when it was submitted (CUDA) or ran successfully (CPU),
+            False when it failed (its failure is reported as a ``TransferResult``).
+
+        Raises:
+            ValueError: when nothing is registered, a job id repeats in ``jobs`` or is already
+                in flight, a job's sides have the same type or do not describe the same
+                blocks, or the jobs mix stores and loads. Checked before anything is copied:
+                then no job of the call is submitted.
+            TypeError: an entry that is not a ``(job_id, src, dst)`` triple.
+        """
+        if not self._groups:
+            raise ValueError("no KV caches registered: call register_kv_caches first")
+        entries = list(jobs)
+        if not entries:
+            return []
+        seen: set[int] = set()
+        specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]] = []
+        direction: Direction | None = None
+        for k, entry in enumerate(entries):
+            if not isinstance(entry, tuple) or len(entry) != 3:
+                raise TypeError(
+                    f"jobs[{k}] must be a (job_id, src, dst) tuple, got {entry!r}; nothing was "
+                    "submitted"
+                )
+            job_id, src, dst = entry
+            if job_id in self._in_flight or job_id in seen:
+                raise ValueError(
+                    f"job_id {job_id} (jobs[{k}]) is already in flight or repeats in jobs; use "
+                    "a fresh job id per job. Nothing was submitted"
+                )
+            seen.add(job_id)
+            d, gpu, cpu = _sides(src, dst)
+            if direction is None:
+                direction = d
+            elif d != direction:
+                raise ValueError(
+                    f"jobs[{k}] (job {job_id}) is a {d} but jobs[0] is a {direction}: submit "
+                    "stores and loads in separate calls. Nothing was submitted"
+                )
+            specs.append((job_id, gpu, cpu))
+        assert direction is not None
+        if len(specs) == 1:
+            return [self.transfer_async(*entries[0])]
+        expanded = [self._expand(gpu, cpu) for _, gpu, cpu in specs]  # raises: nothing done
+        t0 = time.perf_counter()
+        ok = [False] * len(specs)
+        members: list[tuple[int, int, int]] = []  # (position, job id, bytes) of the good jobs
+        for k, ((job_id, _, _), per_group) in enumerate(zip(specs, expanded, strict=True)):
+            try:
+                self._check_ids(direction, per_group)
+            except ValueError as exc:  # this job alone fails, as in transfer_async
+                self._finished.append(
+                    TransferResult(job_id, direction, False, 0, time.perf_counter() - t0,
+                                   str(exc))
+                )  # fmt: skip
+                continue
+            num_bytes = sum(
+                len(gpu_ids) * g.row_bytes
+                for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
+            )
+            members.append((k, job_id, num_bytes))
+        if not members:
+            return ok
+        combined = [
+            (
+                np.concatenate([expanded[k][g][0] for k, _, _ in members]),
+                np.concatenate([expanded[k][g][1] for k, _, _ in members]),
+            )
+            for g in range(len(self._groups))
+        ]
+        dst_index = 1 if direction == "store" else 0
+        if any(len(np.unique(ids[dst_index])) != len(ids[dst_index]) for ids in combined):
+            # two jobs write one block: one by one, in order (the later write wins)
+            for k, _, _ in members:
+                ok[k] = self.transfer_async(*entries[k])
+            return ok
+        cuda = self._device is not None and self._device.type == "cuda"
+        try:
+            mechanisms = [
+                self._resolve_mechanism(direction, g, ids) if len(ids[0]) else ""
+                for g, ids in zip(self._groups, combined, strict=True)
+            ]
+        except (RuntimeError, ValueError, IndexError) as exc:
+            for _, job_id, _ in members:
+                self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc)))
+            return ok
+        used = "+".join(sorted({m for m in mechanisms if m}))
+        if cuda:
+            submitted = self._submit_cuda(
+                [(job_id, nb) for _, job_id, nb in members], direction, combined, mechanisms, used
+            )
+            for k, _, _ in members:
+                ok[k] = submitted
+            return ok
+        try:
+            self._run(direction, combined, mechanisms)
+        except (RuntimeError, ValueError, IndexError) as exc:  # pragma: no cover - checked
+            for _, job_id, _ in members:
+                self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc)))
+            return ok
+        seconds = time.perf_counter() - t0
+        label = "staged" if "staged" in mechanisms else "cpu"
+        total = sum(nb for _, _, nb in members)
+        for k, job_id, nb in members:
+            share = nb / total if total else 1 / len(members)
+            self._finished.append(
+                TransferResult(job_id, direction, True, nb, seconds * share, None, label)
+            )
+            ok[k] = True
+        return ok
 
     def _run(
         self,
@@ -955,13 +1106,14 @@ class OffloadingWorker:
 
     def _submit_cuda(
         self,
-        job_id: int,
+        members: list[tuple[int, int]],
         direction: Direction,
         per_group: list[tuple[np.ndarray, np.ndarray]],
         mechanisms: list[str],
-        num_bytes: int,
         used: str,
     ) -> bool:
+        """Enqueue the copies of ``per_group`` for the jobs ``members`` (``(job_id,
+        num_bytes)``; several for :meth:`transfer_many_async`), all ending on one event."""
         dma, sm = self._dma[direction], self._sm[direction]
         # both lanes wait for the compute stream: a store reads blocks the forward pass wrote;
         # a load overwrites blocks that earlier compute work may still write or read (a block
@@ -981,7 +1133,10 @@ class OffloadingWorker:
             # ids were checked first; a CUDA failure here leaves earlier pieces enqueued, so
             # wait for them before the job is reported failed (never a hit).
             torch.cuda.synchronize(self._device)
-            self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc), used))
+            for job_id, _ in members:
+                self._finished.append(
+                    TransferResult(job_id, direction, False, 0, 0.0, str(exc), used)
+                )
             return False
         # The job ends where its last copy ends: on the DMA lane for a store (a staged piece's
         # DMA waits for its gather), on the SM lane for a staged load (whose end first waits for
@@ -990,12 +1145,17 @@ class OffloadingWorker:
         if last is sm:
             sm.wait_stream(dma.stream)
         last.record(end)
-        self._in_flight[job_id] = _InFlight(job_id, direction, num_bytes, used, start, end)
+        total = sum(num_bytes for _, num_bytes in members)
+        for job_id, num_bytes in members:
+            share = num_bytes / total if total else 1 / len(members)
+            self._in_flight[job_id] = _InFlight(
+                job_id, direction, num_bytes, used, start, end, share
+            )
         return True
 
     def _complete(self, job: _InFlight) -> TransferResult:
         del self._in_flight[job.job_id]
-        seconds = job.start.elapsed_time(job.end) / 1e3
+        seconds = job.start.elapsed_time(job.end) / 1e3 * job.share
         return TransferResult(
             job.job_id, job.direction, True, job.num_bytes, seconds, None, job.mechanism
         )

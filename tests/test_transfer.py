@@ -310,11 +310,12 @@ def test_presets_describe_their_chunks() -> None:
 def test_cli_cpu_mode_writes_json(tmp_path, capsys) -> None:
     path = tmp_path / "transfer.json"
     argv = ["bench", "transfer", "--presets", "qwen2.5-0.5b", "--blocks", "16", "--repeat", "2",
-            "--job-sizes", "1", "4"]  # fmt: skip
+            "--job-sizes", "1", "4", "--step-jobs", "5"]  # fmt: skip
     assert main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-0.5b (layer_major)" in out and "qwen2.5-0.5b (block_contiguous)" in out
     assert "one contiguous memcpy" in out and "job of   4 blocks" in out
+    assert "a step's 5 one-block jobs, one by one / together: store" in out
     doc = json.loads(path.read_text())
     assert doc["run"]["command"] == "kvoff " + " ".join([*argv, "--json", str(path)])
     assert doc["device"]["kind"] == "cpu"
@@ -335,6 +336,11 @@ def test_cli_cpu_mode_writes_json(tmp_path, capsys) -> None:
         assert [js["blocks"] for js in entry["job_sizes"]] == [1, 4]
         assert all(js["store_us"] > 0 and js["store_time_vs_contiguous"] > 0
                    for js in entry["job_sizes"])  # fmt: skip
+        sj = entry["step_jobs"]
+        assert sj["jobs"] == 5 and sj["bytes_per_job"] == 24 * 2 * 4096
+        for d in ("store", "load"):
+            assert sj[f"{d}_one_by_one_us"] > 0 and sj[f"{d}_together_us"] > 0
+            assert sj[f"{d}_together_speedup"] == sj[f"{d}_one_by_one_us"] / sj[f"{d}_together_us"]
     assert doc["targets"]["layer_major_auto_both_vs_contiguous"] == 0.9
     assert doc["complete"] is True
     assert not path.with_name(path.name + ".tmp").exists()

@@ -212,6 +212,111 @@ def test_pinning_on_a_machine_without_cuda_is_a_clear_error() -> None:
 
 # ------------------------------------------------------------------------- CUDA (skip on CPU)
 
+
+def _many_worker(num_gpu_blocks: int = 16, num_cpu_blocks: int = 8, factor: int = 1):
+    caches = {f"l{i}": _kv(num_gpu_blocks, seed=i) for i in range(3)}
+    w = OffloadingWorker(num_gpu_blocks, num_cpu_blocks, block_size_factor=factor)
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def test_many_jobs_together_move_the_same_bytes_as_one_by_one() -> None:
+    """transfer_many_async: a step's stores (several requests, one with a partial first
+    offloaded block) and then loads, submitted together, leave the pool and the GPU cache
+    byte for byte as separate transfer_async calls do, with one result per job."""
+    stores = [
+        (1, GPUBlockSpec.single_group([1, 2, 3, 4]), CPUBlockSpec((0, 3))),
+        (2, GPUBlockSpec.single_group([9, 10], block_index=3), CPUBlockSpec((5, 6))),
+        (3, GPUBlockSpec.single_group([6]), CPUBlockSpec((1,))),
+    ]
+    loads = [
+        (4, CPUBlockSpec((3, 5)), GPUBlockSpec.single_group([11, 12, 13, 14])),
+        (5, CPUBlockSpec((0,)), GPUBlockSpec.single_group([15], block_index=1)),
+    ]
+    one, one_kv = _many_worker(factor=2)
+    for job in stores + loads:
+        assert one.transfer_async(*job)
+    many, many_kv = _many_worker(factor=2)
+    assert many.transfer_many_async(stores) == [True, True, True]
+    assert many.transfer_many_async(loads) == [True, True]
+    for a, b in zip(one.cpu_tensors(), many.cpu_tensors(), strict=True):
+        assert torch.equal(a, b)
+    for k in one_kv:
+        assert torch.equal(one_kv[k], many_kv[k])
+    # what moved where: slot 3 = blocks 3, 4; job 2's partial first offloaded block puts
+    # block 9 in sub-block 1 of slot 5 (and block 10 in slot 6); slot 0 sub-block 1 = block 2
+    fresh = _kv(16, seed=0)
+    for dst, src in ((11, 3), (12, 4), (14, 9), (15, 2)):
+        assert torch.equal(many_kv["l0"][dst], fresh[src]), (dst, src)
+    results = {r.job_id: r for r in many.get_finished()}
+    assert sorted(results) == [1, 2, 3, 4, 5]
+    row = many.bytes_per_gpu_block
+    assert [results[j].num_bytes for j in (1, 2, 3)] == [4 * row, 2 * row, row]
+    assert all(r.success and r.direction == "store" for j, r in results.items() if j <= 3)
+    # each job's seconds is its share (by bytes) of the call: 4 : 2 : 1
+    s1, s2, s3 = (results[j].seconds for j in (1, 2, 3))
+    assert s1 > 0 and s1 == pytest.approx(2 * s2) and s1 == pytest.approx(4 * s3)
+
+
+def test_many_jobs_a_bad_job_fails_alone() -> None:
+    w, _ = _many_worker()
+    before = [t.clone() for t in w.cpu_tensors()]
+    jobs = [
+        (1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
+        (2, GPUBlockSpec.single_group([2, 3]), CPUBlockSpec((1, 99))),  # slot 99: out of range
+        (3, GPUBlockSpec.single_group([4]), CPUBlockSpec((2,))),
+    ]
+    assert w.transfer_many_async(jobs) == [True, False, True]
+    results = {r.job_id: r for r in w.get_finished()}
+    assert results[2].success is False and "99" in (results[2].error or "")
+    assert results[1].success and results[3].success
+    after = w.cpu_tensors()[0]
+    assert torch.equal(after[1], before[0][1])  # nothing of job 2 was copied
+    assert not torch.equal(after[0], before[0][0]) and not torch.equal(after[2], before[0][2])
+
+
+def test_many_jobs_writing_one_block_keep_the_order_of_separate_calls() -> None:
+    """Two stores into one slot in one call: submitted one by one, the later one wins."""
+    w, kv = _many_worker()
+    jobs = [
+        (1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
+        (2, GPUBlockSpec.single_group([5]), CPUBlockSpec((0,))),
+    ]
+    assert w.transfer_many_async(jobs) == [True, True]
+    assert {r.job_id for r in w.get_finished()} == {1, 2}
+    assert torch.equal(w.cpu_tensors()[0][0], kv["l0"][5].view(torch.uint8).flatten())
+
+
+@pytest.mark.parametrize(
+    ("jobs", "error", "match"),
+    [
+        (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
+                  (2, CPUBlockSpec((1,)), GPUBlockSpec.single_group([2]))],
+         ValueError, r"jobs\[1\] \(job 2\) is a load but jobs\[0\] is a store"),
+        (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
+                  (1, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))],
+         ValueError, r"job_id 1 \(jobs\[1\]\) is already in flight or repeats"),
+        (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
+                  (2, GPUBlockSpec.single_group([2, 3]), CPUBlockSpec((1,)))],
+         ValueError, r"CPU side has 1 block ids"),
+        (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))), [2]],
+         TypeError, r"jobs\[1\] must be a \(job_id, src, dst\) tuple"),
+        (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
+                  (2, GPUBlockSpec.single_group([1]), GPUBlockSpec.single_group([2]))],
+         ValueError, r"GPUBlockSpec→GPUBlockSpec"),
+    ],
+)  # fmt: skip
+def test_many_jobs_bad_calls_submit_nothing(jobs, error, match) -> None:  # type: ignore[no-untyped-def]
+    w, _ = _many_worker()
+    before = [t.clone() for t in w.cpu_tensors()]
+    with pytest.raises(error, match=match):
+        w.transfer_many_async(jobs())
+    assert w.get_finished() == [] and w.pending_jobs() == set()
+    for a, b in zip(before, w.cpu_tensors(), strict=True):
+        assert torch.equal(a, b)
+    assert w.transfer_many_async([]) == []
+
+
 requires_cuda = pytest.mark.cuda
 
 
@@ -363,3 +468,26 @@ def test_cuda_block_contiguous_cache_moves_whole_blocks() -> None:
     assert w.transfer_async(2, slots, GPUBlockSpec.single_group([20, 21, 22, 23]))
     assert w.wait([2])[0].success
     assert torch.equal(buf[20:24], original[[3, 4, 5, 9]])
+
+
+@requires_cuda
+def test_cuda_many_jobs_together_round_trip_and_share_the_gpu_time() -> None:
+    w, kv = _cuda_worker()
+    original = {k: v.clone() for k, v in kv.items()}
+    stores = [
+        (j, GPUBlockSpec.single_group([j, j + 8]), CPUBlockSpec((j, j + 8))) for j in (1, 2, 3)
+    ]
+    assert w.transfer_many_async(stores) == [True, True, True]
+    results = w.wait([1, 2, 3])
+    assert all(r.success and r.num_bytes == 2 * w.bytes_per_gpu_block for r in results)
+    assert results[0].seconds == pytest.approx(results[1].seconds)  # equal shares
+    loads = [(j + 10, CPUBlockSpec((j, j + 8)), GPUBlockSpec.single_group([j + 20, j + 28]))
+             for j in (1, 2, 3)]  # fmt: skip
+    assert w.transfer_many_async(loads) == [True, True, True]
+    assert {r.job_id for r in w.wait([11, 12, 13])} == {11, 12, 13}
+    for k, v in kv.items():
+        for j in (1, 2, 3):
+            assert torch.equal(v[j + 20], original[k][j]) and torch.equal(
+                v[j + 28], original[k][j + 8]
+            )
+    w.close()

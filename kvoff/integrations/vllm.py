@@ -1039,10 +1039,12 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         """Submits this step's loads (asynchronous on a GPU; done on return on the CPU)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvoffConnectorMetadata)
-        for job in meta.load_jobs:
+        jobs = meta.load_jobs
+        for job in jobs:
             self._job_requests[job.job_id] = job.request_id
             self._job_gpu_blocks[job.job_id] = job.gpu.block_ids
-            self.worker.transfer_async(job.job_id, job.src, job.dst)
+        if jobs:  # together: one copy per group for all of them (per-job results)
+            self.worker.transfer_many_async([(j.job_id, j.src, j.dst) for j in jobs])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing: loads finish before their request is scheduled (asynchronous loads)."""
@@ -1061,8 +1063,9 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         stream and run in the background)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvoffConnectorMetadata)
-        for job in meta.store_jobs:
-            self.worker.transfer_async(job.job_id, job.src, job.dst)
+        jobs = meta.store_jobs
+        if jobs:  # a step's stores together: one copy per group (per-job results)
+            self.worker.transfer_many_async([(j.job_id, j.src, j.dst) for j in jobs])
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished jobs: loads become ``finished_recving`` (failed ones also

@@ -180,6 +180,10 @@ class TransferBenchParams:
             ``kernel`` rows only.
         gemm: measure the concurrent GEMM slowdown (GPU only).
         job_sizes: blocks per job of the engine-step section (empty: skip it).
+        step_jobs: one-block jobs per engine step in the step-submission section (a decode
+            step stores one block for each of many requests): submitted one by one
+            (``transfer_async`` each) and together (``transfer_many_async``), alternating,
+            per direction (0: skip it).
         staging_bytes: the worker's staging buffer, both directions (bytes).
         staging_piece_bytes: bytes per piece of a staged job.
         shared_pool: put each worker's CPU pool in POSIX shared memory (``/dev/shm``), as
@@ -198,6 +202,7 @@ class TransferBenchParams:
     kernel_blocks: int = 0
     gemm: bool = True
     job_sizes: tuple[int, ...] = JOB_SIZES
+    step_jobs: int = 16
     staging_bytes: int = DEFAULT_STAGING_BYTES
     staging_piece_bytes: int = DEFAULT_STAGING_PIECE_BYTES
     shared_pool: bool = False
@@ -563,7 +568,69 @@ def _bench_layout(
     }
     if p.job_sizes:
         entry["job_sizes"] = _bench_job_sizes(preset, layout, p, device)
+    if p.step_jobs:
+        entry["step_jobs"] = _bench_step_jobs(preset, layout, p, device)
     return entry
+
+
+def _bench_step_jobs(
+    preset: TransferPreset, layout: str, p: TransferBenchParams, device: torch.device
+) -> dict[str, Any]:
+    """One engine step's jobs: ``p.step_jobs`` one-block jobs (``auto``) per direction,
+    submitted one by one and together (:meth:`kvoff.OffloadingWorker.transfer_many_async`),
+    in alternating order, each timed from the first submission until every job finished.
+
+    Raises:
+        RuntimeError: when a job failed.
+    """
+    n = p.step_jobs
+    s = _setup(preset, layout, n, device, p.seed + 11, "auto", p)
+    jobs = _Jobs()
+    specs = {
+        "store": [(GPUBlockSpec.single_group([int(g)]), CPUBlockSpec((int(c),)))
+                  for g, c in zip(s.store_gpu.tolist(), s.store_cpu.tolist(), strict=True)],
+        "load": [(CPUBlockSpec((int(c),)), GPUBlockSpec.single_group([int(g)]))
+                 for g, c in zip(s.load_gpu.tolist(), s.load_cpu.tolist(), strict=True)],
+    }  # fmt: skip
+    out: dict[str, Any] = {"jobs": n, "bytes_per_job": preset.bytes_per_block}
+    for d, pairs in specs.items():
+
+        def one_by_one(pairs: list = pairs) -> None:
+            ids = []
+            for src, dst in pairs:
+                ids.append(jobs())
+                s.worker.transfer_async(ids[-1], src, dst)
+            _check(s.worker.wait(ids))
+
+        def together(pairs: list = pairs) -> None:
+            batch = [(jobs(), src, dst) for src, dst in pairs]
+            s.worker.transfer_many_async(batch)
+            _check(s.worker.wait([j for j, _, _ in batch]))
+
+        samples: dict[str, list[float]] = {"one_by_one": [], "together": []}
+        for fn in (one_by_one, together) * p.warmup:
+            fn()
+        for k in range(p.repeat):
+            order = (("one_by_one", one_by_one), ("together", together))
+            for name, fn in order if k % 2 == 0 else order[::-1]:
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+        a = statistics.median(samples["one_by_one"])
+        b = statistics.median(samples["together"])
+        out[f"{d}_one_by_one_us"] = a * 1e6
+        out[f"{d}_together_us"] = b * 1e6
+        out[f"{d}_together_speedup"] = a / b
+    s.worker.close()
+    return out
+
+
+def _check(results: Sequence[Any]) -> None:
+    """Raises RuntimeError naming the first failed job of ``results``."""
+    bad = [r for r in results if not r.success]
+    if bad:
+        raise RuntimeError(f"kvoff bench transfer: job {bad[0].job_id} failed: {bad[0].error}")
 
 
 def _bench_job_sizes(
@@ -894,6 +961,14 @@ def format_transfer_table(doc: dict[str, Any]) -> str:
                     f"{r['store_vs_memcpy']:9.2f} {r['load_vs_memcpy']:9.2f} "
                     f"{r['store_vs_per_block']:8.1f}"
                 )
+        if "step_jobs" in entry:
+            sj = entry["step_jobs"]
+            lines.append(
+                f"  a step's {sj['jobs']} one-block jobs, one by one / together: store "
+                f"{sj['store_one_by_one_us']:.0f} / {sj['store_together_us']:.0f} us "
+                f"({sj['store_together_speedup']:.2f}x), load {sj['load_one_by_one_us']:.0f} / "
+                f"{sj['load_together_us']:.0f} us ({sj['load_together_speedup']:.2f}x)"
+            )
         for js in entry.get("job_sizes", []):
             lines.append(
                 f"  job of {js['blocks']:>3} blocks: store {js['store_us']:9.1f} us "

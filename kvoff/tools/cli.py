@@ -566,6 +566,14 @@ def _add_bench_transfer_parser(bench_sub: argparse._SubParsersAction) -> None:
         + "; none to skip it)",
     )
     tp.add_argument(
+        "--step-jobs",
+        type=_non_negative_int,
+        default=16,
+        metavar="JOBS",
+        help="one-block jobs of the step-submission section, timed one by one and together "
+        "(transfer_many_async) per direction (default: %(default)s; 0 to skip it)",
+    )
+    tp.add_argument(
         "--staging-mib",
         type=_non_negative_int,
         default=DEFAULT_STAGING_BYTES >> 20,
@@ -621,6 +629,7 @@ def _bench_transfer(args: argparse.Namespace, argv: Sequence[str] | None) -> int
         layouts=tuple(args.layouts),
         gemm=not args.no_gemm,
         job_sizes=tuple(args.job_sizes),
+        step_jobs=args.step_jobs,
         staging_bytes=args.staging_mib << 20,
         staging_piece_bytes=args.staging_piece_mib << 20,
         shared_pool=args.shared_pool,

@@ -76,6 +76,17 @@ def _faulty_transfer(self, job_id, src, dst):  # type: ignore[no-untyped-def]
     return ok
 
 
+_real_many = kworker.OffloadingWorker.transfer_many_async
+
+
+def _faulty_many(self, jobs):  # type: ignore[no-untyped-def]
+    # With a fault to inject, the jobs of a call go one by one through _faulty_transfer;
+    # without, the real batched submission runs (every engine test exercises it).
+    if FAULT["mode"] in ("fail_loads", "fail_stores", "corrupt_loads"):
+        return [_faulty_transfer(self, *job) for job in jobs]
+    return _real_many(self, jobs)
+
+
 STEP = [0]  # engine steps so far (counted at the scheduler)
 
 
@@ -93,6 +104,7 @@ def _slow_get_finished(self):  # type: ignore[no-untyped-def]
 
 
 kworker.OffloadingWorker.transfer_async = _faulty_transfer
+kworker.OffloadingWorker.transfer_many_async = _faulty_many
 kworker.OffloadingWorker.get_finished = _slow_get_finished
 
 
