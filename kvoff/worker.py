@@ -44,6 +44,7 @@ when pinned (:class:`kvoff.pinned.HostPool`).
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -918,39 +919,20 @@ class OffloadingWorker:
         assert direction is not None
         if len(specs) == 1:
             return [self.transfer_async(*entries[0])]
-        expanded = [self._expand(gpu, cpu) for _, gpu, cpu in specs]  # raises: nothing done
         t0 = time.perf_counter()
+        combined, job_bytes = self._expand_many(specs)  # raises: nothing done
         ok = [False] * len(specs)
-        members: list[tuple[int, int, int]] = []  # (position, job id, bytes) of the good jobs
-        for k, ((job_id, _, _), per_group) in enumerate(zip(specs, expanded, strict=True)):
-            try:
-                self._check_ids(direction, per_group)
-            except ValueError as exc:  # this job alone fails, as in transfer_async
-                self._finished.append(
-                    TransferResult(job_id, direction, False, 0, time.perf_counter() - t0,
-                                   str(exc))
-                )  # fmt: skip
-                continue
-            num_bytes = sum(
-                len(gpu_ids) * g.row_bytes
-                for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
-            )
-            members.append((k, job_id, num_bytes))
-        if not members:
-            return ok
-        combined = [
-            (
-                np.concatenate([expanded[k][g][0] for k, _, _ in members]),
-                np.concatenate([expanded[k][g][1] for k, _, _ in members]),
-            )
-            for g in range(len(self._groups))
-        ]
-        dst_index = 1 if direction == "store" else 0
-        if any(len(np.unique(ids[dst_index])) != len(ids[dst_index]) for ids in combined):
-            # two jobs write one block: one by one, in order (the later write wins)
-            for k, _, _ in members:
-                ok[k] = self.transfer_async(*entries[k])
-            return ok
+        try:  # every id in range and no destination twice, over all the jobs at once
+            self._check_ids(direction, combined)
+        except ValueError:  # find the bad jobs (the usual case never gets here)
+            picked = self._isolate(direction, specs, entries, ok, t0)
+            if picked is None:
+                return ok
+            members, combined = picked
+        else:
+            members = [
+                (k, spec[0], nb) for k, (spec, nb) in enumerate(zip(specs, job_bytes, strict=True))
+            ]
         cuda = self._device is not None and self._device.type == "cuda"
         try:
             mechanisms = [
@@ -985,6 +967,108 @@ class OffloadingWorker:
             )
             ok[k] = True
         return ok
+
+    def _expand_many(
+        self, specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
+        """:meth:`_expand` of several jobs at once, concatenated per group (GPU block ids, CPU
+        sub-block rows), and each job's bytes: a few list operations per job, the arithmetic
+        once over all of them.
+
+        Raises:
+            ValueError: a job whose sides do not describe the same blocks (:meth:`_expand`'s
+                message, prefixed with the job).
+        """
+        f = self.block_size_factor
+        num_groups = len(self._groups)
+        gpu_parts: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
+        cpu_parts: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(num_groups)]
+        cpu_base = [0] * num_groups  # CPU ids of each group so far, over the jobs
+        job_bytes = []
+        for k, (job_id, gpu, cpu) in enumerate(specs):
+            gpu_off = cpu_off = num_bytes = 0
+            fits = len(gpu.group_sizes) == num_groups
+            for g, (n, start) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
+                if not fits or n == 0:
+                    continue
+                first = start // f
+                count = (start + n - 1) // f - first + 1
+                if cpu_off + count > len(cpu.block_ids):
+                    fits = False
+                    break
+                gpu_parts[g].append(gpu.block_ids[gpu_off : gpu_off + n])
+                cpu_parts[g].append(cpu.block_ids[cpu_off : cpu_off + count])
+                runs[g].append((n, start, cpu_base[g] - first))
+                cpu_base[g] += count
+                num_bytes += n * self._groups[g].row_bytes
+                gpu_off += n
+                cpu_off += count
+            if not fits or cpu_off != len(cpu.block_ids):
+                try:
+                    self._expand(gpu, cpu)  # the same checks: raises, naming the mismatch
+                except ValueError as exc:
+                    raise ValueError(f"job {job_id} (jobs[{k}]): {exc}") from None
+                raise AssertionError("_expand_many and _expand disagree")  # pragma: no cover
+            job_bytes.append(num_bytes)
+        combined = []
+        for g in range(num_groups):
+            gpu_ids = np.fromiter(itertools.chain.from_iterable(gpu_parts[g]), dtype=np.int64)
+            cpu_ids = np.fromiter(itertools.chain.from_iterable(cpu_parts[g]), dtype=np.int64)
+            if f == 1 or len(gpu_ids) == 0:
+                combined.append((gpu_ids, cpu_ids if f == 1 else _EMPTY_IDS))
+                continue
+            n, start, base = (np.array(c, dtype=np.int64) for c in zip(*runs[g], strict=True))
+            offsets = np.arange(len(gpu_ids), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+            logical = np.repeat(start, n) + offsets
+            rows = cpu_ids[np.repeat(base, n) + logical // f] * f + logical % f
+            combined.append((gpu_ids, rows))
+        return combined, job_bytes
+
+    def _isolate(
+        self,
+        direction: Direction,
+        specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]],
+        entries: list,
+        ok: list[bool],
+        t0: float,
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[np.ndarray, np.ndarray]]] | None:
+        """:meth:`transfer_many_async` when the jobs' ids together fail the checks: each job
+        is checked alone, a bad one fails alone (a failed ``TransferResult``); if the good ones
+        still write one block twice they are submitted one by one, in order. Returns the good
+        jobs ``(position, job id, bytes)`` and their concatenated ids, or None when nothing is
+        left to submit together (``ok`` then holds the answers)."""
+        members: list[tuple[int, int, int]] = []
+        parts = []
+        for k, (job_id, gpu, cpu) in enumerate(specs):
+            per_group = self._expand(gpu, cpu)
+            try:
+                self._check_ids(direction, per_group)
+            except ValueError as exc:  # this job alone fails, as in transfer_async
+                self._finished.append(
+                    TransferResult(job_id, direction, False, 0, time.perf_counter() - t0,
+                                   str(exc))
+                )  # fmt: skip
+                continue
+            num_bytes = sum(
+                len(gpu_ids) * g.row_bytes
+                for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
+            )
+            members.append((k, job_id, num_bytes))
+            parts.append(per_group)
+        if not members:
+            return None
+        combined = [
+            (np.concatenate([p[g][0] for p in parts]), np.concatenate([p[g][1] for p in parts]))
+            for g in range(len(self._groups))
+        ]
+        dst_index = 1 if direction == "store" else 0
+        if any(len(np.unique(ids[dst_index])) != len(ids[dst_index]) for ids in combined):
+            # two jobs write one block: one by one, in order (the later write wins)
+            for k, _, _ in members:
+                ok[k] = self.transfer_async(*entries[k])
+            return None
+        return members, combined
 
     def _run(
         self,

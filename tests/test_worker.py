@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoff import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
@@ -217,6 +219,8 @@ def _many_worker(num_gpu_blocks: int = 16, num_cpu_blocks: int = 8, factor: int 
     caches = {f"l{i}": _kv(num_gpu_blocks, seed=i) for i in range(3)}
     w = OffloadingWorker(num_gpu_blocks, num_cpu_blocks, block_size_factor=factor)
     w.register_kv_caches(caches)
+    for t in w.cpu_tensors():  # the pool starts uninitialized: compare only what jobs wrote
+        t.zero_()
     return w, caches
 
 
@@ -491,3 +495,70 @@ def test_cuda_many_jobs_together_round_trip_and_share_the_gpu_time() -> None:
                 v[j + 28], original[k][j + 8]
             )
     w.close()
+
+
+@st.composite
+def _step_jobs(draw: st.DrawFn) -> tuple[int, int, str, list[tuple[tuple, tuple, tuple, tuple]]]:
+    """A worker shape (block_size_factor, groups) and one step's jobs of one direction: per
+    job and group a run of GPU blocks at a logical start (partial first offloaded blocks
+    included), with distinct destinations over the step, and now and then an id out of
+    range."""
+    f = draw(st.sampled_from([1, 2, 4]))
+    groups = draw(st.integers(1, 2))
+    direction = draw(st.sampled_from(["store", "load"]))
+    gpu_free = list(range(1, 40))
+    cpu_free = list(range(0, 24))
+    jobs = []
+    for _ in range(draw(st.integers(2, 5))):
+        gpu_ids: list[int] = []
+        cpu_ids: list[int] = []
+        sizes, starts = [], []
+        for _g in range(groups):
+            n = draw(st.integers(0, 5))
+            start = draw(st.integers(0, 9))
+            count = 0 if n == 0 else (start + n - 1) // f - start // f + 1
+            if n > len(gpu_free) or count > len(cpu_free):
+                n, count = 0, 0
+            gpu_ids += [gpu_free.pop(draw(st.integers(0, len(gpu_free) - 1))) for _ in range(n)]
+            cpu_ids += [cpu_free.pop(draw(st.integers(0, len(cpu_free) - 1))) for _ in range(count)]
+            sizes.append(n)
+            starts.append(start)
+        if gpu_ids and draw(st.integers(0, 9)) == 0:
+            gpu_ids[0] = 1000  # out of range: this job fails alone
+        jobs.append((tuple(gpu_ids), tuple(sizes), tuple(starts), tuple(cpu_ids)))
+    return f, groups, direction, jobs
+
+
+@given(_step_jobs())
+@settings(max_examples=60, deadline=None)
+def test_many_jobs_together_equal_one_by_one_on_random_steps(case) -> None:  # type: ignore[no-untyped-def]
+    """Property: for any block_size_factor, group count, partial first offloaded blocks and
+    bad jobs, transfer_many_async leaves the pool and the caches exactly as transfer_async of
+    each job does, with the same success per job."""
+    f, groups, direction, jobs = case
+    outcomes = []
+    for together in (False, True):
+        caches = {f"l{i}": _kv(40, seed=i) for i in range(2 * groups)}
+        w = OffloadingWorker(num_gpu_blocks=40, num_cpu_blocks=24, block_size_factor=f)
+        w.register_kv_caches(
+            caches, layer_to_group={f"l{i}": i % groups for i in range(2 * groups)}
+        )
+        for t in w.cpu_tensors():  # a known pool: loads read it
+            t.copy_(
+                torch.randint(
+                    0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+                )
+            )
+        specs = []
+        for k, (gpu_ids, sizes, starts, cpu_ids) in enumerate(jobs):
+            gpu, cpu = GPUBlockSpec(gpu_ids, sizes, starts), CPUBlockSpec(cpu_ids)
+            specs.append((k + 1, gpu, cpu) if direction == "store" else (k + 1, cpu, gpu))
+        flags = w.transfer_many_async(specs) if together else [w.transfer_async(*s) for s in specs]
+        results = sorted((r.job_id, r.success, r.num_bytes) for r in w.get_finished())
+        # the caches as bytes: random pool bytes loaded into bf16 blocks include NaNs
+        gpu_bytes = [caches[k].view(torch.uint8).clone() for k in sorted(caches)]
+        outcomes.append((flags, results, [t.clone() for t in w.cpu_tensors()], gpu_bytes))
+    (flags_a, res_a, cpu_a, gpu_a), (flags_b, res_b, cpu_b, gpu_b) = outcomes
+    assert flags_a == flags_b and res_a == res_b
+    assert all(torch.equal(a, b) for a, b in zip(cpu_a, cpu_b, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(gpu_a, gpu_b, strict=True))

@@ -62,9 +62,16 @@ def _free_port() -> int:
 
 class Server:
     """One ``vllm.entrypoints.openai.api_server`` process on a free localhost port; its output
-    goes to ``log``."""
+    goes to ``log``. ``kind``: which way in (a key of ``CONNECTORS``), or ``None``."""
 
-    def __init__(self, model: Path, kv_transfer_config: dict[str, Any], log: Path) -> None:
+    def __init__(
+        self,
+        model: Path,
+        kv_transfer_config: dict[str, Any],
+        log: Path,
+        kind: str | None = None,
+    ) -> None:
+        self.kind = kind
         self.model = str(model)
         self.port = _free_port()
         self.log = log
@@ -142,8 +149,7 @@ class Server:
 def server(request, tiny_models, tmp_path_factory) -> Iterator[Server]:
     kind = request.param
     log = tmp_path_factory.mktemp(f"serve-{kind}") / "server.log"
-    srv = Server(tiny_models["llama"], CONNECTORS[kind], log)
-    srv.kind = kind  # type: ignore[attr-defined]
+    srv = Server(tiny_models["llama"], CONNECTORS[kind], log, kind)
     try:
         srv.wait_ready()
         yield srv
@@ -176,7 +182,7 @@ def test_a_prompt_evicted_from_the_engine_comes_back_from_kvoff_token_identical(
     assert len(first) == 8 and again == first, server.log_tail()
     assert delta("vllm:external_prefix_cache_hits_total") == 5 * BLOCK
     assert delta("vllm:prefix_cache_hits_total") == 0  # not the engine's own cache
-    if server.kind == "kvoff":  # type: ignore[attr-defined]
+    if server.kind == "kvoff":
         assert delta("vllm:kvoff_hit_tokens_total") == 5 * BLOCK
         assert delta("vllm:kvoff_blocks_loaded_total") == 5
         assert delta("vllm:kvoff_load_bytes_total") > 0
