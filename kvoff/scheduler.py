@@ -31,7 +31,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
 from kvoff.specs import (
@@ -41,7 +41,7 @@ from kvoff.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvoff.worker import CPUBlockSpec, GPUBlockSpec
+from kvoff.worker import CPUBlockSpec, GPUBlockSpec, _trusted
 
 if TYPE_CHECKING:
     import numpy as np
@@ -237,17 +237,6 @@ class ConnectorOutput:
     finished_storing: tuple[str, ...] = ()
     completed_jobs: tuple[int, ...] = ()
     failed_jobs: tuple[int, ...] = ()
-
-
-_T = TypeVar("_T")
-
-
-def _trusted(cls: type[_T], **fields: Any) -> _T:
-    """A frozen dataclass instance from fields known to be valid (``__post_init__`` skipped)."""
-    obj = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)
-    return obj
 
 
 def _group_kind(spec: KVCacheSpec) -> tuple[str, int]:

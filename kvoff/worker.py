@@ -49,7 +49,7 @@ import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -226,6 +226,19 @@ class _Group:
         return "block_contiguous" if len(self.regions) == 1 else "layer_major"
 
     staged: StagedGroup | None = None  # what a staged copy of this group needs (made once)
+
+
+_T = TypeVar("_T")
+
+
+def _trusted(cls: type[_T], **fields: Any) -> _T:
+    """A frozen dataclass instance (without ``__slots__``) from fields known to be valid: every
+    field given, ``__init__`` and ``__post_init__`` skipped, the values put straight into the
+    instance's ``__dict__`` (a few times cheaper than the frozen ``__init__``; for objects made
+    per job on the engine's step path)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 def _sides(
@@ -963,8 +976,9 @@ class OffloadingWorker:
         for k, job_id, nb in members:
             share = nb / total if total else 1 / len(members)
             self._finished.append(
-                TransferResult(job_id, direction, True, nb, seconds * share, None, label)
-            )
+                _trusted(TransferResult, job_id=job_id, direction=direction, success=True,
+                         num_bytes=nb, seconds=seconds * share, error=None, mechanism=label)
+            )  # fmt: skip
             ok[k] = True
         return ok
 
@@ -986,31 +1000,38 @@ class OffloadingWorker:
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(num_groups)]
         cpu_base = [0] * num_groups  # CPU ids of each group so far, over the jobs
         job_bytes = []
-        for k, (job_id, gpu, cpu) in enumerate(specs):
-            gpu_off = cpu_off = num_bytes = 0
-            fits = len(gpu.group_sizes) == num_groups
-            for g, (n, start) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
-                if not fits or n == 0:
-                    continue
-                first = start // f
-                count = (start + n - 1) // f - first + 1
-                if cpu_off + count > len(cpu.block_ids):
-                    fits = False
-                    break
-                gpu_parts[g].append(gpu.block_ids[gpu_off : gpu_off + n])
-                cpu_parts[g].append(cpu.block_ids[cpu_off : cpu_off + count])
-                runs[g].append((n, start, cpu_base[g] - first))
-                cpu_base[g] += count
-                num_bytes += n * self._groups[g].row_bytes
-                gpu_off += n
-                cpu_off += count
-            if not fits or cpu_off != len(cpu.block_ids):
-                try:
-                    self._expand(gpu, cpu)  # the same checks: raises, naming the mismatch
-                except ValueError as exc:
-                    raise ValueError(f"job {job_id} (jobs[{k}]): {exc}") from None
-                raise AssertionError("_expand_many and _expand disagree")  # pragma: no cover
-            job_bytes.append(num_bytes)
+        if num_groups == 1 and f == 1:  # the usual case: a job's ids are the rows
+            row_bytes = self._groups[0].row_bytes
+            for k, (job_id, gpu, cpu) in enumerate(specs):
+                n = len(gpu.block_ids)
+                if len(cpu.block_ids) != n or len(gpu.group_sizes) != 1:
+                    self._expand_error(k, job_id, gpu, cpu)
+                gpu_parts[0].append(gpu.block_ids)
+                cpu_parts[0].append(cpu.block_ids)
+                job_bytes.append(n * row_bytes)
+        else:
+            for k, (job_id, gpu, cpu) in enumerate(specs):
+                gpu_off = cpu_off = num_bytes = 0
+                fits = len(gpu.group_sizes) == num_groups
+                pairs = zip(gpu.group_sizes, gpu.block_indices, strict=True)
+                for g, (n, start) in enumerate(pairs):
+                    if not fits or n == 0:
+                        continue
+                    first = start // f
+                    count = (start + n - 1) // f - first + 1
+                    if cpu_off + count > len(cpu.block_ids):
+                        fits = False
+                        break
+                    gpu_parts[g].append(gpu.block_ids[gpu_off : gpu_off + n])
+                    cpu_parts[g].append(cpu.block_ids[cpu_off : cpu_off + count])
+                    runs[g].append((n, start, cpu_base[g] - first))
+                    cpu_base[g] += count
+                    num_bytes += n * self._groups[g].row_bytes
+                    gpu_off += n
+                    cpu_off += count
+                if not fits or cpu_off != len(cpu.block_ids):
+                    self._expand_error(k, job_id, gpu, cpu)
+                job_bytes.append(num_bytes)
         combined = []
         for g in range(num_groups):
             gpu_ids = np.fromiter(itertools.chain.from_iterable(gpu_parts[g]), dtype=np.int64)
@@ -1024,6 +1045,19 @@ class OffloadingWorker:
             rows = cpu_ids[np.repeat(base, n) + logical // f] * f + logical % f
             combined.append((gpu_ids, rows))
         return combined, job_bytes
+
+    def _expand_error(self, k: int, job_id: int, gpu: GPUBlockSpec, cpu: CPUBlockSpec) -> None:
+        """Raises :meth:`_expand`'s error for job ``k`` of a :meth:`transfer_many_async` call,
+        prefixed with the job.
+
+        Raises:
+            ValueError: always (the sides do not describe the same blocks).
+        """
+        try:
+            self._expand(gpu, cpu)  # the same checks: raises, naming the mismatch
+        except ValueError as exc:
+            raise ValueError(f"job {job_id} (jobs[{k}]): {exc}") from None
+        raise AssertionError("_expand_many and _expand disagree")  # pragma: no cover
 
     def _isolate(
         self,
