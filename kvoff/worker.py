@@ -241,6 +241,12 @@ def _trusted(cls: type[_T], **fields: Any) -> _T:
     return obj
 
 
+def _shares(byte_counts: Sequence[int]) -> list[float]:
+    """Each job's share of a submission's time, by its bytes (equal shares when none moved)."""
+    total = sum(byte_counts)
+    return [nb / total if total else 1 / len(byte_counts) for nb in byte_counts]
+
+
 def _sides(
     src: GPUBlockSpec | CPUBlockSpec, dst: GPUBlockSpec | CPUBlockSpec
 ) -> tuple[Direction, GPUBlockSpec, CPUBlockSpec]:
@@ -824,10 +830,7 @@ class OffloadingWorker:
             raise ValueError(f"job_id {job_id} is already in flight; use a fresh job id")
         direction, gpu, cpu = _sides(src, dst)
         per_group = self._expand(gpu, cpu)
-        num_bytes = sum(
-            len(gpu_ids) * g.row_bytes
-            for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
-        )
+        num_bytes = self._job_bytes(per_group)
         cuda = self._device is not None and self._device.type == "cuda"
         t0 = time.perf_counter()
         try:
@@ -953,8 +956,7 @@ class OffloadingWorker:
                 for g, ids in zip(self._groups, combined, strict=True)
             ]
         except (RuntimeError, ValueError, IndexError) as exc:
-            for _, job_id, _ in members:
-                self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc)))
+            self._fail([job_id for _, job_id, _ in members], direction, str(exc))
             return ok
         used = "+".join(sorted({m for m in mechanisms if m}))
         if cuda:
@@ -967,14 +969,12 @@ class OffloadingWorker:
         try:
             self._run(direction, combined, mechanisms)
         except (RuntimeError, ValueError, IndexError) as exc:  # pragma: no cover - checked
-            for _, job_id, _ in members:
-                self._finished.append(TransferResult(job_id, direction, False, 0, 0.0, str(exc)))
+            self._fail([job_id for _, job_id, _ in members], direction, str(exc))
             return ok
         seconds = time.perf_counter() - t0
         label = "staged" if "staged" in mechanisms else "cpu"
-        total = sum(nb for _, _, nb in members)
-        for k, job_id, nb in members:
-            share = nb / total if total else 1 / len(members)
+        shares = _shares([nb for _, _, nb in members])
+        for (k, job_id, nb), share in zip(members, shares, strict=True):
             self._finished.append(
                 _trusted(TransferResult, job_id=job_id, direction=direction, success=True,
                          num_bytes=nb, seconds=seconds * share, error=None, mechanism=label)
@@ -1046,6 +1046,22 @@ class OffloadingWorker:
             combined.append((gpu_ids, rows))
         return combined, job_bytes
 
+    def _job_bytes(self, per_group: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Bytes a job of :meth:`_expand`'s ``per_group`` moves (its GPU blocks' rows)."""
+        return sum(
+            len(gpu_ids) * g.row_bytes
+            for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
+        )
+
+    def _fail(
+        self, job_ids: Sequence[int], direction: Direction, error: str, mechanism: str = "cpu"
+    ) -> None:
+        """Queues a failed :class:`TransferResult` (nothing moved) for each of ``job_ids``."""
+        for job_id in job_ids:
+            self._finished.append(
+                TransferResult(job_id, direction, False, 0, 0.0, error, mechanism)
+            )
+
     def _expand_error(self, k: int, job_id: int, gpu: GPUBlockSpec, cpu: CPUBlockSpec) -> None:
         """Raises :meth:`_expand`'s error for job ``k`` of a :meth:`transfer_many_async` call,
         prefixed with the job.
@@ -1084,11 +1100,7 @@ class OffloadingWorker:
                                    str(exc))
                 )  # fmt: skip
                 continue
-            num_bytes = sum(
-                len(gpu_ids) * g.row_bytes
-                for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
-            )
-            members.append((k, job_id, num_bytes))
+            members.append((k, job_id, self._job_bytes(per_group)))
             parts.append(per_group)
         if not members:
             return None
@@ -1251,10 +1263,7 @@ class OffloadingWorker:
             # ids were checked first; a CUDA failure here leaves earlier pieces enqueued, so
             # wait for them before the job is reported failed (never a hit).
             torch.cuda.synchronize(self._device)
-            for job_id, _ in members:
-                self._finished.append(
-                    TransferResult(job_id, direction, False, 0, 0.0, str(exc), used)
-                )
+            self._fail([job_id for job_id, _ in members], direction, str(exc), used)
             return False
         # The job ends where its last copy ends: on the DMA lane for a store (a staged piece's
         # DMA waits for its gather), on the SM lane for a staged load (whose end first waits for
@@ -1263,9 +1272,8 @@ class OffloadingWorker:
         if last is sm:
             sm.wait_stream(dma.stream)
         last.record(end)
-        total = sum(num_bytes for _, num_bytes in members)
-        for job_id, num_bytes in members:
-            share = num_bytes / total if total else 1 / len(members)
+        shares = _shares([num_bytes for _, num_bytes in members])
+        for (job_id, num_bytes), share in zip(members, shares, strict=True):
             self._in_flight[job_id] = _InFlight(
                 job_id, direction, num_bytes, used, start, end, share
             )

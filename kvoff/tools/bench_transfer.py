@@ -337,9 +337,7 @@ def _run_jobs(s: _Setup, jobs: _Jobs, directions: Sequence[str], copies: int = 1
             s.worker.transfer_async(jid, src, dst)
             ids.append(jid)
     results = s.worker.wait(ids)
-    bad = [r for r in results if not r.success]
-    if bad:
-        raise RuntimeError(f"kvoff bench transfer: a job failed: {bad[0].error}")
+    _check(results)
     return [r.mechanism for r in results]
 
 
