@@ -103,6 +103,13 @@ void OffloadingScheduler::set_idle(Request& r, bool idle) {
   r.idle = idle;
 }
 
+void OffloadingScheduler::set_idle_after_stores(Request& r, std::int64_t tokens_after) {
+  // Idle from now on when every offloaded block full after this step is stored (or held) and
+  // no load of it is pending: until its next block completes, a step changes nothing.
+  set_idle(r, r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty() &&
+                  r.next_store >= tokens_after / offloaded_block_size_);
+}
+
 OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
   Request** r = request_index_.find(id_hash_of(request_id),
                                     [request_id](const Request* x) { return x->id == request_id; });
@@ -618,19 +625,17 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
 
 // --------------------------------------------------------------------------------- stores
 
-void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
-                                       std::vector<const TransferJob*>& out) {
-  if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return;  // invariant 7
+bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after) {
+  if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return false;  // invariant 7
   const std::int64_t full = known_blocks(r, tokens_after);
-  if (full <= r.next_store) return;
+  if (full <= r.next_store) return false;
   const std::int64_t f = config_.block_size_factor;
   const std::size_t num_groups = config_.groups.size();
   constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
 
-  auto& items = store_items_;  // scratch: memory reused from call to call
+  auto& items = store_items_;  // the step's scratch: memory reused from step to step
   KeyList& keys = store_keys_;
-  items.clear();
-  keys.clear();
+  const std::size_t begin = items.size();
   for (std::int64_t j = r.next_store; j < full; ++j) {
     for (std::size_t g = 0; g < num_groups; ++g) {
       const std::int64_t k0 = first_needed_sub_block(g);
@@ -651,26 +656,76 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
       append_key(keys, r, j, g);
     }
   }
-  if (items.empty()) {
+  if (items.size() == begin) {
     r.next_store = full;
-    return;
+    return false;
   }
+  store_candidates_.push_back(StoreCandidate{&r, full, tokens_after, begin, items.size()});
+  return true;
+}
+
+void OffloadingScheduler::build_stores(std::vector<const TransferJob*>& out) {
+  auto& candidates = store_candidates_;
   auto& key_views = store_key_views_;
-  key_views.assign(keys.begin(), keys.end());
   PrepareStoreResult& result = store_result_;  // scratch: memory reused from call to call
-  if (!manager_.prepare_store(key_views, result)) {
-    // no room: nothing changed, retry next step (invariant 6)
-    ++stats_.store_refusals;
-    return;
+  if (candidates.size() > 1) {
+    // One manager call for the whole step, so that the index probes and recency updates of
+    // every storing request overlap in one software pipeline instead of a short one each. The
+    // later request's keys come first: each request's keys then end more recent than the
+    // previous request's, as one call per request in scheduling order leaves them, with each
+    // request's first key the most recent of its own (invariant 8). A request's existing keys
+    // are protected from the other requests' evictions too.
+    key_views.clear();
+    auto& item_of = store_view_items_;  // position in the call -> index in store_items_
+    item_of.clear();
+    for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
+      for (std::size_t i = c->begin; i < c->end; ++i) {
+        key_views.push_back(store_keys_[i]);
+        item_of.push_back(i);
+      }
+    }
+    if (manager_.prepare_store(key_views, result)) {
+      stats_.blocks_evicted += result.evicted_keys.size();
+      manager_.touch_blocks(result.key_block_ids);  // by block id: no key looked up again
+      for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
+        store_items_[item_of[result.store_indices[k]]].slot = result.block_ids[k];
+      }
+      for (const StoreCandidate& c : candidates) {
+        c.request->next_store = c.full;
+        emit_store_jobs(c, out);
+      }
+      return;
+    }
+    // No room for all of them (nothing changed): one call per request, in order, as some of
+    // them may still fit.
   }
-  r.next_store = full;
-  stats_.blocks_evicted += result.evicted_keys.size();
-  // keys[0] (the head) ends most recent (invariant 8); by block id: no key is looked up again
-  manager_.touch_blocks(result.key_block_ids);
-  if (result.store_indices.empty()) return;
-  for (std::size_t i = 0; i < result.store_indices.size(); ++i) {
-    items[result.store_indices[i]].slot = result.block_ids[i];
+  for (const StoreCandidate& c : candidates) {
+    key_views.clear();
+    for (std::size_t i = c.begin; i < c.end; ++i) key_views.push_back(store_keys_[i]);
+    if (!manager_.prepare_store(key_views, result)) {
+      // no room: nothing changed, retry next step (invariant 6)
+      ++stats_.store_refusals;
+      continue;
+    }
+    c.request->next_store = c.full;
+    stats_.blocks_evicted += result.evicted_keys.size();
+    // keys[0] (the head) ends most recent (invariant 8); by block id: no key is looked up again
+    manager_.touch_blocks(result.key_block_ids);
+    for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
+      store_items_[c.begin + result.store_indices[k]].slot = result.block_ids[k];
+    }
+    emit_store_jobs(c, out);
   }
+}
+
+void OffloadingScheduler::emit_store_jobs(const StoreCandidate& c,
+                                          std::vector<const TransferJob*>& out) {
+  Request& r = *c.request;
+  const std::int64_t f = config_.block_size_factor;
+  const std::size_t num_groups = config_.groups.size();
+  constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
+  auto& items = store_items_;
+  const KeyList& keys = store_keys_;
   // Runs: per group, consecutive items that were stored and whose GPU blocks are contiguous
   // in the table (items are ordered by j, then g). An item already held ends its group's run.
   auto& runs = store_runs_;
@@ -680,7 +735,7 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   std::size_t num_jobs = 0;
   std::vector<std::size_t>& rank = store_rank_;
   rank.assign(num_groups, 0);
-  for (std::size_t i = 0; i < items.size(); ++i) {
+  for (std::size_t i = c.begin; i < c.end; ++i) {
     const StoreItem& it = items[i];
     std::size_t& o = open[it.g];
     if (it.slot == kNoSlot) {
@@ -708,7 +763,7 @@ void OffloadingScheduler::build_stores(Request& r, std::int64_t tokens_after,
   for (std::size_t ri = 0; ri < runs.size(); ++ri) {
     by_rank[runs[ri].rank * num_groups + runs[ri].g] = ri + 1;
   }
-  const std::size_t key_bytes = keys.size() == 0 ? 0 : keys[0].size();
+  const std::size_t key_bytes = keys[c.begin].size();
   for (std::size_t k = 0; k < num_jobs; ++k) {
     std::size_t num_gpu = 0;
     std::size_t num_cpu = 0;
@@ -943,17 +998,22 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
   meta.jobs_to_flush.erase(std::unique(meta.jobs_to_flush.begin(), meta.jobs_to_flush.end()),
                            meta.jobs_to_flush.end());
   stats_.jobs_flushed += meta.jobs_to_flush.size();
+  // Stores: every scheduled request's blocks to store are collected first, then prepared in
+  // one manager call (build_stores), then made into jobs request by request.
+  store_items_.clear();
+  store_keys_.clear();
+  store_candidates_.clear();
   for (std::size_t i = 0; i < scheduled.size(); ++i) {
     const ScheduledRequest& s = scheduled[i];
     if (resolved[i] == nullptr) continue;  // idle
     Request& r = *resolved[i];
     if (r.finished) continue;  // finished (or preempted and finished) in this very step
     const std::int64_t tokens_after = s.num_computed_tokens + s.num_scheduled_tokens;
-    build_stores(r, tokens_after, meta.store_jobs);
-    // Idle from now on when every offloaded block full after this step is stored (or held)
-    // and no load of it is pending: until its next block completes, a step changes nothing.
-    set_idle(r, r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty() &&
-                    r.next_store >= tokens_after / offloaded_block_size_);
+    if (!collect_stores(r, tokens_after)) set_idle_after_stores(r, tokens_after);
+  }
+  build_stores(meta.store_jobs);
+  for (const StoreCandidate& c : store_candidates_) {
+    set_idle_after_stores(*c.request, c.tokens_after);
   }
   for (const auto& id : finished_request_ids) erase_if_done(id);
   last_num_store_jobs_ = meta.store_jobs.size();

@@ -1276,5 +1276,74 @@ TEST(OffloadingSchedulerEvents, StoredAndRemovedEventsAndLoadTouchesHeadLast) {
   EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
 }
 
+
+// A step's stores are prepared in one manager call (build_stores). What one call per request in
+// scheduling order gives must still hold: recency by scheduling order (invariant 8 across
+// requests), and a refusal of one request only when the step's stores do not fit together.
+TEST(OffloadingSchedulerStepStores, RequestsStoredInOneStepAgeInSchedulingOrder) {
+  auto c = make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/4);
+  c.enable_events = true;
+  OffloadingScheduler s(std::move(c));
+  add(s, "A", {"a0", "a1"}, 8);
+  add(s, "B", {"b0", "b1"}, 8);
+  auto meta = step(s, {sched("A", {{1, 2}}, 0, 8), sched("B", {{3, 4}}, 0, 8)});
+  ASSERT_EQ(meta.store_jobs.size(), 2u);
+  expect_job(s, meta.store_jobs[0], true, "A", {1, 2}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  expect_job(s, meta.store_jobs[1], true, "B", {3, 4}, {2}, {0}, {key("b0", 0), key("b1", 0)});
+  EXPECT_LT(meta.store_jobs[0].job_id, meta.store_jobs[1].job_id);
+  report(s, ids_of(meta.store_jobs));
+  (void)s.take_events();
+  // B was stored after A: A's blocks go first, each request's tail before its head.
+  add(s, "w", {"c0", "c1", "c2"}, 12);
+  meta = step(s, {sched("w", {{8, 9, 10}}, 0, 12)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  auto ev = s.take_events();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_TRUE(ev[0].removed);
+  EXPECT_EQ(ev[0].keys, (Strs{key("a1", 0), key("a0", 0), key("b1", 0)}));
+  EXPECT_EQ(s.stats().store_refusals, 0u);
+}
+
+TEST(OffloadingSchedulerStepStores, StoresThatDoNotFitTogetherAreTriedOneRequestAtATime) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/3));
+  add(s, "A", {"a0", "a1"}, 8);
+  add(s, "B", {"b0", "b1"}, 8);
+  // 4 new blocks, 3 free slots, nothing to evict: A's fit alone, B's are refused.
+  auto meta = step(s, {sched("A", {{1, 2}}, 0, 8), sched("B", {{3, 4}}, 0, 8)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {1, 2}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  EXPECT_EQ(s.stats().store_refusals, 1u);
+  EXPECT_EQ(s.next_store_block("A"), 2);
+  EXPECT_EQ(s.next_store_block("B"), 0);
+  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().num_free_blocks(), 1u);
+  report(s, ids_of(meta.store_jobs));  // A's blocks become evictable: B's retry fits
+  meta = step(s, {sched("A", Table{}, 8, 0), sched("B", Table{}, 8, 0)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "B", {3, 4}, {2}, {0}, {key("b0", 0), key("b1", 0)});
+  EXPECT_EQ(s.next_store_block("B"), 2);
+  EXPECT_EQ(s.stats().store_refusals, 1u);
+}
+
+TEST(OffloadingSchedulerStepStores, ABlockAnotherRequestOfTheStepHoldsIsNotEvictedForIt) {
+  OffloadingScheduler s(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/3));
+  seed(s, "sk", {"k"}, {{1}});  // the least recent block
+  seed(s, "sz", {"z"}, {{2}});
+  seed(s, "sy", {"y"}, {{3}});
+  ASSERT_EQ(s.manager().num_free_blocks(), 0u);
+  add(s, "A", {"a0"}, 4);
+  add(s, "B", {"k", "b1"}, 8);  // B's first block is held already (k)
+  auto meta = step(s, {sched("A", {{4}}, 0, 4), sched("B", {{5, 6}}, 0, 8)});
+  // A's new block would evict k, the least recent, if it were prepared alone; B then needs k
+  // again and evicts two more. Prepared together, k is protected: z and y make the room.
+  ASSERT_EQ(meta.store_jobs.size(), 2u);
+  expect_job(s, meta.store_jobs[0], true, "A", {4}, {1}, {0}, {key("a0", 0)});
+  expect_job(s, meta.store_jobs[1], true, "B", {6}, {1}, {1}, {key("b1", 0)});
+  EXPECT_EQ(s.stats().blocks_evicted, 2u);
+  EXPECT_EQ(s.manager().state(key("k", 0)), BlockState::kReady);
+  EXPECT_EQ(s.manager().state(key("z", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().state(key("y", 0)), BlockState::kMissing);
+}
+
 }  // namespace
 }  // namespace kvoff

@@ -400,8 +400,25 @@ class OffloadingScheduler {
   void mark_allocated(std::int64_t block_id, std::vector<JobId>& flush);
   void register_fences(const TransferJob& job);
   void clear_fences(const TransferJob& job);
-  void build_stores(Request& r, std::int64_t tokens_after,
-                    std::vector<const TransferJob*>& out);
+  /// A request with blocks to store this step: its items are [begin, end) of store_items_
+  /// (one key each, same positions in store_keys_).
+  struct StoreCandidate {
+    Request* request;
+    std::int64_t full;          // offloaded blocks full after the step (next_store once stored)
+    std::int64_t tokens_after;  // tokens computed after the step
+    std::size_t begin;
+    std::size_t end;
+  };
+  /// Appends the request's blocks to store this step (full, live, not stored yet) to the
+  /// step's scratch and to store_candidates_; false when it has none (next_store may move on).
+  bool collect_stores(Request& r, std::int64_t tokens_after);
+  /// Prepares the step's candidates' stores (one manager call for all when they fit, else one
+  /// per request in order; a refused request retries next step) and emits their jobs.
+  void build_stores(std::vector<const TransferJob*>& out);
+  /// The jobs of one candidate whose items have their slots (each group one contiguous run per
+  /// job).
+  void emit_store_jobs(const StoreCandidate& c, std::vector<const TransferJob*>& out);
+  void set_idle_after_stores(Request& r, std::int64_t tokens_after);
   void cancel_unemitted_loads(Request& r);
   void release(Request& r);
   void erase_if_done(std::string_view request_id);
@@ -474,6 +491,8 @@ class OffloadingScheduler {
   std::vector<JobId> report_completed_;
   std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
   std::vector<StoreItem> store_items_;
+  std::vector<StoreCandidate> store_candidates_;
+  std::vector<std::size_t> store_view_items_;  // build_stores: call position -> item
   std::vector<StoreRun> store_runs_;
   std::vector<std::size_t> store_open_;  // per group: its open run + 1 (0: none)
   std::vector<std::size_t> store_rank_;  // per group: runs so far
