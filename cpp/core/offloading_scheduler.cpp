@@ -417,42 +417,56 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
 
 // ---------------------------------------------------------------------------------- jobs
 
-std::vector<TransferJob> OffloadingScheduler::make_jobs(std::string_view request_id,
-                                                        bool is_store,
-                                                        std::vector<Segment>& segments) {
+void OffloadingScheduler::emit_load_jobs(Request& r, const std::vector<Segment>& segments) {
   // Job i takes the i-th segment of every group, so each group is one contiguous run per job.
+  // Segments come group by group, in logical order within a group.
   const std::size_t num_groups = config_.groups.size();
-  std::vector<std::vector<Segment*>> per_group(num_groups);
-  for (auto& s : segments) per_group[s.group].push_back(&s);
+  auto& first_of = load_group_first_;  // per group: its first segment (segments.size(): none)
+  auto& count_of = load_group_count_;  // per group: its segments
+  first_of.assign(num_groups, segments.size());
+  count_of.assign(num_groups, 0);
   std::size_t num_jobs = 0;
-  for (const auto& v : per_group) num_jobs = std::max(num_jobs, v.size());
-  std::vector<TransferJob> jobs(num_jobs);
+  for (std::size_t k = 0; k < segments.size(); ++k) {
+    const std::size_t g = segments[k].group;
+    if (count_of[g]++ == 0) first_of[g] = k;
+    num_jobs = std::max(num_jobs, count_of[g]);
+  }
+  const std::size_t key_bytes = segments.front().keys[0].size();
   for (std::size_t i = 0; i < num_jobs; ++i) {
-    TransferJob& job = jobs[i];
-    job.request_id = std::string(request_id);
-    job.is_store = is_store;
+    std::size_t num_gpu = 0;
+    std::size_t num_cpu = 0;
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      if (i >= count_of[g]) continue;
+      num_gpu += segments[first_of[g] + i].gpu_ids.size();
+      num_cpu += segments[first_of[g] + i].keys.size();
+    }
+    // The record is a recycled one when a finished job left it (its vectors keep their memory),
+    // sized once: a load job costs a fixed number of allocations, none once warm.
+    Job& kept = new_job();
+    kept.request = &r;
+    TransferJob& job = kept.job;
+    job.request_id = r.id;
+    job.is_store = false;
     job.group_sizes.assign(num_groups, 0);
     job.block_indices.assign(num_groups, 0);
+    job.gpu_block_ids.reserve(num_gpu);
+    job.cpu_block_ids.reserve(num_cpu);
+    job.keys.reserve(num_cpu, num_cpu * key_bytes);
     for (std::size_t g = 0; g < num_groups; ++g) {
-      if (i >= per_group[g].size()) continue;
-      Segment& s = *per_group[g][i];
-      job.group_sizes[g] = static_cast<std::int64_t>(s.gpu_ids.size());
-      job.block_indices[g] = s.first_logical;
-      job.gpu_block_ids.insert(job.gpu_block_ids.end(), s.gpu_ids.begin(), s.gpu_ids.end());
-      if (s.cpu_ids.size() == s.keys.size()) {  // slots known (prepare_store gave them)
-        job.cpu_block_ids.insert(job.cpu_block_ids.end(), s.cpu_ids.begin(), s.cpu_ids.end());
-      } else {
-        for (const std::string_view key : s.keys) {
-          job.cpu_block_ids.push_back(manager_.block_id(key).value());
-        }
-      }
-      for (const std::string_view key : s.keys) job.keys.push_back(key);
+      if (i >= count_of[g]) continue;
+      const Segment& seg = segments[first_of[g] + i];
+      job.group_sizes[g] = static_cast<std::int64_t>(seg.gpu_ids.size());
+      job.block_indices[g] = seg.first_logical;
+      job.gpu_block_ids.insert(job.gpu_block_ids.end(), seg.gpu_ids.begin(), seg.gpu_ids.end());
+      job.cpu_block_ids.insert(job.cpu_block_ids.end(), seg.cpu_ids.begin(), seg.cpu_ids.end());
+      for (const std::string_view key : seg.keys) job.keys.push_back(key);
     }
+    r.unemitted_loads.push_back(job.job_id);
+    pending_loads_.push_back(job.job_id);
   }
-  return jobs;
 }
 
-OffloadingScheduler::Job& OffloadingScheduler::new_store_job() {
+OffloadingScheduler::Job& OffloadingScheduler::new_job() {
   const JobId id = next_job_id_++;
   if (spare_jobs_.empty()) {
     Job& j = jobs_[id];
@@ -482,18 +496,9 @@ OffloadingScheduler::Job& OffloadingScheduler::new_store_job() {
 
 void OffloadingScheduler::retire_job(JobId id) {
   auto node = jobs_.extract(id);
-  if (!node.empty() && node.mapped().job.is_store && spare_jobs_.size() < kMaxSpareJobs) {
+  if (!node.empty() && spare_jobs_.size() < kMaxSpareJobs) {
     spare_jobs_.push_back(std::move(node));
   }
-}
-
-JobId OffloadingScheduler::add_job(TransferJob job, Request& r) {
-  const JobId id = next_job_id_++;
-  job.job_id = id;
-  Job& j = jobs_[id];
-  j.job = std::move(job);
-  j.request = &r;
-  return id;
 }
 
 void OffloadingScheduler::register_fences(const TransferJob& job) {
@@ -542,8 +547,11 @@ void OffloadingScheduler::update_state_after_alloc(
   const std::int64_t f = config_.block_size_factor;
   const std::int64_t bs = config_.gpu_block_size;
   std::vector<Segment> segments;
+  segments.reserve(config_.groups.size());
   // (offloaded block, group, position of its key among the segments' keys, in order)
   std::vector<std::tuple<std::int64_t, std::size_t, std::size_t>> touched;
+  touched.reserve(static_cast<std::size_t>(m.end_block) * config_.groups.size());
+  const std::size_t key_bytes = r.hashes.empty() ? 0 : r.hashes[0].size() + 1;  // + group byte
   for (std::size_t g = 0; g < config_.groups.size(); ++g) {
     const std::int64_t needed = needed_tokens(g);
     const std::int64_t end_tok = m.end_block * offloaded_block_size_;
@@ -569,6 +577,11 @@ void OffloadingScheduler::update_state_after_alloc(
       if (cur == nullptr) {
         segments.push_back(Segment{g, l, {}, {}, {}});
         cur = &segments.back();
+        // sized for the rest of the group's range (a null block may end it earlier)
+        const auto rest = static_cast<std::size_t>(last - l);
+        const std::size_t blocks = rest / static_cast<std::size_t>(f) + 2;
+        cur->gpu_ids.reserve(rest);
+        cur->keys.reserve(blocks, blocks * key_bytes);
       }
       const std::int64_t j = l / f;
       if (cur->gpu_ids.empty() || (l - 1) / f != j) {
@@ -602,10 +615,7 @@ void OffloadingScheduler::update_state_after_alloc(
   touch_slots.reserve(touched.size());
   for (const auto& t : touched) touch_slots.push_back(slots[std::get<2>(t)]);
   manager_.touch_blocks(touch_slots);
-  for (auto& job : make_jobs(request_id, /*is_store=*/false, segments)) {
-    r.unemitted_loads.push_back(add_job(std::move(job), r));
-    pending_loads_.push_back(r.unemitted_loads.back());
-  }
+  emit_load_jobs(r, segments);
   stats_.hit_tokens += static_cast<std::uint64_t>(num_external_tokens);
   r.next_store = std::max(r.next_store, m.end_block);
   r.gpu_hit_tokens = m.computed_tokens;
@@ -779,7 +789,7 @@ void OffloadingScheduler::emit_store_jobs(const StoreCandidate& c,
     }
     // The scheduler keeps the job (completion needs its request, keys and GPU blocks); the
     // caller reads it in place.
-    Job& kept = new_store_job();
+    Job& kept = new_job();
     kept.emitted = true;
     kept.request = &r;
     TransferJob& job = kept.job;

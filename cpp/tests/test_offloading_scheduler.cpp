@@ -1345,5 +1345,30 @@ TEST(OffloadingSchedulerStepStores, ABlockAnotherRequestOfTheStepHoldsIsNotEvict
   EXPECT_EQ(s.manager().state(key("y", 0)), BlockState::kMissing);
 }
 
+// Completed jobs' records are reused by later jobs of either direction (no allocation once
+// warm): a reused record carries nothing of the job before it.
+TEST(OffloadingSchedulerJobs, ReusedRecordsCarryNothingOver) {
+  OffloadingScheduler s(make_config({Full()}, 4));
+  seed(s, "sa", {"a0", "a1", "a2"}, {{1, 2, 3}});  // a 3-block store, completed
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "r", {5, 6}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  report(s, {meta.load_jobs[0].job_id});
+  add(s, "w", {"c0"}, 4);
+  meta = step(s, {sched("w", {{8}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "w", {8}, {1}, {0}, {key("c0", 0)});
+  report(s, {meta.store_jobs[0].job_id});
+  add(s, "q", {"a0", "a1", "a2"}, 13);
+  expect_match(s.get_num_new_matched_tokens("q", 4), hit(8));
+  s.update_state_after_alloc("q", Table{{1, 9, 10, 11}}, 8);
+  meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  expect_job(s, meta.load_jobs[0], false, "q", {9, 10}, {2}, {1}, {key("a1", 0), key("a2", 0)});
+}
+
 }  // namespace
 }  // namespace kvoff

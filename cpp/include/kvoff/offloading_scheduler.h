@@ -392,9 +392,9 @@ class OffloadingScheduler {
                      std::int64_t num_tokens);
   void validate_block_ids(std::span<const std::vector<std::int64_t>> ids, const char* what,
                           std::string_view request_id) const;
-  std::vector<TransferJob> make_jobs(std::string_view request_id, bool is_store,
-                                     std::vector<Segment>& segments);
-  JobId add_job(TransferJob job, Request& r);
+  /// The load jobs of `segments` (their CPU slots known), in recycled records (new_job), added
+  /// to the request's unemitted loads and to pending_loads_.
+  void emit_load_jobs(Request& r, const std::vector<Segment>& segments);
   /// Records that the engine (re)allocated GPU block `block_id` this step: later remembered
   /// uses of it are stale, and in-flight jobs on it go to meta.jobs_to_flush.
   void mark_allocated(std::int64_t block_id, std::vector<JobId>& flush);
@@ -453,13 +453,13 @@ class OffloadingScheduler {
   std::vector<char> step_maybe_idle_;
   void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
-  // Completed store jobs' map nodes, kept for the next ones: a node, its TransferJob's vectors
-  // and key buffer keep their memory, so a store job costs no allocation once the pool is warm
-  // (at most kMaxSpareJobs are kept).
+  // Completed jobs' map nodes, kept for the next ones: a node, its TransferJob's vectors and key
+  // buffer keep their memory, so a job costs no allocation once the pool is warm (at most
+  // kMaxSpareJobs are kept).
   std::vector<std::unordered_map<JobId, Job>::node_type> spare_jobs_;
   static constexpr std::size_t kMaxSpareJobs = 4096;
-  /// A store job's record in jobs_ under a new id, emptied (from spare_jobs_ when it has one).
-  Job& new_store_job();
+  /// A job's record in jobs_ under a new id, emptied (from spare_jobs_ when it has one).
+  Job& new_job();
   /// Erases a completed job, keeping its node in spare_jobs_.
   void retire_job(JobId id);
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
@@ -492,6 +492,8 @@ class OffloadingScheduler {
   std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
   std::vector<StoreItem> store_items_;
   std::vector<StoreCandidate> store_candidates_;
+  std::vector<std::size_t> load_group_first_;  // emit_load_jobs' scratch, per group
+  std::vector<std::size_t> load_group_count_;
   std::vector<std::size_t> store_view_items_;  // build_stores: call position -> item
   std::vector<StoreRun> store_runs_;
   std::vector<std::size_t> store_open_;  // per group: its open run + 1 (0: none)
