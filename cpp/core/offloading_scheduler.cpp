@@ -496,7 +496,8 @@ OffloadingScheduler::Job& OffloadingScheduler::new_job() {
 
 void OffloadingScheduler::retire_job(JobId id) {
   auto node = jobs_.extract(id);
-  if (!node.empty() && spare_jobs_.size() < kMaxSpareJobs) {
+  if (!node.empty() && spare_jobs_.size() < kMaxSpareJobs &&
+      node.mapped().job.gpu_block_ids.capacity() <= kMaxSpareJobBlocks) {
     spare_jobs_.push_back(std::move(node));
   }
 }

@@ -454,13 +454,15 @@ class OffloadingScheduler {
   void set_idle(Request& r, bool idle);
   std::unordered_map<JobId, Job> jobs_;
   // Completed jobs' map nodes, kept for the next ones: a node, its TransferJob's vectors and key
-  // buffer keep their memory, so a job costs no allocation once the pool is warm (at most
-  // kMaxSpareJobs are kept).
+  // buffer keep their memory, so a job costs no allocation once the pool is warm. At most
+  // kMaxSpareJobs are kept, each sized for at most kMaxSpareJobBlocks GPU blocks (decode stores
+  // and most loads; a long prefill's job is freed), so spares hold at most about 14 MiB.
   std::vector<std::unordered_map<JobId, Job>::node_type> spare_jobs_;
-  static constexpr std::size_t kMaxSpareJobs = 4096;
+  static constexpr std::size_t kMaxSpareJobs = 1024;
+  static constexpr std::size_t kMaxSpareJobBlocks = 256;
   /// A job's record in jobs_ under a new id, emptied (from spare_jobs_ when it has one).
   Job& new_job();
-  /// Erases a completed job, keeping its node in spare_jobs_.
+  /// Erases a completed job, keeping its node in spare_jobs_ (within the limits above).
   void retire_job(JobId id);
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
   // build_stores' scratch (memory kept between calls: a store job costs no allocation here)
