@@ -440,18 +440,7 @@ void OffloadingScheduler::emit_load_jobs(Request& r, const std::vector<Segment>&
       num_gpu += segments[first_of[g] + i].gpu_ids.size();
       num_cpu += segments[first_of[g] + i].keys.size();
     }
-    // The record is a recycled one when a finished job left it (its vectors keep their memory),
-    // sized once: a load job costs a fixed number of allocations, none once warm.
-    Job& kept = new_job();
-    kept.request = &r;
-    TransferJob& job = kept.job;
-    job.request_id = r.id;
-    job.is_store = false;
-    job.group_sizes.assign(num_groups, 0);
-    job.block_indices.assign(num_groups, 0);
-    job.gpu_block_ids.reserve(num_gpu);
-    job.cpu_block_ids.reserve(num_cpu);
-    job.keys.reserve(num_cpu, num_cpu * key_bytes);
+    TransferJob& job = new_job(r, /*is_store=*/false, num_gpu, num_cpu, key_bytes).job;
     for (std::size_t g = 0; g < num_groups; ++g) {
       if (i >= count_of[g]) continue;
       const Segment& seg = segments[first_of[g] + i];
@@ -492,6 +481,25 @@ OffloadingScheduler::Job& OffloadingScheduler::new_job() {
   j.failed = false;
   j.emitted = false;
   return jobs_.insert(std::move(node)).position->second;
+}
+
+OffloadingScheduler::Job& OffloadingScheduler::new_job(Request& r, bool is_store,
+                                                       std::size_t num_gpu, std::size_t num_cpu,
+                                                       std::size_t key_bytes) {
+  // A recycled record when a finished job left one (its vectors keep their memory), sized
+  // once: a job costs a fixed number of allocations, none once warm.
+  Job& kept = new_job();
+  kept.request = &r;
+  TransferJob& job = kept.job;
+  job.request_id = r.id;
+  job.is_store = is_store;
+  const std::size_t num_groups = config_.groups.size();
+  job.group_sizes.assign(num_groups, 0);
+  job.block_indices.assign(num_groups, 0);
+  job.gpu_block_ids.reserve(num_gpu);
+  job.cpu_block_ids.reserve(num_cpu);
+  job.keys.reserve(num_cpu, num_cpu * key_bytes);
+  return kept;
 }
 
 void OffloadingScheduler::retire_job(JobId id) {
@@ -675,57 +683,45 @@ bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after) 
   return true;
 }
 
-void OffloadingScheduler::build_stores(std::vector<const TransferJob*>& out) {
-  auto& candidates = store_candidates_;
+bool OffloadingScheduler::prepare_stores(std::span<const StoreCandidate> candidates,
+                                         std::vector<const TransferJob*>& out) {
+  // The later request's keys come first: each request's keys then end more recent than the
+  // previous request's, as one call per request in scheduling order leaves them, with each
+  // request's first key the most recent of its own (invariant 8). The keys of every request of
+  // the call are protected from the others' evictions.
   auto& key_views = store_key_views_;
+  auto& item_of = store_view_items_;  // position in the call -> index in store_items_
+  key_views.clear();
+  item_of.clear();
+  for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
+    for (std::size_t i = c->begin; i < c->end; ++i) {
+      key_views.push_back(store_keys_[i]);
+      item_of.push_back(i);
+    }
+  }
   PrepareStoreResult& result = store_result_;  // scratch: memory reused from call to call
-  if (candidates.size() > 1) {
-    // One manager call for the whole step, so that the index probes and recency updates of
-    // every storing request overlap in one software pipeline instead of a short one each. The
-    // later request's keys come first: each request's keys then end more recent than the
-    // previous request's, as one call per request in scheduling order leaves them, with each
-    // request's first key the most recent of its own (invariant 8). A request's existing keys
-    // are protected from the other requests' evictions too.
-    key_views.clear();
-    auto& item_of = store_view_items_;  // position in the call -> index in store_items_
-    item_of.clear();
-    for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
-      for (std::size_t i = c->begin; i < c->end; ++i) {
-        key_views.push_back(store_keys_[i]);
-        item_of.push_back(i);
-      }
-    }
-    if (manager_.prepare_store(key_views, result)) {
-      stats_.blocks_evicted += result.evicted_keys.size();
-      manager_.touch_blocks(result.key_block_ids);  // by block id: no key looked up again
-      for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
-        store_items_[item_of[result.store_indices[k]]].slot = result.block_ids[k];
-      }
-      for (const StoreCandidate& c : candidates) {
-        c.request->next_store = c.full;
-        emit_store_jobs(c, out);
-      }
-      return;
-    }
-    // No room for all of them (nothing changed): one call per request, in order, as some of
-    // them may still fit.
+  if (!manager_.prepare_store(key_views, result)) return false;  // nothing changed
+  stats_.blocks_evicted += result.evicted_keys.size();
+  manager_.touch_blocks(result.key_block_ids);  // by block id: no key is looked up again
+  for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
+    store_items_[item_of[result.store_indices[k]]].slot = result.block_ids[k];
   }
   for (const StoreCandidate& c : candidates) {
-    key_views.clear();
-    for (std::size_t i = c.begin; i < c.end; ++i) key_views.push_back(store_keys_[i]);
-    if (!manager_.prepare_store(key_views, result)) {
-      // no room: nothing changed, retry next step (invariant 6)
-      ++stats_.store_refusals;
-      continue;
-    }
     c.request->next_store = c.full;
-    stats_.blocks_evicted += result.evicted_keys.size();
-    // keys[0] (the head) ends most recent (invariant 8); by block id: no key is looked up again
-    manager_.touch_blocks(result.key_block_ids);
-    for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
-      store_items_[c.begin + result.store_indices[k]].slot = result.block_ids[k];
-    }
     emit_store_jobs(c, out);
+  }
+  return true;
+}
+
+void OffloadingScheduler::build_stores(std::vector<const TransferJob*>& out) {
+  const std::span<const StoreCandidate> candidates = store_candidates_;
+  // One manager call for the whole step, so that the index probes and recency updates of every
+  // storing request overlap in one software pipeline instead of a short one each.
+  if (candidates.size() > 1 && prepare_stores(candidates, out)) return;
+  // One request (or no room for all of them): one call per request, in order, as some may
+  // still fit. A refused request changes nothing and is retried next step (invariant 6).
+  for (std::size_t k = 0; k < candidates.size(); ++k) {
+    if (!prepare_stores(candidates.subspan(k, 1), out)) ++stats_.store_refusals;
   }
 }
 
@@ -790,17 +786,9 @@ void OffloadingScheduler::emit_store_jobs(const StoreCandidate& c,
     }
     // The scheduler keeps the job (completion needs its request, keys and GPU blocks); the
     // caller reads it in place.
-    Job& kept = new_job();
+    Job& kept = new_job(r, /*is_store=*/true, num_gpu, num_cpu, key_bytes);
     kept.emitted = true;
-    kept.request = &r;
     TransferJob& job = kept.job;
-    job.request_id = r.id;
-    job.is_store = true;
-    job.group_sizes.assign(num_groups, 0);
-    job.block_indices.assign(num_groups, 0);
-    job.gpu_block_ids.reserve(num_gpu);
-    job.cpu_block_ids.reserve(num_cpu);
-    job.keys.reserve(num_cpu, num_cpu * key_bytes);
     for (std::size_t g = 0; g < num_groups; ++g) {
       const std::size_t ri = by_rank[k * num_groups + g];
       if (ri == 0) continue;

@@ -415,6 +415,10 @@ class OffloadingScheduler {
   /// Prepares the step's candidates' stores (one manager call for all when they fit, else one
   /// per request in order; a refused request retries next step) and emits their jobs.
   void build_stores(std::vector<const TransferJob*>& out);
+  /// One prepare_store for `candidates`' keys (later requests first), then their jobs; false
+  /// (nothing changed) when they do not fit.
+  bool prepare_stores(std::span<const StoreCandidate> candidates,
+                      std::vector<const TransferJob*>& out);
   /// The jobs of one candidate whose items have their slots (each group one contiguous run per
   /// job).
   void emit_store_jobs(const StoreCandidate& c, std::vector<const TransferJob*>& out);
@@ -462,6 +466,10 @@ class OffloadingScheduler {
   static constexpr std::size_t kMaxSpareJobBlocks = 256;
   /// A job's record in jobs_ under a new id, emptied (from spare_jobs_ when it has one).
   Job& new_job();
+  /// new_job for request `r`, its fields set and its vectors sized for `num_gpu` GPU blocks and
+  /// `num_cpu` keys of `key_bytes` bytes.
+  Job& new_job(Request& r, bool is_store, std::size_t num_gpu, std::size_t num_cpu,
+               std::size_t key_bytes);
   /// Erases a completed job, keeping its node in spare_jobs_ (within the limits above).
   void retire_job(JobId id);
   std::vector<JobId> pending_loads_;  // built by update_state_after_alloc, not yet emitted
