@@ -481,3 +481,38 @@ def test_prepare_store_output_refuses_lengths_that_differ() -> None:
             r"pass one CPU block id \(slot\) per key",
         ):
             PrepareStoreOutput(keys, ids, [b"e"])
+
+
+def test_step_columns_read_inline_give_what_the_checked_path_gives() -> None:
+    """The binding reads a step's ids and ints inline (CPython's compact str and int layouts)
+    and keeps the step's records from one call to the next: a non-ASCII id, ints of several
+    digits, bools and a request whose column entry changes from blocks to None between steps
+    must come out as the checked path reads them."""
+    s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    a = Request("réq-ü", [b"h1", b"h2", b"h3"], 12)  # not ASCII: the checked path
+    b = Request("b", [b"g1", b"g2", b"g3"], 12)
+    for r in (a, b):
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        s.update_state_after_alloc(r, [], 0)
+    # a bool, a negative and a multi-digit id are named in the error; nothing changes
+    for bad, error, match in (
+        (True, TypeError, r"new_block_ids\[0\]\[0\]\[1\] must be an int, got bool"),
+        (-1, ValueError, "-1"),
+        (2**40, ValueError, "1099511627776"),
+        (2**70, ValueError, "1180591620717411303424"),
+    ):
+        before = snapshot(s, [], ["réq-ü", "b"])
+        with pytest.raises(error, match=match):
+            s.build_connector_meta_columns(["réq-ü", "b"], [[[1, bad]], [[3]]], [0, 0], [4, 4])
+        assert snapshot(s, [], ["réq-ü", "b"]) == before
+    # step 1: blocks for both; step 2: none for the first (its reused record must not keep
+    # step 1's blocks), one more for the second
+    m1 = s.build_connector_meta_columns(["réq-ü", "b"], [[[1]], [[3]]], [0, 0], [4, 4])
+    assert sorted((j.request_id, j.gpu.block_ids) for j in m1.store_jobs) == [
+        ("b", (3,)),
+        ("réq-ü", (1,)),
+    ]
+    m2 = s.build_connector_meta_columns(["réq-ü", "b"], [None, [[4]]], [4, 4], [3, 4])
+    assert [(j.request_id, j.gpu.block_ids) for j in m2.store_jobs] == [("b", (4,))]
+    m3 = s.build_connector_meta_columns(["réq-ü", "b"], [[[2]], None], [7, 8], [1, 3])
+    assert [(j.request_id, j.gpu.block_ids) for j in m3.store_jobs] == [("réq-ü", (2,))]

@@ -604,3 +604,46 @@ def test_scheduled_token_counts_are_read_by_request_whatever_the_dict_order() ->
     # a bad tail is refused, naming it, and changes nothing (the next call stores as usual)
     for bad in ([ids[3:], [None] * 3, [0] * 3], (ids[3:], [None] * 3), (ids[3:], [None], [0])):
         assert step(dict(zip(ids, counts, strict=True)), ids, 3, bad_tail=bad) == expected
+
+
+def test_an_alloc_of_nothing_after_a_no_hit_lookup_is_skipped_and_changes_nothing() -> None:
+    """After get_num_new_matched_tokens answered 0, update_state_after_alloc(request, (), 0)
+    returns without a core call; the steps that follow (fences of the engine's own cached
+    blocks included) are those of a scheduler that made the call."""
+    from kvoff.scheduler import Request
+
+    skipped = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    called = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
+    metas = []
+    for s in (skipped, called):
+        a = Request("A", [b"a0", b"a1"], 8)
+        assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+        s.update_state_after_alloc(a, (), 0)
+        s.build_connector_meta_columns(["A"], [[[5, 6]]], [0], [8])  # A's store in flight
+        # C has A's two blocks from the engine's own prefix cache: they must not be fenced
+        c = Request("C", [b"a0", b"a1", b"c2"], 13)
+        assert s.get_num_new_matched_tokens(c, 8) == (0, False)
+        if s is skipped:
+            assert s._settled.get("C") is c
+            s.update_state_after_alloc(c, (), 0)
+            assert "C" not in s._settled  # taken by the skipped call
+        else:
+            s._core.sync_and_alloc(c, (), 0, s._requests)  # what the call did before
+        m = s.build_connector_meta_columns(["A", "C"], [None, [[5, 6, 8]]], [8, 8], [1, 5])
+        metas.append((m.jobs_to_flush, [(j.request_id, j.gpu.block_ids) for j in m.store_jobs]))
+        assert m.jobs_to_flush == ()
+    assert metas[0] == metas[1]
+    assert snapshot(skipped, [], ["A", "C"]) == snapshot(called, [], ["A", "C"])
+    # another object under a settled id is not skipped: the call syncs its hashes
+    s = skipped
+    d = Request("D", [b"d0"], 5)
+    assert s.get_num_new_matched_tokens(d, 0) == (0, False)
+    d2 = Request("D", [b"d0", b"d1"], 9)
+    s.update_state_after_alloc(d2, (), 0)
+    assert s._core.num_hashes("D") == 2
+    assert "D" not in s._settled
+    assert s.get_num_new_matched_tokens(d2, 0) == (0, False)
+    with pytest.raises(TypeError, match="num_external_tokens must be an int"):
+        s.update_state_after_alloc(d2, (), 0.0)  # type: ignore[arg-type]
+    s.request_finished(d)
+    assert "D" not in s._settled

@@ -388,8 +388,30 @@ struct Where {
   }
 };
 
+/// The value of a plain int that fits in one machine word of CPython's representation (below
+/// 2^30 on 3.11, 2^62 on 3.12+: every token count and block id), read inline: the per-request
+/// columns of a step are read for every running request, and the call into
+/// PyLong_AsLongLongAndOverflow costs about as much as the read. False for anything else
+/// (the caller then takes the checked path).
+inline bool compact_int(PyObject* item, std::int64_t& out) noexcept {
+  if (!PyLong_CheckExact(item)) return false;
+#if PY_VERSION_HEX >= 0x030C0000
+  auto* l = reinterpret_cast<PyLongObject*>(item);
+  if (!PyUnstable_Long_IsCompact(l)) return false;
+  out = static_cast<std::int64_t>(PyUnstable_Long_CompactValue(l));
+  return true;
+#else
+  const Py_ssize_t size = Py_SIZE(item);
+  if (size < -1 || size > 1) return false;
+  const auto digit = static_cast<std::int64_t>(reinterpret_cast<PyLongObject*>(item)->ob_digit[0]);
+  out = size == 0 ? 0 : (size > 0 ? digit : -digit);
+  return true;
+#endif
+}
+
 std::int64_t to_int64(PyObject* item, const Where& where) {
-  if (PyLong_CheckExact(item)) {  // the fast path: a plain int
+  if (std::int64_t v = 0; compact_int(item, v)) return v;
+  if (PyLong_CheckExact(item)) {  // a plain int of more than one digit
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
     if (overflow == 0 && !(v == -1 && PyErr_Occurred())) return v;
@@ -441,6 +463,7 @@ std::vector<std::int64_t> to_ints(PyObject* obj, const Where& where) {
   std::vector<std::int64_t> out(static_cast<std::size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
     PyObject* item = items[k];
+    if (compact_int(item, out[static_cast<std::size_t>(k)])) continue;
     int overflow = 0;
     long long v = 0;
     if (PyLong_CheckExact(item) &&
@@ -468,12 +491,45 @@ std::vector<std::vector<std::int64_t>> to_int_lists(PyObject* obj, const Where& 
   return out;
 }
 
+/// to_int_lists into `out`, reusing its vectors' storage (a step's scratch, see StepScratch).
+void to_int_lists_into(PyObject* obj, const Where& where,
+                       std::vector<std::vector<std::int64_t>>& out) {
+  reject_python_sequence(obj, where);
+  py::object seq = fast_sequence(obj, where, "sequences of ints (one per KV cache group)");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  out.resize(static_cast<std::size_t>(n));
+  for (Py_ssize_t g = 0; g < n; ++g) {
+    PyObject* group = items[g];
+    auto& ids = out[static_cast<std::size_t>(g)];
+    if (PyList_CheckExact(group) || PyTuple_CheckExact(group)) {
+      // the usual case (vLLM's lists): read in place into the kept storage
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(group);
+      PyObject** v = PySequence_Fast_ITEMS(group);
+      ids.resize(static_cast<std::size_t>(m));
+      for (Py_ssize_t k = 0; k < m; ++k) {
+        if (!compact_int(v[k], ids[static_cast<std::size_t>(k)])) {
+          ids[static_cast<std::size_t>(k)] = to_int64(v[k], where.at(g).at(k));
+        }
+      }
+    } else {
+      ids = to_ints(group, where.at(g));
+    }
+  }
+}
+
 std::vector<std::vector<std::int64_t>> to_int_lists(py::handle obj, const char* what) {
   return to_int_lists(obj.ptr(), Where{what});
 }
 
 /// A request id (str) as a view of its UTF-8 (valid while the object lives).
 std::string_view id_view(PyObject* item, const Where& where) {
+  if (PyUnicode_CheckExact(item) && PyUnicode_IS_COMPACT_ASCII(item)) {
+    // every id an engine makes: its bytes follow the object header (what
+    // PyUnicode_AsUTF8AndSize returns for it too), read without the call
+    return {static_cast<const char*>(PyUnicode_DATA(item)),
+            static_cast<std::size_t>(PyUnicode_GET_LENGTH(item))};
+  }
   if (!PyUnicode_Check(item)) {
     throw py::type_error(where.str() + " must be a str request id, got " +
                          Py_TYPE(item)->tp_name + " (" + short_repr(item) + ")");
@@ -611,7 +667,11 @@ class StepColumns {
  public:
   StepColumns(py::handle request_ids, py::handle new_block_ids, py::handle num_computed_tokens,
               py::handle tail) {
-    read(0, request_ids, new_block_ids, num_computed_tokens, "");
+    static constexpr const char* kNames[3] = {"request_ids", "new_block_ids",
+                                              "num_computed_tokens"};
+    static constexpr const char* kTailNames[3] = {"tail request_ids", "tail new_block_ids",
+                                                  "tail num_computed_tokens"};
+    read(0, request_ids, new_block_ids, num_computed_tokens, kNames);
     if (tail.is_none()) {
       for (std::size_t c = 0; c < 3; ++c) items_[c] = PySequence_Fast_ITEMS(seqs_[0][c].ptr());
       return;
@@ -622,7 +682,7 @@ class StepColumns {
                                        "got ") + Py_TYPE(tail.ptr())->tp_name);
     }
     read(1, PyTuple_GET_ITEM(tail.ptr(), 0), PyTuple_GET_ITEM(tail.ptr(), 1),
-         PyTuple_GET_ITEM(tail.ptr(), 2), "tail ");
+         PyTuple_GET_ITEM(tail.ptr(), 2), kTailNames);
     for (std::size_t c = 0; c < 3; ++c) {
       PyObject** head = PySequence_Fast_ITEMS(seqs_[0][c].ptr());
       PyObject** more = PySequence_Fast_ITEMS(seqs_[1][c].ptr());
@@ -638,18 +698,15 @@ class StepColumns {
 
  private:
   void read(std::size_t part, py::handle ids, py::handle blocks, py::handle computed,
-            const std::string& prefix) {
-    const std::string names[3] = {prefix + "request_ids", prefix + "new_block_ids",
-                                  prefix + "num_computed_tokens"};
-    seqs_[part][0] = fast_sequence(ids.ptr(), Where{names[0].c_str()}, "str");
-    seqs_[part][1] =
-        fast_sequence(blocks.ptr(), Where{names[1].c_str()}, "block id lists or None");
-    seqs_[part][2] = fast_sequence(computed.ptr(), Where{names[2].c_str()}, "ints");
+            const char* const (&names)[3]) {
+    seqs_[part][0] = fast_sequence(ids.ptr(), Where{names[0]}, "str");
+    seqs_[part][1] = fast_sequence(blocks.ptr(), Where{names[1]}, "block id lists or None");
+    seqs_[part][2] = fast_sequence(computed.ptr(), Where{names[2]}, "ints");
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs_[part][0].ptr());
     for (std::size_t c = 1; c < 3; ++c) {
       const Py_ssize_t m = PySequence_Fast_GET_SIZE(seqs_[part][c].ptr());
       if (m != n) {
-        throw py::value_error(names[c] + " has " + std::to_string(m) + " entries but " +
+        throw py::value_error(std::string(names[c]) + " has " + std::to_string(m) + " entries but " +
                               names[0] + " has " + std::to_string(n) +
                               "; give one entry per scheduled request");
       }
@@ -662,12 +719,18 @@ class StepColumns {
   PyObject** items_[3] = {nullptr, nullptr, nullptr};
 };
 
+/// build_step's per-request records, kept between steps on the calling thread (see there).
+struct StepScratch {
+  std::vector<kvoff::ScheduledRequest> reqs;
+  bool busy = false;
+};
+
 /// build_connector_meta from columns (see kvoff.scheduler.OffloadingScheduler.
 /// build_connector_meta_columns): request_ids[i], new_block_ids[i] (None or per group a
 /// sequence of ints), num_computed_tokens[i]; num_scheduled_tokens a dict by request id
 /// (missing: 0) or a sequence aligned with request_ids; resumed_request_ids any container.
-/// When `requests` is a dict (request id -> object with block_hashes and num_tokens), each
-/// scheduled request's new block hashes are added first (update_request). Returns
+/// When `requests` is a dict (request id -> object with block_hashes), each scheduled
+/// request's new block hashes are added first (HashSink::add without a token count). Returns
 /// (load job tuples, store job tuples, job ids to flush). `tail`: None, or three more columns
 /// read after the first three (StepColumns); a num_scheduled_tokens sequence covers both.
 py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
@@ -704,12 +767,24 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   const bool any_resumed = !resumed_request_ids.is_none() && PyObject_IsTrue(resumed_request_ids.ptr());
   PyObject* request_dict = PyDict_Check(requests.ptr()) ? requests.ptr() : nullptr;
   static PyObject* const kHashes = PyUnicode_InternFromString("block_hashes");
-  static PyObject* const kTokens = PyUnicode_InternFromString("num_tokens");
 
   PyObject** id_items = columns.ids();
   PyObject** block_items = columns.blocks();
   PyObject** computed_items = columns.computed();
-  std::vector<kvoff::ScheduledRequest> reqs(static_cast<std::size_t>(n));
+  // The step's records are kept from the last step (a decode step allocates none); a nested
+  // call (a hash source running Python that steps another scheduler) makes its own.
+  thread_local StepScratch scratch;
+  std::vector<kvoff::ScheduledRequest> own;
+  const bool reuse = !scratch.busy;
+  std::vector<kvoff::ScheduledRequest>& reqs = reuse ? scratch.reqs : own;
+  scratch.busy = true;
+  struct Release {
+    bool reuse;
+    ~Release() {
+      if (reuse) scratch.busy = false;
+    }
+  } release{reuse};
+  reqs.resize(static_cast<std::size_t>(n));
   // The engine's objects are scattered and mostly out of cache by now: the id and count of the
   // request kPrefetchAhead positions on are fetched while this one is read, so that the misses
   // overlap instead of queueing one after the other.
@@ -748,8 +823,11 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
     }
     s.request_id = id;  // a view of the str object, alive through the call
     if (block_items[i] != Py_None) {
-      s.new_block_ids = to_int_lists(block_items[i], Where{"new_block_ids"}.at(i));
+      to_int_lists_into(block_items[i], Where{"new_block_ids"}.at(i), s.new_block_ids);
+    } else {
+      s.new_block_ids.clear();
     }
+    s.resumed_from_preemption = false;
     if (any_resumed) {
       const int in = PySequence_Contains(resumed_request_ids.ptr(), id_obj);
       if (in < 0) throw py::error_already_set();
@@ -776,10 +854,10 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
       const Py_ssize_t num = PyObject_Size(hashes.ptr());
       if (num < 0) throw py::error_already_set();
       if (static_cast<std::size_t>(num) <= known) return;  // none yet (async scheduling)
-      py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(req, kTokens));
-      if (!tokens) throw py::error_already_set();
+      // The hashes only: the request's token count matters to lookups, which read it
+      // themselves (sync_and_match); num_tokens is a Python property in vLLM, about 0.1 us.
       KeyBatch batch(hashes, static_cast<Py_ssize_t>(known));  // the new ones only
-      sink.add(batch.span(), to_int64(tokens.ptr(), "num_tokens"));
+      sink.add(batch.span());
     };
   }
   py::tuple res;

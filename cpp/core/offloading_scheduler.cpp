@@ -296,6 +296,12 @@ void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_ha
   scheduler_.append_hashes(request_, start_, new_hashes, num_tokens);
 }
 
+void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_hashes) {
+  const std::size_t total = std::max(request_.hashes.size(), start_ + new_hashes.size());
+  const std::int64_t covered = static_cast<std::int64_t>(total) * scheduler_.config_.hash_block_size;
+  add(new_hashes, std::max(request_.num_tokens, covered));
+}
+
 MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view request_id,
                                                             std::int64_t num_computed_tokens) {
   constexpr const char* kHook = "get_num_new_matched_tokens";
@@ -311,7 +317,14 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   ++stats_.lookups;
   r.match.reset();
   r.last_computed_tokens = c;
-  if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return {0, false};
+  // A no-hit answer settles the request as update_state_after_alloc(.., 0) would, so that an
+  // engine may skip that call (see the header).
+  const auto no_hit = [&]() -> MatchResult {
+    r.gpu_hit_tokens = c;
+    set_idle(r, false);
+    return {0, false};
+  };
+  if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return no_hit();
   // Invariant 7: no load while the request's own stores are in flight (e.g. it was preempted
   // mid-store and resumes): retry once they complete.
   if (r.stores_in_flight > 0) {
@@ -324,7 +337,7 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   const std::int64_t limit = r.num_tokens - (any_partial_group_ ? 1 : 0);
   const std::int64_t n_max = known_blocks(r, limit);
   const std::int64_t c0 = c / offloaded_block_size_;
-  if (n_max <= c0) return {0, false};
+  if (n_max <= c0) return no_hit();
 
   const std::size_t num_groups = config_.groups.size();
   const auto width = static_cast<std::size_t>(n_max - c0);
@@ -402,7 +415,7 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
       }
     }
   }
-  if (n <= c0) return {0, false};
+  if (n <= c0) return no_hit();
   for (std::size_t g = 0; g < num_groups; ++g) {
     for (std::int64_t j = first_needed(g, n); j < n; ++j) {
       if (status_of(g, j) == 2) {

@@ -611,6 +611,37 @@ TEST(OffloadingSchedulerStore, HashSourceWithoutNewHashesStoresNothingMore) {
   expect_job(s, meta.store_jobs[0], true, "r", {5}, {1}, {0}, {key("a0", 0)});
 }
 
+// A source that gives hashes only (the Python binding's): the request keeps its token count,
+// raised to what its hashes cover, so that a lookup up to those tokens stays valid.
+TEST(OffloadingSchedulerStore, HashSourceWithoutTokenCountKeepsOrRaisesTheRequests) {
+  OffloadingScheduler s(make_config({Full()}));  // 4-token blocks
+  add(s, "r", {"a0"}, 5);
+  add(s, "q", {"b0"}, 30);
+  const Strs ra = hashes("a", 3);
+  const Strs qb = hashes("b", 3);
+  OffloadingScheduler::HashSource source = [&](std::size_t, std::string_view id,
+                                               std::size_t known,
+                                               OffloadingScheduler::HashSink& sink) {
+    const Strs& all = id == "r" ? ra : qb;
+    std::vector<std::string_view> views(all.begin() + static_cast<std::ptrdiff_t>(known),
+                                        all.end());
+    sink.add(views);
+  };
+  // both engine requests have grown to 12 tokens (3 full blocks) by this step
+  std::vector<ScheduledRequest> st{sched("r", {{5, 6, 7}}, 0, 12),
+                                   sched("q", {{8, 9, 10}}, 0, 12)};
+  auto meta = s.build_connector_meta(st, {}, {}, {}, source);
+  EXPECT_EQ(s.num_hashes("r"), 3u);
+  EXPECT_EQ(s.num_hashes("q"), 3u);
+  EXPECT_EQ(meta.store_jobs.size(), 2u);
+  // r: 5 tokens known before, 12 covered now: a lookup at 12 is in range (the answer is
+  // "retry": its own stores are in flight), 16 is not
+  EXPECT_NO_THROW(s.get_num_new_matched_tokens("r", 12));
+  EXPECT_THROW(s.get_num_new_matched_tokens("r", 16), std::invalid_argument);
+  // q: its own 30 stays (not lowered to the 12 its hashes cover)
+  EXPECT_NO_THROW(s.get_num_new_matched_tokens("q", 28));
+}
+
 TEST(OffloadingSchedulerStore, BadHashFromSourceIsRejectedNamingIt) {
   OffloadingScheduler s(make_config({Full()}));
   add(s, "r", {"a0"}, 8);
@@ -964,6 +995,29 @@ TEST(OffloadingSchedulerFence, EngineCachedPrefixOfNewRequestIsNotFenced) {
   add(s, "E", {}, 3);
   meta = step(s, {sched("E", {{5}}, 0, 3)});
   EXPECT_EQ(meta.jobs_to_flush, Ids{j});
+}
+
+// A no-hit answer settles the request as update_state_after_alloc(.., 0) would, so an engine
+// may skip that call (the Python scheduler does): the engine's own hit is noted at the lookup,
+// and C's blocks that the engine had cached are still not fenced.
+TEST(OffloadingSchedulerFence, NoHitAnswerNotesTheEngineHitWithoutAnAllocCall) {
+  OffloadingScheduler s(make_config({Full()}));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);
+  add(s, "C", {"a0", "a1", "c2"}, 13);
+  expect_match(s.get_num_new_matched_tokens("C", 8), miss());
+  auto meta = step(s, {sched("C", {{5, 6, 8}}, 8, 5)});  // no update_state_after_alloc
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+  EXPECT_EQ(s.stats().jobs_flushed, 0u);
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "C", {8}, {1}, {2}, {key("c2", 0)});
+  // A later lookup with another engine hit replaces the noted one, as an alloc call would.
+  add(s, "D", {"a0", "x1", "d2"}, 13);
+  expect_match(s.get_num_new_matched_tokens("D", 8), miss());
+  expect_match(s.get_num_new_matched_tokens("D", 4), miss());
+  meta = step(s, {sched("D", {{5, 6, 9}}, 4, 9)});
+  EXPECT_EQ(meta.jobs_to_flush, Ids{a.store_jobs[0].job_id});  // D's block 6 is new to it
 }
 
 // ------------------------------------------------------------------- connector output

@@ -195,6 +195,11 @@ class OffloadingScheduler {
     /// Appends hashes from the index the source was given (views valid during the call) and
     /// sets the request's token count; throws std::invalid_argument as update_request does.
     void add(std::span<const std::string_view> new_hashes, std::int64_t num_tokens);
+    /// add() without a token count: the request keeps its own, raised to what its hashes
+    /// then cover (tokens). For sources that read hashes only: a running request's token
+    /// count matters only to get_num_new_matched_tokens, and engines pass it there (the
+    /// Python binding skips reading vLLM's num_tokens property in the step's hash pulls).
+    void add(std::span<const std::string_view> new_hashes);
 
    private:
     friend class OffloadingScheduler;
@@ -228,6 +233,9 @@ class OffloadingScheduler {
   /// of gpu_block_size) can be loaded from the CPU pool for a known request; see the class
   /// notes. {nullopt, false}: retry later (a needed block is being stored, or being loaded for
   /// another request); {0, false}: no hit; {n, true}: n tokens, loaded asynchronously.
+  /// A {0, false} answer leaves the request as update_state_after_alloc(request_id, {}, 0)
+  /// right after it would (the engine's own hit noted, no load pending): an engine may skip
+  /// that call, as the Python scheduler does (most new requests load nothing).
   /// Throws std::invalid_argument for an unknown request or a bad num_computed_tokens.
   MatchResult get_num_new_matched_tokens(std::string_view request_id,
                                          std::int64_t num_computed_tokens);
