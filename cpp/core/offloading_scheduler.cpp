@@ -280,10 +280,7 @@ void OffloadingScheduler::update_request(std::string_view request_id, std::size_
   if (r == nullptr) {
     const std::uint64_t h = id_hash_of(request_id);
     request_index_.reserve_one();  // first: a bad_alloc here changes nothing
-    r = &requests_[std::string(request_id)];
-    r->id = std::string(request_id);
-    r->id_hash = h;
-    r->table.resize(config_.groups.size());
+    r = &new_request(request_id, h);
     request_index_.insert(h, r);
   }
   append_hashes(*r, start, new_hashes, num_tokens);
@@ -1133,9 +1130,46 @@ void OffloadingScheduler::release(Request& r) {
   for (auto& t : r.table) t.clear();
 }
 
+OffloadingScheduler::Request& OffloadingScheduler::new_request(std::string_view request_id,
+                                                               std::uint64_t id_hash) {
+  if (spare_requests_.empty()) {
+    Request& r = requests_[std::string(request_id)];
+    r.id = std::string(request_id);
+    r.id_hash = id_hash;
+    r.table.resize(config_.groups.size());
+    return r;
+  }
+  auto node = std::move(spare_requests_.back());
+  spare_requests_.pop_back();
+  node.key().assign(request_id);
+  Request& old = node.mapped();
+  // Every field as a fresh Request has it (a field added later is reset too); only the
+  // buffers move over, emptied.
+  Request fresh;
+  fresh.id = std::move(old.id);
+  fresh.id.assign(request_id);
+  fresh.hashes = std::move(old.hashes);
+  fresh.hashes.clear();
+  fresh.table = std::move(old.table);
+  fresh.table.resize(config_.groups.size());
+  for (auto& t : fresh.table) t.clear();
+  fresh.unemitted_loads = std::move(old.unemitted_loads);
+  fresh.unemitted_loads.clear();
+  fresh.id_hash = id_hash;
+  old = std::move(fresh);
+  return requests_.insert(std::move(node)).position->second;
+}
+
 void OffloadingScheduler::erase_request(Request& r) {
   request_index_.erase(r.id_hash, [&r](const Request* x) { return x == &r; });
-  requests_.erase(requests_.find(r.id));
+  auto node = requests_.extract(requests_.find(r.id));
+  const Request& kept = node.mapped();
+  std::size_t bytes = kept.id.capacity() + kept.hashes.capacity_bytes() +
+                      kept.unemitted_loads.capacity() * sizeof(JobId);
+  for (const auto& t : kept.table) bytes += t.capacity() * sizeof(TableEntry);
+  if (spare_requests_.size() < kMaxSpareRequests && bytes <= kMaxSpareRequestBytes) {
+    spare_requests_.push_back(std::move(node));  // else freed here
+  }
 }
 
 void OffloadingScheduler::erase_if_done(std::string_view request_id) {

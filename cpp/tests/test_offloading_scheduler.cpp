@@ -1424,5 +1424,42 @@ TEST(OffloadingSchedulerJobs, ReusedRecordsCarryNothingOver) {
   expect_job(s, meta.load_jobs[0], false, "q", {9, 10}, {2}, {1}, {key("a1", 0), key("a2", 0)});
 }
 
+// A finished request's record is reused for the next new request (its buffers kept): the new
+// request must start as a fresh one (no hashes, table, stores, match or flags carried over).
+TEST(OffloadingSchedulerRequests, ReusedRecordsCarryNothingOver) {
+  OffloadingScheduler s(make_config({Full(), SW(4)}, 4));
+  seed(s, "sa", {"x0", "x1"}, {{1, 2}, {3, 4}});  // stored, completed: a hit for "b" below
+  // "a": two blocks stored, a third in flight when it finishes, a pending hit left unused
+  add(s, "a", {"a0", "a1", "a2"}, 13);
+  auto meta = step(s, {sched("a", {{5, 6}, {7, 8}}, 0, 8)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  meta = step(s, {sched("a", {{9}, {10}}, 8, 5)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  const JobId in_flight = meta.store_jobs[0].job_id;
+  EXPECT_TRUE(s.request_finished("a"));  // kept until its store completes
+  report(s, {in_flight});                 // then erased: its record becomes a spare
+  EXPECT_EQ(s.num_requests(), 0u);
+  // "b" takes the spare record: a fresh request, whatever "a" left in it
+  add(s, "b", {"x0", "x1", "b2"}, 13);
+  EXPECT_EQ(s.num_hashes("b"), 3u);
+  EXPECT_EQ(s.next_store_block("b"), 0);
+  expect_match(s.get_num_new_matched_tokens("b", 0), hit(8));
+  s.update_state_after_alloc("b", Table{{11, 12, 13}, {14, 15, 16}}, 8);
+  meta = step(s, {});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  EXPECT_EQ(meta.load_jobs[0].request_id, "b");
+  // the window group loads only the block its 4-token window needs
+  EXPECT_EQ(meta.load_jobs[0].gpu_block_ids, (std::vector<std::int64_t>{11, 12, 15}));
+  report(s, {meta.load_jobs[0].job_id});
+  meta = step(s, {sched("b", {{11, 12, 13}, {14, 15, 16}}, 8, 5)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);  // only its own third block, from its own table
+  expect_job(s, meta.store_jobs[0], true, "b", {13, 16}, {1, 1}, {2, 2},
+             {key("b2", 0), key("b2", 1)});
+  EXPECT_EQ(s.next_store_block("b"), 3);
+  // "a" is gone (a finished id cannot come back under the reused record)
+  EXPECT_EQ(s.num_hashes("a"), 0u);
+}
+
 }  // namespace
 }  // namespace kvoff

@@ -149,6 +149,10 @@ class KeyList {
     bytes_.clear();
     ends_.clear();
   }
+  /// Bytes its buffers hold (capacity, not size).
+  std::size_t capacity_bytes() const noexcept {
+    return bytes_.capacity() + ends_.capacity() * sizeof(std::size_t);
+  }
   /// The keys as separate strings. Throws std::bad_alloc.
   std::vector<std::string> to_strings() const { return {begin(), end()}; }
 

@@ -448,6 +448,17 @@ class OffloadingScheduler {
     }
   };
   std::unordered_map<std::string, Request, IdHash, std::equal_to<>> requests_;
+  // Erased requests' map nodes, kept for the next new requests: the node, its id, hash buffer
+  // and block tables keep their memory, so admitting a request allocates nothing once warm
+  // (engines admit and finish a few requests every step). At most kMaxSpareRequests are kept,
+  // each only if its buffers hold at most kMaxSpareRequestBytes (about 1,500 hashes: a long
+  // context's record is freed), so spares hold at most 16 MiB.
+  std::vector<decltype(requests_)::node_type> spare_requests_;
+  static constexpr std::size_t kMaxSpareRequests = 256;
+  static constexpr std::size_t kMaxSpareRequestBytes = 64 * 1024;
+  /// A new request's record in requests_ (from spare_requests_ when it has one), as a fresh
+  /// Request would be but for its buffers' memory.
+  Request& new_request(std::string_view request_id, std::uint64_t id_hash);
   /// Every request in requests_ by the 64-bit hash of its id (id_hash_of), matched by id: one
   /// or two adjacent cache lines per lookup instead of a bucket, a node and the key. Nodes of
   /// requests_ never move, so the pointers stay valid until the request is erased.
