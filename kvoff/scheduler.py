@@ -348,7 +348,7 @@ class OffloadingScheduler:
         self._requests: dict[str, RequestLike] = {}  # the core reads their new hashes
         # Requests whose last lookup found nothing to load: the core has already settled them
         # as update_state_after_alloc(.., 0) would, so that call is skipped for them (most new
-        # requests; about 1.6 us of binding and core each at 256 running).
+        # requests; the call costs about 1.6 us at 256 running).
         self._settled: dict[str, RequestLike] = {}
         self._tiers: TieredPool | None = None
         self._partial_groups = any(k != "full_attention" for k, _ in group_kinds(spec))

@@ -388,8 +388,8 @@ struct Where {
   }
 };
 
-/// The value of a plain int that fits in one machine word of CPython's representation (below
-/// 2^30 on 3.11, 2^62 on 3.12+: every token count and block id), read inline: the per-request
+/// The value of a plain int that CPython stores as one digit (magnitude below 2^30: every
+/// token count and block id an engine has), read inline: the per-request
 /// columns of a step are read for every running request, and the call into
 /// PyLong_AsLongLongAndOverflow costs about as much as the read. False for anything else
 /// (the caller then takes the checked path).
@@ -706,8 +706,8 @@ class StepColumns {
     for (std::size_t c = 1; c < 3; ++c) {
       const Py_ssize_t m = PySequence_Fast_GET_SIZE(seqs_[part][c].ptr());
       if (m != n) {
-        throw py::value_error(std::string(names[c]) + " has " + std::to_string(m) + " entries but " +
-                              names[0] + " has " + std::to_string(n) +
+        throw py::value_error(std::string(names[c]) + " has " + std::to_string(m) +
+                              " entries but " + names[0] + " has " + std::to_string(n) +
                               "; give one entry per scheduled request");
       }
     }
