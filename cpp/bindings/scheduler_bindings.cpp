@@ -455,43 +455,27 @@ void reject_python_sequence(PyObject* obj, const Where& where) {
   }
 }
 
-std::vector<std::int64_t> to_ints(PyObject* obj, const Where& where) {
+/// A sequence of ints into `out`, reusing its storage (a step's scratch, see StepScratch).
+void to_ints_into(PyObject* obj, const Where& where, std::vector<std::int64_t>& out) {
   reject_python_sequence(obj, where);
   py::object seq = fast_sequence(obj, where, "ints");
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
   PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-  std::vector<std::int64_t> out(static_cast<std::size_t>(n));
+  out.resize(static_cast<std::size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
-    PyObject* item = items[k];
-    if (compact_int(item, out[static_cast<std::size_t>(k)])) continue;
-    int overflow = 0;
-    long long v = 0;
-    if (PyLong_CheckExact(item) &&
-        ((v = PyLong_AsLongLongAndOverflow(item, &overflow)) != -1 || !PyErr_Occurred()) &&
-        overflow == 0) {
-      out[static_cast<std::size_t>(k)] = v;  // the fast path: a plain int
-      continue;
-    }
-    PyErr_Clear();
-    out[static_cast<std::size_t>(k)] = to_int64(item, where.at(k));
+    std::int64_t& v = out[static_cast<std::size_t>(k)];
+    if (!compact_int(items[k], v)) v = to_int64(items[k], where.at(k));
   }
+}
+
+std::vector<std::int64_t> to_ints(PyObject* obj, const Where& where) {
+  std::vector<std::int64_t> out;
+  to_ints_into(obj, where, out);
   return out;
 }
 
-/// Per KV cache group, a list of ints: `obj` is a sequence (one entry per group) of sequences.
-std::vector<std::vector<std::int64_t>> to_int_lists(PyObject* obj, const Where& where) {
-  reject_python_sequence(obj, where);
-  py::object seq = fast_sequence(obj, where, "sequences of ints (one per KV cache group)");
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-  std::vector<std::vector<std::int64_t>> out(static_cast<std::size_t>(n));
-  for (Py_ssize_t g = 0; g < n; ++g) {
-    out[static_cast<std::size_t>(g)] = to_ints(items[g], where.at(g));
-  }
-  return out;
-}
-
-/// to_int_lists into `out`, reusing its vectors' storage (a step's scratch, see StepScratch).
+/// Per KV cache group, a list of ints into `out` (reusing its vectors' storage): `obj` is a
+/// sequence (one entry per group) of sequences.
 void to_int_lists_into(PyObject* obj, const Where& where,
                        std::vector<std::vector<std::int64_t>>& out) {
   reject_python_sequence(obj, where);
@@ -500,22 +484,14 @@ void to_int_lists_into(PyObject* obj, const Where& where,
   PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
   out.resize(static_cast<std::size_t>(n));
   for (Py_ssize_t g = 0; g < n; ++g) {
-    PyObject* group = items[g];
-    auto& ids = out[static_cast<std::size_t>(g)];
-    if (PyList_CheckExact(group) || PyTuple_CheckExact(group)) {
-      // the usual case (vLLM's lists): read in place into the kept storage
-      const Py_ssize_t m = PySequence_Fast_GET_SIZE(group);
-      PyObject** v = PySequence_Fast_ITEMS(group);
-      ids.resize(static_cast<std::size_t>(m));
-      for (Py_ssize_t k = 0; k < m; ++k) {
-        if (!compact_int(v[k], ids[static_cast<std::size_t>(k)])) {
-          ids[static_cast<std::size_t>(k)] = to_int64(v[k], where.at(g).at(k));
-        }
-      }
-    } else {
-      ids = to_ints(group, where.at(g));
-    }
+    to_ints_into(items[g], where.at(g), out[static_cast<std::size_t>(g)]);
   }
+}
+
+std::vector<std::vector<std::int64_t>> to_int_lists(PyObject* obj, const Where& where) {
+  std::vector<std::vector<std::int64_t>> out;
+  to_int_lists_into(obj, where, out);
+  return out;
 }
 
 std::vector<std::vector<std::int64_t>> to_int_lists(py::handle obj, const char* what) {

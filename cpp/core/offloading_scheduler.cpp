@@ -103,6 +103,12 @@ void OffloadingScheduler::set_idle(Request& r, bool idle) {
   r.idle = idle;
 }
 
+void OffloadingScheduler::settle_without_load(Request& r) {
+  r.match.reset();
+  r.gpu_hit_tokens = r.last_computed_tokens;  // its first step's table starts with these
+  set_idle(r, false);
+}
+
 void OffloadingScheduler::set_idle_after_stores(Request& r, std::int64_t tokens_after) {
   // Idle from now on when every offloaded block full after this step is stored (or held) and
   // no load of it is pending: until its next block completes, a step changes nothing.
@@ -314,11 +320,10 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   ++stats_.lookups;
   r.match.reset();
   r.last_computed_tokens = c;
-  // A no-hit answer settles the request as update_state_after_alloc(.., 0) would, so that an
-  // engine may skip that call (see the header).
+  // A no-hit answer settles the request as update_state_after_alloc(.., 0) does (the same
+  // function), so that an engine may skip that call (see the header).
   const auto no_hit = [&]() -> MatchResult {
-    r.gpu_hit_tokens = c;
-    set_idle(r, false);
+    settle_without_load(r);
     return {0, false};
   };
   if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return no_hit();
@@ -546,8 +551,7 @@ void OffloadingScheduler::update_state_after_alloc(
     validate_block_ids(block_ids_per_group, kHook, request_id);
   }
   if (num_external_tokens == 0) {
-    r.match.reset();
-    r.gpu_hit_tokens = r.last_computed_tokens;
+    settle_without_load(r);
     return;
   }
   if (!r.match || num_external_tokens != r.match->end_block * offloaded_block_size_ -

@@ -475,6 +475,10 @@ class OffloadingScheduler {
   std::vector<std::uint64_t> step_hashes_;
   std::vector<char> step_maybe_idle_;
   void set_idle(Request& r, bool idle);
+  /// The request loads nothing now: no match pending, the engine's own hit (its last
+  /// get_num_new_matched_tokens' num_computed_tokens) noted for its next table, not idle.
+  /// What update_state_after_alloc(.., 0) and a no-hit lookup both leave.
+  void settle_without_load(Request& r);
   std::unordered_map<JobId, Job> jobs_;
   // Completed jobs' map nodes, kept for the next ones: a node, its TransferJob's vectors and key
   // buffer keep their memory, so a job costs no allocation once the pool is warm. At most
