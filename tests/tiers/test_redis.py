@@ -225,6 +225,85 @@ def test_close_disconnects_from_every_master(private_redis_cluster: LocalRedisCl
     assert closed[0].contains([key(1)]) == [False]  # and a closed tier misses
 
 
+def test_a_reply_handler_that_raises_leaves_no_reply_for_the_next_call(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replies are checked as they are read, so an exception while checking one (here a
+    fault injected into check_block) leaves the rest of that round trip's replies unread:
+    the connection must be dropped, not handed back to the pool, or the next call on it would
+    take those replies for its own and serve one key's bytes as another's."""
+    import kvoff.tiers.redis_cluster as redis_cluster_module
+
+    keys = [key(i) for i in range(40)]
+    with RedisClusterTier(redis_url, FMT, io_threads=1) as tier:
+        assert tier.put(keys, [block(k) for k in keys]) == [True] * 40
+        real = redis_cluster_module.check_block
+        calls = [0]
+
+        def failing(*args: object, **kw: object) -> object:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected")
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(redis_cluster_module, "check_block", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            tier.get(keys, outs(40))
+        monkeypatch.setattr(redis_cluster_module, "check_block", real)
+        for _ in range(3):  # every pooled connection is used again
+            assert tier.contains(keys[::-1]) == [True] * 40
+            bufs = outs(40)
+            assert tier.get(keys[::-1], bufs) == [True] * 40
+            for k, b in zip(keys[::-1], bufs, strict=True):
+                np.testing.assert_array_equal(b, block(k))
+        assert tier.stats()["corrupted_blocks"] == 0
+
+
+def test_a_moved_slot_is_a_miss_then_the_slot_map_is_reloaded(
+    private_redis_cluster: LocalRedisCluster,
+) -> None:
+    """A slot that moves to another master (resharding, failover) answers MOVED from its old
+    master: that key misses (its write is dropped), nothing raises, and the tier reloads the
+    slot map, after which the key is written to and served by its new master. redis-py strips
+    the code from the message (MovedError("3999 host:port")), so a check of the message's text
+    never sees it; the tier tells redirections apart by type."""
+    from redis.crc import key_slot
+
+    c = private_redis_cluster
+    keys = [key(i) for i in range(12)]
+    tier = RedisClusterTier(c.url, FMT)
+    try:
+        assert tier.put(keys, [block(k) for k in keys]) == [True] * 12
+        k = keys[0]
+        slot = key_slot(tier._rkey(k))
+        old = c.index_of(tier.node_of(k) or "")
+        new = (old + 1) % c.masters
+        assert tier.evict([k]) == 1
+        admin = [c.client(i) for i in range(c.masters)]
+        assert admin[old].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+        new_id = admin[new].execute_command("CLUSTER", "MYID")
+        for a in admin:  # an empty slot handed over on every node
+            a.execute_command("CLUSTER", "SETSLOT", slot, "NODE", new_id)
+        refreshes = tier.stats()["topology_refreshes"]
+        # the tier still routes k to its old master, which answers MOVED: a dropped write
+        assert tier.put([k], [block(k)]) == [False]
+        assert tier.stats()["writes_dropped"] == 1 and tier.stats()["io_errors"] == 0
+        deadline = time.monotonic() + 10
+        while tier.node_of(k) != f"127.0.0.1:{c.ports[new]}" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.node_of(k) == f"127.0.0.1:{c.ports[new]}", "slot map not reloaded"
+        assert tier.stats()["topology_refreshes"] > refreshes
+        assert tier.put([k], [block(k)]) == [True]
+        bufs = outs(12)
+        assert tier.get(keys, bufs) == [True] * 12  # k from its new master, the rest as before
+        for kk, b in zip(keys, bufs, strict=True):
+            np.testing.assert_array_equal(b, block(kk))
+        assert admin[new].exists(f"kvoff:{FP.hex()}:{k.hex()}".encode()) == 1
+        assert tier.stats()["corrupted_blocks"] == 0
+    finally:
+        tier.close()
+
+
 def test_killed_master_mid_replay(private_redis_cluster: LocalRedisCluster) -> None:
     """One master is SIGKILLed while another thread keeps reading and writing: its keys miss
     (or are dropped), the other masters keep serving, nothing raises, nothing corrupt."""
