@@ -70,6 +70,13 @@ _NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 # TRYAGAIN, CLUSTERDOWN. redis-py strips the code from the message ("MOVED 3999 host:port"
 # becomes MovedError("3999 host:port")), so they are told apart by type.
 _REDIRECTIONS = (AskError, TryAgainError, ClusterDownError)
+# A round trip of puts builds its values (header + payload per block) in one buffer that each
+# sending thread keeps between calls (numpy.empty: not zero-filled) and sends them from there.
+# A new bytearray per block was zero-filled, and its pages went back to the allocator and were
+# faulted in again for every block (perf on the 2-core box, 64 KiB blocks: memset and page
+# faults about 15 % of the client's time). The buffer bounds a round trip of puts: at least one
+# block, else at most this many bytes of values.
+PUT_BUFFER_BYTES = 8 << 20
 
 
 class _Read(NamedTuple):
@@ -113,7 +120,8 @@ class RedisClusterTier(SecondaryTier):
         timeout_s: per-node socket connect / read timeout in seconds; a node slower than this
             fails its keys of the call (a miss / a dropped write).
         max_batch: keys per pipeline round trip to one node.
-        max_batch_bytes: value bytes per pipeline round trip (bounds memory; extra).
+        max_batch_bytes: value bytes per round trip (bounds memory; extra). Puts also send at
+            most :data:`PUT_BUFFER_BYTES` of values per round trip (at least one block).
         cooldown_s: seconds a failed node's keys miss at once before it is tried again (extra).
         io_threads: threads serving the nodes of one batch in parallel (extra).
         socket_read_size: bytes read from a node's socket per ``recv`` (redis-py's
@@ -180,6 +188,7 @@ class RedisClusterTier(SecondaryTier):
         self._next_connect = 0.0
         self._closed = False
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-redis")
+        self._local = threading.local()  # each sending thread's put buffer
         self._rc: RedisCluster | None = None
         self._table: tuple[Any, list[ClusterNode | None]] | None = None
         self._client()
@@ -295,13 +304,14 @@ class RedisClusterTier(SecondaryTier):
         self,
         op: str,
         keys: Sequence[bytes],
-        values: Sequence[Any] | Callable[[int], Any] | None = None,
+        fill: Callable[[int, np.ndarray], None] | None = None,
         on_value: Callable[[int, bytes], Any] | None = None,
     ) -> list[Any]:
         """Run ``op`` (get / exists / set / del) for every key; one result per key: the reply,
-        or an Exception instance when the key's node failed or was skipped. ``values`` (set):
-        one value per key, or a function of the key's index that the sending thread calls right
-        before the key's pipeline. ``on_value(i, reply)``, when given, is called for every
+        or an Exception instance when the key's node failed or was skipped. ``fill(i, out)``
+        (set) writes key ``i``'s value into ``out`` (``fmt.object_bytes`` uint8); the sending
+        thread calls it right before the key's round trip, in its own put buffer
+        (:data:`PUT_BUFFER_BYTES`). ``on_value(i, reply)``, when given, is called for every
         bytes reply in the thread that read it (the nodes' threads run it in parallel) and its
         return value is the result instead."""
         results: list[Any] = [None] * len(keys)
@@ -325,39 +335,56 @@ class RedisClusterTier(SecondaryTier):
             groups.setdefault(node.name, (node, []))[1].append(i)
         if skipped:
             self._stats.add(node_skips=skipped)
-        tasks = [(node, idx, op, rkeys, values, results, on_value) for node, idx in groups.values()]
+        tasks = [(node, idx, op, rkeys, fill, results, on_value) for node, idx in groups.values()]
         if len(tasks) == 1:
             self._node_task(*tasks[0])
         elif tasks:
             run_all(self._pool, self._node_task, tasks)  # all finish before any error is raised
         return results
 
-    def _chunks(
-        self, idx: list[int], values: Sequence[Any] | Callable[[int], Any] | None
-    ) -> list[list[int]]:
-        per_key = self.fmt.object_bytes if values is not None else 64
-        step = max(1, min(self.max_batch, self.max_batch_bytes // per_key))
+    def _chunks(self, idx: list[int], op: str) -> list[list[int]]:
+        """``idx`` cut into round trips: at most ``max_batch`` keys, and for puts at most
+        ``max_batch_bytes`` and :data:`PUT_BUFFER_BYTES` of values (at least one key)."""
+        if op == "set":
+            per_key = self.fmt.object_bytes
+            limit = min(self.max_batch_bytes, PUT_BUFFER_BYTES)
+        else:
+            per_key, limit = 64, self.max_batch_bytes
+        step = max(1, min(self.max_batch, limit // per_key))
         return [idx[i : i + step] for i in range(0, len(idx), step)]
+
+    def _put_buffer(self) -> np.ndarray:
+        """This thread's buffer for a round trip's values (made on its first put)."""
+        buf: np.ndarray | None = getattr(self._local, "put_buffer", None)
+        if buf is None:
+            buf = np.empty(max(PUT_BUFFER_BYTES, self.fmt.object_bytes), np.uint8)
+            self._local.put_buffer = buf
+        return buf
 
     def _commands(
         self,
         op: str,
         chunk: list[int],
         rkeys: list[bytes],
-        values: Sequence[Any] | Callable[[int], Any] | None,
+        fill: Callable[[int, np.ndarray], None] | None,
     ) -> list[tuple[Any, ...]]:
-        """The commands of one round trip, one per key of ``chunk``."""
+        """The commands of one round trip, one per key of ``chunk`` (puts: their values built
+        in this thread's put buffer, which must not be written again before they are sent)."""
         if op == "get":
             return [("GET", rkeys[i]) for i in chunk]
         if op == "exists":
             return [("EXISTS", rkeys[i]) for i in chunk]
         if op == "del":
             return [("DEL", rkeys[i]) for i in chunk]
-        assert op == "set" and values is not None
+        assert op == "set" and fill is not None
         ttl = () if self.ttl_ms is None else ("PX", self.ttl_ms)
-        return [
-            ("SET", rkeys[i], values(i) if callable(values) else values[i], *ttl) for i in chunk
-        ]
+        buf, size = self._put_buffer(), self.fmt.object_bytes
+        commands = []
+        for n, i in enumerate(chunk):
+            value = buf[n * size : (n + 1) * size]
+            fill(i, value)
+            commands.append(("SET", rkeys[i], memoryview(value), *ttl))
+        return commands
 
     def _node_task(
         self,
@@ -365,7 +392,7 @@ class RedisClusterTier(SecondaryTier):
         idx: list[int],
         op: str,
         rkeys: list[bytes],
-        values: Sequence[Any] | Callable[[int], Any] | None,
+        fill: Callable[[int, np.ndarray], None] | None,
         results: list[Any],
         on_value: Callable[[int, bytes], Any] | None,
     ) -> None:
@@ -380,7 +407,7 @@ class RedisClusterTier(SecondaryTier):
         the slot map. A connection that fails or raises mid-reply is disconnected before it
         goes back to the pool, so no later call reads this call's replies."""
         client = node.redis_connection
-        chunks = self._chunks(idx, values)
+        chunks = self._chunks(idx, op)
         for n, chunk in enumerate(chunks):
             conn = None
             try:
@@ -391,7 +418,7 @@ class RedisClusterTier(SecondaryTier):
                 redirected = False
                 try:
                     conn.send_packed_command(
-                        conn.pack_commands(self._commands(op, chunk, rkeys, values))
+                        conn.pack_commands(self._commands(op, chunk, rkeys, fill))
                     )
                     for i in chunk:
                         try:
@@ -497,8 +524,8 @@ class RedisClusterTier(SecondaryTier):
         failed / slow nodes and rejected writes (e.g. OOM without an eviction policy).
 
         Each value (header, then a copy of the payload) is made by the node thread that sends
-        it, right before its pipeline: the nodes' threads encode in parallel, and a batch never
-        holds more than one pipeline's values per node."""
+        it, right before its round trip, in that thread's put buffer (:data:`PUT_BUFFER_BYTES`):
+        the nodes' threads encode in parallel, and no value is allocated per block."""
         check_batch(keys, payloads, "payloads")
         views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
         if self._closed:
@@ -506,17 +533,15 @@ class RedisClusterTier(SecondaryTier):
             return [False] * len(keys)
         fmt = self.fmt
 
-        def value_of(i: int) -> memoryview:
-            # made by the thread that sends it, right before its pipeline (node threads run in
-            # parallel; numpy.copyto and xxHash of a whole block run without the GIL)
-            buf = bytearray(fmt.object_bytes)
-            buf[:HEADER_BYTES] = encode_header(fmt, bytes(keys[i]), views[i], stamp=time.time_ns())
-            np.copyto(np.frombuffer(buf, np.uint8, fmt.payload_bytes, HEADER_BYTES),
-                      np.frombuffer(views[i], np.uint8))  # fmt: skip
-            return memoryview(buf)
+        def fill(i: int, out: np.ndarray) -> None:
+            # run by the thread that sends it, right before its round trip (node threads run
+            # in parallel; numpy.copyto and xxHash of a whole block run without the GIL)
+            header = encode_header(fmt, bytes(keys[i]), views[i], stamp=time.time_ns())
+            out[:HEADER_BYTES] = np.frombuffer(header, np.uint8)
+            np.copyto(out[HEADER_BYTES:], np.frombuffer(views[i], np.uint8))
 
         t0 = time.perf_counter()
-        stored = [r in (b"OK", "OK") for r in self._run("set", keys, value_of)]
+        stored = [r in (b"OK", "OK") for r in self._run("set", keys, fill)]
         n = sum(stored)
         self._stats.add(
             blocks_written=n,

@@ -125,6 +125,39 @@ def test_values_are_made_and_checked_in_the_node_threads(
         RedisClusterTier(redis_url, FMT, socket_read_size=1000)
 
 
+def test_puts_are_built_in_a_kept_buffer_and_sent_in_bounded_round_trips(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put's values are built in the sending thread's put buffer (one per thread, kept
+    between calls, no allocation per block) and a round trip sends at most PUT_BUFFER_BYTES of
+    them, so the buffer is rewritten only after its values went out: many round trips per
+    master still read back byte-exact, in several calls."""
+    import kvoff.tiers.redis_cluster as redis_cluster_module
+    from kvoff.tiers.redis_cluster import _SendFromBuffer
+
+    monkeypatch.setattr(redis_cluster_module, "PUT_BUFFER_BYTES", 3 * FMT.object_bytes + 7)
+    sends: list[int] = []
+    real_send = _SendFromBuffer.send_packed_command
+
+    def counting(self: _SendFromBuffer, command: object, check_health: bool = True) -> None:
+        sends.append(1)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(_SendFromBuffer, "send_packed_command", counting)
+    keys = [key(i) for i in range(60)]
+    with RedisClusterTier(redis_url, FMT) as tier:
+        for part in (keys[:45], keys[45:]):
+            assert tier.put(part, [block(k) for k in part]) == [True] * len(part)
+        assert len(sends) >= 60 // 3  # at most 3 values per round trip
+        assert tier._put_buffer() is tier._put_buffer()  # kept, not made per call
+        assert tier._put_buffer().nbytes == 3 * FMT.object_bytes + 7
+        bufs = outs(60)
+        assert tier.get(keys, bufs) == [True] * 60
+        for k, b in zip(keys, bufs, strict=True):
+            np.testing.assert_array_equal(b, block(k))
+        assert tier.stats()["corrupted_blocks"] == 0
+
+
 def test_small_batches_and_ttl(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
     keys = [key(i) for i in range(20)]
     with RedisClusterTier(redis_url, FMT, ttl_s=30, max_batch=3, namespace="t") as tier:
