@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -77,14 +77,15 @@ _REDIRECTIONS = (AskError, TryAgainError, ClusterDownError)
 # faults about 15 % of the client's time). The buffer bounds a round trip of puts: at least one
 # block, else at most this many bytes of values.
 PUT_BUFFER_BYTES = 8 << 20
-_KEY_COMMANDS = {"get": "GET", "exists": "EXISTS", "del": "DEL"}  # ops with no value
+_KEY_COMMANDS = {"get": b"GET", "exists": b"EXISTS", "del": b"DEL"}  # ops with no value
 
 
 class _Read(NamedTuple):
-    """One GET reply after verification: the :func:`check_block` reason (None: valid, copied
-    into the caller's buffer) and the reply's length in bytes."""
+    """A GET reply that failed verification: the :func:`check_block` reason and the reply's
+    length in bytes. (A valid reply's result is just its length, an int: no container object
+    per block, see :meth:`RedisClusterTier.get`.)"""
 
-    reason: str | None
+    reason: str
     nbytes: int
 
 
@@ -127,9 +128,12 @@ class RedisClusterTier(SecondaryTier):
         io_threads: threads serving the nodes of one batch in parallel (extra).
         socket_read_size: bytes read from a node's socket per ``recv`` (redis-py's
             ``socket_read_size``, whose default is 64 KiB); each connection holds one buffer
-            of this size. On the 2-core box (2026-11-25, one scratch run of the tier's gets
-            alternating settings) 1 MiB read 2 MiB blocks at 0.93-0.98 GB/s against 0.83-0.91
-            with 64 KiB, and made no difference at 64 KiB blocks.
+            of this size. hiredis appends each read to its own buffer and, after every reply
+            it returns, moves the unread rest of that buffer to its front, so a read of R bytes
+            holding replies of S < R bytes moves about R^2 / (2 S) bytes: 8 times the payload
+            for 64 KiB blocks read 1 MiB at a time. 256 KiB is the default from an A/B on the
+            2-core box (2026-11-27, README "Beyond RAM"): against 1 MiB, gets of 64 KiB blocks
+            1.26x faster, 512 KiB and 2 MiB blocks no slower.
 
     Raises:
         ValueError: bad URL, namespace, ttl_s, timeout_s, max_batch, io_threads, cooldown_s
@@ -151,7 +155,7 @@ class RedisClusterTier(SecondaryTier):
         max_batch_bytes: int = 64 << 20,
         cooldown_s: float = 1.0,
         io_threads: int = 4,
-        socket_read_size: int = 1 << 20,
+        socket_read_size: int = 256 << 10,
     ) -> None:
         if not isinstance(fmt, BlockFormat):
             raise ValueError(f"fmt must be a kvoff.tiers.BlockFormat, got {fmt!r}")
@@ -170,7 +174,7 @@ class RedisClusterTier(SecondaryTier):
             raise ValueError(f"io_threads={io_threads} must be >= 1, cooldown_s >= 0")
         if not isinstance(socket_read_size, int) or socket_read_size < 4096:
             raise ValueError(
-                f"socket_read_size={socket_read_size!r} must be an int >= 4096 bytes (e.g. 1 MiB)"
+                f"socket_read_size={socket_read_size!r} must be an int >= 4096 bytes (e.g. 256 KiB)"
             )
         self.fmt = fmt
         self.url = url
@@ -368,21 +372,23 @@ class RedisClusterTier(SecondaryTier):
         chunk: list[int],
         rkeys: list[bytes],
         fill: Callable[[int, np.ndarray], None] | None,
-    ) -> list[tuple[Any, ...]]:
-        """The commands of one round trip, one per key of ``chunk`` (puts: their values built
-        in this thread's put buffer, which must not be written again before they are sent)."""
+    ) -> Iterator[tuple[Any, ...]]:
+        """The commands of one round trip, one per key of ``chunk``, made one at a time as
+        ``pack_commands`` packs them (a command tuple lives only until it is packed; command
+        names are bytes, which redis-py's packer takes as they are). Puts build their values in
+        this thread's put buffer, which must not be written again before they are sent."""
         if op != "set":
             name = _KEY_COMMANDS[op]
-            return [(name, rkeys[i]) for i in chunk]
+            for i in chunk:
+                yield (name, rkeys[i])
+            return
         assert fill is not None
-        ttl = () if self.ttl_ms is None else ("PX", self.ttl_ms)
+        ttl = () if self.ttl_ms is None else (b"PX", self.ttl_ms)
         buf, size = self._put_buffer(), self.fmt.object_bytes
-        commands = []
         for n, i in enumerate(chunk):
             value = buf[n * size : (n + 1) * size]
             fill(i, value)
-            commands.append(("SET", rkeys[i], memoryview(value), *ttl))
-        return commands
+            yield (b"SET", rkeys[i], memoryview(value), *ttl)
 
     def _node_task(
         self,
@@ -475,15 +481,16 @@ class RedisClusterTier(SecondaryTier):
             return [False] * len(keys)
         fmt = self.fmt
 
-        def verify_and_copy(i: int, reply: bytes) -> _Read:
+        def verify_and_copy(i: int, reply: bytes) -> int | _Read:
             value = memoryview(reply)
             reason = check_block(fmt, bytes(keys[i]), value[:HEADER_BYTES], value[HEADER_BYTES:])
-            if reason is None:
-                np.copyto(
-                    np.frombuffer(views[i], np.uint8),
-                    np.frombuffer(reply, np.uint8, fmt.payload_bytes, HEADER_BYTES),
-                )
-            return _Read(reason, len(reply))
+            if reason is not None:
+                return _Read(reason, len(reply))
+            np.copyto(
+                np.frombuffer(views[i], np.uint8),
+                np.frombuffer(reply, np.uint8, fmt.payload_bytes, HEADER_BYTES),
+            )
+            return len(reply)
 
         t0 = time.perf_counter()
         results = self._run("get", keys, on_value=verify_and_copy)
@@ -492,17 +499,18 @@ class RedisClusterTier(SecondaryTier):
         counts = {"corrupted_blocks": 0, "fingerprint_mismatches": 0}
         read = nbytes = 0
         for i, r in enumerate(results):
-            if not isinstance(r, _Read):
-                continue  # a miss (None), or the node's error
-            read += 1
-            nbytes += r.nbytes
-            if r.reason is None:
+            if type(r) is int:  # verified and copied
+                read += 1
+                nbytes += r
                 served[i] = True
-            else:
+            elif isinstance(r, _Read):
+                read += 1
+                nbytes += r.nbytes
                 counts[
                     "fingerprint_mismatches" if r.reason == "fingerprint" else "corrupted_blocks"
                 ] += 1
                 bad.append(bytes(keys[i]))
+            # else a miss (None), or the node's error
         if bad:
             self._run("del", bad)
         hits = sum(served)
