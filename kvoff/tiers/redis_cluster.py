@@ -132,8 +132,9 @@ class RedisClusterTier(SecondaryTier):
             it returns, moves the unread rest of that buffer to its front, so a read of R bytes
             holding replies of S < R bytes moves about R^2 / (2 S) bytes: 8 times the payload
             for 64 KiB blocks read 1 MiB at a time. 256 KiB is the default from an A/B on the
-            2-core box (2026-11-27, README "Beyond RAM"): against 1 MiB, gets of 64 KiB blocks
-            1.26x faster, 512 KiB and 2 MiB blocks no slower.
+            2-core box (.ci/results/ab-redis-read-size-2026-11-27.json, README "Beyond RAM"):
+            against 1 MiB reads, gets 1.15x / 1.09x / 1.06x faster at 64 KiB / 512 KiB / 2 MiB
+            blocks (medians of 6 per-round ratios).
 
     Raises:
         ValueError: bad URL, namespace, ttl_s, timeout_s, max_batch, io_threads, cooldown_s
