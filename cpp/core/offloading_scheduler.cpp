@@ -78,6 +78,7 @@ OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
       store_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       load_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0) {
   jobs_.reserve(1024);  // jobs in flight: rehashing while a step adds jobs costs more than this
+  spare_requests_.reserve(kMaxSpareRequests);
 }
 
 OffloadingScheduler::~OffloadingScheduler() = default;
@@ -1136,43 +1137,51 @@ void OffloadingScheduler::release(Request& r) {
 
 OffloadingScheduler::Request& OffloadingScheduler::new_request(std::string_view request_id,
                                                                std::uint64_t id_hash) {
+  live_requests_.reserve(live_requests_.size() + 1);  // first: a bad_alloc changes nothing
+  std::unique_ptr<Request> r;
   if (spare_requests_.empty()) {
-    Request& r = requests_[std::string(request_id)];
-    r.id = std::string(request_id);
-    r.id_hash = id_hash;
-    r.table.resize(config_.groups.size());
-    return r;
+    r = std::make_unique<Request>();
+    r->id.assign(request_id);
+    r->table.resize(config_.groups.size());
+  } else {
+    // Every field as a fresh Request has it (a field added later is reset too); only the
+    // buffers move over, emptied. Nothing here allocates: the id fits the buffer it had or
+    // is assigned before the spare is taken.
+    Request& old = *spare_requests_.back();
+    old.id.assign(request_id);
+    Request fresh;
+    fresh.id = std::move(old.id);
+    fresh.hashes = std::move(old.hashes);
+    fresh.hashes.clear();
+    fresh.table = std::move(old.table);
+    fresh.table.resize(config_.groups.size());
+    for (auto& t : fresh.table) t.clear();
+    fresh.unemitted_loads = std::move(old.unemitted_loads);
+    fresh.unemitted_loads.clear();
+    old = std::move(fresh);
+    r = std::move(spare_requests_.back());
+    spare_requests_.pop_back();
   }
-  auto node = std::move(spare_requests_.back());
-  spare_requests_.pop_back();
-  node.key().assign(request_id);
-  Request& old = node.mapped();
-  // Every field as a fresh Request has it (a field added later is reset too); only the
-  // buffers move over, emptied.
-  Request fresh;
-  fresh.id = std::move(old.id);
-  fresh.id.assign(request_id);
-  fresh.hashes = std::move(old.hashes);
-  fresh.hashes.clear();
-  fresh.table = std::move(old.table);
-  fresh.table.resize(config_.groups.size());
-  for (auto& t : fresh.table) t.clear();
-  fresh.unemitted_loads = std::move(old.unemitted_loads);
-  fresh.unemitted_loads.clear();
-  fresh.id_hash = id_hash;
-  old = std::move(fresh);
-  return requests_.insert(std::move(node)).position->second;
+  r->id_hash = id_hash;
+  r->slot = live_requests_.size();
+  live_requests_.push_back(std::move(r));  // reserved: no throw
+  return *live_requests_.back();
 }
 
 void OffloadingScheduler::erase_request(Request& r) {
   request_index_.erase(r.id_hash, [&r](const Request* x) { return x == &r; });
-  auto node = requests_.extract(requests_.find(r.id));
-  const Request& kept = node.mapped();
-  std::size_t bytes = kept.id.capacity() + kept.hashes.capacity_bytes() +
-                      kept.unemitted_loads.capacity() * sizeof(JobId);
-  for (const auto& t : kept.table) bytes += t.capacity() * sizeof(TableEntry);
+  const std::size_t slot = r.slot;
+  std::unique_ptr<Request> kept = std::move(live_requests_[slot]);
+  if (slot + 1 != live_requests_.size()) {
+    live_requests_[slot] = std::move(live_requests_.back());
+    live_requests_[slot]->slot = slot;
+  }
+  live_requests_.pop_back();
+  std::size_t bytes = kept->id.capacity() + kept->hashes.capacity_bytes() +
+                      kept->unemitted_loads.capacity() * sizeof(JobId);
+  for (const auto& t : kept->table) bytes += t.capacity() * sizeof(TableEntry);
   if (spare_requests_.size() < kMaxSpareRequests && bytes <= kMaxSpareRequestBytes) {
-    spare_requests_.push_back(std::move(node));  // else freed here
+    spare_requests_.push_back(std::move(kept));  // reserved: no throw; else freed here
   }
 }
 

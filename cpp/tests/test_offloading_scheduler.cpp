@@ -1461,5 +1461,37 @@ TEST(OffloadingSchedulerRequests, ReusedRecordsCarryNothingOver) {
   EXPECT_EQ(s.num_hashes("a"), 0u);
 }
 
+// Records are owned in a vector and an erase moves the last one into the hole: finishing the
+// first, a middle and the last request must leave every other request whole and findable, and
+// new requests (on spare records) must not disturb them either.
+TEST(OffloadingSchedulerRequests, FinishingAnyRequestLeavesTheOthersIntact) {
+  OffloadingScheduler s(make_config({Full()}, 4));
+  auto hashes = [](const std::string& id, std::size_t n) {
+    std::vector<std::string> h;
+    for (std::size_t j = 0; j < n; ++j) h.push_back(id + "." + std::to_string(j));
+    return h;
+  };
+  for (std::size_t i = 0; i < 10; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    add(s, id, hashes(id, i + 1), static_cast<std::int64_t>(4 * (i + 1) + 1));
+  }
+  ASSERT_EQ(s.num_requests(), 10u);
+  for (const char* id : {"r0", "r5", "r9"}) EXPECT_FALSE(s.request_finished(id));
+  EXPECT_EQ(s.num_requests(), 7u);
+  add(s, "n", hashes("n", 2), 9);  // takes a spare record
+  EXPECT_EQ(s.num_requests(), 8u);
+  for (std::size_t i = 0; i < 10; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    const bool gone = i == 0 || i == 5 || i == 9;
+    EXPECT_EQ(s.num_hashes(id), gone ? 0u : i + 1) << id;
+  }
+  EXPECT_EQ(s.num_hashes("n"), 2u);
+  for (std::size_t i = 0; i < 10; ++i) s.request_finished("r" + std::to_string(i));
+  EXPECT_EQ(s.num_requests(), 1u);
+  EXPECT_EQ(s.num_hashes("n"), 2u);
+  EXPECT_FALSE(s.request_finished("n"));
+  EXPECT_EQ(s.num_requests(), 0u);
+}
+
 }  // namespace
 }  // namespace kvoff

@@ -311,7 +311,7 @@ class OffloadingScheduler {
   const SchedulerConfig& config() const noexcept { return config_; }
   const SchedulerStats& stats() const noexcept { return stats_; }
   /// Requests the scheduler currently tracks.
-  std::size_t num_requests() const noexcept { return requests_.size(); }
+  std::size_t num_requests() const noexcept { return live_requests_.size(); }
   /// Requests that are idle: a step that gives them no new block and completes none of their
   /// offloaded blocks changes nothing, so build_connector_meta skips them without a lookup.
   /// A request is idle after a step that stored (or found held) every offloaded block full
@@ -354,6 +354,7 @@ class OffloadingScheduler {
     bool finished = false;
     bool idle = false;              // in idle_ (id_hash)
     std::uint64_t id_hash = 0;      // id_hash_of(id)
+    std::size_t slot = 0;           // its index in live_requests_
   };
   struct Job {
     TransferJob job;
@@ -372,7 +373,7 @@ class OffloadingScheduler {
     KeyList keys;
   };
 
-  /// Removes a request from requests_ and request_index_ (its jobs must be done).
+  /// Removes a request from live_requests_ and request_index_ (its jobs must be done).
   void erase_request(Request& r);
   Request* find(std::string_view request_id) noexcept;
   const Request* find(std::string_view request_id) const noexcept;
@@ -440,28 +441,28 @@ class OffloadingScheduler {
   std::int64_t hashes_per_block_;  // hash blocks per offloaded block
   bool any_partial_group_;         // a sliding-window or Mamba group exists
   CPUOffloadingManager manager_;
-  /// Hashes std::string and std::string_view alike, so lookups by a view allocate nothing.
-  struct IdHash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view id) const noexcept {
-      return std::hash<std::string_view>{}(id);
-    }
-  };
-  std::unordered_map<std::string, Request, IdHash, std::equal_to<>> requests_;
-  // Erased requests' map nodes, kept for the next new requests: the node, its id, hash buffer
+  /// Every live request's record, owned here; Request::slot is its index (an erase moves the
+  /// last record's pointer into the hole). Records never move, so request_index_ and jobs keep
+  /// pointers to them. No map by id string: request_index_ finds a record, and finishing a
+  /// request needs no lookup beyond it (a std::unordered_map<std::string, ...> rehashed the
+  /// ids of its bucket's nodes at every insert and erase).
+  std::vector<std::unique_ptr<Request>> live_requests_;
+  // Erased requests' records, kept for the next new requests: the record, its id, hash buffer
   // and block tables keep their memory, so admitting a request allocates nothing once warm
-  // (engines admit and finish a few requests every step). At most kMaxSpareRequests are kept,
-  // each only if its buffers hold at most kMaxSpareRequestBytes (about 1,500 hashes: a long
-  // context's record is freed), so spares hold at most 16 MiB.
-  std::vector<decltype(requests_)::node_type> spare_requests_;
+  // (engines admit and finish a few requests every step). At most kMaxSpareRequests are kept
+  // (reserved up front: keeping one never allocates), each only if its buffers hold at most
+  // kMaxSpareRequestBytes (about 1,500 hashes: a long context's record is freed), so spares
+  // hold at most 16 MiB.
+  std::vector<std::unique_ptr<Request>> spare_requests_;
   static constexpr std::size_t kMaxSpareRequests = 256;
   static constexpr std::size_t kMaxSpareRequestBytes = 64 * 1024;
-  /// A new request's record in requests_ (from spare_requests_ when it has one), as a fresh
-  /// Request would be but for its buffers' memory.
+  /// A new request's record in live_requests_ (from spare_requests_ when it has one), as a
+  /// fresh Request would be but for its buffers' memory. Strong guarantee: on bad_alloc nothing
+  /// changed.
   Request& new_request(std::string_view request_id, std::uint64_t id_hash);
-  /// Every request in requests_ by the 64-bit hash of its id (id_hash_of), matched by id: one
-  /// or two adjacent cache lines per lookup instead of a bucket, a node and the key. Nodes of
-  /// requests_ never move, so the pointers stay valid until the request is erased.
+  /// Every request in live_requests_ by the 64-bit hash of its id (id_hash_of), matched by id:
+  /// one or two adjacent cache lines per lookup. The pointers stay valid until the request is
+  /// erased.
   detail::FlatHashTable<Request*> request_index_;
   /// Requests that need nothing in a step unless they get new blocks or complete an offloaded
   /// block ("idle"): their ids' 64-bit hashes, with the last build_connector_meta call that
