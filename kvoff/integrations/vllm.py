@@ -806,9 +806,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def scheduler(self) -> OffloadingScheduler:
-        """kvoff's scheduler (scheduler role only). The hooks read ``_scheduler`` itself and
-        come here only when it is missing, for the error: a property is one more Python call per
-        hook, about a microsecond each with the caches as the engine's own work leaves them.
+        """kvoff's scheduler (scheduler role only).
 
         Raises:
             RuntimeError: in the worker role.
@@ -851,10 +849,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         """
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
-        s = self._scheduler
-        if s is None:
-            s = self.scheduler  # raises: the scheduler role only
-        return s.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -869,10 +864,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         table: Sequence[Sequence[int]] = ()  # nothing to load (the usual case): no table
         if num_external_tokens:
             table = blocks.get_block_ids(allow_none=True) or ((),) * self._groups
-        s = self._scheduler
-        if s is None:
-            s = self.scheduler  # raises: the scheduler role only
-        s.update_state_after_alloc(request, table, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, table, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvoffConnectorMetadata:
         """One step's loads, stores and fences (:class:`KvoffConnectorMetadata`)."""
@@ -891,10 +883,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                 [r.num_computed_tokens for r in new],
             )
         copies = out.kv_cache_block_copies
-        s = self._scheduler
-        if s is None:
-            s = self.scheduler  # raises: the scheduler role only
-        packed, request_ids, flush = s.build_connector_meta_packed(
+        packed, request_ids, flush = self.scheduler.build_connector_meta_packed(
             cached.req_ids,
             cached.new_block_ids,
             cached.num_computed_tokens,
@@ -920,10 +909,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if not isinstance(meta, KvoffWorkerMetadata):
             raise TypeError(f"expected KvoffWorkerMetadata, got {type(meta).__name__}")
-        s = self._scheduler
-        if s is None:
-            s = self.scheduler  # raises: the scheduler role only
-        s.update_connector_output_counts(meta.reports)
+        self.scheduler.update_connector_output_counts(meta.reports)
         if meta.load_bytes or meta.store_bytes or meta.load_seconds or meta.store_seconds:
             t = self._transfer_totals
             t[0] += meta.load_bytes
@@ -937,20 +923,14 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """The request finished: vLLM may free its blocks now (jobs in flight that still use
         them are flushed when the blocks are reused)."""
-        s = self._scheduler
-        if s is None:
-            s = self.scheduler  # raises: the scheduler role only
-        s.request_finished(request)
+        self.scheduler.request_finished(request)
         return False, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` for hybrid (several KV cache groups) models."""
-        s = self._scheduler
-        if s is None:
-            s = self.scheduler  # raises: the scheduler role only
-        s.request_finished(request)
+        self.scheduler.request_finished(request)
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
