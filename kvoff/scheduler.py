@@ -66,6 +66,11 @@ __all__ = [
     "group_kinds",
 ]
 
+# Collections of request ids the core reads as they are (anything else, e.g. a generator, is
+# copied first, since the ids are read twice); the set gives the usual case in one lookup.
+_ID_COLLECTION_TYPES = (set, frozenset, list, tuple, str, dict)
+_ID_COLLECTIONS = frozenset(_ID_COLLECTION_TYPES)
+
 
 class RequestLike(Protocol):
     """What the scheduler reads from an engine's request object (any object with these)."""
@@ -345,6 +350,10 @@ class OffloadingScheduler:
             num_gpu_blocks=spec.kv_cache_config.num_blocks,
             groups=list(group_kinds(spec)),
         )
+        # The per-step hooks as plain CPython methods of the same core: with the caches as the
+        # engine's own work leaves them, pybind11's dispatcher costs ~10 us more per call (see
+        # README, "Scheduler cost")
+        self._hooks = self._core.fast_hooks()
         self._requests: dict[str, RequestLike] = {}  # the core reads their new hashes
         # Requests whose last lookup found nothing to load: the core has already settled them
         # as update_state_after_alloc(.., 0) would, so that call is skipped for them (most new
@@ -399,7 +408,7 @@ class OffloadingScheduler:
             self._tiers.poll()
         # one core call: the request's new hashes (read in place), then the lookup
         num_computed_tokens = _token_count("num_computed_tokens", num_computed_tokens)
-        n, load = self._core.sync_and_match(request, num_computed_tokens, self._requests)
+        n, load = self._hooks.sync_and_match(request, num_computed_tokens, self._requests)
         if self._tiers is not None and n is not None:
             n, load = self._ask_tiers(request, num_computed_tokens + n, n, load)
         if n == 0:  # the core answered 0 too (the tiers only add to a hit or ask to retry)
@@ -552,7 +561,7 @@ class OffloadingScheduler:
         ):
             return  # the lookup that answered 0 left the request as this call would
         num_external_tokens = _token_count("num_external_tokens", num_external_tokens)
-        self._core.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
+        self._hooks.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
 
     def build_connector_meta(self, step: SchedulerStep) -> ConnectorMetadata:
         """Ends a scheduling step: load jobs, store jobs and fences for the workers.
@@ -691,11 +700,25 @@ class OffloadingScheduler:
             As :meth:`build_connector_meta_columns`; TypeError: ``tail`` is not None or a
             tuple of three sequences; ValueError: its columns differ in length.
         """
-        columns = (request_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens)
-        return self._build_step(
-            columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
-            rewritten_block_ids, with_keys=False, packed=True, tail=tail,
+        # _build_step's body, inline: this is the engine's per-step call, and a Python frame
+        # costs a few microseconds with the caches as the engine's own work leaves them
+        if finished_request_ids.__class__ not in _ID_COLLECTIONS and not isinstance(
+            finished_request_ids, _ID_COLLECTION_TYPES
+        ):
+            finished_request_ids = tuple(finished_request_ids)  # read twice: not a one-shot
+        if self._tiers is not None:
+            self._tiers.poll()  # promotions read by now become L1 blocks
+        out = self._hooks.build_connector_meta(
+            request_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens,
+            resumed_request_ids, finished_request_ids, preempted_request_ids,
+            rewritten_block_ids, self._requests, False, True, tail,
         )  # fmt: skip
+        if finished_request_ids:
+            requests, settled = self._requests, self._settled
+            for rid in finished_request_ids:
+                requests.pop(rid, None)
+                settled.pop(rid, None)
+        return out
 
     def _build_step(
         self,
@@ -711,11 +734,13 @@ class OffloadingScheduler:
     ) -> tuple:
         """The one core call behind the build_connector_meta_* methods (``packed``: jobs in one
         bytes object, else tuples), then the finished requests' objects are let go."""
-        if not isinstance(finished_request_ids, (set, frozenset, list, tuple, str, dict)):
+        if finished_request_ids.__class__ not in _ID_COLLECTIONS and not isinstance(
+            finished_request_ids, _ID_COLLECTION_TYPES
+        ):
             finished_request_ids = tuple(finished_request_ids)  # read twice: not a one-shot
         if self._tiers is not None:
             self._tiers.poll()  # promotions read by now become L1 blocks
-        out = self._core.build_connector_meta(
+        out = self._hooks.build_connector_meta(
             *columns, resumed_request_ids, finished_request_ids, preempted_request_ids,
             rewritten_block_ids, self._requests, with_keys, packed, tail,
         )  # fmt: skip
@@ -835,7 +860,7 @@ class OffloadingScheduler:
                 everything :meth:`update_connector_output` raises (nothing is changed).
         """
         if counts:
-            self._core.update_connector_output_counts(counts)
+            self._hooks.update_connector_output_counts(counts)
 
     def request_finished(self, request: RequestLike | str) -> bool:
         """The request finished or was aborted (queued or running).
@@ -862,12 +887,12 @@ class OffloadingScheduler:
                 )
         self._requests.pop(rid, None)
         self._settled.pop(rid, None)
-        return self._core.request_finished(rid)
+        return self._hooks.request_finished(rid)
 
     def take_events(self) -> list[OffloadingEvent]:
         """``BlockStored`` / ``BlockRemoved`` events (medium ``"CPU"``) since the last call;
         always empty unless ``enable_events``."""
-        return self._core.take_events()
+        return self._hooks.take_events()
 
     def reset_cache(self) -> int:
         """Empties the CPU pool of every block no job uses (ready and not pinned by a load),
@@ -900,7 +925,7 @@ class OffloadingScheduler:
             ValueError: a value of ``seen`` that is negative or above the counter now (not
                 from this scheduler).
         """
-        return self._core.counters_delta(seen)
+        return self._hooks.counters_delta(seen)
 
     def offload_key(self, request: RequestLike, block: int, group: int = 0) -> bytes:
         """The offload key of offloaded block ``block`` of ``group`` for ``request``.

@@ -6,6 +6,7 @@ of ids, a huge count allocating gigabytes, an infinite timeout returning at once
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -516,3 +517,66 @@ def test_step_columns_read_inline_give_what_the_checked_path_gives() -> None:
     assert [(j.request_id, j.gpu.block_ids) for j in m2.store_jobs] == [("b", (4,))]
     m3 = s.build_connector_meta_columns(["réq-ü", "b"], [[[2]], None], [7, 8], [1, 3])
     assert [(j.request_id, j.gpu.block_ids) for j in m3.store_jobs] == [("réq-ü", (2,))]
+
+
+def test_fast_hooks_refuse_bad_calls_as_the_pybind11_methods_do() -> None:
+    """The per-step hooks are also plain CPython methods (``_FastHooks``, what
+    ``OffloadingScheduler`` calls). Their argument checks and their translation of C++
+    exceptions are their own code: each error path here is also taken through the pybind11
+    method of the same name, and a refused call changes nothing."""
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+    s = sim.sched
+    fast, core = s._hooks, s._core
+    assert type(fast).__name__ == "_FastHooks"
+    r = Request("x", [b"h1", b"h2"], 9)
+    for hooks in (fast, core):
+        # a C++ std::invalid_argument becomes a ValueError; the request it registered is gone
+        with pytest.raises(ValueError, match="num_computed_tokens 3"):
+            hooks.sync_and_match(r, 3, s._requests)
+        with pytest.raises(ValueError, match="block id 999"):
+            hooks.sync_and_alloc(r, [[1, 999]], 0, s._requests)
+        assert s.stats()["num_requests"] == 0 and s._requests == {}
+        with pytest.raises(TypeError, match="counts must be a dict"):
+            hooks.update_connector_output_counts([(1, 1)])
+        with pytest.raises(ValueError, match="reports more ranks than world_size"):
+            hooks.update_connector_output_counts({0: [5, 0]})
+        with pytest.raises(TypeError, match="seen must be None or a tuple"):
+            hooks.counters_delta([0])
+        with pytest.raises(ValueError, match=r"'x'\): unknown request; pass the request"):
+            hooks.build_connector_meta(
+                ["x"], [None], [0], [1], (), (), (), (), s._requests,
+                False, True, None,
+            )  # fmt: skip
+    # positional arguments only, in the number the method takes; bools are bools
+    with pytest.raises(TypeError, match="sync_and_match takes 3 positional arguments, got 2"):
+        fast.sync_and_match(r, 0)
+    with pytest.raises(TypeError, match="takes no keyword arguments"):
+        fast.sync_and_alloc(r, [], 0, requests=s._requests)
+    with pytest.raises(TypeError, match="with_keys must be a bool, got int"):
+        fast.build_connector_meta((), (), (), (), (), (), (), (), s._requests, 1, True, None)
+    with pytest.raises(TypeError, match="num_computed_tokens must be an int, got float"):
+        fast.sync_and_match(r, 0.0, s._requests)
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        fast.request_finished(5)
+    assert s.stats()["num_requests"] == 0 and s.stats()["lookups"] == 0
+    # an int-like object with __index__ is taken as pybind11 takes it
+    assert fast.sync_and_match(r, np.int64(0), s._requests) == core.sync_and_match(
+        Request("y", [b"h1", b"h2"], 9), 0, s._requests
+    )
+
+
+def test_fast_hooks_keep_their_scheduler_alive_and_cannot_be_made_empty() -> None:
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+    sim.add_request("a", list(range(9)))
+    sim.step()
+    hooks = sim.sched._core.fast_hooks()
+    del sim
+    gc.collect()
+    # the scheduler the hooks hold is the one the engine drove (its counters), still alive
+    delta, _ = hooks.counters_delta(None)
+    assert delta["lookups"] == 1 and delta["store_jobs"] == 1
+    assert isinstance(hooks.request_finished("a"), bool)
+    assert hooks.request_finished("a") is False  # now unknown
+    assert isinstance(hooks.take_events(), list)
+    with pytest.raises(TypeError, match="cannot create"):
+        type(hooks)()

@@ -361,6 +361,10 @@ std::string doc(const char* head, const char* tail = "") {
 // ------------------------------------------------------------------------- scheduler
 // kvoff._scheduler._OffloadingScheduler: the C++ OffloadingScheduler behind the Python facade
 // kvoff.scheduler.OffloadingScheduler (which owns the argument types and their docstrings).
+namespace fast {
+py::object make(py::object owner);
+}  // namespace fast
+
 namespace sched {
 
 /// Names a value for an error message, built only when one is raised: `what`, `what[i]`,
@@ -909,6 +913,140 @@ kvoff::GroupKind to_kind(const std::string& name) {
                         "'; use 'full_attention', 'sliding_window' or 'mamba'");
 }
 
+/// _OffloadingScheduler.sync_and_match: sync_request, then the lookup; `(num_tokens | None,
+/// load_async)`. A request the call registered is forgotten again on an error.
+py::tuple sync_and_match(kvoff::OffloadingScheduler& self, py::handle request,
+                         std::int64_t computed, py::handle requests) {
+  const std::size_t before = self.num_requests();
+  const py::object id = sync_request(self, request, requests);
+  const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
+  kvoff::MatchResult r;
+  try {
+    r = self.get_num_new_matched_tokens(rid, computed);
+  } catch (...) {
+    forget_if_new(self, before, rid, id, requests);
+    throw;
+  }
+  py::object n = r.num_tokens ? py::object(py::int_(*r.num_tokens)) : py::none();
+  return py::make_tuple(n, r.load_async);
+}
+
+/// _OffloadingScheduler.sync_and_alloc: sync_request, then update_state_after_alloc. A
+/// request the call registered is forgotten again on an error.
+void sync_and_alloc(kvoff::OffloadingScheduler& self, py::handle request, py::handle block_ids,
+                    std::int64_t num_external_tokens, py::handle requests) {
+  const auto ids = to_int_lists(block_ids, "block_ids");  // validated before any change
+  const std::size_t before = self.num_requests();
+  const py::object id = sync_request(self, request, requests);
+  const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
+  try {
+    self.update_state_after_alloc(rid, ids, num_external_tokens);
+  } catch (...) {
+    forget_if_new(self, before, rid, id, requests);
+    throw;
+  }
+}
+
+/// _OffloadingScheduler.update_connector_output_counts: `counts` is {job_id: (ranks that
+/// succeeded, ranks that failed)}; every pair is checked before anything is counted.
+void update_connector_output_counts(kvoff::OffloadingScheduler& self, py::handle counts) {
+  // {job_id: (ranks that succeeded, ranks that failed)} -> one report per rank
+  if (!PyDict_Check(counts.ptr())) {
+    throw py::type_error(std::string("counts must be a dict {job_id: (succeeded, "
+                                     "failed)}, got ") +
+                         Py_TYPE(counts.ptr())->tp_name);
+  }
+  std::vector<kvoff::JobReport> reps;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(counts.ptr(), &pos, &key, &value)) {
+    const std::int64_t id = to_int64(key, "job_id");
+    std::array<std::int64_t, 2> pair{-1, -1};
+    if ((PyList_CheckExact(value) && PyList_GET_SIZE(value) == 2) ||
+        (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 2)) {
+      PyObject** two = PySequence_Fast_ITEMS(value);  // the fast path: no copy
+      pair = {to_int64(two[0], "counts[job][0]"), to_int64(two[1], "counts[job][1]")};
+    } else {
+      const auto v = to_ints(value, Where{"counts[job]"});
+      if (v.size() == 2) pair = {v[0], v[1]};
+    }
+    if (id < 0 || pair[0] < 0 || pair[1] < 0) {
+      throw py::value_error(
+          "counts[" + std::to_string(id) +
+          "] must be a job id >= 0 mapped to (succeeded, failed) rank counts >= 0");
+    }
+    // checked before one report per rank is made: a huge count must not allocate
+    const std::int64_t world = self.config().world_size;
+    if (pair[0] > world || pair[1] > world - pair[0]) {
+      throw py::value_error(
+          "counts[" + std::to_string(id) + "] = (" + std::to_string(pair[0]) + ", " +
+          std::to_string(pair[1]) + ") reports more ranks than world_size = " +
+          std::to_string(world) + "; each rank reports a job once. Nothing was "
+          "changed.");
+    }
+    for (std::int64_t k = 0; k < pair[0] + pair[1]; ++k) {
+      reps.push_back(kvoff::JobReport{static_cast<kvoff::JobId>(id), k < pair[0]});
+    }
+  }
+  self.update_connector_output(reps);
+}
+
+/// _OffloadingScheduler.counters_delta: `({name: increase} | None, counters now)`.
+py::tuple counters_delta(const kvoff::OffloadingScheduler& self, py::handle seen) {
+  // (changes since `seen` as {name: increase} or None when nothing moved, counters
+  // now as a tuple); `seen` is an earlier counters() tuple, or None for all zeros
+  constexpr std::size_t n = kCounterNames.size();
+  const auto now = counter_values(self.stats());
+  std::array<std::uint64_t, n> before{};
+  if (!seen.is_none()) {
+    if (!PyTuple_Check(seen.ptr()) ||
+        PyTuple_GET_SIZE(seen.ptr()) != static_cast<Py_ssize_t>(n)) {
+      throw py::type_error("seen must be None or a tuple of " + std::to_string(n) +
+                           " ints from counters()");
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::int64_t v = to_int64(
+          PyTuple_GET_ITEM(seen.ptr(), static_cast<Py_ssize_t>(i)), "seen");
+      if (v < 0 || static_cast<std::uint64_t>(v) > now[i]) {
+        throw py::value_error(
+            std::string("seen[") + std::to_string(i) + "] (" + kCounterNames[i] +
+            ") = " + std::to_string(v) + " is not an earlier value of this "
+            "scheduler's counter (now " + std::to_string(now[i]) +
+            "); pass None or a tuple that counters() or counters_delta() returned");
+      }
+      before[i] = static_cast<std::uint64_t>(v);
+    }
+  }
+  if (now == before) {
+    return py::make_tuple(py::none(), py::reinterpret_borrow<py::object>(seen));
+  }
+  // the names as interned str objects, made once (a stats call per engine step)
+  static const std::array<PyObject*, n> names = [] {
+    std::array<PyObject*, n> out{};
+    for (std::size_t i = 0; i < n; ++i) {
+      out[i] = PyUnicode_InternFromString(kCounterNames[i]);
+      if (out[i] == nullptr) throw py::error_already_set();
+    }
+    return out;
+  }();
+  py::dict delta;
+  py::tuple now_t(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    PyObject* v = PyLong_FromUnsignedLongLong(now[i]);
+    if (v == nullptr) throw py::error_already_set();
+    PyTuple_SET_ITEM(now_t.ptr(), static_cast<Py_ssize_t>(i), v);
+    if (now[i] != before[i]) {
+      py::object d = py::reinterpret_steal<py::object>(
+          PyLong_FromUnsignedLongLong(now[i] - before[i]));
+      if (!d || PyDict_SetItem(delta.ptr(), names[i], d.ptr()) < 0) {
+        throw py::error_already_set();
+      }
+    }
+  }
+  return py::make_tuple(std::move(delta), std::move(now_t));
+}
+
 void bind(py::module_& m) {
   using kvoff::OffloadingScheduler;
   {
@@ -967,37 +1105,11 @@ void bind(py::module_& m) {
           py::arg("request_id"), py::arg("num_computed_tokens"))
       .def(
           "sync_and_match",
-          [](OffloadingScheduler& self, py::handle request, std::int64_t computed,
-             py::handle requests) {
-            const std::size_t before = self.num_requests();
-            const py::object id = sync_request(self, request, requests);
-            const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
-            kvoff::MatchResult r;
-            try {
-              r = self.get_num_new_matched_tokens(rid, computed);
-            } catch (...) {
-              forget_if_new(self, before, rid, id, requests);
-              throw;
-            }
-            py::object n = r.num_tokens ? py::object(py::int_(*r.num_tokens)) : py::none();
-            return py::make_tuple(n, r.load_async);
-          },
+          sync_and_match,
           py::arg("request"), py::arg("num_computed_tokens"), py::arg("requests"))
       .def(
           "sync_and_alloc",
-          [](OffloadingScheduler& self, py::handle request, py::handle block_ids,
-             std::int64_t num_external_tokens, py::handle requests) {
-            const auto ids = to_int_lists(block_ids, "block_ids");  // validated before any change
-            const std::size_t before = self.num_requests();
-            const py::object id = sync_request(self, request, requests);
-            const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
-            try {
-              self.update_state_after_alloc(rid, ids, num_external_tokens);
-            } catch (...) {
-              forget_if_new(self, before, rid, id, requests);
-              throw;
-            }
-          },
+          sync_and_alloc,
           py::arg("request"), py::arg("block_ids"), py::arg("num_external_tokens"),
           py::arg("requests"))
       .def(
@@ -1056,50 +1168,10 @@ void bind(py::module_& m) {
           py::arg("reports"))
       .def(
           "update_connector_output_counts",
-          [](OffloadingScheduler& self, py::handle counts) {
-            // {job_id: (ranks that succeeded, ranks that failed)} -> one report per rank
-            if (!PyDict_Check(counts.ptr())) {
-              throw py::type_error(std::string("counts must be a dict {job_id: (succeeded, "
-                                               "failed)}, got ") +
-                                   Py_TYPE(counts.ptr())->tp_name);
-            }
-            std::vector<kvoff::JobReport> reps;
-            PyObject* key = nullptr;
-            PyObject* value = nullptr;
-            Py_ssize_t pos = 0;
-            while (PyDict_Next(counts.ptr(), &pos, &key, &value)) {
-              const std::int64_t id = to_int64(key, "job_id");
-              std::array<std::int64_t, 2> pair{-1, -1};
-              if ((PyList_CheckExact(value) && PyList_GET_SIZE(value) == 2) ||
-                  (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 2)) {
-                PyObject** two = PySequence_Fast_ITEMS(value);  // the fast path: no copy
-                pair = {to_int64(two[0], "counts[job][0]"), to_int64(two[1], "counts[job][1]")};
-              } else {
-                const auto v = to_ints(value, Where{"counts[job]"});
-                if (v.size() == 2) pair = {v[0], v[1]};
-              }
-              if (id < 0 || pair[0] < 0 || pair[1] < 0) {
-                throw py::value_error(
-                    "counts[" + std::to_string(id) +
-                    "] must be a job id >= 0 mapped to (succeeded, failed) rank counts >= 0");
-              }
-              // checked before one report per rank is made: a huge count must not allocate
-              const std::int64_t world = self.config().world_size;
-              if (pair[0] > world || pair[1] > world - pair[0]) {
-                throw py::value_error(
-                    "counts[" + std::to_string(id) + "] = (" + std::to_string(pair[0]) + ", " +
-                    std::to_string(pair[1]) + ") reports more ranks than world_size = " +
-                    std::to_string(world) + "; each rank reports a job once. Nothing was "
-                    "changed.");
-              }
-              for (std::int64_t k = 0; k < pair[0] + pair[1]; ++k) {
-                reps.push_back(kvoff::JobReport{static_cast<kvoff::JobId>(id), k < pair[0]});
-              }
-            }
-            self.update_connector_output(reps);
-          },
+          update_connector_output_counts,
           py::arg("counts"))
       .def("request_finished", &OffloadingScheduler::request_finished, py::arg("request_id"))
+      .def("fast_hooks", [](py::object self) { return fast::make(std::move(self)); })
       .def("take_events",
            [](OffloadingScheduler& self) { return events_to_py(self.take_events()); })
       .def("reset_cache", &OffloadingScheduler::reset_cache)
@@ -1146,59 +1218,7 @@ void bind(py::module_& m) {
            })
       .def(
           "counters_delta",
-          [](const OffloadingScheduler& self, py::handle seen) -> py::tuple {
-            // (changes since `seen` as {name: increase} or None when nothing moved, counters
-            // now as a tuple); `seen` is an earlier counters() tuple, or None for all zeros
-            constexpr std::size_t n = kCounterNames.size();
-            const auto now = counter_values(self.stats());
-            std::array<std::uint64_t, n> before{};
-            if (!seen.is_none()) {
-              if (!PyTuple_Check(seen.ptr()) ||
-                  PyTuple_GET_SIZE(seen.ptr()) != static_cast<Py_ssize_t>(n)) {
-                throw py::type_error("seen must be None or a tuple of " + std::to_string(n) +
-                                     " ints from counters()");
-              }
-              for (std::size_t i = 0; i < n; ++i) {
-                const std::int64_t v = to_int64(
-                    PyTuple_GET_ITEM(seen.ptr(), static_cast<Py_ssize_t>(i)), "seen");
-                if (v < 0 || static_cast<std::uint64_t>(v) > now[i]) {
-                  throw py::value_error(
-                      std::string("seen[") + std::to_string(i) + "] (" + kCounterNames[i] +
-                      ") = " + std::to_string(v) + " is not an earlier value of this "
-                      "scheduler's counter (now " + std::to_string(now[i]) +
-                      "); pass None or a tuple that counters() or counters_delta() returned");
-                }
-                before[i] = static_cast<std::uint64_t>(v);
-              }
-            }
-            if (now == before) {
-              return py::make_tuple(py::none(), py::reinterpret_borrow<py::object>(seen));
-            }
-            // the names as interned str objects, made once (a stats call per engine step)
-            static const std::array<PyObject*, n> names = [] {
-              std::array<PyObject*, n> out{};
-              for (std::size_t i = 0; i < n; ++i) {
-                out[i] = PyUnicode_InternFromString(kCounterNames[i]);
-                if (out[i] == nullptr) throw py::error_already_set();
-              }
-              return out;
-            }();
-            py::dict delta;
-            py::tuple now_t(n);
-            for (std::size_t i = 0; i < n; ++i) {
-              PyObject* v = PyLong_FromUnsignedLongLong(now[i]);
-              if (v == nullptr) throw py::error_already_set();
-              PyTuple_SET_ITEM(now_t.ptr(), static_cast<Py_ssize_t>(i), v);
-              if (now[i] != before[i]) {
-                py::object d = py::reinterpret_steal<py::object>(
-                    PyLong_FromUnsignedLongLong(now[i] - before[i]));
-                if (!d || PyDict_SetItem(delta.ptr(), names[i], d.ptr()) < 0) {
-                  throw py::error_already_set();
-                }
-              }
-            }
-            return py::make_tuple(std::move(delta), std::move(now_t));
-          },
+          counters_delta,
           py::arg("seen"))
       .def("block_state",
            [](const OffloadingScheduler& self, py::handle key) {
@@ -1224,6 +1244,183 @@ void bind(py::module_& m) {
 }
 
 }  // namespace sched
+
+// ------------------------------------------------------------------ fast hook entry points
+// The engine calls a few scheduler hooks every step, each after its own work has evicted the
+// caches. pybind11's dispatcher then costs more than the hook: with cold caches a no-op
+// pybind11 method takes ~20 us where a CPython builtin takes ~4 us (kvoff bench, 2-core EPYC,
+// .ci/results/pybind-dispatch-cold-2026-11-27.json). These hooks are also plain CPython
+// methods of a small object that holds the scheduler (FastHooks), with the same code and
+// errors as the pybind11 methods of the same names.
+namespace fast {
+
+struct FastHooks {
+  PyObject_HEAD
+  kvoff::OffloadingScheduler* core;  // owned by `owner`
+  PyObject* owner;                   // the _OffloadingScheduler (a strong reference)
+};
+
+PyTypeObject* fast_hooks_type = nullptr;
+
+kvoff::OffloadingScheduler& core_of(PyObject* self) {
+  return *reinterpret_cast<FastHooks*>(self)->core;
+}
+
+/// Runs a hook and turns C++ exceptions into Python ones as pybind11's default translators do
+/// (no custom translator is registered in this module).
+template <typename F>
+PyObject* guarded(F&& f) noexcept {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::domain_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::length_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::out_of_range& e) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } catch (const std::range_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::overflow_error& e) {
+    PyErr_SetString(PyExc_OverflowError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "kvoff: unknown C++ exception");
+  }
+  return nullptr;
+}
+
+/// `nargs` positional arguments, exactly `n` of them (the hooks take no keywords).
+bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t n) {
+  if (nargs == n) return true;
+  PyErr_Format(PyExc_TypeError, "_FastHooks.%s takes %zd positional arguments, got %zd", name,
+               n, nargs);
+  return false;
+}
+
+/// An int argument as pybind11's std::int64_t caster takes it (an int, or an object with
+/// __index__), with kvoff's error naming the argument.
+std::int64_t int_arg(PyObject* obj, const char* what) {
+  if (!PyLong_Check(obj) && !PyBool_Check(obj) && !PyFloat_Check(obj) && PyIndex_Check(obj)) {
+    py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(obj));
+    if (!i) throw py::error_already_set();
+    return sched::to_int64(i.ptr(), what);
+  }
+  return sched::to_int64(obj, what);
+}
+
+bool bool_arg(PyObject* obj, const char* what) {
+  if (obj == Py_True) return true;
+  if (obj == Py_False) return false;
+  throw py::type_error(std::string(what) + " must be a bool, got " + Py_TYPE(obj)->tp_name);
+}
+
+PyObject* sync_and_match(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("sync_and_match", nargs, 3)) return nullptr;
+  return guarded([&] {
+    return sched::sync_and_match(core_of(self), args[0], int_arg(args[1], "num_computed_tokens"),
+                                 args[2])
+        .release()
+        .ptr();
+  });
+}
+
+PyObject* sync_and_alloc(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("sync_and_alloc", nargs, 4)) return nullptr;
+  return guarded([&] {
+    sched::sync_and_alloc(core_of(self), args[0], args[1],
+                          int_arg(args[2], "num_external_tokens"), args[3]);
+    return Py_NewRef(Py_None);
+  });
+}
+
+PyObject* build_connector_meta(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("build_connector_meta", nargs, 12)) return nullptr;
+  return guarded([&] {
+    return sched::build_step(core_of(self), args[0], args[1], args[2], args[3], args[4],
+                             args[5], args[6], args[7], args[8],
+                             bool_arg(args[9], "with_keys"), bool_arg(args[10], "packed"),
+                             args[11])
+        .release()
+        .ptr();
+  });
+}
+
+PyObject* update_connector_output_counts(PyObject* self, PyObject* counts) {
+  return guarded([&] {
+    sched::update_connector_output_counts(core_of(self), counts);
+    return Py_NewRef(Py_None);
+  });
+}
+
+PyObject* counters_delta(PyObject* self, PyObject* seen) {
+  return guarded([&] { return sched::counters_delta(core_of(self), seen).release().ptr(); });
+}
+
+PyObject* take_events(PyObject* self, PyObject* /*unused*/) {
+  return guarded([&] { return events_to_py(core_of(self).take_events()).release().ptr(); });
+}
+
+PyObject* request_finished(PyObject* self, PyObject* arg) {
+  return guarded([&] {
+    const auto rid = sched::id_view(arg, sched::Where{"request_id"});
+    return py::bool_(core_of(self).request_finished(rid)).release().ptr();
+  });
+}
+
+void dealloc(PyObject* self) {
+  PyTypeObject* tp = Py_TYPE(self);
+  Py_CLEAR(reinterpret_cast<FastHooks*>(self)->owner);
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+PyMethodDef methods[] = {
+    {"sync_and_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sync_and_match)),
+     METH_FASTCALL, nullptr},
+    {"sync_and_alloc", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sync_and_alloc)),
+     METH_FASTCALL, nullptr},
+    {"build_connector_meta",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(build_connector_meta)),
+     METH_FASTCALL, nullptr},
+    {"update_connector_output_counts", update_connector_output_counts, METH_O, nullptr},
+    {"counters_delta", counters_delta, METH_O, nullptr},
+    {"take_events", take_events, METH_NOARGS, nullptr},
+    {"request_finished", request_finished, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(dealloc)},
+    {Py_tp_methods, methods},
+    {Py_tp_doc, const_cast<char*>(
+                    "The scheduler's per-step hooks as plain CPython methods (see "
+                    "_OffloadingScheduler.fast_hooks).")},
+    {0, nullptr},
+};
+
+// not instantiable from Python: only make() sets `core`
+PyType_Spec spec = {"kvoff._scheduler._FastHooks", sizeof(FastHooks), 0,
+                    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
+
+py::object make(py::object owner) {
+  auto& core = owner.cast<kvoff::OffloadingScheduler&>();
+  auto* o = PyObject_New(FastHooks, fast_hooks_type);
+  if (o == nullptr) throw py::error_already_set();
+  o->core = &core;
+  o->owner = owner.release().ptr();
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(o));
+}
+
+}  // namespace fast
 
 }  // namespace
 
@@ -1615,6 +1812,10 @@ PYBIND11_MODULE(_scheduler, m) {
                " free=" + std::to_string(self.num_free_blocks()) + ">";
       });
 
+  fast::fast_hooks_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&fast::spec));
+  if (fast::fast_hooks_type == nullptr) throw py::error_already_set();
+  m.attr("_FastHooks") = py::reinterpret_borrow<py::object>(
+      reinterpret_cast<PyObject*>(fast::fast_hooks_type));  // the module keeps one more
   sched::bind(m);  // _OffloadingScheduler
 
   // ===================================================================== test hooks
