@@ -10,7 +10,8 @@ them. Everything on the wire is redis-py: the cluster client (:class:`redis.clus
 discovers the nodes and the slot map (``CLUSTER SLOTS``); the tier routes each key with
 redis-py's ``key_slot`` (CRC16 mod 16384, the Redis Cluster spec) to the master of its slot and
 pipelines each master's commands (``EXISTS`` / ``GET`` / ``SET ... PX`` / ``DEL``, at most
-``max_batch`` keys or ``max_batch_bytes`` of values per round trip) on one of redis-py's pooled
+``max_batch`` keys per round trip, gets and puts ``max_batch_values`` keys or ``max_batch_bytes``
+of values) on one of redis-py's pooled
 connections to that node: redis-py packs and sends them together and parses each reply. The
 masters of one batch are served in parallel from a thread pool.
 
@@ -121,7 +122,15 @@ class RedisClusterTier(SecondaryTier):
         ttl_s: time to live of stored blocks in seconds (None: until Redis evicts them).
         timeout_s: per-node socket connect / read timeout in seconds; a node slower than this
             fails its keys of the call (a miss / a dropped write).
-        max_batch: keys per pipeline round trip to one node.
+        max_batch: keys per pipeline round trip to one node for lookups and deletes.
+        max_batch_values: keys per round trip of gets and puts, whose replies or commands carry
+            whole blocks. 64 is the default from an A/B on a 16-core Xeon (the H200 machine,
+            .ci/results/h200-2026-11-27b/redis_variants.json): with 64 KiB blocks, 64 keys per
+            round trip gave 1.10x the gets and 1.08x the puts of 256 (medians of 6 per-round
+            ratios; 32 keys: 1.01x / 1.07x). Redis builds a pipeline's replies before it sends
+            them, so a shorter round trip lets the client read one while the server builds the
+            next. Serving one node's round trips on several connections at once was slower
+            (0.74x / 0.79x): the client's threads then contend for the GIL.
         max_batch_bytes: value bytes per round trip (bounds memory; extra). Puts also send at
             most :data:`PUT_BUFFER_BYTES` of values per round trip (at least one block).
         cooldown_s: seconds a failed node's keys miss at once before it is tried again (extra).
@@ -153,6 +162,7 @@ class RedisClusterTier(SecondaryTier):
         ttl_s: float | None = None,
         timeout_s: float = 0.25,
         max_batch: int = 256,
+        max_batch_values: int = 64,
         max_batch_bytes: int = 64 << 20,
         cooldown_s: float = 1.0,
         io_threads: int = 4,
@@ -169,6 +179,8 @@ class RedisClusterTier(SecondaryTier):
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds (e.g. 0.25)")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (e.g. 256)")
+        if not isinstance(max_batch_values, int) or max_batch_values < 1:
+            raise ValueError(f"max_batch_values={max_batch_values!r} must be an int >= 1 (e.g. 64)")
         if max_batch_bytes < fmt.object_bytes:
             raise ValueError(f"max_batch_bytes={max_batch_bytes} is below one block object")
         if io_threads < 1 or cooldown_s < 0:
@@ -183,6 +195,7 @@ class RedisClusterTier(SecondaryTier):
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self.timeout_s = float(timeout_s)
         self.max_batch = max_batch
+        self.max_batch_values = max_batch_values
         self.max_batch_bytes = max_batch_bytes
         self.cooldown_s = cooldown_s
         self.socket_read_size = socket_read_size
@@ -349,14 +362,16 @@ class RedisClusterTier(SecondaryTier):
         return results
 
     def _chunks(self, idx: list[int], op: str) -> list[list[int]]:
-        """``idx`` cut into round trips: at most ``max_batch`` keys, and for puts at most
-        ``max_batch_bytes`` and :data:`PUT_BUFFER_BYTES` of values (at least one key)."""
+        """``idx`` cut into round trips: gets and puts at most ``max_batch_values`` keys and
+        ``max_batch_bytes`` of values (puts also :data:`PUT_BUFFER_BYTES`), lookups and deletes
+        at most ``max_batch`` keys; at least one key each."""
         if op == "set":
-            per_key = self.fmt.object_bytes
-            limit = min(self.max_batch_bytes, PUT_BUFFER_BYTES)
+            count, limit = self.max_batch_values, min(self.max_batch_bytes, PUT_BUFFER_BYTES)
+        elif op == "get":
+            count, limit = self.max_batch_values, self.max_batch_bytes
         else:
-            per_key, limit = 64, self.max_batch_bytes
-        step = max(1, min(self.max_batch, limit // per_key))
+            return [idx[i : i + self.max_batch] for i in range(0, len(idx), self.max_batch)]
+        step = max(1, min(count, limit // self.fmt.object_bytes))
         return [idx[i : i + step] for i in range(0, len(idx), step)]
 
     def _put_buffer(self) -> np.ndarray:

@@ -123,6 +123,8 @@ def test_values_are_made_and_checked_in_the_node_threads(
         assert all(t.startswith("kvoff-redis") for t in seen), (name, Counter(seen))
     with pytest.raises(ValueError, match="socket_read_size=1000"):
         RedisClusterTier(redis_url, FMT, socket_read_size=1000)
+    with pytest.raises(ValueError, match="max_batch_values=0"):
+        RedisClusterTier(redis_url, FMT, max_batch_values=0)
 
 
 def test_puts_are_built_in_a_kept_buffer_and_sent_in_bounded_round_trips(
@@ -158,14 +160,43 @@ def test_puts_are_built_in_a_kept_buffer_and_sent_in_bounded_round_trips(
         assert tier.stats()["corrupted_blocks"] == 0
 
 
-def test_small_batches_and_ttl(redis_url: str, redis_cluster: LocalRedisCluster) -> None:
+def test_small_batches_and_ttl(
+    redis_url: str, redis_cluster: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gets and puts go in round trips of at most max_batch_values keys, lookups and deletes
+    of at most max_batch keys (counted per node connection send), and still read back
+    byte-exact."""
+    from kvoff.tiers.redis_cluster import _SendFromBuffer
+
+    sends: list[int] = []
+    real_send = _SendFromBuffer.send_packed_command
+
+    def counting(self: _SendFromBuffer, command: object, check_health: bool = True) -> None:
+        sends.append(1)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(_SendFromBuffer, "send_packed_command", counting)
     keys = [key(i) for i in range(20)]
-    with RedisClusterTier(redis_url, FMT, ttl_s=30, max_batch=3, namespace="t") as tier:
+    with RedisClusterTier(
+        redis_url, FMT, ttl_s=30, max_batch=10, max_batch_values=3, namespace="t"
+    ) as tier:
+        per_node = Counter(tier.node_of(k) for k in keys)
+        values_trips = sum(-(-n // 3) for n in per_node.values())
+        keys_trips = sum(-(-n // 10) for n in per_node.values())
+        assert values_trips > keys_trips  # the two limits are told apart
+        assert all(tier.put(keys, [block(k) for k in keys]))  # connects to every node
+        sends.clear()
         assert all(tier.put(keys, [block(k) for k in keys]))
+        assert len(sends) == values_trips
+        sends.clear()
         bufs = outs(20)
         assert all(tier.get(keys, bufs))
+        assert len(sends) == values_trips
         for k, b in zip(keys, bufs, strict=True):
             np.testing.assert_array_equal(b, block(k))
+        sends.clear()
+        assert all(tier.contains(keys))
+        assert len(sends) == keys_trips
         rkey = f"t:{FP.hex()}:{keys[0].hex()}".encode()
         node = redis_cluster.index_of(tier.node_of(keys[0]) or "")
         assert 0 < redis_cluster.client(node).pttl(rkey) <= 30_000
