@@ -29,6 +29,22 @@ def block(k: bytes, fmt: BlockFormat = FMT) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, fmt.payload_bytes, dtype=np.uint8)
 
 
+def count_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets one item per round trip the tier sends on a node connection (every
+    ``send_packed_command``, connection setup included)."""
+    from kvoff.tiers.redis_cluster import _SendFromBuffer
+
+    sends: list[int] = []
+    real_send = _SendFromBuffer.send_packed_command
+
+    def counting(self: _SendFromBuffer, command: object, check_health: bool = True) -> None:
+        sends.append(1)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(_SendFromBuffer, "send_packed_command", counting)
+    return sends
+
+
 def outs(n: int) -> list[np.ndarray]:
     return [np.zeros(FMT.payload_bytes + 3, np.uint8)[3:] for _ in range(n)]
 
@@ -135,17 +151,9 @@ def test_puts_are_built_in_a_kept_buffer_and_sent_in_bounded_round_trips(
     them, so the buffer is rewritten only after its values went out: many round trips per
     master still read back byte-exact, in several calls."""
     import kvoff.tiers.redis_cluster as redis_cluster_module
-    from kvoff.tiers.redis_cluster import _SendFromBuffer
 
     monkeypatch.setattr(redis_cluster_module, "PUT_BUFFER_BYTES", 3 * FMT.object_bytes + 7)
-    sends: list[int] = []
-    real_send = _SendFromBuffer.send_packed_command
-
-    def counting(self: _SendFromBuffer, command: object, check_health: bool = True) -> None:
-        sends.append(1)
-        real_send(self, command, check_health)
-
-    monkeypatch.setattr(_SendFromBuffer, "send_packed_command", counting)
+    sends = count_sends(monkeypatch)
     keys = [key(i) for i in range(60)]
     with RedisClusterTier(redis_url, FMT) as tier:
         for part in (keys[:45], keys[45:]):
@@ -166,16 +174,7 @@ def test_small_batches_and_ttl(
     """Gets and puts go in round trips of at most max_batch_values keys, lookups and deletes
     of at most max_batch keys (counted per node connection send), and still read back
     byte-exact."""
-    from kvoff.tiers.redis_cluster import _SendFromBuffer
-
-    sends: list[int] = []
-    real_send = _SendFromBuffer.send_packed_command
-
-    def counting(self: _SendFromBuffer, command: object, check_health: bool = True) -> None:
-        sends.append(1)
-        real_send(self, command, check_health)
-
-    monkeypatch.setattr(_SendFromBuffer, "send_packed_command", counting)
+    sends = count_sends(monkeypatch)
     keys = [key(i) for i in range(20)]
     with RedisClusterTier(
         redis_url, FMT, ttl_s=30, max_batch=10, max_batch_values=3, namespace="t"
