@@ -519,6 +519,63 @@ def test_step_columns_read_inline_give_what_the_checked_path_gives() -> None:
     assert [(j.request_id, j.gpu.block_ids) for j in m3.store_jobs] == [("réq-ü", (2,))]
 
 
+def test_a_step_run_inside_another_steps_hash_pull_gets_its_own_scratch() -> None:
+    """A warm step reuses the calling thread's buffers (records, joined columns, hash views). An
+    engine's ``block_hashes`` may be a property (Python code) that steps another scheduler while
+    the first one is mid-step: the inner step must get buffers of its own, and both steps must
+    give exactly the jobs they give one after the other."""
+
+    class LazyRequest:
+        """An engine request whose block_hashes property runs `hook` once when armed."""
+
+        def __init__(self, rid: str, hashes: list[bytes], num_tokens: int) -> None:
+            self.request_id, self._hashes, self.num_tokens = rid, hashes, num_tokens
+            self.hook: object = None
+
+        @property
+        def block_hashes(self) -> list[bytes]:
+            hook, self.hook = self.hook, None
+            if callable(hook):
+                hook()
+            return self._hashes
+
+    def run(nested: bool) -> tuple[list, list]:
+        outer = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16).sched
+        inner = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16).sched
+        a = LazyRequest("a", [b"a1"], 4)
+        b = LazyRequest("b", [b"b1"], 4)
+        c = LazyRequest("c", [b"c1"], 4)
+        for s, r in ((outer, a), (outer, b), (inner, c)):
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+            s.update_state_after_alloc(r, [], 0)
+        # three full blocks each now, but only one hash taken: the step pulls the rest
+        for r in (a, b, c):
+            r._hashes, r.num_tokens = [r._hashes[0], r.request_id.encode() + b"2",
+                                       r.request_id.encode() + b"3"], 12  # fmt: skip
+        results: dict[str, list] = {}
+
+        def step_inner() -> None:
+            meta = inner.build_connector_meta_columns(["c"], [[[7, 8, 9]]], [0], [12])
+            results["inner"] = [(j.request_id, j.gpu.block_ids, j.keys) for j in meta.store_jobs]
+
+        if nested:
+            b.hook = step_inner  # runs while the outer step reads b's hashes
+        meta = outer.build_connector_meta_columns(["a", "b"], [[[1, 2, 3]], [[4, 5, 6]]],
+                                                  [0, 0], [12, 12])  # fmt: skip
+        if not nested:
+            step_inner()
+        assert "inner" in results and b.hook is None  # the hook ran (inside, when nested)
+        outer_jobs = [(j.request_id, j.gpu.block_ids, j.keys) for j in meta.store_jobs]
+        return outer_jobs, results["inner"]
+
+    nested, sequential = run(True), run(False)
+    assert nested == sequential
+    outer_jobs, inner_jobs = nested
+    assert sorted((rid, ids) for rid, ids, _ in outer_jobs) == [("a", (1, 2, 3)), ("b", (4, 5, 6))]
+    assert [(rid, ids) for rid, ids, _ in inner_jobs] == [("c", (7, 8, 9))]
+    assert all(len(keys) == 3 for _, _, keys in outer_jobs + inner_jobs)
+
+
 def test_fast_hooks_refuse_bad_calls_as_the_pybind11_methods_do() -> None:
     """The per-step hooks are also plain CPython methods (``_FastHooks``, what
     ``OffloadingScheduler`` calls). Their argument checks and their translation of C++

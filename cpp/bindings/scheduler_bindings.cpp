@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -120,12 +121,46 @@ std::string_view to_key(PyObject* item, const char* what, Py_ssize_t index,
   return {buf.data(), buf.size()};
 }
 
+/// A `T` kept between calls on the calling thread, so that its memory serves every engine step:
+/// the first holder on a thread borrows the thread's one (cleared by the caller as it needs);
+/// a nested holder (Python code run inside a call, e.g. a property of an engine object, that
+/// calls into a scheduler again) gets a fresh local one instead. `Tag` keeps the uses apart.
+template <typename T, typename Tag>
+class Borrowed {
+ public:
+  Borrowed() : mine_(!slot().busy) {
+    if (mine_) slot().busy = true;
+  }
+  ~Borrowed() {
+    if (mine_) slot().busy = false;
+  }
+  Borrowed(const Borrowed&) = delete;
+  Borrowed& operator=(const Borrowed&) = delete;
+  T& get() noexcept { return mine_ ? slot().value : local_; }
+
+ private:
+  struct Slot {
+    T value;
+    bool busy = false;
+  };
+  static Slot& slot() {
+    thread_local Slot s;
+    return s;
+  }
+  bool mine_;
+  T local_;
+};
+
 /// A batch of keys converted from any Python sequence of bytes / int, without copying bytes
 /// keys. Keeps the sequence alive while the views are used. With `start`, the batch is the
 /// sequence's items from that index on (no slice is made).
 class KeyBatch {
  public:
-  explicit KeyBatch(py::handle obj, Py_ssize_t start = 0) : start_(start) {
+  /// `storage`: a vector to hold the views (its memory reused, see Borrowed), or the batch's own.
+  explicit KeyBatch(py::handle obj, Py_ssize_t start = 0,
+                    std::vector<std::string_view>* storage = nullptr)
+      : start_(start), views_(storage != nullptr ? *storage : own_views_) {
+    views_.clear();
     PyObject* o = obj.ptr();
     if (PyBytes_Check(o) || PyByteArray_Check(o) || PyUnicode_Check(o) || PyLong_Check(o) ||
         PyAnySet_Check(o) || PyDict_Check(o)) {
@@ -179,6 +214,10 @@ class KeyBatch {
     }
   }
 
+  // views_ may refer to own_views_: a copy or move would point into the source
+  KeyBatch(const KeyBatch&) = delete;
+  KeyBatch& operator=(const KeyBatch&) = delete;
+
   kvoff::KeySpan span() const noexcept { return views_; }
 
   /// The keys at `positions` (ascending positions into this batch) as Python bytes: bytes items
@@ -205,7 +244,8 @@ class KeyBatch {
  private:
   py::object seq_;
   Py_ssize_t start_ = 0;  // index in seq_ of the batch's first key
-  std::vector<std::string_view> views_;
+  std::vector<std::string_view> own_views_;
+  std::vector<std::string_view>& views_;  // own_views_ or the caller's storage
   std::unique_ptr<std::array<char, 8>[]> ints_;
   std::size_t num_ints_ = 0;
 };
@@ -645,8 +685,10 @@ py::list str_list(const std::vector<std::string>& v) {
 /// reference counts would touch every item.
 class StepColumns {
  public:
+  /// `joined`: storage for the joined columns (its memory reused between steps).
   StepColumns(py::handle request_ids, py::handle new_block_ids, py::handle num_computed_tokens,
-              py::handle tail) {
+              py::handle tail, std::array<std::vector<PyObject*>, 3>& joined)
+      : joined_(joined) {
     static constexpr const char* kNames[3] = {"request_ids", "new_block_ids",
                                               "num_computed_tokens"};
     static constexpr const char* kTailNames[3] = {"tail request_ids", "tail new_block_ids",
@@ -695,14 +737,18 @@ class StepColumns {
   }
   py::object seqs_[2][3];
   Py_ssize_t sizes_[2] = {0, 0};
-  std::vector<PyObject*> joined_[3];
+  std::array<std::vector<PyObject*>, 3>& joined_;
   PyObject** items_[3] = {nullptr, nullptr, nullptr};
 };
 
-/// build_step's per-request records, kept between steps on the calling thread (see there).
+/// build_step's per-request records and joined columns, kept between steps on the calling
+/// thread (Borrowed): `reqs` never shrinks, so each record keeps its block id vectors' memory.
 struct StepScratch {
   std::vector<kvoff::ScheduledRequest> reqs;
-  bool busy = false;
+  /// Per record: its new_block_ids' vectors while it has none this step (the core reads an
+  /// empty outer vector as "no new blocks"; clearing it would free the inner vectors).
+  std::vector<std::vector<std::vector<std::int64_t>>> spare;
+  std::array<std::vector<PyObject*>, 3> joined;
 };
 
 /// build_connector_meta from columns (see kvoff.scheduler.OffloadingScheduler.
@@ -730,7 +776,11 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
     if (!resumed_set) throw py::error_already_set();
     resumed_request_ids = resumed_set;
   }
-  const StepColumns columns(request_ids, new_block_ids, num_computed_tokens, tail);
+  // The step's records are kept from the last step (their memory is reused); a nested
+  // call (a hash source running Python that steps another scheduler) makes its own.
+  Borrowed<StepScratch, StepScratch> scratch;
+  const StepColumns columns(request_ids, new_block_ids, num_computed_tokens, tail,
+                            scratch.get().joined);
   const Py_ssize_t n = columns.size();
   PyObject* scheduled_dict = PyDict_Check(num_scheduled_tokens.ptr()) ? num_scheduled_tokens.ptr()
                                                                        : nullptr;
@@ -751,20 +801,13 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   PyObject** id_items = columns.ids();
   PyObject** block_items = columns.blocks();
   PyObject** computed_items = columns.computed();
-  // The step's records are kept from the last step (a decode step allocates none); a nested
-  // call (a hash source running Python that steps another scheduler) makes its own.
-  thread_local StepScratch scratch;
-  std::vector<kvoff::ScheduledRequest> own;
-  const bool reuse = !scratch.busy;
-  std::vector<kvoff::ScheduledRequest>& reqs = reuse ? scratch.reqs : own;
-  scratch.busy = true;
-  struct Release {
-    bool reuse;
-    ~Release() {
-      if (reuse) scratch.busy = false;
-    }
-  } release{reuse};
-  reqs.resize(static_cast<std::size_t>(n));
+  std::vector<kvoff::ScheduledRequest>& all_reqs = scratch.get().reqs;
+  std::vector<std::vector<std::vector<std::int64_t>>>& spare = scratch.get().spare;
+  if (all_reqs.size() < static_cast<std::size_t>(n)) {
+    all_reqs.resize(static_cast<std::size_t>(n));
+    spare.resize(static_cast<std::size_t>(n));
+  }
+  const std::span<kvoff::ScheduledRequest> reqs(all_reqs.data(), static_cast<std::size_t>(n));
   // The engine's objects are scattered and mostly out of cache by now: the id and count of the
   // request kPrefetchAhead positions on are fetched while this one is read, so that the misses
   // overlap instead of queueing one after the other.
@@ -802,10 +845,16 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                                         Where{"num_scheduled_tokens"}.at(i));
     }
     s.request_id = id;  // a view of the str object, alive through the call
+    auto& kept = spare[static_cast<std::size_t>(i)];
     if (block_items[i] != Py_None) {
+      if (s.new_block_ids.empty() && !kept.empty()) s.new_block_ids.swap(kept);
       to_int_lists_into(block_items[i], Where{"new_block_ids"}.at(i), s.new_block_ids);
-    } else {
-      s.new_block_ids.clear();
+    } else if (!s.new_block_ids.empty()) {
+      if (kept.empty()) {
+        s.new_block_ids.swap(kept);  // kept for a later step, s.new_block_ids now empty
+      } else {
+        s.new_block_ids.clear();
+      }
     }
     s.resumed_from_preemption = false;
     if (any_resumed) {
@@ -836,7 +885,9 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
       if (static_cast<std::size_t>(num) <= known) return;  // none yet (async scheduling)
       // The hashes only: the request's token count matters to lookups, which read it
       // themselves (sync_and_match); num_tokens is a Python property in vLLM, about 0.1 us.
-      KeyBatch batch(hashes, static_cast<Py_ssize_t>(known));  // the new ones only
+      struct HashViews;
+      Borrowed<std::vector<std::string_view>, HashViews> storage;
+      KeyBatch batch(hashes, static_cast<Py_ssize_t>(known), &storage.get());  // the new ones
       sink.add(batch.span());
     };
   }
@@ -880,7 +931,9 @@ py::object sync_request(kvoff::OffloadingScheduler& self, py::handle request,
   py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(request.ptr(), kTokens));
   if (!tokens) throw py::error_already_set();
   const std::size_t known = self.num_hashes(rid);
-  KeyBatch batch(hashes, static_cast<Py_ssize_t>(known));  // the new ones only, in place
+  struct SyncViews;
+  Borrowed<std::vector<std::string_view>, SyncViews> storage;  // kept between calls
+  KeyBatch batch(hashes, static_cast<Py_ssize_t>(known), &storage.get());  // the new ones only
   self.update_request(rid, known, batch.span(), to_int64(tokens.ptr(), "request.num_tokens"));
   if (PyDict_Check(requests.ptr()) && PyDict_SetItem(requests.ptr(), id.ptr(), request.ptr()) < 0) {
     throw py::error_already_set();
@@ -956,7 +1009,10 @@ void update_connector_output_counts(kvoff::OffloadingScheduler& self, py::handle
                                      "failed)}, got ") +
                          Py_TYPE(counts.ptr())->tp_name);
   }
-  std::vector<kvoff::JobReport> reps;
+  struct Reports;
+  Borrowed<std::vector<kvoff::JobReport>, Reports> storage;  // kept between steps
+  std::vector<kvoff::JobReport>& reps = storage.get();
+  reps.clear();
   PyObject* key = nullptr;
   PyObject* value = nullptr;
   Py_ssize_t pos = 0;

@@ -876,8 +876,10 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     }
   }
   // Each scheduled request is looked up once; the pointers stay valid through this call
-  // (requests are erased only at its end, and unordered_map nodes do not move).
-  std::vector<Request*> resolved;
+  // (requests are erased only at its end, and unordered_map nodes do not move). The vector is
+  // kept between steps (its memory is reused), like step_hashes_ below.
+  std::vector<Request*>& resolved = step_resolved_;
+  resolved.clear();
   resolved.reserve(scheduled.size());
   {
     ++validation_stamp_;  // marks requests seen in this call (duplicates) without allocating
@@ -1039,7 +1041,8 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
 ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const JobReport> reports) {
   // Validate first (a bad report changes nothing); each job is looked up once. Reports of this
   // call are counted in Job::new_reports, cleared again when validation ends (or throws).
-  std::vector<Job*> resolved;
+  std::vector<Job*>& resolved = report_resolved_;  // kept between calls, like the scratch below
+  resolved.clear();
   resolved.reserve(reports.size());
   {
     struct ClearNewReports {
@@ -1068,6 +1071,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     }
   }
   ConnectorOutput out;
+  out.completed_jobs.reserve(reports.size());  // one allocation, not one per doubling
   // The blocks of every successful store complete in one manager call at the end, by their CPU
   // slots (a pending block cannot move: no key is hashed or looked up again). Scratch vectors
   // keep their memory between calls.

@@ -475,6 +475,7 @@ class OffloadingScheduler {
   // build_connector_meta's scratch, per scheduled request: its id's hash; whether it may be idle
   std::vector<std::uint64_t> step_hashes_;
   std::vector<char> step_maybe_idle_;
+  std::vector<Request*> step_resolved_;  // each scheduled request's record (null: idle)
   void set_idle(Request& r, bool idle);
   /// The request loads nothing now: no match pending, the engine's own hit (its last
   /// get_num_new_matched_tokens' num_computed_tokens) noted for its next table, not idle.
@@ -523,6 +524,7 @@ class OffloadingScheduler {
   std::vector<std::string_view> report_key_views_;
   std::vector<std::uint32_t> report_stored_slots_;
   std::vector<JobId> report_completed_;
+  std::vector<Job*> report_resolved_;  // each report's job, looked up once
   std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
   std::vector<StoreItem> store_items_;
   std::vector<StoreCandidate> store_candidates_;
