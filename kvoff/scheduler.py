@@ -329,6 +329,14 @@ class OffloadingScheduler:
         MemoryError: the host cannot hold the CPU pool's index and eviction policy (about 110
             bytes per CPU block); the message names ``num_blocks``, the bytes needed and the
             fix (a smaller ``cpu_bytes_to_use``). Nothing stays allocated.
+
+    Calling back from engine code: the step methods (``build_connector_meta*``) read new block
+    hashes from the engine's request objects (``block_hashes``) while the step is under way.
+    Code run there (a property) must not call this scheduler back: every method that changes it
+    (the hooks, :meth:`update_connector_output`, :meth:`request_finished`,
+    :meth:`take_events`, :meth:`reset_cache`) then raises ``RuntimeError`` naming itself and
+    changes nothing, and if that error is not caught, the step raises it too, changing nothing
+    but the hashes already read. Other schedulers may be called from there.
     """
 
     def __init__(self, spec: CPUOffloadingSpec, *, enable_events: bool = False) -> None:
@@ -877,6 +885,8 @@ class OffloadingScheduler:
 
         Raises:
             TypeError: ``request`` is neither a str id nor an object with ``request_id``.
+            RuntimeError: called from inside this scheduler's own step (see the class notes);
+                nothing is changed.
         """
         if isinstance(request, str):
             rid = request
@@ -887,9 +897,10 @@ class OffloadingScheduler:
                     f"request_finished takes a request or its str id, got {request!r} "
                     f"({type(request).__name__})"
                 )
+        in_flight = self._hooks.request_finished(rid)  # first: a refused call changes nothing
         self._requests.pop(rid, None)
         self._settled.pop(rid, None)
-        return self._hooks.request_finished(rid)
+        return in_flight
 
     def take_events(self) -> list[OffloadingEvent]:
         """``BlockStored`` / ``BlockRemoved`` events (medium ``"CPU"``) since the last call;

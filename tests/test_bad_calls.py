@@ -576,6 +576,88 @@ def test_a_step_run_inside_another_steps_hash_pull_gets_its_own_scratch() -> Non
     assert all(len(keys) == 3 for _, _, keys in outer_jobs + inner_jobs)
 
 
+def test_a_call_back_into_the_same_scheduler_from_its_hash_pull_is_refused() -> None:
+    """A step holds pointers to its requests' records while it pulls block hashes from the
+    engine's request objects. Engine code run there (a ``block_hashes`` property) that calls
+    the same scheduler back could erase a record or hand it to a new request, and the step
+    would then store one request's GPU blocks under another's keys (wrong KV served later; it
+    did, before the guard: ``a``'s blocks 1-3 stored as ``z``'s). Every changing call is
+    refused there with a RuntimeError that changes nothing, and the step goes on as if no call
+    had been made; a refusal the engine code does not catch ends the step, changing nothing."""
+
+    class LazyRequest:
+        """An engine request whose block_hashes property runs `hook` once when armed."""
+
+        def __init__(self, rid: str, hashes: list[bytes], num_tokens: int) -> None:
+            self.request_id, self._hashes, self.num_tokens = rid, hashes, num_tokens
+            self.hook: object = None
+
+        @property
+        def block_hashes(self) -> list[bytes]:
+            hook, self.hook = self.hook, None
+            if callable(hook):
+                hook()
+            return self._hashes
+
+    def setup() -> tuple[EngineSim, list[LazyRequest], LazyRequest]:
+        sim = EngineSim(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32)
+        a, b = LazyRequest("a", [b"a1"], 4), LazyRequest("b", [b"b1"], 4)
+        for r in (a, b):
+            assert sim.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            sim.sched.update_state_after_alloc(r, [], 0)
+            # three full blocks now, one hash taken: the step pulls the rest (b's runs the hook)
+            r._hashes, r.num_tokens = [r._hashes[0], r.request_id.encode() + b"2",
+                                       r.request_id.encode() + b"3"], 12  # fmt: skip
+        return sim, [a, b], LazyRequest("z", [b"z1", b"z2", b"z3"], 12)
+
+    def step(sim: EngineSim) -> list[tuple]:
+        meta = sim.sched.build_connector_meta_columns(["a", "b"], [[[1, 2, 3]], [[4, 5, 6]]],
+                                                      [0, 0], [12, 12])  # fmt: skip
+        return [(j.request_id, j.gpu.block_ids, j.keys) for j in meta.store_jobs]
+
+    sim, _, _ = setup()
+    expected = step(sim)
+    assert sorted((rid, ids) for rid, ids, _ in expected) == [("a", (1, 2, 3)), ("b", (4, 5, 6))]
+    assert all(keys[0].startswith(rid.encode()) for rid, _, keys in expected)
+
+    sim, (a, b), z = setup()
+    s = sim.sched
+    calls = {
+        "request_finished": lambda: s.request_finished(a),
+        "get_num_new_matched_tokens": lambda: s.get_num_new_matched_tokens(z, 0),
+        "update_state_after_alloc": lambda: s.update_state_after_alloc(a, [], 0),
+        "build_connector_meta": lambda: s.build_connector_meta_columns(["a"], [None], [0], [12]),
+        "update_connector_output": lambda: s.update_connector_output([]),
+        "take_events": s.take_events,
+        "reset_cache": s.reset_cache,
+    }
+    refused: dict[str, str] = {}
+
+    def call_back() -> None:
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match="inside this scheduler's own") as e:
+                call()
+            refused[name] = str(e.value)
+
+    b.hook = call_back
+    assert step(sim) == expected  # the step went on as if no call had been made
+    assert set(refused) == set(calls)
+    assert all(msg.startswith(name + ":") for name, msg in refused.items())
+    assert "a" in s._requests and s.stats()["num_requests"] == 2  # a's finish changed nothing
+    # after the step the same calls work
+    assert s.request_finished(a) is True and "a" not in s._requests
+
+    # uncaught, the refusal ends the outer step, which changes nothing but the hashes taken
+    sim, (a, b), z = setup()
+    s = sim.sched
+    before = snapshot(s, [b"a1\0", b"b1\0"], ["a", "b"])
+    b.hook = lambda: s.request_finished(a)
+    with pytest.raises(RuntimeError, match="request_finished: called from inside"):
+        step(sim)
+    assert snapshot(s, [b"a1\0", b"b1\0"], ["a", "b"]) == before
+    assert step(sim) == expected  # and the engine's next try gives the same jobs
+
+
 def test_fast_hooks_refuse_bad_calls_as_the_pybind11_methods_do() -> None:
     """The per-step hooks are also plain CPython methods (``_FastHooks``, what
     ``OffloadingScheduler`` calls). Their argument checks and their translation of C++

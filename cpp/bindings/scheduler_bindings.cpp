@@ -970,6 +970,7 @@ kvoff::GroupKind to_kind(const std::string& name) {
 /// load_async)`. A request the call registered is forgotten again on an error.
 py::tuple sync_and_match(kvoff::OffloadingScheduler& self, py::handle request,
                          std::int64_t computed, py::handle requests) {
+  self.refuse_reentry("get_num_new_matched_tokens");
   const std::size_t before = self.num_requests();
   const py::object id = sync_request(self, request, requests);
   const std::string_view rid = id_view(id.ptr(), Where{"request_id"});
@@ -988,6 +989,7 @@ py::tuple sync_and_match(kvoff::OffloadingScheduler& self, py::handle request,
 /// request the call registered is forgotten again on an error.
 void sync_and_alloc(kvoff::OffloadingScheduler& self, py::handle request, py::handle block_ids,
                     std::int64_t num_external_tokens, py::handle requests) {
+  self.refuse_reentry("update_state_after_alloc");
   const auto ids = to_int_lists(block_ids, "block_ids");  // validated before any change
   const std::size_t before = self.num_requests();
   const py::object id = sync_request(self, request, requests);

@@ -94,6 +94,14 @@ namespace {
 constexpr auto kAnyEntry = [](const auto&) { return true; };
 }  // namespace
 
+void OffloadingScheduler::throw_reentry(const char* hook) {
+  throw std::logic_error(
+      std::string(hook) +
+      ": called from inside this scheduler's own build_connector_meta, while it reads block "
+      "hashes from the engine (a request's block_hashes ran code that calls its scheduler "
+      "back); make the call after build_connector_meta returns. Nothing was changed");
+}
+
 void OffloadingScheduler::set_idle(Request& r, bool idle) {
   if (r.idle == idle) return;
   if (idle) {
@@ -282,6 +290,7 @@ void OffloadingScheduler::append_hashes(Request& r, std::size_t start,
 void OffloadingScheduler::update_request(std::string_view request_id, std::size_t start,
                                          std::span<const std::string_view> new_hashes,
                                          std::int64_t num_tokens) {
+  refuse_reentry("update_request");
   Request* r = find(request_id);
   check_hashes(r, request_id, start, new_hashes, num_tokens, "update_request");
   if (r == nullptr) {
@@ -309,6 +318,7 @@ void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_ha
 MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view request_id,
                                                             std::int64_t num_computed_tokens) {
   constexpr const char* kHook = "get_num_new_matched_tokens";
+  refuse_reentry(kHook);
   Request& r = get(request_id, kHook);
   const std::int64_t c = num_computed_tokens;
   if (c < 0 || c % config_.gpu_block_size != 0 || c > r.num_tokens) {
@@ -545,6 +555,7 @@ void OffloadingScheduler::update_state_after_alloc(
     std::string_view request_id, std::span<const std::vector<std::int64_t>> block_ids_per_group,
     std::int64_t num_external_tokens) {
   constexpr const char* kHook = "update_state_after_alloc";
+  refuse_reentry(kHook);
   Request& r = get(request_id, kHook);
   set_idle(r, false);  // its next step sets its table from the engine's hit (gpu_hit_tokens)
   // Nothing to load: the table is not needed (engines may skip building it).
@@ -865,6 +876,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     std::span<const std::string> preempted_request_ids,
     std::span<const std::int64_t> rewritten_block_ids, const HashSource& hash_source) {
   constexpr const char* kHook = "build_connector_meta";
+  refuse_reentry(kHook);
   // Validate everything first: a bad step changes nothing.
   for (std::size_t i = 0; i < rewritten_block_ids.size(); ++i) {
     const std::int64_t id = rewritten_block_ids[i];
@@ -926,6 +938,11 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
                                   offloaded_block_size_ * offloaded_block_size_;
         if (static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size < full) {
           HashSink sink(*this, r);
+          in_hash_source_ = true;  // engine code runs: calls back into this scheduler refused
+          struct Reset {
+            bool& flag;
+            ~Reset() { flag = false; }
+          } reset{in_hash_source_};
           hash_source(static_cast<std::size_t>(&s - scheduled.data()), s.request_id,
                       r.hashes.size(), sink);
         }
@@ -1039,6 +1056,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
 // ------------------------------------------------------------------------------ completion
 
 ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const JobReport> reports) {
+  refuse_reentry("update_connector_output");
   // Validate first (a bad report changes nothing); each job is looked up once. Reports of this
   // call are counted in Job::new_reports, cleared again when validation ends (or throws).
   std::vector<Job*>& resolved = report_resolved_;  // kept between calls, like the scratch below
@@ -1198,6 +1216,7 @@ void OffloadingScheduler::erase_if_done(std::string_view request_id) {
 }
 
 bool OffloadingScheduler::request_finished(std::string_view request_id) {
+  refuse_reentry("request_finished");
   Request* r = find(request_id);
   if (r == nullptr) return false;
   release(*r);

@@ -642,6 +642,60 @@ TEST(OffloadingSchedulerStore, HashSourceWithoutTokenCountKeepsOrRaisesTheReques
   EXPECT_NO_THROW(s.get_num_new_matched_tokens("q", 28));
 }
 
+// Engine code run by the hash source must not change the scheduler mid-step: the step holds
+// pointers to its requests' records, and a request finished and a new one added there would
+// get the finished one's record (its GPU blocks stored under the new request's keys). Every
+// changing call is refused, naming itself; the step then goes on as if none had been made.
+TEST(OffloadingSchedulerStore, CallsFromInsideTheHashSourceAreRefused) {
+  OffloadingScheduler s(make_config({Full()}));  // 4-token blocks
+  add(s, "a", {"a0"}, 12);
+  add(s, "b", {"b0"}, 12);
+  const Strs ah = hashes("a", 3);
+  const Strs bh = hashes("b", 3);
+  std::vector<std::string> refused;
+  auto expect_refused = [&](const char* name, const std::function<void()>& call) {
+    try {
+      call();
+      ADD_FAILURE() << name << " was accepted inside the hash source";
+    } catch (const std::logic_error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind(std::string(name) + ": called from inside", 0), 0u) << msg;
+      refused.emplace_back(name);
+    }
+  };
+  const std::vector<std::string_view> z_hashes{"z0", "z1", "z2"};
+  OffloadingScheduler::HashSource source = [&](std::size_t, std::string_view id,
+                                               std::size_t known,
+                                               OffloadingScheduler::HashSink& sink) {
+    if (id == "b") {  // a's record is resolved by now
+      expect_refused("request_finished", [&] { s.request_finished("a"); });
+      expect_refused("update_request", [&] { s.update_request("z", 0, z_hashes, 12); });
+      expect_refused("get_num_new_matched_tokens", [&] { s.get_num_new_matched_tokens("a", 0); });
+      expect_refused("update_state_after_alloc", [&] { s.update_state_after_alloc("a", {}, 0); });
+      expect_refused("build_connector_meta", [&] { s.build_connector_meta({}); });
+      expect_refused("update_connector_output", [&] { s.update_connector_output({}); });
+      expect_refused("take_events", [&] { s.take_events(); });
+      expect_refused("reset_cache", [&] { s.reset_cache(); });
+      EXPECT_EQ(s.num_requests(), 2u);  // const calls are fine
+    }
+    const Strs& all = id == "a" ? ah : bh;
+    std::vector<std::string_view> views(all.begin() + static_cast<std::ptrdiff_t>(known),
+                                        all.end());
+    sink.add(views);
+  };
+  std::vector<ScheduledRequest> st{sched("a", {{1, 2, 3}}, 0, 12), sched("b", {{4, 5, 6}}, 0, 12)};
+  auto meta = s.build_connector_meta(st, {}, {}, {}, source);
+  EXPECT_EQ(refused.size(), 8u);
+  ASSERT_EQ(meta.store_jobs.size(), 2u);
+  expect_job(s, meta.store_jobs[0], true, "a", {1, 2, 3}, {3}, {0},
+             {key("a0", 0), key("a1", 0), key("a2", 0)});
+  expect_job(s, meta.store_jobs[1], true, "b", {4, 5, 6}, {3}, {0},
+             {key("b0", 0), key("b1", 0), key("b2", 0)});
+  // outside the hash source the same calls work again
+  EXPECT_TRUE(s.request_finished("a"));
+  EXPECT_NO_THROW(s.update_request("z", 0, z_hashes, 12));
+}
+
 TEST(OffloadingSchedulerStore, BadHashFromSourceIsRejectedNamingIt) {
   OffloadingScheduler s(make_config({Full()}));
   add(s, "r", {"a0"}, 8);

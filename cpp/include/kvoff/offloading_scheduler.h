@@ -221,6 +221,22 @@ class OffloadingScheduler {
   OffloadingScheduler(const OffloadingScheduler&) = delete;
   OffloadingScheduler& operator=(const OffloadingScheduler&) = delete;
 
+  /// Every call below that changes the scheduler (update_request, get_num_new_matched_tokens,
+  /// update_state_after_alloc, build_connector_meta(_view), update_connector_output,
+  /// request_finished, take_events, reset_cache) throws std::logic_error, changing nothing, when
+  /// it is made from inside this scheduler's own hash_source (engine code run mid-step, e.g. a
+  /// Python property): the step holds pointers to request records that such a call could erase
+  /// or hand to another request. Calls on other schedulers, and const calls, are allowed.
+
+  /// Throws std::logic_error naming `hook` when called from inside this scheduler's own
+  /// hash_source (the check of the calls above; bindings that do work of their own before a
+  /// hook call it first, so that the error names the hook the engine called).
+  void refuse_reentry(const char* hook) const {
+    if (in_hash_source_) [[unlikely]] {
+      throw_reentry(hook);
+    }
+  }
+
   /// Adds block hashes to request `request_id` (creating the request on first use) and sets its
   /// token count. `start` is the index of new_hashes[0] in the request's hash list; hashes
   /// already known (index < current count) are ignored. Throws std::invalid_argument when
@@ -295,11 +311,17 @@ class OffloadingScheduler {
   bool request_finished(std::string_view request_id);
 
   /// The manager's events since the last call (BlockStored / BlockRemoved, medium "CPU").
-  std::vector<OffloadingEvent> take_events() { return manager_.take_events(); }
+  std::vector<OffloadingEvent> take_events() {
+    refuse_reentry("take_events");
+    return manager_.take_events();
+  }
   /// Empties the CPU pool of every block no job uses (CPUOffloadingManager::clear: ready and
   /// unpinned), e.g. for an engine's cache reset; returns how many. Jobs in flight complete as
   /// usual (a store that completes later makes its blocks hits again).
-  std::size_t reset_cache() { return manager_.clear(); }
+  std::size_t reset_cache() {
+    refuse_reentry("reset_cache");
+    return manager_.clear();
+  }
 
   /// The CPU pool manager (read access for tests and metrics).
   const CPUOffloadingManager& manager() const noexcept { return manager_; }
@@ -476,6 +498,9 @@ class OffloadingScheduler {
   std::vector<std::uint64_t> step_hashes_;
   std::vector<char> step_maybe_idle_;
   std::vector<Request*> step_resolved_;  // each scheduled request's record (null: idle)
+  /// True while build_connector_meta runs the engine's hash_source (see refuse_reentry).
+  bool in_hash_source_ = false;
+  [[noreturn]] static void throw_reentry(const char* hook);
   void set_idle(Request& r, bool idle);
   /// The request loads nothing now: no match pending, the engine's own hit (its last
   /// get_num_new_matched_tokens' num_computed_tokens) noted for its next table, not idle.
