@@ -284,11 +284,15 @@ def test_stores_in_flight_are_fenced_and_waited_for(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(replay_mod, "OffloadingWorker", LateStores)
     late = run_replay(cfg)
     assert late.fence_waits > 0
+    # the late stores run inside the fence waits, which are timed (host seconds)
+    assert late.fence_wait_s > 0 and sync.blocks_loaded > 0 and sync.load_wait_s > 0
+    assert (sync.fence_wait_s > 0) == (sync.fence_waits > 0)
     assert late.corrupted_blocks == 0 and late.blocks_verified == sync.blocks_verified > 0
     assert late.per_request_cpu_hit_tokens == sync.per_request_cpu_hit_tokens
     assert late.blocks_stored == sync.blocks_stored
     ab_late = run_replay(ab_cfg, requests=ab)
     assert (ab_late.fence_waits, ab_late.lookup_retries) == (0, 1)
+    assert ab_late.fence_wait_s == 0 and ab_late.retry_wait_s > 0 and ab_sync.retry_wait_s == 0
     assert ab_late.per_request_cpu_hit_tokens == ab_sync.per_request_cpu_hit_tokens == [0, 32]
     assert ab_late.corrupted_blocks == 0 and ab_late.blocks_verified == 2
 

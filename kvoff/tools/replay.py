@@ -225,6 +225,11 @@ class ReplayResult:
 
     The ``time_*``, ``speedup*`` and ``gemm_*`` fields are set with ``compute`` (seconds; see
     the module docstring), ``None`` otherwise.
+
+    Host seconds the request loop spent blocked, where a request waits before its compute:
+    ``fence_wait_s`` on stores still reading GPU blocks it was given (``fence_waits`` times),
+    ``retry_wait_s`` on jobs in flight before a lookup answered "retry later"
+    (``lookup_retries`` times), ``load_wait_s`` from submitting its load to the load's end.
     """
 
     trace: str
@@ -259,6 +264,9 @@ class ReplayResult:
     evictions: int = 0
     lookup_retries: int = 0
     fence_waits: int = 0
+    fence_wait_s: float = 0.0
+    retry_wait_s: float = 0.0
+    load_wait_s: float = 0.0
     gpu_blocks: int = 0
     cpu_pool_bytes: int = 0
     computed_tokens: int = 0
@@ -724,7 +732,9 @@ def run_replay(
         fenced = sorted({fences[b] for b in table[g:] if b in fences})
         if fenced:
             res.fence_waits += 1
+            t0 = time.perf_counter()
             finish(e, worker.wait(fenced))
+            res.fence_wait_s += time.perf_counter() - t0
 
         # 2. kvoff lookup + load of the blocks after the GPU hits
         g_off = g // factor
@@ -734,9 +744,11 @@ def run_replay(
         while h is None:  # a block is being stored or promoted from a tier: wait, retry
             res.lookup_retries += 1
             tries += 1
+            t0 = time.perf_counter()
             finish(e, worker.wait(list(pending)))
             if e.pool is not None:
                 e.pool.wait_reads()
+            res.retry_wait_s += time.perf_counter() - t0
             h = (lookup if tries < 4 else manager.lookup)(keys[g_off:])
             if h is None and tries >= 4:  # pragma: no cover - nothing is in flight any more
                 raise RuntimeError("lookup still returns 'retry later' with nothing in flight")
@@ -747,12 +759,14 @@ def run_replay(
             load_keys = keys[g_off : g_off + h]
             cpu_ids = manager.prepare_load(load_keys)
             job_id += 1
+            t0 = time.perf_counter()
             ok = worker.transfer_async(
                 job_id,
                 CPUBlockSpec(tuple(cpu_ids)),
                 GPUBlockSpec.single_group(table[g:load_end], block_index=g),
             )
             (result,) = worker.wait([job_id])
+            res.load_wait_s += time.perf_counter() - t0
             manager.complete_load(load_keys)
             res.mechanisms[result.mechanism] = res.mechanisms.get(result.mechanism, 0) + 1
             if ok and result.success:
