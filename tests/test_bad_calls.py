@@ -519,25 +519,27 @@ def test_step_columns_read_inline_give_what_the_checked_path_gives() -> None:
     assert [(j.request_id, j.gpu.block_ids) for j in m3.store_jobs] == [("réq-ü", (2,))]
 
 
+class LazyRequest:
+    """An engine request whose ``block_hashes`` property runs ``hook`` once when armed: engine
+    code run while a scheduler step pulls the request's new hashes."""
+
+    def __init__(self, rid: str, hashes: list[bytes], num_tokens: int) -> None:
+        self.request_id, self._hashes, self.num_tokens = rid, hashes, num_tokens
+        self.hook: object = None
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        hook, self.hook = self.hook, None
+        if callable(hook):
+            hook()
+        return self._hashes
+
+
 def test_a_step_run_inside_another_steps_hash_pull_gets_its_own_scratch() -> None:
     """A warm step reuses the calling thread's buffers (records, joined columns, hash views). An
     engine's ``block_hashes`` may be a property (Python code) that steps another scheduler while
     the first one is mid-step: the inner step must get buffers of its own, and both steps must
     give exactly the jobs they give one after the other."""
-
-    class LazyRequest:
-        """An engine request whose block_hashes property runs `hook` once when armed."""
-
-        def __init__(self, rid: str, hashes: list[bytes], num_tokens: int) -> None:
-            self.request_id, self._hashes, self.num_tokens = rid, hashes, num_tokens
-            self.hook: object = None
-
-        @property
-        def block_hashes(self) -> list[bytes]:
-            hook, self.hook = self.hook, None
-            if callable(hook):
-                hook()
-            return self._hashes
 
     def run(nested: bool) -> tuple[list, list]:
         outer = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16).sched
@@ -584,20 +586,6 @@ def test_a_call_back_into_the_same_scheduler_from_its_hash_pull_is_refused() -> 
     did, before the guard: ``a``'s blocks 1-3 stored as ``z``'s). Every changing call is
     refused there with a RuntimeError that changes nothing, and the step goes on as if no call
     had been made; a refusal the engine code does not catch ends the step, changing nothing."""
-
-    class LazyRequest:
-        """An engine request whose block_hashes property runs `hook` once when armed."""
-
-        def __init__(self, rid: str, hashes: list[bytes], num_tokens: int) -> None:
-            self.request_id, self._hashes, self.num_tokens = rid, hashes, num_tokens
-            self.hook: object = None
-
-        @property
-        def block_hashes(self) -> list[bytes]:
-            hook, self.hook = self.hook, None
-            if callable(hook):
-                hook()
-            return self._hashes
 
     def setup() -> tuple[EngineSim, list[LazyRequest], LazyRequest]:
         sim = EngineSim(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32)
