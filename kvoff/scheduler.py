@@ -336,7 +336,9 @@ class OffloadingScheduler:
     (the hooks, :meth:`update_connector_output`, :meth:`request_finished`,
     :meth:`take_events`, :meth:`reset_cache`) then raises ``RuntimeError`` naming itself and
     changes nothing, and if that error is not caught, the step raises it too, changing nothing
-    but the hashes already read. Other schedulers may be called from there.
+    but the hashes already read. Other schedulers may be called from there. A scheduler serves
+    one thread: another thread's call that lands while a step reads hashes (the GIL may pass
+    to it there) is refused the same way.
     """
 
     def __init__(self, spec: CPUOffloadingSpec, *, enable_events: bool = False) -> None:

@@ -99,7 +99,8 @@ void OffloadingScheduler::throw_reentry(const char* hook) {
       std::string(hook) +
       ": called from inside this scheduler's own build_connector_meta, while it reads block "
       "hashes from the engine (a request's block_hashes ran code that calls its scheduler "
-      "back); make the call after build_connector_meta returns. Nothing was changed");
+      "back, or another thread called it meanwhile: a scheduler serves one thread); make the "
+      "call after build_connector_meta returns. Nothing was changed");
 }
 
 void OffloadingScheduler::set_idle(Request& r, bool idle) {
