@@ -221,16 +221,14 @@ class OffloadingScheduler {
   OffloadingScheduler(const OffloadingScheduler&) = delete;
   OffloadingScheduler& operator=(const OffloadingScheduler&) = delete;
 
-  /// Every call below that changes the scheduler (update_request, get_num_new_matched_tokens,
-  /// update_state_after_alloc, build_connector_meta(_view), update_connector_output,
-  /// request_finished, take_events, reset_cache) throws std::logic_error, changing nothing, when
-  /// it is made from inside this scheduler's own hash_source (engine code run mid-step, e.g. a
-  /// Python property): the step holds pointers to request records that such a call could erase
-  /// or hand to another request. Calls on other schedulers, and const calls, are allowed.
-
   /// Throws std::logic_error naming `hook` when called from inside this scheduler's own
-  /// hash_source (the check of the calls above; bindings that do work of their own before a
-  /// hook call it first, so that the error names the hook the engine called).
+  /// hash_source (engine code run mid-step, e.g. a Python property): the step holds pointers to
+  /// request records that a call from there could erase or hand to another request. Every call
+  /// below that changes the scheduler (update_request, get_num_new_matched_tokens,
+  /// update_state_after_alloc, build_connector_meta(_view), update_connector_output,
+  /// request_finished, take_events, reset_cache) starts with it, so such a call changes nothing;
+  /// const calls and calls on other schedulers are allowed. Bindings that do work of their own
+  /// before a hook call it first, so that the error names the hook the engine called.
   void refuse_reentry(const char* hook) const {
     if (in_hash_source_) [[unlikely]] {
       throw_reentry(hook);
