@@ -264,7 +264,8 @@ class HostPool:
         shared_name: the shared-memory name, or ``None``.
 
     Raises:
-        ValueError: for a negative shape, or a ``shared_name`` that is not a plain file name.
+        ValueError: for a negative shape, a pool of 2**63 bytes or more, or a ``shared_name``
+            that is not a plain file name.
         SharedMemoryError: the shared file cannot be created, its name is held by a running
             process (two engines with one engine id), or ``/dev/shm`` has no room for the pool
             (nothing is left behind then).
@@ -292,6 +293,11 @@ class HostPool:
             total = -(-total // _ALIGN) * _ALIGN
             offsets.append(total)
             total += rows * row_bytes
+        if total >= 2**63:
+            raise ValueError(
+                f"{description} would take {total} bytes, more than any allocation can hold "
+                "(2**63); check the number of blocks and the bytes per block"
+            )
         self.num_bytes = total
         registrar = (_registrar or _cuda_registrar()) if pin and total > 0 else None
         self.shared_name = shared_name

@@ -94,6 +94,13 @@ def _rows_blocks_first(
             f"layer {name!r}: a block of the tensor holds {block_bytes} bytes but the spec's page "
             f"needs {row}; check the KV cache spec (block_size, heads, head_size, dtype)"
         )
+    if num_blocks > 1 and stride < row:
+        raise ValueError(
+            f"layer {name!r}: blocks of the tensor overlap (shape {tuple(t.shape)}, strides "
+            f"{t.stride()}: a block starts every {stride} bytes but holds {row}), so a copy into "
+            "one block would change another; register the engine's real KV cache, not an "
+            "expanded or overlapping view"
+        )
     return _byte_rows(t, 0, num_blocks, row, stride)
 
 
@@ -109,6 +116,13 @@ def _rows_kv_first(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Te
         )
     half_kernel = (t.numel() // (2 * t.shape[1])) * item
     half_row = ratio * half_kernel
+    if t.stride(0) * item < num_blocks * half_row:
+        raise ValueError(
+            f"layer {name!r}: the K and V halves of the K/V-first tensor overlap (shape "
+            f"{tuple(t.shape)}, strides {t.stride()}: V starts {t.stride(0) * item} bytes after "
+            f"K, whose blocks take {num_blocks * half_row}); register the engine's real KV "
+            "cache, not an expanded or overlapping view"
+        )
     return [_byte_rows(t, h * t.stride(0) * item, num_blocks, half_row, half_row) for h in range(2)]
 
 

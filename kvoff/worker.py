@@ -87,24 +87,55 @@ GPU_LAYOUTS: tuple[str, ...] = ("block_contiguous", "layer_major")
 """The GPU layouts a KV cache group can have (see the module docstring)."""
 
 
+_MAX_ID = 2**63 - 1
+"""The largest id or count a job may hold: ids travel as int64 (numpy, the copy ops, the core)."""
+
+
 def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
-    """``values`` as a tuple of ints >= 0 (numpy integers accepted).
+    """``values`` as a tuple of ints in ``[0, 2**63)`` (numpy integers accepted).
 
     Raises:
-        TypeError: a str, or an item that is not an integer (1.9 or "3" are not ids).
-        ValueError: a negative value.
+        TypeError: a str, bytes, set or dict (ids must come in a fixed order), or an item that
+            is not an integer (1.9, "3", True or a tensor of floats are not ids).
+        ValueError: a negative value, or one of 2**63 or more (ids are int64 everywhere).
     """
-    if isinstance(values, (str, bytes)):
-        raise TypeError(f"{name} must be a sequence of ints, got {values!r}")
-    items = list(values)
+    if isinstance(values, (str, bytes, set, frozenset, dict)):
+        raise TypeError(
+            f"{name} must be an ordered sequence of ints (a tuple, a list or a 1-D integer "
+            f"array), got {type(values).__name__} {values!r}"
+        )
     try:
-        out = tuple(operator.index(v) for v in items)
+        items = list(values)
     except TypeError:
-        bad = next(v for v in items if not hasattr(v, "__index__"))
-        raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})") from None
-    if any(v < 0 for v in out):
-        raise ValueError(f"{name} must be non-negative, got {list(out)}")
+        raise TypeError(
+            f"{name} must be a sequence of ints, got {type(values).__name__} {values!r}"
+        ) from None
+    try:
+        out = tuple(map(operator.index, items))
+        bad = next((v for v in items if isinstance(v, bool)), None)
+    except TypeError:
+        bad = next((v for v in items if not _is_index(v)), values)
+    if bad is not None:
+        raise TypeError(
+            f"{name} must hold ints, got {bad!r} ({type(bad).__name__}); pass a flat sequence "
+            "of integers"
+        )
+    if out and (min(out) < 0 or max(out) > _MAX_ID):
+        first = next(v for v in out if v < 0 or v > _MAX_ID)
+        shown = f"{list(out[:16])}{'...' if len(out) > 16 else ''}"
+        raise ValueError(f"{name} must be in [0, 2**63), got {first} (in {shown})")
     return out
+
+
+def _is_index(value: object) -> bool:
+    """Whether ``value`` is an integer that ``operator.index`` takes (a bool is not)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -201,6 +232,23 @@ class TransferResult:
 _EMPTY_IDS = np.empty(0, dtype=np.int64)
 
 
+class _CPUBlockOutOfRange(ValueError):
+    """A job's CPU block id is not in ``[0, num_cpu_blocks)``: the job fails (a failed
+    :class:`TransferResult`), as for any out-of-range id, and nothing of it is copied."""
+
+
+def _cpu_range_error(cpu_ids: np.ndarray, num_cpu_blocks: int) -> _CPUBlockOutOfRange | None:
+    """The error for the first CPU block id of ``cpu_ids`` at or above ``num_cpu_blocks``, or
+    None when every id is in range (ids are already known to be >= 0)."""
+    if len(cpu_ids) == 0 or cpu_ids.max() < num_cpu_blocks:
+        return None
+    first = int(cpu_ids[cpu_ids >= num_cpu_blocks][0])
+    return _CPUBlockOutOfRange(
+        f"CPU block id {first} is out of range; CPU block ids must be in [0, {num_cpu_blocks}). "
+        "The job was not run."
+    )
+
+
 @dataclass
 class _Region:
     """One copied byte region of a block: GPU rows and their place in the slot."""
@@ -229,6 +277,20 @@ class _Group:
 
 
 _T = TypeVar("_T")
+
+
+def _job_id(job_id: object, where: str = "job_id") -> int:
+    """``job_id`` as an int (numpy integers accepted).
+
+    Raises:
+        TypeError: ``job_id`` is not an integer (a bool, a float, a str or None).
+    """
+    if isinstance(job_id, bool) or not _is_index(job_id):
+        raise TypeError(
+            f"{where}: job_id must be an int, got {job_id!r} ({type(job_id).__name__}); "
+            "nothing was submitted"
+        )
+    return operator.index(job_id)  # type: ignore[arg-type]
 
 
 def _trusted(cls: type[_T], **fields: Any) -> _T:
@@ -398,9 +460,10 @@ class OffloadingWorker:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.num_gpu_blocks = num_gpu_blocks
-        self.num_cpu_blocks = num_cpu_blocks
-        self.block_size_factor = block_size_factor
+        # numpy integers become ints: sizes multiply into byte counts that must not wrap
+        self.num_gpu_blocks = operator.index(num_gpu_blocks)
+        self.num_cpu_blocks = operator.index(num_cpu_blocks)
+        self.block_size_factor = operator.index(block_size_factor)
         if kv_cache_config is not None and kv_cache_config.num_blocks != num_gpu_blocks:
             raise ValueError(
                 f"num_gpu_blocks={num_gpu_blocks} differs from kv_cache_config.num_blocks="
@@ -411,8 +474,8 @@ class OffloadingWorker:
         self.mechanism = mechanism
         self.thresholds = thresholds
         self.compute_slowdown_budget = float(compute_slowdown_budget)
-        self.staging_bytes = staging_bytes
-        self.staging_piece_bytes = staging_piece_bytes
+        self.staging_bytes = operator.index(staging_bytes)
+        self.staging_piece_bytes = operator.index(staging_piece_bytes)
         self.shared_memory_name = shared_memory_name
         self._pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
@@ -426,6 +489,7 @@ class OffloadingWorker:
         self._dma: dict[Direction, Lane] = {}
         self._sm: dict[Direction, Lane] = {}
         self._rings: dict[Direction, StagingRing] = {}
+        self._closed = False
 
     @classmethod
     def from_spec(
@@ -727,7 +791,13 @@ class OffloadingWorker:
         Raises:
             ValueError: before registration.
             IndexError: for an id outside ``[0, num_cpu_blocks)``.
+            TypeError: for an id that is not an int (a bool is not).
         """
+        if isinstance(cpu_block_id, bool) or not _is_index(cpu_block_id):
+            raise TypeError(
+                f"cpu_block_id must be an int, got {cpu_block_id!r} ({type(cpu_block_id).__name__})"
+            )
+        cpu_block_id = operator.index(cpu_block_id)
         pool = self.cpu_pool
         if not 0 <= cpu_block_id < self.num_cpu_blocks:
             raise IndexError(
@@ -738,12 +808,25 @@ class OffloadingWorker:
 
     def close(self) -> None:
         """Release the pinned registration of the CPU pool (after waiting for jobs in flight)
-        and the staging buffers. Idempotent. The worker must not run jobs afterwards."""
+        and the staging buffers. Idempotent. The results of the jobs it waited for stay
+        queued for :meth:`get_finished`; new jobs are refused afterwards."""
         if self._in_flight:
-            self.wait(list(self._in_flight))
+            results = self.wait(list(self._in_flight))
+            self._finished.extend(results)  # still reported, as if they had finished alone
         if self._pool is not None:
             self._pool.close()
         self._rings.clear()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        """Raises:
+        RuntimeError: after :meth:`close` (its pool is released: a job would copy into freed
+            memory)."""
+        if self._closed:
+            raise RuntimeError(
+                "the worker was closed (close() released its CPU pool); build a new "
+                "OffloadingWorker to run jobs"
+            )
 
     def cpu_tensors(self) -> list[torch.Tensor]:
         """The CPU pool as ``(num_cpu_blocks × block_size_factor, row_bytes)`` uint8 row views
@@ -768,6 +851,9 @@ class OffloadingWorker:
         out: list[tuple[np.ndarray, np.ndarray]] = []
         gpu_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         cpu_ids = np.asarray(cpu.block_ids, dtype=np.int64)
+        # Rows are id × f + offset: an id past the pool is clamped first so that the product
+        # cannot wrap around int64 into a valid row; the job then fails below, naming the id.
+        safe = cpu_ids if f == 1 else np.minimum(cpu_ids, self.num_cpu_blocks)
         gpu_off = 0
         cpu_off = 0
         for n, start in zip(gpu.group_sizes, gpu.block_indices, strict=True):
@@ -786,7 +872,7 @@ class OffloadingWorker:
                 rows = cpu_ids[cpu_off : cpu_off + n]
             else:
                 logical = np.arange(start, start + n, dtype=np.int64)
-                rows = cpu_ids[cpu_off + logical // f - first] * f + logical % f
+                rows = safe[cpu_off + logical // f - first] * f + logical % f
             out.append((gpu_ids[gpu_off : gpu_off + n], rows))
             gpu_off += n
             cpu_off += count
@@ -796,6 +882,8 @@ class OffloadingWorker:
                 f"offloaded blocks (group sizes {list(gpu.group_sizes)}, block indices "
                 f"{list(gpu.block_indices)}, block_size_factor {f})"
             )
+        if f > 1 and (error := _cpu_range_error(cpu_ids, self.num_cpu_blocks)) is not None:
+            raise error
         return out
 
     def transfer_async(
@@ -821,18 +909,32 @@ class OffloadingWorker:
             blocks are touched.
 
         Raises:
-            ValueError: when nothing is registered, ``job_id`` is already in flight, both sides
+            ValueError: when nothing is registered, ``job_id`` is still pending (in flight, or
+                its result not taken by :meth:`get_finished` or :meth:`wait` yet), both sides
                 have the same type, or the two sides do not describe the same blocks.
+            TypeError: ``job_id`` is not an int.
+            RuntimeError: after :meth:`close`.
         """
         if not self._groups:
             raise ValueError("no KV caches registered: call register_kv_caches first")
-        if job_id in self._in_flight:
-            raise ValueError(f"job_id {job_id} is already in flight; use a fresh job id")
+        job_id = _job_id(job_id)
+        if job_id in self._in_flight or any(r.job_id == job_id for r in self._finished):
+            raise ValueError(
+                f"job_id {job_id} is still pending (in flight, or its result not taken yet by "
+                "get_finished or wait); use a fresh job id"
+            )
+        self._check_open()
         direction, gpu, cpu = _sides(src, dst)
-        per_group = self._expand(gpu, cpu)
+        t0 = time.perf_counter()
+        try:
+            per_group = self._expand(gpu, cpu)
+        except _CPUBlockOutOfRange as exc:
+            self._finished.append(
+                TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
+            )
+            return False
         num_bytes = self._job_bytes(per_group)
         cuda = self._device is not None and self._device.type == "cuda"
-        t0 = time.perf_counter()
         try:
             # Every group's ids are checked, and every mechanism resolved (which may allocate
             # the staging buffer), before the first copy, so a bad job copies nothing.
@@ -896,18 +998,22 @@ class OffloadingWorker:
             False when it failed (its failure is reported as a ``TransferResult``).
 
         Raises:
-            ValueError: when nothing is registered, a job id repeats in ``jobs`` or is already
-                in flight, a job's sides have the same type or do not describe the same
-                blocks, or the jobs mix stores and loads. Checked before anything is copied:
-                then no job of the call is submitted.
-            TypeError: an entry that is not a ``(job_id, src, dst)`` triple.
+            ValueError: when nothing is registered, a job id repeats in ``jobs`` or is still
+                pending (in flight, or its result not taken yet), a job's sides have the same
+                type or do not describe the same blocks, or the jobs mix stores and loads.
+                Checked before anything is copied: then no job of the call is submitted.
+            TypeError: an entry that is not a ``(job_id, src, dst)`` triple, or a job id that
+                is not an int.
+            RuntimeError: after :meth:`close`.
         """
         if not self._groups:
             raise ValueError("no KV caches registered: call register_kv_caches first")
         entries = list(jobs)
         if not entries:
             return []
+        self._check_open()
         seen: set[int] = set()
+        pending = {r.job_id for r in self._finished}
         specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]] = []
         direction: Direction | None = None
         for k, entry in enumerate(entries):
@@ -917,10 +1023,12 @@ class OffloadingWorker:
                     "submitted"
                 )
             job_id, src, dst = entry
-            if job_id in self._in_flight or job_id in seen:
+            job_id = _job_id(job_id, f"jobs[{k}]")
+            if job_id in self._in_flight or job_id in pending or job_id in seen:
                 raise ValueError(
-                    f"job_id {job_id} (jobs[{k}]) is already in flight or repeats in jobs; use "
-                    "a fresh job id per job. Nothing was submitted"
+                    f"job_id {job_id} (jobs[{k}]) is still pending (in flight, or its result not "
+                    "taken yet) or repeats in jobs; use a fresh job id per job. Nothing was "
+                    "submitted"
                 )
             seen.add(job_id)
             d, gpu, cpu = _sides(src, dst)
@@ -936,11 +1044,18 @@ class OffloadingWorker:
         if len(specs) == 1:
             return [self.transfer_async(*entries[0])]
         t0 = time.perf_counter()
-        combined, job_bytes = self._expand_many(specs)  # raises: nothing done
         ok = [False] * len(specs)
-        try:  # every id in range and no destination twice, over all the jobs at once
-            self._check_ids(direction, combined)
-        except ValueError:  # find the bad jobs (the usual case never gets here)
+        combined: list[tuple[np.ndarray, np.ndarray]] | None
+        try:  # a plain ValueError (sides that do not match) goes to the caller: nothing done
+            combined, job_bytes = self._expand_many(specs)
+        except _CPUBlockOutOfRange:  # raised once every job's sides are known to match
+            combined = None
+        if combined is not None:
+            try:  # every id in range and no destination twice, over all the jobs at once
+                self._check_ids(direction, combined)
+            except ValueError:
+                combined = None
+        if combined is None:  # find the bad jobs (the usual case never gets here)
             picked = self._isolate(direction, specs, entries, ok, t0)
             if picked is None:
                 return ok
@@ -992,6 +1107,8 @@ class OffloadingWorker:
         Raises:
             ValueError: a job whose sides do not describe the same blocks (:meth:`_expand`'s
                 message, prefixed with the job).
+            _CPUBlockOutOfRange: a CPU block id past the pool (``block_size_factor`` > 1),
+                once every job's sides are known to match.
         """
         f = self.block_size_factor
         num_groups = len(self._groups)
@@ -1039,6 +1156,10 @@ class OffloadingWorker:
             if f == 1 or len(gpu_ids) == 0:
                 combined.append((gpu_ids, cpu_ids if f == 1 else _EMPTY_IDS))
                 continue
+            # every job's sides match (checked above); an id past the pool would wrap around
+            # int64 in id × f below, so it fails the call here and each job is checked alone
+            if (error := _cpu_range_error(cpu_ids, self.num_cpu_blocks)) is not None:
+                raise error
             n, start, base = (np.array(c, dtype=np.int64) for c in zip(*runs[g], strict=True))
             offsets = np.arange(len(gpu_ids), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
             logical = np.repeat(start, n) + offsets
@@ -1091,8 +1212,8 @@ class OffloadingWorker:
         members: list[tuple[int, int, int]] = []
         parts = []
         for k, (job_id, gpu, cpu) in enumerate(specs):
-            per_group = self._expand(gpu, cpu)
-            try:
+            try:  # the sides match (checked): only an id out of range raises
+                per_group = self._expand(gpu, cpu)
                 self._check_ids(direction, per_group)
             except ValueError as exc:  # this job alone fails, as in transfer_async
                 self._finished.append(
@@ -1164,7 +1285,14 @@ class OffloadingWorker:
                 continue
             for name, ids, limit, what in (
                 ("GPU", gpu_ids, self.num_gpu_blocks, "GPU block ids"),
-                ("CPU", cpu_ids, cpu_rows, "CPU rows (CPU block id × block_size_factor + offset)"),
+                (
+                    "CPU block" if self.block_size_factor == 1 else "CPU row",
+                    cpu_ids,
+                    cpu_rows,
+                    "CPU block ids"
+                    if self.block_size_factor == 1
+                    else "CPU rows (CPU block id × block_size_factor + offset)",
+                ),
             ):
                 if ids.min() < 0 or ids.max() >= limit:
                     first = int(ids[(ids < 0) | (ids >= limit)][0])

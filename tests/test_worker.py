@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -195,7 +196,7 @@ def test_a_bad_group_fails_the_whole_job_before_any_copy() -> None:
     # store: group 0 -> slot 2 is fine, group 1 -> slot 9 is out of range
     assert not w.transfer_async(2, GPUBlockSpec((5, 6), (1, 1), (0, 0)), CPUBlockSpec((2, 9)))
     (r,) = w.wait([2])
-    assert not r.success and "group 1: CPU id 9 is out of range" in (r.error or "")
+    assert not r.success and "group 1: CPU block id 9 is out of range" in (r.error or "")
     assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), pool_before, strict=True))
     # a repeated destination is refused the same way
     assert not w.transfer_async(3, GPUBlockSpec((5, 6), (2, 0), (0, 0)), CPUBlockSpec((3, 3)))
@@ -299,7 +300,7 @@ def test_many_jobs_writing_one_block_keep_the_order_of_separate_calls() -> None:
          ValueError, r"jobs\[1\] \(job 2\) is a load but jobs\[0\] is a store"),
         (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
                   (1, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))],
-         ValueError, r"job_id 1 \(jobs\[1\]\) is already in flight or repeats"),
+         ValueError, r"job_id 1 \(jobs\[1\]\) is still pending"),
         (lambda: [(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,))),
                   (2, GPUBlockSpec.single_group([2, 3]), CPUBlockSpec((1,)))],
          ValueError, r"CPU side has 1 block ids"),
@@ -319,6 +320,134 @@ def test_many_jobs_bad_calls_submit_nothing(jobs, error, match) -> None:  # type
     for a, b in zip(before, w.cpu_tensors(), strict=True):
         assert torch.equal(a, b)
     assert w.transfer_many_async([]) == []
+
+
+def test_a_cpu_block_id_whose_rows_would_wrap_int64_fails_the_job_and_copies_nothing() -> None:
+    """With block_size_factor 4 a CPU block id of 2**62 makes row 2**64, which wraps to row 0
+    in int64: the job must fail naming the id, not overwrite slot 0 (or load from it)."""
+    kv = _kv(16)
+    gpu_before = kv.clone()
+    w = OffloadingWorker(num_gpu_blocks=16, num_cpu_blocks=4, block_size_factor=4)
+    w.register_kv_caches({"l": kv})
+    pool_before = [t.clone() for t in w.cpu_tensors()]
+    four = GPUBlockSpec.single_group([1, 2, 3, 4])
+    assert not w.transfer_async(1, four, CPUBlockSpec((2**62,)))
+    assert not w.transfer_async(2, CPUBlockSpec((2**62 + 1,)), GPUBlockSpec.single_group([5]))
+    results = w.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, False), (2, False)]
+    assert f"CPU block id {2**62} is out of range" in (results[0].error or "")
+    assert f"CPU block id {2**62 + 1} is out of range" in (results[1].error or "")
+    assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), pool_before, strict=True))
+    assert torch.equal(kv, gpu_before)
+    # several jobs together: the bad one fails alone, the good one lands in its own slot only
+    ok = w.transfer_many_async(
+        [(3, four, CPUBlockSpec((2**62 + 3,))), (4, GPUBlockSpec.single_group([5, 6, 7, 8]),
+                                                 CPUBlockSpec((1,)))]
+    )  # fmt: skip
+    assert ok == [False, True]
+    changed = [
+        s for s in range(4) if not torch.equal(w.cpu_tensors()[0][4 * s], pool_before[0][4 * s])
+    ]
+    assert changed == [1]
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda: CPUBlockSpec((2**63,)), ValueError, r"block_ids must be in \[0, 2\*\*63\)"),
+        (lambda: GPUBlockSpec((1,), (1,), (2**64,)), ValueError, "block_indices must be in"),
+        (lambda: CPUBlockSpec((True, 2)), TypeError, r"must hold ints, got True \(bool\)"),
+        (lambda: CPUBlockSpec({1, 2}), TypeError, "ordered sequence of ints"),
+        (lambda: CPUBlockSpec(torch.tensor([1.0])), TypeError, "must hold ints, got tensor"),
+        (lambda: CPUBlockSpec([[1, 2]]), TypeError, r"must hold ints, got \[1, 2\]"),
+        (lambda: CPUBlockSpec(7), TypeError, "block_ids must be a sequence of ints"),
+    ],
+)
+def test_block_specs_refuse_ids_that_are_not_int64_block_ids(build, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_a_job_id_is_refused_while_its_result_is_pending() -> None:
+    """A job id may not be reused until its result is taken: two results under one id would
+    be miscounted by the scheduler (one completion per job and rank)."""
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l": _kv(8)})
+    assert w.transfer_async(7, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+    assert not w.transfer_async(5, GPUBlockSpec.single_group([1]), CPUBlockSpec((99,)))
+    pool_before = [t.clone() for t in w.cpu_tensors()]
+    for job_id in (7, 5):
+        with pytest.raises(ValueError, match=f"job_id {job_id} is still pending"):
+            w.transfer_async(job_id, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))
+        with pytest.raises(ValueError, match=rf"job_id {job_id} \(jobs\[1\]\) is still pending"):
+            w.transfer_many_async(
+                [
+                    (9, GPUBlockSpec.single_group([3]), CPUBlockSpec((2,))),
+                    (job_id, GPUBlockSpec.single_group([4]), CPUBlockSpec((3,))),
+                ]
+            )
+    for bad in (None, "a", 1.5, True, (1, 2)):
+        with pytest.raises(TypeError, match="job_id must be an int"):
+            w.transfer_async(bad, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))  # type: ignore[arg-type]
+    assert w.pending_jobs() == {7, 5}
+    assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), pool_before, strict=True))
+    assert [(r.job_id, r.success) for r in w.wait([7, 5])] == [(7, True), (5, False)]
+    assert w.transfer_async(7, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))  # taken: free
+
+
+def test_overlapping_kv_cache_views_are_refused_at_registration() -> None:
+    """An expanded tensor (block stride 0) or blocks closer than their size would make a copy
+    into one block change another; refused, and nothing is registered."""
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    expanded = _kv(1).expand(8, -1, -1, -1, -1)
+    with pytest.raises(ValueError, match="blocks of the tensor overlap"):
+        w.register_kv_caches({"l": expanded})
+    flat = torch.zeros(8 * 64 + 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="blocks of the tensor overlap"):
+        w.register_kv_caches({"l": flat.as_strided((8, 128), (64, 1))})
+    flat_kv = torch.zeros(8 * 4 * 16, dtype=torch.bfloat16)
+    kv_first = flat_kv.as_strided((2, 8, 4, 16), (0, 64, 16, 1))  # V on top of K
+    with pytest.raises(ValueError, match="K and V halves of the K/V-first tensor overlap"):
+        w.register_kv_caches({"l": kv_first}, kv_layout="kv_first")
+    assert w.num_groups == 0
+    w.register_kv_caches({"l": _kv(8)})  # the worker is still usable
+    assert w.transfer_async(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+
+
+def test_cpu_slot_takes_int_ids_only() -> None:
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l": _kv(8)})
+    assert w.cpu_slot(np.int64(2)).shape == w.cpu_slot(2).shape
+    for bad in (True, False, 1.0, None):
+        with pytest.raises(TypeError, match="cpu_block_id must be an int"):
+            w.cpu_slot(bad)  # type: ignore[arg-type]
+
+
+def test_closing_keeps_the_results_and_refuses_new_jobs() -> None:
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l": _kv(8)})
+    assert w.transfer_async(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+    w.close()
+    w.close()  # idempotent
+    with pytest.raises(RuntimeError, match="the worker was closed"):
+        w.transfer_async(2, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))
+    with pytest.raises(RuntimeError, match="the worker was closed"):
+        w.transfer_many_async(
+            [
+                (2, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,))),
+                (3, GPUBlockSpec.single_group([3]), CPUBlockSpec((2,))),
+            ]
+        )
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+
+
+def test_pool_sizes_are_plain_ints_and_a_pool_past_2_63_bytes_is_refused() -> None:
+    w = OffloadingWorker(num_gpu_blocks=np.int64(8), num_cpu_blocks=np.int32(4))
+    assert type(w.num_gpu_blocks) is int and type(w.num_cpu_blocks) is int
+    huge = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=np.int64(2**55 + 1))
+    with pytest.raises(ValueError, match=r"more than any allocation can hold \(2\*\*63\)"):
+        huge.register_kv_caches({"l": _kv(8)})
+    assert huge.num_groups == 0
 
 
 requires_cuda = pytest.mark.cuda
@@ -525,6 +654,9 @@ def _step_jobs(draw: st.DrawFn) -> tuple[int, int, str, list[tuple[tuple, tuple,
             starts.append(start)
         if gpu_ids and draw(st.integers(0, 9)) == 0:
             gpu_ids[0] = 1000  # out of range: this job fails alone
+        if cpu_ids and draw(st.integers(0, 9)) == 0:
+            # past the pool, and id × f would wrap around int64 onto slot 0..3: fails alone
+            cpu_ids[-1] = 2**62 + draw(st.integers(0, 3))
         jobs.append((tuple(gpu_ids), tuple(sizes), tuple(starts), tuple(cpu_ids)))
     return f, groups, direction, jobs
 

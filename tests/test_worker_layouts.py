@@ -209,8 +209,8 @@ def test_a_bad_job_changes_neither_the_pool_nor_the_gpu_cache(mechanism: str) ->
         (out_of_range, CPUBlockSpec((0, 1)), "GPU id 12 is out of range"),  # store
         (CPUBlockSpec((0, 1)), out_of_range, "GPU id 12 is out of range"),  # load
         (CPUBlockSpec((0, 1)), repeated, "a destination id repeats"),  # load
-        (one_slot, CPUBlockSpec((4,)), "CPU id 8 is out of range"),  # store to slot 4 of 4
-        (CPUBlockSpec((4,)), one_slot, "CPU id 8 is out of range"),  # load from it
+        (one_slot, CPUBlockSpec((4,)), "CPU block id 4 is out of range"),  # store to slot 4 of 4
+        (CPUBlockSpec((4,)), one_slot, "CPU block id 4 is out of range"),  # load from it
     ]
     for job_id, (src, dst, message) in enumerate(bad_jobs):
         assert not w.transfer_async(job_id, src, dst)
