@@ -492,16 +492,33 @@ class TieredPool:
             sources: list[int] = r.future.result()
             n = len(sources)
             out = self.manager.prepare_store(r.keys[:n]) if n else None
+            while out is None and n > 1:
+                # L1 cannot take the whole run at once (too few free or evictable slots): the
+                # leading part that fits is promoted, the rest comes on a later miss
+                n //= 2
+                out = self.manager.prepare_store(r.keys[:n])
             if out is None or not out.keys_to_store:
                 self._reading.difference_update(r.keys)
                 self._answer(r.keys[n] if n < len(r.keys) and out is not None else r.keys[0])
                 return True
-            src = dict(zip(r.keys[:n], sources, strict=True))
-            r.keys_to_store = list(out.keys_to_store)
-            r.sources = [src[k] for k in r.keys_to_store]
-            outs = [self._slot(b) for b in out.block_ids]
+            src = dict(zip(r.keys[:n], sources[:n], strict=True))
+            keys_to_store = list(out.keys_to_store)
+            try:
+                outs = [self._slot(b) for b in out.block_ids]
+                future = self._reader.submit(
+                    self._read, keys_to_store, [src[k] for k in keys_to_store], outs
+                )
+            except Exception:  # the slots go back: no key may stay pending forever
+                log.exception("kvoff tiers: could not start the read of %d promoted blocks; "
+                              "their L1 slots are released", len(keys_to_store))  # fmt: skip
+                self.manager.complete_store(keys_to_store, False)
+                self._reading.difference_update(r.keys)
+                self._answer(r.keys[0])
+                return True
+            r.keys_to_store = keys_to_store
+            r.sources = [src[k] for k in keys_to_store]
             r.phase = 2
-            r.future = self._reader.submit(self._read, r.keys_to_store, r.sources, outs)
+            r.future = future
             r.t0 = time.perf_counter()
             return False
         ok: list[bool] = r.future.result()

@@ -272,10 +272,12 @@ class DiskTier(SecondaryTier):
         self._stats.set(blocks=len(self._index))
 
     def _reopen_buffered(self) -> None:
-        fd = os.open(self.file, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own lock is per file description
-        os.close(self._fd)
-        self._fd = fd
+        """Turns O_DIRECT off on the tier's own descriptor: a file system that took O_DIRECT at
+        ``open()`` refused it at the first read or write. ``F_SETFL`` keeps the descriptor and
+        so its ``flock``; a second descriptor would conflict with that lock (flock locks belong
+        to the open file description)."""
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))
         self.direct = False
 
     def _superblock_fields(self) -> bytes:

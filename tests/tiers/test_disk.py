@@ -621,6 +621,44 @@ def test_buffered_io(tmp_path: Path) -> None:
     tier.close()
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_o_direct_refused_at_the_first_io_falls_back_to_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
+    """Some file systems take O_DIRECT at open() and refuse the reads and writes (EINVAL). The
+    tier turns O_DIRECT off on its own descriptor and keeps its lock: a second descriptor
+    conflicted with the tier's own flock, and the tier went unavailable."""
+    if not supports_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT at open()")
+    import errno
+    import fcntl
+
+    if existing:  # a file made earlier: the superblock read is the first O_DIRECT I/O
+        DiskTier(tmp_path, capacity(FMT, 4), FMT, direct=False).close()
+
+    def refusing(real):  # type: ignore[no-untyped-def]
+        def call(fd, *args):  # type: ignore[no-untyped-def]
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT refused)")
+            return real(fd, *args)
+
+        return call
+
+    for name in ("preadv", "pwrite", "pwritev"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    stats = tier.stats()
+    assert (stats["unavailable"], stats["direct_io"], tier.error) == (0, 0, None)
+    keys = [key(i) for i in range(2)]
+    assert tier.put(keys, [block(k) for k in keys]) == [True, True]
+    bufs = outs(2)
+    assert tier.get(keys, bufs) == [True, True]
+    np.testing.assert_array_equal(bufs[1], block(keys[1]))
+    with pytest.raises(ValueError, match="in use by another DiskTier"):  # the lock is still held
+        DiskTier(tmp_path, capacity(FMT, 4), FMT, direct=False)
+    tier.close()
+
+
 def test_direct_true_refused_without_o_direct() -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or supports_o_direct(shm):

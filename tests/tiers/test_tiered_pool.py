@@ -194,6 +194,51 @@ def test_bad_configuration_is_refused(tmp_path: Path) -> None:
     other.close()
 
 
+def test_a_run_longer_than_l1_promotes_its_leading_part(tmp_path: Path) -> None:
+    """A tier holds 6 blocks of a request, L1 has 4 slots: the leading part that L1 can take
+    is promoted and served byte-exact (before, ``prepare_store`` of all 6 was refused and the
+    request got nothing, however often it asked)."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    keys = [key(i) for i in range(6)]
+    assert disk.put(keys, [pattern(i) for i in range(6)]) == [True] * 6
+    assert pool.lookup(keys) is None
+    pool.wait_reads()
+    hits = pool.lookup(keys)
+    assert hits is not None and 2 <= hits <= 4
+    ids = l1.manager.prepare_load(keys[:hits])
+    for i, b in enumerate(ids):
+        np.testing.assert_array_equal(l1.slots[b], pattern(i))
+    l1.manager.complete_load(keys[:hits])
+    assert pool.stats()["tiers"]["disk"]["promoted_blocks"] == hits
+    pool.close()
+
+
+def test_a_slot_callback_that_raises_releases_the_promoted_slots(tmp_path: Path) -> None:
+    """An error between reserving the L1 slots and starting the read (here the slot callback)
+    stays inside ``poll``: the slots go back and the keys are asked again later, instead of
+    answering "retry later" for ever."""
+    l1, _, disk = make_pool(tmp_path, blocks=4)
+    failures = [1]
+
+    def slot(block_id: int) -> np.ndarray:
+        if failures[0]:
+            failures[0] -= 1
+            raise IndexError("no such slot (once)")
+        return l1.slots[block_id]
+
+    pool = TieredPool(l1.manager, slot, [disk])
+    keys = [key(i) for i in range(2)]
+    assert disk.put(keys, [pattern(i) for i in range(2)]) == [True, True]
+    assert pool.lookup(keys) is None
+    pool.wait_reads()  # the error is logged, not raised on the engine thread
+    assert pool.promoting_keys() == set() and not pool.is_reading(keys[0])
+    assert pool.lookup(keys) == 0  # answered: a miss this time
+    assert pool.lookup(keys) is None  # asked again
+    pool.wait_reads()
+    assert pool.lookup(keys) == 2
+    pool.close()
+
+
 def test_replay_small_l1_plus_disk_matches_a_huge_l1(tmp_path: Path) -> None:
     """Issue 14: L1 = 2,000 blocks plus disk reaches the hit rate of L1 = 200,000 (within
     0.1 %) on the conversation trace (its first 1,500 requests here; the full trace is the
