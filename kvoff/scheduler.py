@@ -126,6 +126,10 @@ class ScheduledRequest:
         num_scheduled_tokens: tokens computed in this step.
         resumed_from_preemption: the request was preempted and ``new_block_ids`` is its new
             whole table.
+
+    Raises:
+        TypeError: ``new_block_ids`` is not a sequence of sequences of ints (a float, a str or
+            a bool as a block id).
     """
 
     request_id: str
@@ -135,9 +139,40 @@ class ScheduledRequest:
     resumed_from_preemption: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "new_block_ids", tuple(tuple(int(b) for b in g) for g in self.new_block_ids)
-        )
+        object.__setattr__(self, "new_block_ids", _block_id_table(self.new_block_ids))
+
+
+def _block_id_table(table: Any) -> tuple[tuple[int, ...], ...]:
+    """``ScheduledRequest.new_block_ids`` as tuples of ints, checked: ``int(1.9)`` would give
+    block 1 and a store job would copy it under another block's offload key.
+
+    Raises:
+        TypeError: ``table`` is not a sequence of sequences, or an id is not an int (a float, a
+            str or a bool).
+    """
+    try:
+        groups = tuple(table)
+    except TypeError:
+        raise TypeError(
+            f"new_block_ids must be a sequence of block id sequences, one per KV cache group, "
+            f"got {table!r}"
+        ) from None
+    out = []
+    for g, ids in enumerate(groups):
+        try:
+            items = tuple(ids)
+        except TypeError:
+            raise TypeError(
+                f"new_block_ids[{g}] must be a sequence of GPU block ids, got {ids!r}"
+            ) from None
+        for i, b in enumerate(items):
+            if isinstance(b, bool) or not hasattr(b, "__index__"):
+                raise TypeError(
+                    f"new_block_ids[{g}][{i}] must be an int GPU block id, got {b!r} "
+                    f"({type(b).__name__})"
+                )
+        out.append(tuple(map(operator.index, items)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -324,8 +359,9 @@ class OffloadingScheduler:
         enable_events: record ``BlockStored`` / ``BlockRemoved`` events for :meth:`take_events`.
 
     Raises:
-        ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``), or a group type
-            the scheduler cannot offload.
+        ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``) or more than
+            2**31 - 1, a group type the scheduler cannot offload, or an offloaded block of more
+            than 2**31 tokens (``gpu_block_size × block_size_factor``).
         MemoryError: the host cannot hold the CPU pool's index and eviction policy (about 110
             bytes per CPU block); the message names ``num_blocks``, the bytes needed and the
             fix (a smaller ``cpu_bytes_to_use``). Nothing stays allocated.
@@ -342,6 +378,11 @@ class OffloadingScheduler:
     """
 
     def __init__(self, spec: CPUOffloadingSpec, *, enable_events: bool = False) -> None:
+        if spec.num_blocks > 2**31 - 1:
+            raise ValueError(
+                f"the CPU pool has {spec.num_blocks} blocks; at most 2**31 - 1 are supported: "
+                "lower cpu_bytes_to_use"
+            )
         if spec.num_blocks < 1:
             raise ValueError(
                 f"the CPU pool has {spec.num_blocks} blocks (num_gpu_blocks="

@@ -7,6 +7,8 @@ same function so that their pools always agree.
 
 from __future__ import annotations
 
+import operator
+
 __all__ = ["compute_num_cpu_blocks"]
 
 
@@ -32,9 +34,16 @@ def compute_num_cpu_blocks(
         0 when ``bytes_per_gpu_block`` is 0 (no GPU blocks: nothing to offload).
 
     Raises:
+        TypeError: when an argument is not an int (a float, NaN, a str or a bool): a
+            fractional byte or block count has no meaning here. numpy integers are taken (as
+            Python ints, so that the product cannot wrap around).
         ValueError: when an argument is negative, or ``block_size_factor`` / ``world_size`` is
             not positive; the message names the value.
     """
+    cpu_bytes_to_use = _count("cpu_bytes_to_use", cpu_bytes_to_use)
+    bytes_per_gpu_block = _count("bytes_per_gpu_block", bytes_per_gpu_block)
+    block_size_factor = _count("block_size_factor", block_size_factor)
+    world_size = _count("world_size", world_size)
     if cpu_bytes_to_use < 0:
         raise ValueError(f"cpu_bytes_to_use must be >= 0 bytes, got {cpu_bytes_to_use}")
     if bytes_per_gpu_block < 0:
@@ -46,3 +55,17 @@ def compute_num_cpu_blocks(
     if bytes_per_gpu_block == 0:
         return 0
     return cpu_bytes_to_use // (bytes_per_gpu_block * world_size * block_size_factor)
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as a Python int.
+
+    Raises:
+        TypeError: ``value`` is not an integer (a bool is not).
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__}); pass a whole "
+            "number of bytes or blocks"
+        )
+    return operator.index(value)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ blocks ONE request of that many tokens needs in this layer's group). :class:`KVC
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -268,6 +268,10 @@ class MambaSpec:
             raise ValueError(
                 f"MambaSpec.dtypes must be one dtype per shape (a tuple), got {self.dtypes!r}"
             )
+        if not isinstance(self.dtypes, Iterable):
+            raise ValueError(
+                f"MambaSpec.dtypes must be one dtype per shape (a tuple), got {self.dtypes!r}"
+            )
         dtypes = tuple(dtype_from_name(d) for d in self.dtypes)
         if len(dtypes) != len(shapes):
             raise ValueError(
@@ -334,7 +338,8 @@ class _FrozenMap(Mapping):
         return len(self._items)
 
     def __hash__(self) -> int:
-        return hash(self._items)
+        # equality ignores the order of the items (a dict's), so the hash must too
+        return hash(frozenset(self._items))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Mapping):
@@ -444,7 +449,7 @@ class KVCacheTensor:
 
     def __post_init__(self) -> None:
         _check_non_negative_int("KVCacheTensor", "size", self.size)
-        names = (self.shared_by,) if isinstance(self.shared_by, str) else tuple(self.shared_by)
+        names = _layer_names(self.shared_by)
         if not names or not all(isinstance(n, str) for n in names):
             raise ValueError(
                 f"KVCacheTensor.shared_by must name at least one layer (strings), got "
@@ -453,6 +458,14 @@ class KVCacheTensor:
         if len(set(names)) != len(names):
             raise ValueError(f"KVCacheTensor.shared_by repeats a layer: {names!r}")
         object.__setattr__(self, "shared_by", names)
+
+
+def _layer_names(value: object) -> tuple[object, ...]:
+    """Layer names as a tuple (one str is one name); ``()`` for a value that is not a
+    collection (None), which the callers refuse naming the field."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, Iterable) else ()
 
 
 @dataclass(frozen=True)
@@ -473,9 +486,7 @@ class KVCacheGroupSpec:
     kv_cache_spec: KVCacheSpec
 
     def __post_init__(self) -> None:
-        names = (
-            (self.layer_names,) if isinstance(self.layer_names, str) else tuple(self.layer_names)
-        )
+        names = _layer_names(self.layer_names)
         if not names or not all(isinstance(n, str) for n in names):
             raise ValueError(
                 f"KVCacheGroupSpec.layer_names must name at least one layer (strings), got "

@@ -93,6 +93,75 @@ def test_a_refused_first_call_leaves_no_request_registered() -> None:
     assert s.stats()["num_requests"] == 1 and list(s._requests) == ["k"]
 
 
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        (((1.9, 2),), r"new_block_ids\[0\]\[0\] must be an int GPU block id, got 1.9"),
+        (((1, "2"),), r"new_block_ids\[0\]\[1\] must be an int GPU block id, got '2'"),
+        (((1, 2), (True,)), r"new_block_ids\[1\]\[0\] must be an int GPU block id, got True"),
+        ((5,), r"new_block_ids\[0\] must be a sequence of GPU block ids, got 5"),
+        (None, "new_block_ids must be a sequence of block id sequences"),
+    ],
+)
+def test_a_scheduled_request_refuses_block_ids_that_are_not_ints(table, match) -> None:  # type: ignore[no-untyped-def]
+    """``int(1.9)`` made block 1, and the step stored GPU block 1 under block 2's key."""
+    from kvoff.scheduler import ScheduledRequest
+
+    with pytest.raises(TypeError, match=match):
+        ScheduledRequest("a", table)
+    ok = ScheduledRequest("a", ((np.int64(1), 2),))
+    assert ok.new_block_ids == ((1, 2),) and type(ok.new_block_ids[0][0]) is int
+
+
+def test_sizes_that_overflow_the_core_are_refused_before_it_runs() -> None:
+    """A GPU block size whose product with block_size_factor wrapped int64 to 0 killed the
+    process (SIGFPE) at the first lookup; a CPU pool of more than 2**31 - 1 blocks reached
+    the core's constructor as a pybind11 argument dump. Run in a subprocess: a crash fails
+    the test instead of the session."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from kvoff import (CPUOffloadingSpec, FullAttentionSpec, KVCacheConfig,
+                           KVCacheGroupSpec, KVCacheTensor)
+        from kvoff.scheduler import OffloadingScheduler, Request
+        def spec(gpu_bs, factor, cpu_bytes):
+            layer = FullAttentionSpec(gpu_bs, 1, 1, torch.uint8)
+            page = layer.page_size_bytes
+            kv = KVCacheConfig(10, [KVCacheTensor(page * 10, ("l0",))],
+                               [KVCacheGroupSpec(("l0",), layer)])
+            return CPUOffloadingSpec(kv, cpu_bytes_to_use=cpu_bytes, block_size=gpu_bs * factor)
+        for args, want in (((2**61, 8, 2**70), "2^31 tokens"),
+                           ((16, 1, 2**80), "at most 2**31 - 1")):
+            try:
+                s = OffloadingScheduler(spec(*args))
+                s.get_num_new_matched_tokens(Request("r", [b"h"] * 4, 2**62), 0)
+            except ValueError as e:
+                assert want in str(e), e
+            else:
+                raise AssertionError(f"accepted {args}")
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
+
+
+def test_compute_num_cpu_blocks_takes_whole_numbers_only() -> None:
+    """Invariant 3's one sizing function returned NaN or a float slot count for float input,
+    and 0 for numpy ints whose product wrapped around."""
+    from kvoff.sizing import compute_num_cpu_blocks
+
+    for args in ((1000, float("nan"), 1, 1), (float("inf"), 10, 1, 1), (1000, 4.5, 1, 1),
+                 (1000, 10, 1, True), ("1000", 10, 1, 1)):  # fmt: skip
+        with pytest.raises(TypeError, match="must be an int"):
+            compute_num_cpu_blocks(*args)
+    big = np.int64(2**40)
+    assert compute_num_cpu_blocks(big * 2**20, big, np.int64(2**20), 1) == 1
+    assert type(compute_num_cpu_blocks(np.int64(1000), 10, 1)) is int
+
+
 def test_finished_ids_as_a_one_shot_iterator_release_the_request() -> None:
     s = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8).sched
     assert s.get_num_new_matched_tokens(Request("z", [b"h1", b"h2"], 9), 0) == (0, False)

@@ -110,6 +110,24 @@ def test_mamba_validation(args: tuple, needle: str) -> None:
         MambaSpec(*args)
 
 
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: KVCacheTensor(5, None), "KVCacheTensor.shared_by must name at least one layer"),
+        (
+            lambda: KVCacheGroupSpec(None, FullAttentionSpec(16, 8, 128, BF16)),
+            "KVCacheGroupSpec.layer_names must name at least one layer",
+        ),
+        (lambda: MambaSpec(16, ((4, 8),), None), "MambaSpec.dtypes must be one dtype per shape"),
+    ],
+)
+def test_a_missing_collection_is_named(build, match) -> None:  # type: ignore[no-untyped-def]
+    """None where a collection belongs: a ValueError naming the field, not a bare
+    "'NoneType' object is not iterable"."""
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
 def test_uniform_type_specs() -> None:
     a = FullAttentionSpec(16, 8, 128, BF16)  # 65,536
     b = FullAttentionSpec(16, 2, 64, BF16)  # 2 × 16 × 2 × 64 × 2 = 8,192
@@ -118,6 +136,9 @@ def test_uniform_type_specs() -> None:
     assert u.max_num_blocks(33) == 3
     assert dict(u.kv_cache_specs) == {"l0": a, "l1": b}
     assert hash(u) == hash(UniformTypeKVCacheSpecs(16, {"l0": a, "l1": b}))
+    # equal whatever the order of the layers, so the hash must be too
+    swapped = UniformTypeKVCacheSpecs(16, {"l1": b, "l0": a})
+    assert swapped == u and hash(swapped) == hash(u) and len({u, swapped}) == 1
     with pytest.raises(TypeError):
         u.kv_cache_specs["l2"] = a  # type: ignore[index]
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -18,6 +18,9 @@ constexpr std::int64_t kMaxGpuBlocks = std::int64_t{1} << 31;
 // Token counts are summed (computed + scheduled) before anything else: bounded so that the sum
 // cannot overflow (2^61 tokens is far beyond any context).
 constexpr std::int64_t kMaxTokenCount = std::int64_t{1} << 61;
+// Tokens of one offloaded block (gpu_block_size × block_size_factor): engines use 16 to a few
+// thousand; the bound keeps every product of a block count and a block size inside int64.
+constexpr std::int64_t kMaxOffloadedBlockTokens = std::int64_t{1} << 31;
 
 bool token_counts_valid(const ScheduledRequest& s) noexcept {
   return s.num_computed_tokens >= 0 && s.num_scheduled_tokens >= 0 &&
@@ -38,6 +41,12 @@ SchedulerConfig validated(SchedulerConfig c) {
        "gpu_block_size must be >= 1 token, got " + std::to_string(c.gpu_block_size));
   need(c.block_size_factor >= 1 && c.block_size_factor <= (1 << 20),
        "block_size_factor must be in [1, 2^20], got " + std::to_string(c.block_size_factor));
+  // Both are at least 1 here, so the quotient bounds the product without computing it (which
+  // could overflow: a wrapped product of 0 made every lookup divide by zero).
+  need(c.gpu_block_size <= kMaxOffloadedBlockTokens / c.block_size_factor,
+       "an offloaded block of gpu_block_size (" + std::to_string(c.gpu_block_size) +
+           ") x block_size_factor (" + std::to_string(c.block_size_factor) +
+           ") tokens is more than 2^31 tokens; check the engine's block size");
   if (c.hash_block_size == 0) c.hash_block_size = c.gpu_block_size;
   need(c.hash_block_size >= 1 && c.gpu_block_size % c.hash_block_size == 0,
        "gpu_block_size (" + std::to_string(c.gpu_block_size) +

@@ -171,6 +171,14 @@ TEST(OffloadingSchedulerConfig, RejectsBadValuesNamingThem) {
   expect_names(bad(make_config({Full()}, 0)), {"gpu_block_size", "got 0"});
   expect_names(bad(make_config({Full()}, -3)), {"gpu_block_size", "got -3"});
   expect_names(bad(make_config({Full()}, 4, 0)), {"block_size_factor", "got 0"});
+  // gpu_block_size x block_size_factor wrapped to 0 in int64 (2^61 x 8): a lookup then
+  // divided by zero (SIGFPE) instead of a clear error
+  expect_names(bad(make_config({Full()}, std::int64_t{1} << 61, 8)),
+               {"gpu_block_size (2305843009213693952)", "block_size_factor (8)", "2^31 tokens"});
+  expect_names(bad(make_config({Full()}, (std::int64_t{1} << 31) + 1)),
+               {"gpu_block_size (2147483649)"});
+  OffloadingScheduler largest(make_config({Full()}, std::int64_t{1} << 11, 1 << 20));
+  EXPECT_EQ(largest.config().block_size_factor, 1 << 20);
   expect_names(bad(make_config({Full()}, 4, 1, 3)),
                {"gpu_block_size (4)", "hash_block_size (3)"});
   expect_names(bad(make_config({Full()}, 4, 1, -2)), {"hash_block_size (-2)"});
