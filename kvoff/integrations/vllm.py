@@ -43,8 +43,9 @@ pool in shared memory (``/dev/shm``). So every rank must run on the engine core'
 "uni" or "mp" executor); Ray, an external launcher and several nodes are refused.
 
 A failed load is never served: the worker reports its GPU blocks through
-``get_block_ids_with_load_errors`` (one KV cache group) or the request through
-``failed_recving`` (hybrid models), and the engine recomputes them. Set
+``get_block_ids_with_load_errors`` (one full-attention KV cache group) or the request through
+``failed_recving`` (sliding-window, Mamba and hybrid models, whose blocks before a failed one
+may be null), and the engine recomputes them. Set
 ``kv_load_failure_policy="recompute"`` in the ``KVTransferConfig`` (vLLM's default, ``"fail"``,
 fails such requests instead).
 """
@@ -106,11 +107,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoff import specs as kspecs
 from kvoff._scheduler import CPUOffloadingManager
-from kvoff.config import OffloadingConfig
+from kvoff.config import ConfigError, OffloadingConfig
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.scheduler import (
     OffloadingScheduler,
     TransferJob,
+    group_kinds,
 )
 from kvoff.sizing import compute_num_cpu_blocks
 from kvoff.worker import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
@@ -226,10 +228,23 @@ def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadi
     """The :class:`kvoff.OffloadingConfig` in ``kv_connector_extra_config``.
 
     Raises:
-        kvoff.config.ConfigError: for an unknown key (naming it and the closest valid key).
+        kvoff.config.ConfigError: for an unknown key (naming it and the closest valid key), or
+            on the spec path a key vLLM's OffloadingConnector decides itself
+            (``offloaded_block_size``, ``hash_block_size``, ``world_size``).
         pydantic.ValidationError: for a bad value (naming it).
     """
     data = {k: v for k, v in dict(extra).items() if not (spec_path and k in VLLM_SPEC_KEYS)}
+    ignored = {
+        "offloaded_block_size": "block_size (vLLM's key: tokens per offloaded block)",
+        "hash_block_size": "nothing (vLLM hashes with its own block size)",
+        "world_size": "nothing (vLLM sets the ranks)",
+    }
+    unused = sorted(ignored.keys() & data.keys()) if spec_path else []
+    for key in unused[:1]:
+        raise ConfigError(
+            f"kv_connector_extra_config key {key!r} is not used by KvoffOffloadingSpec (vLLM's "
+            f"OffloadingConnector sizes its blocks and ranks itself); use {ignored[key]}"
+        )
     if spec_path and "block_size" in extra and "offloaded_block_size" not in data:
         data["offloaded_block_size"] = int(extra["block_size"])
     return OffloadingConfig.from_dict(data)
@@ -761,6 +776,13 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._spec = _cpu_spec(vllm_config, kv_cache_config, self._config)
         self._groups = len(kv_cache_config.kv_cache_groups)
+        # A failed load is reported by its GPU blocks (vLLM recomputes from the first one) only
+        # for one full-attention group: there every block before it holds valid KV. A window
+        # or a Mamba state has null blocks before the loaded ones, so recomputing from there
+        # would attend over them: the request is reported as failed instead (recomputed whole).
+        self._block_level_load_errors = self._groups == 1 and group_kinds(self._spec)[0][0] == (
+            "full_attention"
+        )
         _check_tier_topology(vllm_config, self._config)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._tier_seen: dict[str, int] = {}  # tier counters at the last stats call
@@ -1069,8 +1091,9 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished jobs: loads become ``finished_recving`` (failed ones also
-        ``failed_recving`` for hybrid models, or their GPU blocks in
-        :meth:`get_block_ids_with_load_errors`); every job goes into the worker metadata."""
+        ``failed_recving`` unless the model is one full-attention group, whose failed GPU blocks
+        go to :meth:`get_block_ids_with_load_errors`); every job goes into the worker
+        metadata."""
         results = KVConnectorTransferResults()
         finished, self._flushed = [*self._flushed, *self.worker.get_finished()], []
         meta = self._pending_meta
@@ -1091,14 +1114,15 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             if not r.success:
                 logger.warning("kvoff: load job %d of request %s failed (%s); its tokens are "
                                "recomputed", r.job_id, rid, r.error)  # fmt: skip
-                if self._groups == 1:
+                if self._block_level_load_errors:
                     self._load_errors.update(b for b in blocks if b != 0)
                 else:
                     results.failed_recving.add(rid)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """GPU blocks of loads that failed since the last call (one KV cache group)."""
+        """GPU blocks of loads that failed since the last call (a model of one full-attention
+        KV cache group; other models report the request in ``failed_recving``)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
