@@ -184,16 +184,18 @@ class OffloadingConfig(BaseModel):
             :class:`kvoff.tiers.redis_cluster.RedisClusterTier`); ``None``: no shared tier.
         remote_namespace: the shared tier's key prefix (no spaces or ``:``; default
             ``"kvoff"``). Keys also carry the model/layout/rank fingerprint.
-        remote_ttl_s: seconds a block lives in Redis (``None``: until Redis evicts it).
+        remote_ttl_s: seconds a block lives in Redis (``None``: until Redis evicts it); finite,
+            at most 2**62 ms (:data:`kvoff.tiers.cluster_url.MAX_TTL_MS`).
         remote_timeout_s: per-node timeout in seconds after which a slow or failed node is a
-            miss (default 0.25).
+            miss (default 0.25); finite, at most 1e9.
         tier_write_queue_blocks: CPU blocks pinned for write-through to the tiers at most;
             beyond that writes are dropped and counted (``None``: a quarter of the pool, at
             most 1,024; :func:`kvoff.tiers.coordinator.default_write_queue_blocks`).
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
-            the two sizes, an unknown policy (the message lists the choices) or an unknown key.
+            the two sizes, an unknown policy (the message lists the choices), a remote TTL or
+            timeout that is not finite or too long, or an unknown key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -230,6 +232,18 @@ class OffloadingConfig(BaseModel):
         if name not in choices:
             raise ValueError(f"unknown {info.field_name} {value!r}; choose one of {list(choices)}")
         return name
+
+    @field_validator("remote_ttl_s", "remote_timeout_s")
+    @classmethod
+    def _remote_seconds(cls, value: float | None, info: pydantic.ValidationInfo) -> float | None:
+        from kvoff.tiers.cluster_url import check_timeout_s, check_ttl_s
+
+        # the tier's own checks (finite; a TTL Redis accepts), naming the configuration key
+        if info.field_name == "remote_ttl_s":
+            check_ttl_s(value, "remote_ttl_s")
+        else:
+            check_timeout_s(value, "remote_timeout_s")
+        return value
 
     @model_validator(mode="after")
     def _one_size(self) -> OffloadingConfig:

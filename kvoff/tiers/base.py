@@ -13,6 +13,8 @@ programming errors (an ``out`` buffer of the wrong size, mismatched argument len
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -102,6 +104,58 @@ def check_batch(keys: Sequence[bytes], bufs: Sequence[Any] | None, what: str) ->
             raise ValueError(f"offload keys must be bytes of 1..64, got {k!r}")
     if bufs is not None and len(bufs) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(bufs)} {what}; pass one per key")
+
+
+def check_int(value: Any, name: str, *, minimum: int, hint: str, maximum: int | None = None) -> int:
+    """``value`` as an ``int``: a Python or NumPy integer (not a bool) in
+    ``minimum..maximum``. ``hint`` ends the messages (an example, or where the bound comes from).
+
+    Raises:
+        TypeError: ``value`` is not an integer (a bool, float, str, None...).
+        ValueError: ``value`` is below ``minimum`` or above ``maximum``.
+    """
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name}={value!r} must be an int {bounds}, not a {type(value).__name__} ({hint})"
+        )
+    n = int(value)
+    if n < minimum or (maximum is not None and n > maximum):
+        raise ValueError(f"{name}={value!r} must be an int {bounds} ({hint})")
+    return n
+
+
+def check_seconds(
+    value: Any, name: str, *, hint: str, allow_zero: bool = False, maximum: float | None = None
+) -> float:
+    """``value`` as a ``float`` of seconds: a finite real number (int or float, Python or NumPy,
+    not a bool), > 0 (>= 0 with ``allow_zero``), at most ``maximum``. ``hint`` ends the messages.
+
+    Raises:
+        TypeError: ``value`` is not a real number (a bool, str, None...).
+        ValueError: ``value`` is NaN, infinite, not above 0 (below 0 with ``allow_zero``) or
+            above ``maximum``.
+    """
+    bounds = ">= 0" if allow_zero else "> 0"
+    if maximum is not None:
+        bounds += f" and <= {maximum:g}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name}={value!r} must be a number of seconds {bounds}, not a "
+            f"{type(value).__name__} ({hint})"
+        )
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if (
+        not math.isfinite(seconds)
+        or seconds < 0
+        or (seconds == 0 and not allow_zero)
+        or (maximum is not None and seconds > maximum)
+    ):
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds {bounds} ({hint})")
+    return seconds
 
 
 _T = TypeVar("_T")

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvoff.tiers.base import SecondaryTier
+from kvoff.tiers.base import SecondaryTier, check_int
 
 if TYPE_CHECKING:
     from kvoff.config import OffloadingConfig
@@ -70,6 +70,9 @@ __all__ = [
 
 DEFAULT_WRITE_QUEUE_BLOCKS = 1024
 """Blocks waiting for write-through at most (pinned in L1 meanwhile); more are dropped."""
+MAX_WRITE_QUEUE_BLOCKS = 2**32 - 1
+"""Largest ``write_queue_blocks``: the manager keeps the bound as a 32-bit count
+(``CPUOffloadingManager.set_write_through(std::uint32_t)``)."""
 
 
 def default_write_queue_blocks(num_cpu_blocks: int) -> int:
@@ -186,6 +189,28 @@ def _stop_dispatchers() -> None:
         pool._stop_dispatcher()
 
 
+def _check_slot_size(slot: Callable[[int], Any], tiers: Sequence[SecondaryTier]) -> None:
+    """Raise ValueError unless the tiers' ``fmt.payload_bytes`` is the size of L1 slot 0
+    (``slot(0)``: an array, or one per rank for a :class:`~kvoff.tiers.ranked.RankedTier`):
+    a tier of another block size would fail every write-through and promotion, silently."""
+    try:
+        first = slot(0)
+        parts = first if isinstance(first, (tuple, list)) else (first,)
+        slot_bytes = sum(int(p.nbytes) for p in parts)
+    except Exception as e:
+        raise ValueError(
+            f"slot(0) failed ({type(e).__name__}: {e}); slot must map a CPU block id to that "
+            "slot's bytes (a uint8 array, e.g. worker.cpu_pool.numpy().__getitem__)"
+        ) from e
+    for t in tiers:
+        if t.fmt.payload_bytes != slot_bytes:
+            raise ValueError(
+                f"tier {t.name!r} stores {t.fmt.payload_bytes}-byte blocks but an L1 slot "
+                f"(slot(0)) has {slot_bytes} bytes; build the tier's BlockFormat with "
+                f"payload_bytes={slot_bytes}"
+            )
+
+
 class TieredPool:
     """kvoff's CPU pool (L1) with secondary tiers below it (see the module docstring).
 
@@ -193,18 +218,26 @@ class TieredPool:
         manager: the L1 manager (:class:`kvoff.CPUOffloadingManager`); only this object calls it
             while the pool is open.
         slot: CPU block id -> that slot's bytes, a writable ``(payload_bytes,)`` uint8 array
-            (a view into the CPU pool, e.g. ``worker.cpu_pool.numpy()[i]``).
+            (a view into the CPU pool, e.g. ``worker.cpu_pool.numpy()[i]``); for a
+            :class:`~kvoff.tiers.ranked.RankedTier`, a tuple of one such array per rank.
         tiers: the secondary tiers, fastest first (disk, then remote); every tier's
-            ``fmt.payload_bytes`` must equal the slot size.
+            ``fmt.payload_bytes`` must equal the slot size (checked on ``slot(0)``).
         write_queue_blocks: blocks in write-through at most (each pinned in L1 until every
-            tier wrote it); blocks beyond it are dropped and counted. The pool sets it on the
-            manager (``set_write_through``) and turns it off at :meth:`close`.
+            tier wrote it), an int in 1..2**32 - 1; blocks beyond it are dropped and counted.
+            The pool sets it on the manager (``set_write_through``) and turns it off at
+            :meth:`close`.
         wait_when_full: replays only (a replay has no compute between requests, so it would
             outrun any tier; an engine never waits): :meth:`wait_for_write_room` then waits
             for room instead of returning at once.
 
+    A refusal starts nothing: no thread runs, the manager's write-through stays off and the
+    tiers stay open, not attached (the caller's to close or to attach again).
+
     Raises:
-        ValueError: ``write_queue_blocks < 1``; tiers with different payload sizes or names.
+        TypeError: ``write_queue_blocks`` is not an int (a bool, float, str, None...).
+        ValueError: ``write_queue_blocks`` outside 1..2**32 - 1; tiers with the same name;
+            tiers whose ``fmt.payload_bytes`` differ from each other or from the size of an
+            L1 slot (``slot(0)``); a ``slot`` that fails for block 0.
     """
 
     def __init__(
@@ -216,21 +249,26 @@ class TieredPool:
         write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
         wait_when_full: bool = False,
     ) -> None:
-        if write_queue_blocks < 1:
-            raise ValueError(
-                f"write_queue_blocks must be >= 1, got {write_queue_blocks}; it bounds the blocks "
-                "pinned in L1 for write-through"
-            )
+        cap = check_int(
+            write_queue_blocks,
+            "write_queue_blocks",
+            minimum=1,
+            maximum=MAX_WRITE_QUEUE_BLOCKS,
+            hint="blocks pinned in L1 for write-through at most, e.g. "
+            f"{DEFAULT_WRITE_QUEUE_BLOCKS}; the manager counts them in 32 bits",
+        )
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
         sizes = {t.fmt.payload_bytes for t in tiers}
         if len(sizes) > 1:
             raise ValueError(f"tiers disagree on the block size: {sorted(sizes)} bytes")
+        if tiers:
+            _check_slot_size(slot, tiers)
         self.manager = manager
         self.tiers = list(tiers)
         self._slot = slot
-        self._cap = write_queue_blocks
+        self._cap = cap
         self._wait_when_full = wait_when_full
         self._reads: list[_Read] = []
         self._reading: set[bytes] = set()
@@ -269,7 +307,7 @@ class TieredPool:
         self._stats_tick = 0
         self._closed = False
         if self.tiers:
-            manager.set_write_through(write_queue_blocks)
+            manager.set_write_through(cap)
             for th in self._writers:
                 th.start()
             self._dispatcher.start()
@@ -325,8 +363,8 @@ class TieredPool:
                 busy = True
                 continue
             hits.append(h)
-            if h >= len(keys) or not self.tiers:
-                continue
+            if h >= len(keys) or not self.tiers or self._closed:
+                continue  # closed: answered from L1 only
             first = keys[h]
             if first in self._reading:
                 busy = reading = True
@@ -355,10 +393,10 @@ class TieredPool:
                 ``None``: all.
 
         Returns:
-            Whether a probe started: not when ``keys`` is empty, there are no tiers, or its
-            first key is being read already.
+            Whether a probe started: not when ``keys`` is empty, there are no tiers, the pool
+            is closed (nothing is changed then), or its first key is being read already.
         """
-        if not keys or not self.tiers or keys[0] in self._reading:
+        if self._closed or not keys or not self.tiers or keys[0] in self._reading:
             return False
         probe = list(keys[:MAX_PROBE_BLOCKS])
         self.probes += 1

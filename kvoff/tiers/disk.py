@@ -45,6 +45,7 @@ import fcntl
 import heapq
 import logging
 import mmap
+import numbers
 import os
 import struct
 import threading
@@ -58,7 +59,14 @@ from typing import Any, TypeVar
 import numpy as np
 import xxhash
 
-from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch, run_all
+from kvoff.tiers.base import (
+    SecondaryTier,
+    TierStats,
+    byte_view,
+    check_batch,
+    check_int,
+    run_all,
+)
 from kvoff.tiers.block_format import (
     HEADER_BYTES,
     BlockFormat,
@@ -115,17 +123,21 @@ class DiskTier(SecondaryTier):
         path: directory of the tier (created if missing). Every engine process / rank needs its
             own ``path`` or ``file_name``; the file is locked (``flock``) while open.
         capacity_bytes: bytes the file may take (``disk_bytes``), superblock included; the tier
-            holds ``(capacity_bytes - 4096) // slot_bytes`` blocks.
+            holds ``(capacity_bytes - 4096) // slot_bytes`` blocks. An int (Python or NumPy);
+            a size such as ``"100GiB"`` is parsed by :func:`kvoff.config.parse_byte_size`.
         fmt: block format (fingerprint, payload bytes).
         io_threads: threads doing the I/O of one batch in parallel (>= 1).
         direct: True = require O_DIRECT, False = buffered I/O, None = O_DIRECT if the file system
-            supports it, else buffered.
+            supports it, else buffered. Nothing else (not 0, 1 or a string).
         file_name: name of the slot file inside ``path`` (extra to the tier interface).
 
     Raises:
+        TypeError: ``capacity_bytes`` or ``io_threads`` not an int (a bool, float, str...), or
+            ``direct`` not True, False or None.
         ValueError: capacity smaller than one slot, io_threads < 1, ``path`` exists and is not a
             directory, ``direct=True`` on a file system without O_DIRECT, the file is locked by
-            another DiskTier, or the file exists and is not a kvoff disk tier file.
+            another DiskTier, or the file exists and is not a kvoff disk tier file (or is one
+            cut short inside its superblock).
     """
 
     name = "disk"
@@ -145,15 +157,26 @@ class DiskTier(SecondaryTier):
         self.fmt = fmt
         self.slot_bytes = slot_bytes_for(fmt)
         need = SUPERBLOCK_BYTES + self.slot_bytes
-        if not isinstance(capacity_bytes, int) or capacity_bytes < need:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral):
+            raise TypeError(
+                f"disk_bytes={capacity_bytes!r} must be an int number of bytes, not a "
+                f"{type(capacity_bytes).__name__} (e.g. 100 << 30); parse a size such as "
+                f"'100GiB' with kvoff.config.parse_byte_size"
+            )
+        capacity_bytes = int(capacity_bytes)  # a NumPy integer too
+        if capacity_bytes < need:
             raise ValueError(
                 f"disk_bytes={capacity_bytes!r} is smaller than one block: the disk tier needs "
                 f"{need} bytes for one slot ({SUPERBLOCK_BYTES} file header + {HEADER_BYTES} block "
                 f"header + payload {fmt.payload_bytes} rounded up to {ALIGN}); raise disk_bytes "
                 f"to at least {need} (a useful tier holds many blocks)"
             )
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise ValueError(f"io_threads={io_threads!r} must be an int >= 1")
+        io_threads = check_int(io_threads, "io_threads", minimum=1, hint="e.g. 4")
+        if direct is not None and direct is not True and direct is not False:
+            raise TypeError(
+                f"direct={direct!r} must be True (require O_DIRECT), False (buffered I/O) or None "
+                f"(O_DIRECT where the file system allows it)"
+            )
         self.num_slots = (capacity_bytes - SUPERBLOCK_BYTES) // self.slot_bytes
         self.capacity_bytes = capacity_bytes
         self.dir = Path(path)
@@ -252,6 +275,14 @@ class DiskTier(SecondaryTier):
             )
             self._stats.set(recreated_files=1)
             existing = False
+        elif (
+            not existing and n >= len(SUPER_MAGIC) and bytes(sb[: len(SUPER_MAGIC)]) == SUPER_MAGIC
+        ):
+            raise _Refused(
+                f"{self.file} is a kvoff disk tier file cut short: {size} bytes, shorter than its "
+                f"{SUPERBLOCK_BYTES}-byte superblock (truncated header; it holds no blocks); "
+                f"delete that file, or choose another disk_path or file_name"
+            )
         elif size > 0 and not existing and any(bytes(sb[:n])):
             raise _Refused(
                 f"{self.file} exists and is not a kvoff disk tier file (no {SUPER_MAGIC!r} "

@@ -21,6 +21,7 @@ thread waits for all of them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -60,13 +61,31 @@ class RankedTier(SecondaryTier):
         self.name = ranks[0].name
         self.fmt = BlockFormat(ranks[0].fmt.fingerprint, sum(t.fmt.payload_bytes for t in ranks))
         self._threads = ThreadPoolExecutor(len(ranks), thread_name_prefix=f"kvoff-{self.name}-rank")
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0  # calls on the rank threads (close waits for them)
+        self._closed = False
 
     def _each(self, call: Callable[[int, SecondaryTier], _T]) -> list[_T]:
         """``call(r, tier)`` for every rank, in parallel; results in rank order (the first
-        exception, if any, is raised after all finished)."""
+        exception, if any, is raised after all finished). Once closed, the rank threads are gone
+        and the ranks' tiers are closed: each rank is called in turn on this thread and answers
+        misses itself (and counts them), as a closed tier does."""
         if len(self.ranks) == 1:
             return [call(0, self.ranks[0])]
-        return run_all(self._threads, call, list(enumerate(self.ranks)))
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._inflight += 1
+        if closed:
+            return [call(r, t) for r, t in enumerate(self.ranks)]
+        try:
+            return run_all(self._threads, call, list(enumerate(self.ranks)))
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
 
     def _parts(self, bufs: Sequence[Any], what: str, *, writable: bool) -> list[list[Any]]:
         """Per rank, the part of each block (``bufs[i]``: one array per rank), every part
@@ -100,13 +119,20 @@ class RankedTier(SecondaryTier):
         return [all(a[i] for a in answers) for i in range(len(keys))]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """True where every rank's tier holds its part of the block (``contains`` of each)."""
+        """True where every rank's tier holds its part of the block (``contains`` of each); all
+        False once closed.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64 (nothing is looked up).
+        """
+        check_batch(keys, None, "keys")
         answers = self._each(lambda r, t: t.contains(keys))
         return [all(a[i] for a in answers) for i in range(len(keys))]
 
     def get(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         """Reads each rank's part into its array of ``outs[i]`` (a tuple of one writable uint8
-        array of that rank's ``payload_bytes`` per rank); True where every part was served.
+        array of that rank's ``payload_bytes`` per rank); True where every part was served; all
+        False once closed.
 
         Raises:
             ValueError: an ``outs`` entry that is not one array per rank, or of the wrong size.
@@ -115,7 +141,7 @@ class RankedTier(SecondaryTier):
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> list[bool]:
         """Writes each rank's part (``payloads[i]``: a tuple of one array per rank); True where
-        every rank stored its part.
+        every rank stored its part; all False (dropped) once closed.
 
         Raises:
             ValueError: a ``payloads`` entry that is not one array per rank, or of the wrong size.
@@ -123,7 +149,12 @@ class RankedTier(SecondaryTier):
         return self._all_ranks(keys, payloads, "payloads", write=True)
 
     def evict(self, keys: Sequence[bytes]) -> int:
-        """Removes every rank's part; returns how many keys rank 0 held."""
+        """Removes every rank's part; returns how many keys rank 0 held (0 once closed).
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64 (nothing is removed).
+        """
+        check_batch(keys, None, "keys")
         return self._each(lambda r, t: t.evict(keys))[0]
 
     def stats(self) -> dict[str, int | float]:
@@ -136,7 +167,12 @@ class RankedTier(SecondaryTier):
         return out
 
     def close(self) -> None:
-        """Closes every rank's tier and the rank threads. Idempotent."""
+        """Waits for the calls in flight, then closes every rank's tier and the rank threads;
+        later calls answer misses. Idempotent."""
+        with self._lock:
+            self._closed = True  # calls from now on go to the closed ranks: misses
+            while self._inflight:
+                self._idle.wait()
         for t in self.ranks:
             t.close()
         self._threads.shutdown(wait=True)

@@ -60,9 +60,17 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, TryAgainError
 from redis.retry import Retry
 
-from kvoff.tiers.base import SecondaryTier, TierStats, byte_view, check_batch, run_all
+from kvoff.tiers.base import (
+    SecondaryTier,
+    TierStats,
+    byte_view,
+    check_batch,
+    check_int,
+    check_seconds,
+    run_all,
+)
 from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat, check_block, encode_header
-from kvoff.tiers.cluster_url import parse_cluster_url
+from kvoff.tiers.cluster_url import check_timeout_s, check_ttl_s, parse_cluster_url
 
 log = logging.getLogger("kvoff.tiers.redis")
 
@@ -146,9 +154,16 @@ class RedisClusterTier(SecondaryTier):
             blocks (medians of 6 per-round ratios).
 
     Raises:
-        ValueError: bad URL, namespace, ttl_s, timeout_s, max_batch, io_threads, cooldown_s
-            or socket_read_size. An unreachable cluster is not an error: the tier answers
-            misses (``stats()["unavailable"] == 1``) and retries every ``cooldown_s``.
+        TypeError: ``ttl_s``, ``timeout_s`` or ``cooldown_s`` not a number, or ``max_batch``,
+            ``max_batch_values``, ``max_batch_bytes``, ``io_threads`` or ``socket_read_size``
+            not an int (a bool is neither).
+        ValueError: bad URL (see :func:`~kvoff.tiers.cluster_url.parse_cluster_url`) or
+            namespace; ``ttl_s`` or ``timeout_s`` not finite and > 0, or above
+            :data:`~kvoff.tiers.cluster_url.MAX_TTL_MS` ms / ``MAX_TIMEOUT_S``; ``cooldown_s``
+            not finite and >= 0; ``max_batch``, ``max_batch_values`` or ``io_threads`` < 1;
+            ``max_batch_bytes`` below one block object; ``socket_read_size`` < 4096. An
+            unreachable cluster is not an error: the tier answers misses
+            (``stats()["unavailable"] == 1``) and retries every ``cooldown_s``.
     """
 
     name = "remote"
@@ -173,35 +188,38 @@ class RedisClusterTier(SecondaryTier):
         self.nodes, self._options = parse_cluster_url(url)
         if not namespace or any(c in namespace for c in " :\n\t"):
             raise ValueError(f"namespace={namespace!r} must be non-empty, without spaces or ':'")
-        if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"ttl_s={ttl_s!r} must be > 0 seconds, or None for no expiry")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds (e.g. 0.25)")
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (e.g. 256)")
-        if not isinstance(max_batch_values, int) or max_batch_values < 1:
-            raise ValueError(f"max_batch_values={max_batch_values!r} must be an int >= 1 (e.g. 64)")
-        if max_batch_bytes < fmt.object_bytes:
-            raise ValueError(f"max_batch_bytes={max_batch_bytes} is below one block object")
-        if io_threads < 1 or cooldown_s < 0:
-            raise ValueError(f"io_threads={io_threads} must be >= 1, cooldown_s >= 0")
-        if not isinstance(socket_read_size, int) or socket_read_size < 4096:
-            raise ValueError(
-                f"socket_read_size={socket_read_size!r} must be an int >= 4096 bytes (e.g. 256 KiB)"
-            )
+        ttl_ms = check_ttl_s(ttl_s, "ttl_s")
+        timeout = check_timeout_s(timeout_s, "timeout_s")
+        max_batch = check_int(max_batch, "max_batch", minimum=1, hint="e.g. 256")
+        max_batch_values = check_int(
+            max_batch_values, "max_batch_values", minimum=1, hint="e.g. 64"
+        )
+        max_batch_bytes = check_int(
+            max_batch_bytes,
+            "max_batch_bytes",
+            minimum=fmt.object_bytes,
+            hint=f"at least one block object of {fmt.object_bytes} bytes; e.g. 64 MiB",
+        )
+        cooldown = check_seconds(cooldown_s, "cooldown_s", allow_zero=True, hint="e.g. 1.0")
+        io_threads = check_int(io_threads, "io_threads", minimum=1, hint="e.g. 4")
+        socket_read_size = check_int(
+            socket_read_size, "socket_read_size", minimum=4096, hint="bytes, e.g. 256 KiB"
+        )
         self.fmt = fmt
         self.url = url
         self.prefix = f"{namespace}:{fmt.fingerprint.hex()}:".encode()
-        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self.timeout_s = float(timeout_s)
+        self.ttl_ms = ttl_ms
+        self.timeout_s = timeout
         self.max_batch = max_batch
         self.max_batch_values = max_batch_values
         self.max_batch_bytes = max_batch_bytes
-        self.cooldown_s = cooldown_s
+        self.cooldown_s = cooldown
         self.socket_read_size = socket_read_size
         self.error: str | None = None
         self._stats = TierStats(extra=("node_skips", "topology_refreshes", "unavailable"))
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0  # calls between _enter and _exit (close waits for them)
         self._down_until: dict[str, float] = {}
         self._refreshing = False
         self._next_connect = 0.0
@@ -474,12 +492,35 @@ class RedisClusterTier(SecondaryTier):
 
     # ------------------------------------------------------------------ the tier interface
 
+    def _enter(self) -> bool:
+        """Count a call in flight (:meth:`close` waits for it before it shuts the node threads
+        and the connections down); False once closed (the call answers misses)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._inflight += 1
+            return True
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Pipelined EXISTS per key; False for keys of failed / slow nodes."""
+        """Pipelined EXISTS per key; False for keys of failed / slow nodes, all False once the
+        tier is closed.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64 (nothing is looked up).
+        """
         check_batch(keys, None, "")
-        if self._closed:
+        if not self._enter():
             return [False] * len(keys)
-        found = [r == 1 for r in self._run("exists", keys)]
+        try:
+            found = [r == 1 for r in self._run("exists", keys)]
+        finally:
+            self._exit()
         self._stats.add(lookups=len(found), lookup_hits=sum(found))
         return found
 
@@ -489,12 +530,24 @@ class RedisClusterTier(SecondaryTier):
 
         Each node's thread verifies and copies the values it read while the other nodes' replies
         are still arriving (``numpy.copyto`` and xxHash run without the GIL on whole blocks),
-        and lets go of each reply at once."""
+        and lets go of each reply at once. All False once the tier is closed.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64, an ``outs`` entry of the wrong size
+                or read-only, or ``len(outs) != len(keys)`` (nothing is read).
+        """
         check_batch(keys, outs, "outs")
         views = [byte_view(o, self.fmt.payload_bytes, "outs[i]", writable=True) for o in outs]
-        if self._closed:
+        if not self._enter():
             self._stats.add(misses=len(keys))
             return [False] * len(keys)
+        try:
+            return self._get(keys, views)
+        finally:
+            self._exit()
+
+    def _get(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        """:meth:`get` of checked arguments, between ``_enter`` and ``_exit``."""
         fmt = self.fmt
 
         def verify_and_copy(i: int, reply: bytes) -> int | _Read:
@@ -546,12 +599,25 @@ class RedisClusterTier(SecondaryTier):
 
         Each value (header, then a copy of the payload) is made by the node thread that sends
         it, right before its round trip, in that thread's put buffer (:data:`PUT_BUFFER_BYTES`):
-        the nodes' threads encode in parallel, and no value is allocated per block."""
+        the nodes' threads encode in parallel, and no value is allocated per block. All False
+        (dropped) once the tier is closed.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64, a payload of the wrong size, or
+                ``len(payloads) != len(keys)`` (nothing is written).
+        """
         check_batch(keys, payloads, "payloads")
         views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
-        if self._closed:
+        if not self._enter():
             self._stats.add(writes_dropped=len(keys))
             return [False] * len(keys)
+        try:
+            return self._put(keys, views)
+        finally:
+            self._exit()
+
+    def _put(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        """:meth:`put` of checked arguments, between ``_enter`` and ``_exit``."""
         fmt = self.fmt
 
         def fill(i: int, out: np.ndarray) -> None:
@@ -573,15 +639,19 @@ class RedisClusterTier(SecondaryTier):
         return stored
 
     def evict(self, keys: Sequence[bytes]) -> int:
-        """Pipelined DEL; returns how many keys existed (keys of failed nodes count as absent).
+        """Pipelined DEL; returns how many keys existed (keys of failed nodes count as absent;
+        0 once the tier is closed).
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is deleted).
         """
         check_batch(keys, None, "")
-        if self._closed:
+        if not self._enter():
             return 0
-        removed = sum(1 for r in self._run("del", keys) if r == 1)
+        try:
+            removed = sum(1 for r in self._run("del", keys) if r == 1)
+        finally:
+            self._exit()
         self._stats.add(evictions=removed)
         return removed
 
@@ -593,9 +663,12 @@ class RedisClusterTier(SecondaryTier):
         return self._stats.snapshot()
 
     def close(self) -> None:
-        """Close the connections; later calls miss / drop."""
+        """Wait for the calls in flight (each ends within its nodes' ``timeout_s``), then close
+        the node threads and the connections; later calls miss / drop. Idempotent."""
         with self._lock:
-            self._closed = True
+            self._closed = True  # calls from now on answer misses at once
+            while self._inflight:
+                self._idle.wait()
             rc, self._rc = self._rc, None
         self._pool.shutdown(wait=True)
         self._table = None  # it holds the node objects (and so their connection pools)

@@ -312,6 +312,63 @@ def test_bad_config_raises_value_error(tmp_path: Path) -> None:
     tier.close()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"capacity_bytes": 53248.0}, TypeError, "disk_bytes=53248.0 must be an int number of"),
+        ({"capacity_bytes": "1GiB"}, TypeError, "disk_bytes='1GiB' must be an int .*parse_byte"),
+        ({"capacity_bytes": float("nan")}, TypeError, "disk_bytes=nan must be an int number"),
+        ({"capacity_bytes": True}, TypeError, "disk_bytes=True must be an int number of bytes"),
+        ({"capacity_bytes": None}, TypeError, "disk_bytes=None must be an int number of bytes"),
+        ({"io_threads": True}, TypeError, "io_threads=True must be an int >= 1, not a bool"),
+        ({"io_threads": 2.0}, TypeError, "io_threads=2.0 must be an int >= 1, not a float"),
+        ({"io_threads": 0}, ValueError, "io_threads=0 must be an int >= 1"),
+        ({"direct": 0}, TypeError, "direct=0 must be True .*, False .* or None"),
+        ({"direct": 1}, TypeError, "direct=1 must be True"),
+        ({"direct": "false"}, TypeError, "direct='false' must be True"),
+        ({"direct": "yes"}, TypeError, "direct='yes' must be True"),
+    ],
+    ids=repr,
+)
+def test_bad_argument_types_are_refused_naming_the_value(
+    tmp_path: Path, kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """Before, a float or "1GiB" capacity got the false diagnosis "smaller than one block",
+    io_threads=True was taken as 1, and any ``direct`` but False (0, "false") meant O_DIRECT.
+    A refusal creates nothing."""
+    args: dict[str, object] = {"capacity_bytes": capacity(FMT, 4), **kwargs}
+    with pytest.raises(error, match=message):
+        DiskTier(tmp_path / "t", fmt=FMT, **args)  # type: ignore[arg-type]
+    assert not (tmp_path / "t").exists()
+
+
+def test_numpy_integer_sizes_and_counts_are_ints(tmp_path: Path) -> None:
+    """A NumPy integer is an int (before, np.int64 capacities were refused as "smaller than one
+    block")."""
+    tier = DiskTier(tmp_path, np.int64(capacity(FMT, 4)), FMT, io_threads=np.int32(2))  # type: ignore[arg-type]
+    assert tier.num_slots == 4 and type(tier.capacity_bytes) is int
+    assert tier.put([key(1)], [block(key(1))]) == [True]
+    tier.close()
+    tier = DiskTier(tmp_path / "b", capacity(FMT, 4), FMT, direct=False)
+    assert tier.stats()["direct_io"] == 0  # False still means buffered I/O
+    tier.close()
+
+
+def test_a_kvoff_file_cut_short_in_its_superblock_is_refused_as_truncated(tmp_path: Path) -> None:
+    """A slot file that starts with the superblock magic but ends inside the superblock (a crash
+    while it was created) was refused as having "no b'KVOFFDSK' header", which is false."""
+    DiskTier(tmp_path, capacity(FMT, 4), FMT).close()
+    slots = tmp_path / "kvoff-blocks.slots"
+    head = slots.read_bytes()[:100]
+    assert head.startswith(b"KVOFFDSK")
+    slots.write_bytes(head)
+    with pytest.raises(ValueError, match=r"cut short: 100 bytes.*truncated header") as info:
+        DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    assert "no b'KVOFFDSK' header" not in str(info.value)
+    assert "delete that file" in str(info.value)
+    assert slots.read_bytes() == head  # refused: left as it was
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -66,6 +66,31 @@ def test_a_part_missing_or_corrupt_on_one_rank_is_a_miss(tmp_path: Path) -> None
     tier.close()
 
 
+def test_a_closed_ranked_tier_answers_misses_as_a_closed_tier_does(tmp_path: Path) -> None:
+    """Before, every call after close() raised RuntimeError (the rank threads were shut down);
+    a closed tier answers misses (a single DiskTier: False / False / False / 0), counted by the
+    ranks as theirs, and still refuses bad arguments."""
+    tier = ranked(tmp_path)
+    keys = [key(i) for i in range(3)]
+    assert tier.put(keys, [(part(k, 0), part(k, 1)) for k in keys]) == [True] * 3
+    tier.close()
+    outs = [(np.zeros(PART, np.uint8), np.zeros(PART, np.uint8)) for _ in keys]
+    assert tier.contains(keys) == [False] * 3
+    assert tier.get(keys, outs) == [False] * 3
+    assert tier.put(keys, [(part(k, 0), part(k, 1)) for k in keys]) == [False] * 3
+    assert tier.evict(keys) == 0
+    st = tier.stats()
+    assert st["misses"] == 2 * 3 and st["writes_dropped"] == 2 * 3  # each rank's, summed
+    with pytest.raises(ValueError, match="tuple of 2 arrays"):
+        tier.put([keys[0]], [part(keys[0], 0)])
+    with pytest.raises(ValueError, match=r"offload keys must be bytes of 1\.\.64"):
+        tier.contains(["not bytes"])  # type: ignore[list-item]
+    tier.close()  # idempotent
+    again = ranked(tmp_path)  # the ranks' files were closed and unlocked: they reopen
+    assert again.contains(keys) == [True] * 3
+    again.close()
+
+
 def test_bad_arguments_raise_and_change_nothing(tmp_path: Path) -> None:
     tier = ranked(tmp_path)
     k = key(1)

@@ -3,6 +3,7 @@ local 3-master clusters: round trip, a second process, a killed master, a slow n
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,9 +12,13 @@ import time
 from collections import Counter
 
 import numpy as np
+import pydantic
 import pytest
 
+from kvoff.config import OffloadingConfig
 from kvoff.tiers.block_format import HEADER_BYTES, BlockFormat, layout_fingerprint
+from kvoff.tiers.cluster_url import MAX_TIMEOUT_S, MAX_TTL_MS
+from kvoff.tiers.coordinator import tiers_from_config
 from kvoff.tiers.redis_cluster import LocalRedisCluster, RedisClusterTier, parse_cluster_url
 
 FP = layout_fingerprint(model="tiny", dtype="float16", world_size=2, rank=0, block_size=16)
@@ -201,6 +206,94 @@ def test_small_batches_and_ttl(
         assert 0 < redis_cluster.client(node).pttl(rkey) <= 30_000
 
 
+def test_the_longest_ttl_and_timeout_are_accepted_by_redis(
+    redis_url: str, redis_cluster: LocalRedisCluster
+) -> None:
+    """The largest TTL and timeout the checks let through work against the real servers: a TTL
+    of MAX_TTL_MS is stored by every SET PX (1e17 s, which Redis refused for every SET, is
+    refused at construction instead), and a timeout of MAX_TIMEOUT_S still connects."""
+    keys = [key(i) for i in range(12)]
+    with RedisClusterTier(
+        redis_url, FMT, ttl_s=MAX_TTL_MS / 1000, timeout_s=MAX_TIMEOUT_S, namespace="long"
+    ) as tier:
+        assert tier.ttl_ms == MAX_TTL_MS
+        assert tier.put(keys, [block(k) for k in keys]) == [True] * 12
+        assert tier.stats()["unavailable"] == 0 and tier.stats()["writes_dropped"] == 0
+        rkey = f"long:{FP.hex()}:{keys[0].hex()}".encode()
+        node = redis_cluster.index_of(tier.node_of(keys[0]) or "")
+        assert redis_cluster.client(node).pttl(rkey) > MAX_TTL_MS - 60_000
+        assert tier.contains(keys) == [True] * 12
+
+
+BAD_SETTINGS = [
+    ({"ttl_s": float("inf")}, ValueError, "ttl_s=inf must be a finite number of seconds"),
+    ({"ttl_s": float("nan")}, ValueError, "ttl_s=nan must be a finite"),
+    ({"ttl_s": 1e17}, ValueError, r"ttl_s=1e\+17 is 100000000000000000000 ms, longer than Redis"),
+    ({"ttl_s": True}, TypeError, "ttl_s=True must be a number of seconds > 0, not a bool"),
+    ({"ttl_s": "60"}, TypeError, "ttl_s='60' must be a number of seconds"),
+    ({"timeout_s": float("inf")}, ValueError, "timeout_s=inf must be a finite number"),
+    ({"timeout_s": 2e9}, ValueError, r"timeout_s=2000000000.0 must be .* <= 1e\+09"),
+    ({"timeout_s": True}, TypeError, "timeout_s=True must be a number of seconds"),
+    ({"timeout_s": "0.25"}, TypeError, "timeout_s='0.25' must be a number of seconds"),
+    ({"cooldown_s": float("nan")}, ValueError, "cooldown_s=nan must be a finite number"),
+    ({"cooldown_s": -1}, ValueError, "cooldown_s=-1 must be a finite number of seconds >= 0"),
+    ({"io_threads": float("nan")}, TypeError, "io_threads=nan must be an int >= 1, not a float"),
+    ({"io_threads": 2.5}, TypeError, "io_threads=2.5 must be an int"),
+    ({"io_threads": True}, TypeError, "io_threads=True must be an int >= 1, not a bool"),
+    ({"io_threads": 0}, ValueError, "io_threads=0 must be an int >= 1"),
+    ({"max_batch": True}, TypeError, "max_batch=True must be an int"),
+    ({"max_batch_values": 1.0}, TypeError, "max_batch_values=1.0 must be an int"),
+    ({"max_batch_bytes": float("nan")}, TypeError, "max_batch_bytes=nan must be an int"),
+    ({"max_batch_bytes": 100}, ValueError, "max_batch_bytes=100 must be an int >="),
+    ({"socket_read_size": 65536.0}, TypeError, "socket_read_size=65536.0 must be an int"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_SETTINGS, ids=repr)
+def test_bad_settings_are_refused_naming_the_value(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """Before, io_threads=nan was accepted and hung every batch spanning two masters,
+    ttl_s=inf raised a raw OverflowError, timeout_s=inf left the tier unavailable for good,
+    ttl_s=1e17 had Redis refuse every SET, and bools passed as numbers. A refusal comes before
+    any connection (nothing listens on port 1)."""
+    with pytest.raises(error, match=message):
+        RedisClusterTier("redis://127.0.0.1:1", FMT, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"remote_ttl_s": float("inf")}, "remote_ttl_s=inf must be a finite number of seconds"),
+        ({"remote_ttl_s": 1e17}, "remote_ttl_s=1e\\+17 is 100000000000000000000 ms, longer"),
+        ({"remote_timeout_s": float("inf")}, "remote_timeout_s=inf must be a finite number"),
+        ({"remote_timeout_s": float("nan")}, "remote_timeout_s"),
+    ],
+    ids=repr,
+)
+def test_the_configuration_refuses_remote_settings_the_tier_would_refuse(
+    kwargs: dict[str, float], message: str
+) -> None:
+    """The configuration names its own key (remote_ttl_s, not ttl_s), at load time rather than
+    when the engine makes its tiers."""
+    with pytest.raises(pydantic.ValidationError, match=message):
+        OffloadingConfig(num_cpu_blocks=4, remote_url="redis://127.0.0.1:1", **kwargs)
+
+
+def test_configured_remote_settings_at_the_bounds_make_a_tier(redis_url: str) -> None:
+    cfg = OffloadingConfig(
+        num_cpu_blocks=4,
+        remote_url=redis_url,
+        remote_ttl_s=MAX_TTL_MS / 1000,
+        remote_timeout_s=MAX_TIMEOUT_S,
+    )
+    [tier] = tiers_from_config(cfg, FMT)
+    try:
+        assert tier.put([key(1)], [block(key(1))]) == [True]
+    finally:
+        tier.close()
+
+
 def test_second_process_sees_the_first_process_blocks(redis_url: str) -> None:
     script = textwrap.dedent(
         f"""
@@ -261,6 +354,84 @@ def test_bad_url_and_unreachable_cluster() -> None:
         assert tier.get([key(1)], outs(1)) == [False]
         assert tier.contains([key(1)]) == [False]
         assert tier.stats()["writes_dropped"] == 1
+
+
+def test_a_url_with_spaces_or_port_0_is_refused() -> None:
+    """The documented grammar is redis://host:port[,host:port...] with no spaces: before,
+    "h1:7000, h2:7000" gave host ' h2' (a DNS lookup that fails, so that node never joined)
+    and port 0 was taken. Refused, not stripped, with the node and the fix."""
+    for url, needle in [
+        ("redis://h1:7000, h2:7000", "node ' h2:7000' contains whitespace.*redis://h1:7000,h2"),
+        ("redis://h1:7000 ,h2:7000", "node 'h1:7000 ' contains whitespace"),
+        ("redis://h :7000", "node 'h :7000' contains whitespace"),
+        ("redis://h:0", "node 'h:0' has port 0.*1..65535"),
+        ("redis://h1:7000,h2:0", "node 'h2:0' has port 0"),
+    ]:
+        with pytest.raises(ValueError, match=f"remote_url='{re.escape(url)}': {needle}"):
+            parse_cluster_url(url)
+        with pytest.raises(pydantic.ValidationError, match="remote_url"):
+            OffloadingConfig(num_cpu_blocks=4, remote_url=url)
+    assert parse_cluster_url("redis://h1:7000,h2:65535")[0] == [("h1", 7000), ("h2", 65535)]
+
+
+class CloseDuringRouting(RedisClusterTier):
+    """The real tier, one call of which is held after routing its keys until close() has
+    begun (and a little longer), so close() overlaps a call that has yet to use the node
+    threads."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.hold = False
+        self.held = threading.Event()
+
+    def _slot_table(self, rc):  # type: ignore[no-untyped-def]
+        table = super()._slot_table(rc)
+        if self.hold:
+            self.hold = False
+            self.held.set()
+            deadline = time.monotonic() + 10
+            while not self._closed and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.2)  # close() would have shut the node threads down by now
+        return table
+
+
+@pytest.mark.parametrize("op", ["contains", "get", "put", "evict"])
+def test_close_during_a_call_never_raises(redis_url: str, op: str) -> None:
+    """Before, close() shut the node threads down under a call in flight, and the call raised
+    "RuntimeError: cannot schedule new futures after shutdown" into the engine's tier thread.
+    close() now waits for the call, which ends normally; later calls answer misses."""
+    keys = [key(i) for i in range(60)]  # over all three masters: served on the node threads
+    tier = CloseDuringRouting(redis_url, FMT)
+    assert tier.put(keys, [block(k) for k in keys]) == [True] * 60
+    calls = {
+        "contains": lambda: tier.contains(keys),
+        "get": lambda: tier.get(keys, outs(60)),
+        "put": lambda: tier.put(keys, [block(k) for k in keys]),
+        "evict": lambda: tier.evict(keys),
+    }
+    result: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            result["answer"] = calls[op]()
+        except Exception as e:  # the bug: must not happen
+            result["error"] = e
+
+    tier.hold = True
+    th = threading.Thread(target=call)
+    th.start()
+    assert tier.held.wait(10)
+    tier.close()
+    th.join(10)
+    assert not th.is_alive()
+    assert "error" not in result, result
+    assert result["answer"] == (60 if op == "evict" else [True] * 60)  # finished before close
+    assert tier.contains(keys) == [False] * 60  # closed: misses, no exception
+    assert tier.get(keys[:2], outs(2)) == [False, False]
+    assert tier.put(keys[:2], [block(k) for k in keys[:2]]) == [False, False]
+    assert tier.evict(keys) == 0
+    tier.close()  # idempotent
 
 
 def test_close_disconnects_from_every_master(private_redis_cluster: LocalRedisCluster) -> None:

@@ -194,6 +194,97 @@ def test_bad_configuration_is_refused(tmp_path: Path) -> None:
     other.close()
 
 
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (float("nan"), TypeError, "write_queue_blocks=nan must be an int in 1..4294967295, not a"),
+        (2.5, TypeError, "write_queue_blocks=2.5 must be an int"),
+        (True, TypeError, "write_queue_blocks=True must be an int .*not a bool"),
+        ("4", TypeError, "write_queue_blocks='4' must be an int"),
+        (None, TypeError, "write_queue_blocks=None must be an int"),
+        (0, ValueError, "write_queue_blocks=0 must be an int in 1..4294967295"),
+        (2**32, ValueError, "write_queue_blocks=4294967296 must be an int in 1..4294967295"),
+        (10**20, ValueError, "write_queue_blocks=100000000000000000000 must be an int in"),
+    ],
+    ids=repr,
+)
+def test_a_bad_write_queue_bound_is_refused_and_starts_nothing(
+    tmp_path: Path, value: object, error: type[Exception], message: str
+) -> None:
+    """Before, nan, 2.5 and 10**20 passed the ``< 1`` check and failed later in the binding
+    with pybind's raw error, "4" and None gave a raw comparison TypeError and True was taken
+    as 1. The manager keeps the bound in 32 bits."""
+    l1 = L1(4)
+    disk = DiskTier(tmp_path / "d", 8 * (PAYLOAD + 8192), FMT)
+    before = threading.active_count()
+    with pytest.raises(error, match=message):
+        TieredPool(l1.manager, l1.slots.__getitem__, [disk], write_queue_blocks=value)  # type: ignore[arg-type]
+    assert threading.active_count() == before and l1.manager.write_through_capacity == 0
+    for good in (np.int64(3), 2**32 - 1):  # a NumPy integer and the largest bound are taken
+        pool = TieredPool(l1.manager, l1.slots.__getitem__, [disk], write_queue_blocks=good)  # type: ignore[arg-type]
+        assert l1.manager.write_through_capacity == good
+        pool.close()
+
+
+def test_tiers_of_another_block_size_than_an_l1_slot_are_refused(tmp_path: Path) -> None:
+    """Before, a tier whose blocks are not the L1 slot size was taken, and every write-through
+    and promotion then failed silently (written_blocks 0, write_failures counted). Refused at
+    construction, with nothing left running: no thread, write-through off, the tier open and
+    unattached (attached to a pool of the right slot size afterwards)."""
+    manager = _scheduler.CPUOffloadingManager(4, "lru")
+    slots = np.zeros((4, 2 * PAYLOAD), np.uint8)  # L1 slots twice the tier's block size
+    disk = DiskTier(tmp_path / "d", 8 * (PAYLOAD + 8192), FMT)
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(
+        ValueError,
+        match=r"tier 'disk' stores 8192-byte blocks but an L1 slot \(slot\(0\)\) has 16384 "
+        r"bytes; build the tier's BlockFormat with payload_bytes=16384",
+    ):
+        TieredPool(manager, slots.__getitem__, [disk])
+    assert {t.name for t in threading.enumerate()} == before
+    assert manager.write_through_capacity == 0
+    out = manager.prepare_store([key(1)])  # a store is not queued for write-through
+    assert out is not None
+    manager.complete_store(list(out.keys_to_store), True)
+    assert manager.write_through_queued == 0
+    # per rank (a RankedTier's slot): the parts' sizes summed; a slot that fails is named
+    with pytest.raises(ValueError, match=r"an L1 slot \(slot\(0\)\) has 24576 bytes"):
+        TieredPool(manager, lambda b: (slots[b], slots[b, :PAYLOAD]), [disk])
+
+    def no_slot(block_id: int) -> np.ndarray:
+        raise IndexError("no slot")
+
+    with pytest.raises(ValueError, match=r"slot\(0\) failed \(IndexError: no slot\)"):
+        TieredPool(manager, no_slot, [disk])
+    assert manager.write_through_capacity == 0
+    assert disk.put([key(2)], [pattern(2)]) == [True]  # still open, still the caller's
+    l1 = L1(4)
+    pool = TieredPool(l1.manager, l1.slots.__getitem__, [disk])
+    l1.store([key(3)], [pattern(3)])
+    pool.wait()
+    assert pool.stats()["tiers"]["disk"]["written_blocks"] == 1
+    pool.close()
+
+
+def test_after_close_lookup_answers_from_l1_and_probe_changes_nothing(tmp_path: Path) -> None:
+    """Before, lookup() and probe() after close() raised RuntimeError (the probe thread was
+    shut down) and left the key in _reading and probes counted, so the key answered "retry
+    later" for ever."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    l1.store([key(1)], [pattern(1)])
+    pool.wait()
+    assert disk.put([key(2)], [pattern(2)]) == [True]  # on the tier only
+    pool.close()
+    assert pool.lookup([key(1), key(2)]) == 1  # L1 only: the tier is not asked
+    assert pool.lookup([key(2)]) == 0
+    assert pool.lookup_groups([[key(2)], [key(1)]]) == [0, 1]
+    assert pool.probe([key(2)]) is False
+    assert not pool.is_reading(key(2)) and pool.probes == 0
+    assert pool.stats()["lookup_retries"] == 0
+    pool.poll()
+    pool.close()  # idempotent
+
+
 def test_a_run_longer_than_l1_promotes_its_leading_part(tmp_path: Path) -> None:
     """A tier holds 6 blocks of a request, L1 has 4 slots: the leading part that L1 can take
     is promoted and served byte-exact (before, ``prepare_store`` of all 6 was refused and the
@@ -218,7 +309,7 @@ def test_a_slot_callback_that_raises_releases_the_promoted_slots(tmp_path: Path)
     stays inside ``poll``: the slots go back and the keys are asked again later, instead of
     answering "retry later" for ever."""
     l1, _, disk = make_pool(tmp_path, blocks=4)
-    failures = [1]
+    failures = [0]
 
     def slot(block_id: int) -> np.ndarray:
         if failures[0]:
@@ -226,7 +317,8 @@ def test_a_slot_callback_that_raises_releases_the_promoted_slots(tmp_path: Path)
             raise IndexError("no such slot (once)")
         return l1.slots[block_id]
 
-    pool = TieredPool(l1.manager, slot, [disk])
+    pool = TieredPool(l1.manager, slot, [disk])  # which calls slot(0) for its size
+    failures[0] = 1  # the next call fails: the promotion's
     keys = [key(i) for i in range(2)]
     assert disk.put(keys, [pattern(i) for i in range(2)]) == [True, True]
     assert pool.lookup(keys) is None
