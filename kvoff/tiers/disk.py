@@ -136,8 +136,9 @@ class DiskTier(SecondaryTier):
             ``direct`` not True, False or None.
         ValueError: capacity smaller than one slot, io_threads < 1, ``path`` exists and is not a
             directory, ``direct=True`` on a file system without O_DIRECT, the file is locked by
-            another DiskTier, or the file exists and is not a kvoff disk tier file (or is one
-            cut short inside its superblock).
+            another DiskTier, the file exists and is not a kvoff disk tier file (or is one
+            cut short inside its superblock), or the file system has less free space than
+            the file still needs (preallocating it would fill the disk).
     """
 
     name = "disk"
@@ -344,10 +345,21 @@ class DiskTier(SecondaryTier):
             size = target
         preallocated = 1
         if size < target:
+            st = os.fstatvfs(self._fd)
+            free = st.f_bavail * st.f_frsize
+            if target - size > free:
+                # fallocate would take the whole disk (and leave what it got: the engine's
+                # and everyone else's writes would then fail); a sparse file would fill it later
+                raise _Refused(
+                    f"the disk tier's file {self.file} needs {target - size} more bytes "
+                    f"(disk_bytes={self.capacity_bytes}), but its file system has {free} bytes "
+                    "free; lower disk_bytes or free space there"
+                )
             try:
                 os.posix_fallocate(self._fd, size, target - size)
             except OSError as e:
                 preallocated = 0
+                os.ftruncate(self._fd, size)  # give back what a failed fallocate took
                 log.info("%s: not preallocated (%s); slots are allocated as written", self.file, e)
         self._stats.set(preallocated=preallocated)
 

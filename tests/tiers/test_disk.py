@@ -716,6 +716,20 @@ def test_o_direct_refused_at_the_first_io_falls_back_to_buffered(
     tier.close()
 
 
+def test_a_capacity_beyond_the_free_space_is_refused_and_takes_nothing(tmp_path: Path) -> None:
+    """disk_bytes larger than the file system's free space: fallocate took the whole disk
+    (75 GB in an audit run) before failing, and every other writer on the machine failed."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(ValueError, match=r"has \d+ bytes free; lower disk_bytes"):
+        DiskTier(tmp_path, free + 2**40, FMT)
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) <= SUPERBLOCK_BYTES
+    after = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    assert after > free - 2**30  # nothing close to the capacity was allocated
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)  # a capacity that fits still opens
+    assert tier.put([key(1)], [block(key(1))]) == [True]
+    tier.close()
+
+
 def test_direct_true_refused_without_o_direct() -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or supports_o_direct(shm):
