@@ -952,8 +952,12 @@ class OffloadingScheduler:
 
     def reset_cache(self) -> int:
         """Empties the CPU pool of every block no job uses (ready and not pinned by a load),
-        e.g. for an engine's prefix-cache reset; returns how many blocks were dropped (one
-        ``BlockRemoved`` event lists them). Jobs in flight complete as usual."""
+        e.g. for an engine's prefix-cache reset after a weight update; returns how many
+        blocks were dropped (one ``BlockRemoved`` event lists them). Jobs in flight become
+        stale: they complete as usual for the engine, but a stale store frees its slots instead
+        of making its blocks hits (their KV was computed before the reset), and a stale load's
+        blocks are discarded once it has read them. A block pinned by a load in flight stays a
+        hit until that load completes."""
         return int(self._core.reset_cache())
 
     # ------------------------------------------------------------------ inspection

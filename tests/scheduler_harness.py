@@ -223,6 +223,7 @@ class JobRec:
         executed: its bytes moved already (flushed or completed).
         ranks: ranks that reported it.
         failed: a rank reported failure.
+        stale: in flight at a reset_cache: a store's blocks never become hits.
     """
 
     job: TransferJob
@@ -231,6 +232,7 @@ class JobRec:
     executed: bool = False
     ranks: set[int] = field(default_factory=set)
     failed: bool = False
+    stale: bool = False
 
 
 @dataclass
@@ -982,7 +984,7 @@ class EngineSim:
             for k in j.job.keys:
                 state = self.sched.block_state(k)
                 if j.job.direction == "store":
-                    want = "missing" if j.failed else "ready"
+                    want = "missing" if j.failed or j.stale else "ready"
                     if state != want:
                         self.fail(f"store job {jid} completed (failed={j.failed}) but key "
                                   f"{k!r} is {state}")  # fmt: skip
@@ -1024,6 +1026,16 @@ class EngineSim:
             self.rec.outputs.append(out)
         self.check()
         return out
+
+    def reset_cache(self) -> int:
+        """The scheduler's reset_cache: the jobs in flight become stale (a store of theirs
+        completes without making its blocks hits)."""
+        for j in self.jobs.values():
+            j.stale = True
+        n = self.sched.reset_cache()
+        self._take_events()
+        self.check()
+        return n
 
     def _take_events(self) -> None:
         for ev in self.sched.take_events():

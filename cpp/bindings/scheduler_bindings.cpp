@@ -1822,11 +1822,15 @@ PYBIND11_MODULE(_scheduler, m) {
                   "Drops the ready, unpinned blocks among keys (their data cannot be trusted, "
                   "e.g. a load of them failed); returns how many. Missing, pending and pinned "
                   "keys are left as they are. Raises ValueError for an empty key."))
-      .def("clear", &CPUOffloadingManager::clear,
-           py::doc("clear(self) -> int\n\n"
+      .def("clear", &CPUOffloadingManager::clear, py::arg("include_in_flight") = false,
+           py::doc("clear(self, include_in_flight=False) -> int\n\n"
                    "Drops every ready block that no load pins (one BlockRemoved event lists "
                    "them) and returns how many blocks. Pending blocks (stores in flight) and "
-                   "pinned blocks stay. O(num_blocks)."))
+                   "pinned blocks stay. With include_in_flight (an engine that forgets its jobs "
+                   "in flight at a reset and never completes them, as vLLM's "
+                   "OffloadingConnector does), pending blocks and blocks pinned by loads are "
+                   "dropped too and their slots freed at once; later completions of them are "
+                   "errors. Blocks pinned for write-through to the tiers stay. O(num_blocks)."))
       .def_property_readonly("num_blocks", &CPUOffloadingManager::num_blocks,
                              py::doc("int: pool size in CPU blocks (slots)."))
       .def_property_readonly("num_free_blocks", &CPUOffloadingManager::num_free_blocks,

@@ -955,16 +955,33 @@ std::size_t CPUOffloadingManager::discard(KeySpan keys) {
   return count;
 }
 
-std::size_t CPUOffloadingManager::clear() {
+std::size_t CPUOffloadingManager::clear(bool include_in_flight) {
   std::vector<std::string> removed;
-  std::size_t count = 0;
+  std::size_t ready = 0;  // ready blocks dropped (evictable, or pinned by loads only)
+  std::size_t unpinned_dropped = 0;  // of them, the unpinned ones
+  std::size_t pending = 0;  // pending blocks dropped (include_in_flight)
   for (std::uint32_t slot = 0; slot < index_.num_slots(); ++slot) {
     if (!policy_->contains(slot)) {
       continue;  // free
     }
     const std::uint64_t p = index_.payload(slot);
-    if (!evictable(p)) {
-      continue;  // pending, or ready and pinned by a load in flight
+    const bool unpinned = evictable(p);
+    if (!unpinned) {
+      if (!include_in_flight) {
+        continue;  // pending, or ready and pinned by a load in flight
+      }
+      if (state_bits(p) == BlockState::kPending) {
+        drop_slot(slot);  // never stored: no event
+        ++pending;
+        continue;
+      }
+      if (slot < wt_pinned_.size() && wt_pinned_[slot] != 0) {
+        // the tier writer still reads it (write_through_done needs the slot): it stays, with
+        // the loads' pins taken off, since their completions will not come
+        std::uint64_t& q = index_.payload(slot);
+        q -= kOnePin * (pins_bits(q) - wt_pinned_[slot]);
+        continue;
+      }
     }
     if (enable_events_) {
       removed.emplace_back(index_.key(slot));
@@ -972,12 +989,14 @@ std::size_t CPUOffloadingManager::clear() {
     policy_->erase(slot, index_.key(slot), /*evicted=*/true);
     index_.erase(slot);
     pool_.free(slot);
-    ++count;
+    ++ready;
+    unpinned_dropped += unpinned ? 1 : 0;
   }
-  num_ready_ -= static_cast<std::uint32_t>(count);
-  num_evictable_ -= static_cast<std::uint32_t>(count);
+  num_ready_ -= static_cast<std::uint32_t>(ready);
+  num_evictable_ -= static_cast<std::uint32_t>(unpinned_dropped);
+  num_pending_ -= static_cast<std::uint32_t>(pending);
   record(std::move(removed), /*removed=*/true);
-  return count;
+  return ready + pending;
 }
 
 }  // namespace kvoff

@@ -516,6 +516,7 @@ OffloadingScheduler::Job& OffloadingScheduler::new_job() {
   j.new_reports = 0;
   j.failed = false;
   j.emitted = false;
+  j.stale = false;
   return jobs_.insert(std::move(node)).position->second;
 }
 
@@ -1117,7 +1118,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     clear_fences(job);
     Request& r = *j.request;
     if (job.is_store) {
-      if (j.failed) {
+      if (j.failed || j.stale) {
         manager_.complete_store_blocks(job.cpu_block_ids, false);  // frees its slots
       } else {
         stored.insert(stored.end(), job.cpu_block_ids.begin(), job.cpu_block_ids.end());
@@ -1125,7 +1126,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       --r.stores_in_flight;
     } else {
       manager_.complete_load_blocks(job.cpu_block_ids);  // the blocks prepare_load pinned
-      if (j.failed) {
+      if (j.failed || j.stale) {
         // The blocks could not be read: never offer them again (a retry of the request would
         // fail the same way), so that the engine recomputes them and stores them anew.
         std::vector<std::string_view>& keys = report_key_views_;
@@ -1154,6 +1155,12 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
   if (!stored.empty()) manager_.complete_store_blocks(stored, true);
   for (const JobId id : completed) retire_job(id);
   return out;
+}
+
+std::size_t OffloadingScheduler::reset_cache() {
+  refuse_reentry("reset_cache");
+  for (auto& [id, j] : jobs_) j.stale = true;
+  return manager_.clear();
 }
 
 // --------------------------------------------------------------------------------- finish

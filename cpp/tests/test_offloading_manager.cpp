@@ -1160,6 +1160,45 @@ TEST(CPUOffloadingManagerClear, DropsReadyUnpinnedBlocksOnly) {
   EXPECT_EQ(m.clear(), 0u);
 }
 
+TEST(CPUOffloadingManagerClear, IncludingInFlightDropsPendingAndLoadPinnedBlocks) {
+  // For an engine that forgets its jobs in flight at a reset (vLLM's OffloadingConnector):
+  // without this, the pending key answered "being stored" for ever and the pinned block,
+  // computed before the reset, stayed a hit.
+  CPUOffloadingManager m(8, "lru", /*enable_events=*/true);
+  const Keys ready{"r0", "r1", "r2"};
+  ASSERT_TRUE(m.prepare_store(ready).has_value());
+  m.complete_store(ready);
+  const Keys pinned{"r1"};
+  m.prepare_load(pinned);
+  m.prepare_load(pinned);  // two loads in flight
+  const Keys pending{"p0", "p1"};
+  ASSERT_TRUE(m.prepare_store(pending).has_value());
+  (void)m.take_events();
+  EXPECT_EQ(m.clear(/*include_in_flight=*/true), 5u);
+  for (const auto* k : {"r0", "r1", "r2", "p0", "p1"}) {
+    EXPECT_EQ(m.state(k), BlockState::kMissing) << k;
+  }
+  EXPECT_EQ(m.num_free_blocks(), 8u);
+  EXPECT_EQ(m.num_stored_blocks(), 0u);
+  EXPECT_EQ(m.num_pending_blocks(), 0u);
+  EXPECT_EQ(m.num_evictable_blocks(), 0u);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);  // the three stored blocks; the pending ones were never stored
+  EXPECT_TRUE(events[0].removed);
+  EXPECT_EQ(events[0].keys.size(), 3u);
+  // the forgotten jobs' completions are errors, changing nothing
+  EXPECT_THROW(m.complete_store(pending), std::invalid_argument);
+  EXPECT_THROW(m.complete_load(pinned), std::invalid_argument);
+  // the keys are stored anew, into any slot, and the pool's accounting holds
+  const auto again = m.prepare_store(Keys{"p0", "r1"});
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->keys_to_store.size(), 2u);
+  m.complete_store(Keys{"p0", "r1"});
+  EXPECT_EQ(m.num_stored_blocks(), 2u);
+  EXPECT_EQ(m.num_evictable_blocks(), 2u);
+  EXPECT_EQ(m.num_free_blocks(), 6u);
+}
+
 TEST(CPUOffloadingManagerWriteThrough, QueuesPinsDropsAndUnpinsWhenHandedBack) {
   CPUOffloadingManager m(4);
   m.set_write_through(2);

@@ -999,7 +999,7 @@ TEST(OffloadingSchedulerLoad, FailedLoadKeepsBlocksAnotherLoadStillPins) {
   expect_match(s.get_num_new_matched_tokens("q", 0), miss());
 }
 
-TEST(OffloadingSchedulerReset, DropsStoredBlocksKeepsJobsInFlight) {
+TEST(OffloadingSchedulerReset, DropsStoredBlocksAndMakesJobsInFlightStale) {
   SchedulerConfig c = make_config({Full()});
   c.enable_events = true;
   OffloadingScheduler s(c);
@@ -1017,8 +1017,36 @@ TEST(OffloadingSchedulerReset, DropsStoredBlocksKeepsJobsInFlight) {
   EXPECT_EQ(events[0].keys.size(), 2u);
   add(s, "r", {"a0", "a1"}, 9);
   expect_match(s.get_num_new_matched_tokens("r", 0), miss());  // nothing left to hit
-  report(s, {b.store_jobs[0].job_id});  // the store in flight completes as usual
-  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kReady);
+  // The store in flight completes for the engine (not failed), but its block, computed
+  // before the reset (e.g. with the old weights), never becomes a hit: its slot is freed.
+  const auto out = report(s, {b.store_jobs[0].job_id});
+  EXPECT_EQ(out.completed_jobs, std::vector<JobId>{b.store_jobs[0].job_id});
+  EXPECT_TRUE(out.failed_jobs.empty());
+  EXPECT_EQ(s.manager().state(key("b0", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().num_free_blocks(), s.manager().num_blocks());
+  EXPECT_TRUE(s.take_events().empty());  // never stored, so never removed either
+  // a job made after the reset is not stale: its block becomes a hit as usual
+  add(s, "C", {"c0"}, 4);
+  auto later = step(s, {sched("C", {{4}}, 0, 4)});
+  ASSERT_EQ(later.store_jobs.size(), 1u);
+  report(s, {later.store_jobs[0].job_id});
+  EXPECT_EQ(s.manager().state(key("c0", 0)), BlockState::kReady);
+}
+
+TEST(OffloadingSchedulerReset, AStaleLoadsBlocksAreDiscardedWhenItCompletes) {
+  OffloadingScheduler s(make_config({Full()}));
+  seed(s, "seed", {"a0", "a1"}, {{1, 2}});
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  auto meta = step(s, {sched("r", {{5, 6, 7}}, 0, 0)});
+  ASSERT_EQ(meta.load_jobs.size(), 1u);
+  EXPECT_EQ(s.reset_cache(), 0u);  // both blocks are pinned by the load: they stay for it
+  const auto out = report(s, {meta.load_jobs[0].job_id});
+  EXPECT_TRUE(out.failed_jobs.empty());
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);  // pre-reset KV: gone
+  EXPECT_EQ(s.manager().state(key("a1", 0)), BlockState::kMissing);
+  EXPECT_EQ(s.manager().num_free_blocks(), s.manager().num_blocks());
 }
 
 TEST(OffloadingSchedulerFence, LoadTargetReallocatedIsFlushed) {

@@ -1400,8 +1400,11 @@ class KvoffOffloadingManager(OffloadingManager):
         return stats
 
     def reset_cache(self) -> None:
-        """Drops every block no job uses (the tiers keep theirs)."""
-        self.manager.clear()
+        """Drops every block, those of jobs in flight included (the tiers keep theirs): vLLM's
+        OffloadingConnectorScheduler forgets its jobs in flight at a reset and never completes
+        them, so their blocks would stay pending (every request reading them deferred for
+        ever) or pinned (pre-reset KV served as hits)."""
+        self.manager.clear(include_in_flight=True)
 
     def shutdown(self) -> None:
         """Waits for the tiers' reads and writes and closes them. Idempotent."""

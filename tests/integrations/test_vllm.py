@@ -586,6 +586,30 @@ def test_requests_aborted_with_loads_in_flight(
     assert r["phases"][4]["outputs"] == ref_b[:1]
 
 
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_a_connector_reset_with_stores_in_flight(
+    run_engine, tiny_models, llama_reference, connector
+) -> None:
+    """reset_prefix_cache(reset_connector=True), as after a weight update, while A's stores
+    are still in flight (held by a slow DMA). KvoffConnector: the stores completed after the
+    reset and A's pre-reset KV was served as a hit; spec path: vLLM forgets its jobs in flight
+    and never completes them, so their keys stayed "being stored" and A waited for ever. Now
+    nothing stored before the reset is a hit, and what is stored after it is."""
+    ref_a, _ = llama_reference
+    phases = [
+        {"prompts": PROMPTS_A[:1], "fault": "slow_transfers", "slow_steps": 1000},
+        {"prompts": PROMPTS_A[:1], "reset_connector": True},
+        {"prompts": PROMPTS_A[:1], "reset": True},
+    ]
+    r = run_engine(_plan(str(tiny_models["llama"]), connector, phases))
+    assert all(p["outputs"] == ref_a[:1] for p in r["phases"])
+    assert r["phases"][1]["cached"] == [0]  # no pre-reset block served
+    assert r["phases"][2]["cached"][0] >= 768  # stored after the reset: a hit
+    if connector == "kvoff":
+        assert r["phases"][0]["kvoff"]["num_pending_blocks"] > 0  # really in flight
+        assert _delta(r, 1, "hit_tokens") == 0 and _delta(r, 2, "hit_tokens") >= 768
+
+
 # -------------------------------------------------------------------- unit-level (no engine)
 
 

@@ -272,7 +272,15 @@ class CPUOffloadingManager {
   /// Drops every ready block that is not pinned by a load (one BlockRemoved event lists them)
   /// and returns how many. Pending blocks (stores in flight) and pinned blocks (loads in flight)
   /// stay; a pending block that completes later becomes ready as usual. O(num_blocks).
-  std::size_t clear();
+  ///
+  /// With `include_in_flight`, for an engine that forgets its jobs in flight at a reset and
+  /// never completes them (vLLM's OffloadingConnector does): pending blocks and blocks pinned
+  /// by loads are dropped too, their slots freed at once (a later complete_store or
+  /// complete_load of them is an error, like for any unknown key). A store still copying into
+  /// such a slot is queued before any later store into it, so the later one's bytes win; this
+  /// is what vLLM's own CPU manager does. Blocks pinned for write-through to the tiers stay
+  /// (the writer reads them). Returns the blocks dropped, pending ones included.
+  std::size_t clear(bool include_in_flight = false);
 
   /// State of `key` (kMissing for a key never seen, or an empty key).
   BlockState state(std::string_view key) const noexcept;

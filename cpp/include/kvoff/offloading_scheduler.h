@@ -314,12 +314,12 @@ class OffloadingScheduler {
     return manager_.take_events();
   }
   /// Empties the CPU pool of every block no job uses (CPUOffloadingManager::clear: ready and
-  /// unpinned), e.g. for an engine's cache reset; returns how many. Jobs in flight complete as
-  /// usual (a store that completes later makes its blocks hits again).
-  std::size_t reset_cache() {
-    refuse_reentry("reset_cache");
-    return manager_.clear();
-  }
+  /// unpinned), e.g. for an engine's cache reset after a weight update; returns how many. The
+  /// jobs in flight become stale: they complete as usual for the engine, but a stale store
+  /// frees its slots instead of making its blocks hits (their KV was computed before the
+  /// reset), and a stale load's blocks are discarded once it has read them. A block pinned by a
+  /// load in flight stays a hit until that load completes.
+  std::size_t reset_cache();
 
   /// The CPU pool manager (read access for tests and metrics).
   const CPUOffloadingManager& manager() const noexcept { return manager_; }
@@ -383,6 +383,7 @@ class OffloadingScheduler {
     std::uint32_t new_reports = 0;  // update_connector_output's count while it validates
     bool failed = false;
     bool emitted = false;
+    bool stale = false;  // in flight at reset_cache: its blocks never become (or stay) hits
   };
   // One contiguous run of logical GPU blocks of one group, and the offloaded blocks it covers.
   struct Segment {
