@@ -16,9 +16,9 @@ runs the same field definitions and validators.
 from __future__ import annotations
 
 import contextvars
+import decimal
 import difflib
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -30,6 +30,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -98,26 +99,58 @@ _BYTE_UNITS = {
 
 
 def parse_byte_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``512MiB``, ``2GiB`` or ``1.5GB`` (SI or IEC units,
-    case-insensitive).
+    """Parse a byte count such as ``4096``, ``512MiB``, ``2GiB``, ``1.5GB`` or ``1e9`` (SI or
+    IEC units, case-insensitive). The arithmetic is exact (decimal), so a long byte count is
+    kept to the byte.
 
     Raises:
-        ValueError: for text that is not a positive byte count.
+        ValueError: for text that is not a positive whole number of bytes (``"1.5"`` bytes is
+            not; ``"1.5KiB"`` is 1,536), or one of 2**63 bytes or more.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"{text!r} is not a byte count; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
-    number = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-    if not math.isfinite(number) or number >= 2**63:
+    try:
+        number = decimal.Decimal(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    except decimal.InvalidOperation:  # an exponent too large for the context
+        raise ValueError(f"{text!r} is too large a byte count (at most 2**63 - 1 bytes)") from None
+    if number >= 2**63:
         raise ValueError(f"{text!r} is too large a byte count (at most 2**63 - 1 bytes)")
-    value = int(number)
-    if value <= 0:
+    if number <= 0:
         raise ValueError(f"{text!r}: the byte count must be positive")
-    return value
+    if number != number.to_integral_value():
+        raise ValueError(
+            f"{text!r} is {number} bytes, not a whole number of bytes; write an integer count "
+            "or use a larger unit"
+        )
+    return int(number)
 
 
 def _bytes_before(value: Any) -> Any:
-    return parse_byte_size(value) if isinstance(value, str) else value
+    return parse_byte_size(value) if isinstance(value, str) else _not_bool(value)
+
+
+def _not_bool(value: Any) -> Any:
+    """Refuses a bool where a count belongs (pydantic's lax mode reads True as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    return value
+
+
+def _empty_is_none(value: Any) -> Any:
+    """An empty path (``KVOFF_DISK_PATH=""``) means unset, not the current directory."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    return value
+
+
+_MAX_INT = 2**63 - 1  # sizes and counts reach the C++ core as int64
+
+Count = Annotated[PositiveInt, BeforeValidator(_not_bool), Field(le=_MAX_INT)]
+"""A positive count (blocks, tokens, ranks): an int, not a bool, below 2**63."""
+
+OptionalPath = Annotated[Path | None, BeforeValidator(_empty_is_none)]
+"""A path, or unset (``None``, or an empty string)."""
 
 
 def _auto_before(value: Any) -> Any:
@@ -126,7 +159,7 @@ def _auto_before(value: Any) -> Any:
     return value
 
 
-ByteCount = Annotated[PositiveInt, BeforeValidator(_bytes_before)]
+ByteCount = Annotated[PositiveInt, BeforeValidator(_bytes_before), Field(le=_MAX_INT)]
 """A positive number of bytes: an int, or a string with an optional unit (``"40GiB"``)."""
 
 
@@ -136,7 +169,9 @@ def _bytes_or_zero_before(value: Any) -> Any:
     return _bytes_before(value)
 
 
-ByteCountOrZero = Annotated[NonNegativeInt, BeforeValidator(_bytes_or_zero_before)]
+ByteCountOrZero = Annotated[
+    NonNegativeInt, BeforeValidator(_bytes_or_zero_before), Field(le=_MAX_INT)
+]
 """A number of bytes that may be 0 (off): an int, or a string with an optional unit."""
 
 
@@ -201,24 +236,24 @@ class OffloadingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cpu_bytes_to_use: ByteCount | None = None
-    num_cpu_blocks: PositiveInt | None = None
-    offloaded_block_size: PositiveInt | None = None
+    num_cpu_blocks: Count | None = None
+    offloaded_block_size: Count | None = None
     eviction_policy: str = "lru"
-    world_size: PositiveInt = 1
-    hash_block_size: PositiveInt | None = None
+    world_size: Count = 1
+    hash_block_size: Count | None = None
     enable_events: bool = False
     pin_memory: Annotated[bool | None, BeforeValidator(_auto_before)] = None
     transfer_mechanism: str = "auto"
-    transfer_thresholds: Path | None = None
+    transfer_thresholds: OptionalPath = None
     compute_slowdown_budget: NonNegativeFloat = 0.03
     staging_bytes: ByteCountOrZero = 64 << 20
-    disk_path: Path | None = None
+    disk_path: OptionalPath = None
     disk_bytes: ByteCount | None = None
     remote_url: str | None = None
     remote_namespace: str = "kvoff"
     remote_ttl_s: PositiveFloat | None = None
     remote_timeout_s: PositiveFloat = 0.25
-    tier_write_queue_blocks: PositiveInt | None = None
+    tier_write_queue_blocks: Count | None = None
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
@@ -422,6 +457,8 @@ class OffloadingConfig(BaseModel):
         Raises:
             ValueError: when ``cpu_bytes_to_use`` cannot hold even one offloaded block; the
                 message gives the bytes one offloaded block needs.
+            TypeError: ``bytes_per_gpu_block``, ``block_size`` or ``world_size`` is not an int
+                (:func:`kvoff.sizing.compute_num_cpu_blocks`).
         """
         factor = self.block_size_factor(block_size)
         if world_size is None:

@@ -130,3 +130,60 @@ def test_transfer_options_reach_the_worker(tmp_path) -> None:
     bad = OffloadingConfig(num_cpu_blocks=8, transfer_thresholds=tmp_path / "missing.json")
     with pytest.raises(ValueError, match="cannot read transfer thresholds"):
         bad.worker_options()
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("9007199254740993", 9_007_199_254_740_993),  # float arithmetic gave ...992
+        ("123456789012345678", 123_456_789_012_345_678),
+        ("9223372036854775807", 2**63 - 1),  # the documented maximum was refused
+        ("1.5KiB", 1536),
+        ("1.5GB", 1_500_000_000),
+        ("1e+9", 10**9),
+    ],
+)
+def test_byte_counts_are_parsed_exactly(text: str, value: int) -> None:
+    from kvoff.config import parse_byte_size
+
+    assert parse_byte_size(text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("1.5", "not a whole number of bytes"),  # was truncated to 1 byte
+        ("9223372036854775808", "too large"),
+        ("1e999", "too large"),
+        ("0", "must be positive"),
+    ],
+)
+def test_byte_counts_that_are_not_whole_positive_int64_are_refused(text: str, needle: str) -> None:
+    from kvoff.config import parse_byte_size
+
+    with pytest.raises(ValueError, match=needle):
+        parse_byte_size(text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"cpu_bytes_to_use": True}, "cpu_bytes_to_use"),  # lax pydantic read True as 1 byte
+        ({"num_cpu_blocks": 4, "world_size": True}, "world_size"),
+        ({"num_cpu_blocks": True}, "num_cpu_blocks"),
+        ({"cpu_bytes_to_use": 2**64 + 2**80}, "cpu_bytes_to_use"),  # past int64: a pybind dump
+        ({"num_cpu_blocks": 2**63}, "num_cpu_blocks"),
+    ],
+)
+def test_counts_refuse_bools_and_values_past_int64(kwargs: dict, field: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=field):
+        OffloadingConfig(**kwargs)
+
+
+def test_an_empty_path_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVOFF_DISK_PATH="" became Path("."): a disk tier file in the working directory."""
+    monkeypatch.setenv("KVOFF_DISK_PATH", "")
+    monkeypatch.setenv("KVOFF_TRANSFER_THRESHOLDS", " ")
+    monkeypatch.setenv("KVOFF_NUM_CPU_BLOCKS", "4")
+    c = OffloadingConfig.load()
+    assert c.disk_path is None and c.transfer_thresholds is None and not c.has_tiers
