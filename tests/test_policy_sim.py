@@ -87,3 +87,24 @@ def test_bench_policies_reports_each_policy_and_operation() -> None:
     assert entry["ratio_to_lru"]["lru"] == {op: 1.0 for op in OPERATIONS}
     with pytest.raises(ValueError, match="unknown eviction policy"):
         bench_policies(["lru", "nope"], params, rounds=1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--trace", "nope", "--sweep-capacity", "4"], "trace 'nope' is not a bundled trace"),
+        (["--sweep-capacity", "0"], "'0' must be at least 1"),
+        (["--sweep-capacity", "4", "--policies", "foo"], "unknown policy 'foo'"),
+        (["--sweep-capacity", "4", "--limit", "0"], "'0' is not a positive request count"),
+        (["--sweep-capacity", "4", "--limit", "-1"], "'-1' is not a positive request count"),
+    ],
+)
+def test_main_reports_bad_arguments_without_a_traceback(
+    flags: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvoff.tools.policy_sim import main
+
+    with pytest.raises(SystemExit) as info:
+        main(flags)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and match in err and "Traceback" not in err

@@ -414,7 +414,8 @@ def run_manager_bench(
     without a baseline).
 
     Raises:
-        ValueError: an unknown eviction policy (naming the choices) or a parameter out of range.
+        ValueError: an unknown eviction policy (naming the choices), a parameter out of range, a
+            pool size below ``batch``, or ``key_bytes`` too short for distinct keys.
         RuntimeError: the paths disagree on the workload totals (they must run the same one).
     """
     from kvoff import _scheduler
@@ -424,22 +425,41 @@ def run_manager_bench(
         raise ValueError(
             f"unknown eviction policy {params.eviction_policy!r}; choose one of {policies}"
         )
+    small = [n for n in params.pool_sizes if n < params.batch]
+    if small:
+        raise ValueError(
+            f"pool size {small[0]} is smaller than the batch ({params.batch} keys per call): a "
+            "store batch must fit the pool; raise --pool-sizes or lower --batch"
+        )
+    if params.key_bytes < 2:
+        raise ValueError(
+            f"key_bytes must be >= 2 (hash bytes + 1 group byte), got {params.key_bytes}"
+        )
     baseline = params.baseline and params.eviction_policy == "lru"
     entries = []
     for n in params.pool_sizes:
         if log:
             log(f"pool {n:,}: C++ in-core")
-        core = dict(
-            _scheduler._bench_manager(
-                n,
-                params.eviction_policy,
-                params.key_bytes,
-                params.batch,
-                params.batches_per_round,
-                params.repeat,
-                params.seed,
+        try:
+            core = dict(
+                _scheduler._bench_manager(
+                    n,
+                    params.eviction_policy,
+                    params.key_bytes,
+                    params.batch,
+                    params.batches_per_round,
+                    params.repeat,
+                    params.seed,
+                )
             )
-        )
+        except RuntimeError as exc:
+            if "filling the pool failed" not in str(exc):
+                raise
+            # the random keys have (key_bytes - 1) hash bytes: too few repeat before the pool fills
+            raise ValueError(
+                f"--key-bytes {params.key_bytes} gives too few distinct keys for a pool of {n:,} "
+                f"slots ({exc}); raise --key-bytes (default: 9)"
+            ) from exc
         if log:
             log(f"pool {n:,}: C++ through the binding")
         binding = _run_python_path(

@@ -56,6 +56,8 @@ def _aligned_blocks(count: int, nbytes: int, seed: int) -> list[np.ndarray]:
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
+    if nbytes == 0:  # nothing moved: no rate, however fast
+        return 0.0
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
@@ -115,6 +117,11 @@ def bench_disk(
         "stored": sum(p["stored"] for p in passes),
         "served": sum(p["served"] for p in passes),
         "direct_io": all(p["direct_io"] for p in passes),
+        "failed": _failed(
+            sum(p["stored"] for p in passes),
+            sum(p["served"] for p in passes),
+            first["blocks"] * repeat,
+        ),
         **{name: med(name) for name in _DISK_MEDIANS},
         "passes": passes,
     }
@@ -173,8 +180,9 @@ def _disk_pass(
             "direct_io": direct,
             "write_s": write_s,
             "read_s": read_s,
-            "write_gbps": _gbps(payload, write_s),
-            "read_gbps": _gbps(payload, read_s),
+            # rates of what the tier really stored and served, not of what it was given
+            "write_gbps": _gbps(stored * block_size, write_s),
+            "read_gbps": _gbps(served * block_size, read_s),
             "dd_write_gbps": _gbps(payload, dd_write),
             "dd_read_gbps": _gbps(payload, dd_read),
         }
@@ -238,6 +246,12 @@ def bench_redis(
             tier.evict(keys[start : start + 1024])
     finally:
         tier.close()
+    failed = _failed(stored, served, n)
+    if stored == 0 or served == 0:
+        raise ValueError(
+            f"the Redis tier at {url} {failed} ({stats['timeouts']} timeouts): is the cluster "
+            "up and reachable? check --remote-url, or skip Redis with --no-remote"
+        )
     payload = n * block_size
     return {
         "block_size": block_size,
@@ -246,8 +260,10 @@ def bench_redis(
         "batch_blocks": batch,
         "stored": stored,
         "served": served,
-        "put_gbps": _gbps(payload, put_s),
-        "get_gbps": _gbps(payload, get_s),
+        "failed": failed,
+        # rates of what the tier really stored and served, not of what it was given
+        "put_gbps": _gbps(stored * block_size, put_s),
+        "get_gbps": _gbps(served * block_size, get_s),
         "lookup_batch": lookup_batch,
         "lookup_us_per_key": lookup_s / (lookup_rounds * lookup_batch) * 1e6,
         "timeouts": stats["timeouts"],
@@ -341,6 +357,24 @@ def run_bench_tiers(
     return result
 
 
+def _failed(stored: int, served: int, blocks: int) -> str | None:
+    """Why a tier's figures are not a full measurement (it stored or served fewer blocks than
+    it was given), or None."""
+    if stored == served == blocks:
+        return None
+    return f"stored {stored:,} of {blocks:,} blocks and served {served:,} of them"
+
+
+def tier_failures(result: dict[str, Any]) -> list[str]:
+    """One line per block size whose tier did not store and serve every block."""
+    return [
+        f"{name} tier, {_size(r['block_size'])} blocks: {r['failed']}"
+        for name in ("disk", "redis")
+        for r in result.get(name) or []
+        if r.get("failed")
+    ]
+
+
 def format_bench_tiers(result: dict[str, Any]) -> str:
     """A text table of :func:`run_bench_tiers`'s result."""
     lines = []
@@ -369,6 +403,7 @@ def format_bench_tiers(result: dict[str, Any]) -> str:
                 f"{_size(r['block_size']):>9} {r['blocks']:>7} {r['put_gbps']:>7.2f}"
                 f" {r['get_gbps']:>7.2f} {r['lookup_us_per_key']:>14.2f}"
             )
+    lines += [f"FAILED: {line}" for line in tier_failures(result)]
     return "\n".join(lines)
 
 

@@ -660,6 +660,12 @@ def _step_shape(text: str) -> tuple[int, int]:
 
 def _bench_vs_vllm(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``kvoff bench scheduler --vs-vllm``."""
+    for name, default in _SCHEDULER_ONLY.items():
+        if getattr(args, name) != default:
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to the CPU manager benchmark only; with "
+                "--vs-vllm use --running, --rounds, --decode-steps and --seed"
+            )
     from kvoff.tools.bench_vllm import VsVllmParams, run_vs_vllm
 
     params = VsVllmParams(
@@ -686,7 +692,12 @@ def _bench_tiers(args: argparse.Namespace) -> int:
         bench_promotion,
         bench_scheduler_steps_tiers,
     )
-    from kvoff.tools.bench_tiers import DEFAULT_BLOCK_SIZES, format_bench_tiers, run_bench_tiers
+    from kvoff.tools.bench_tiers import (
+        DEFAULT_BLOCK_SIZES,
+        format_bench_tiers,
+        run_bench_tiers,
+        tier_failures,
+    )
 
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if args.disk_path is not None:  # made if missing, as the disk tier makes its folder
@@ -746,7 +757,7 @@ def _bench_tiers(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"  JSON written to {args.json}")
-    return 0
+    return 1 if tier_failures(result) else 0
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -890,6 +901,30 @@ _SIM_ONLY = {
 }  # fmt: skip
 
 
+_VLLM_ONLY = {
+    "tokens_per_hash": 32, "max_tokens": 16, "concurrency": 8, "gpu_blocks": None,
+    "engine_model": "llama", "dtype": "float32", "runs": ["kvoff", "engine_only"],
+}  # fmt: skip
+
+_SCHEDULER_ONLY = {
+    "pool_sizes": None, "large": False, "batch": 256, "calls": 1024, "repeat": 5,
+    "key_bytes": 9, "eviction_policy": "lru", "no_baseline": False, "steps": None,
+}  # fmt: skip
+
+
+def _check_output(path: Path | None, flag: str) -> None:
+    """Fails before a long run when ``path`` (``--json``/``--plot``) cannot be written: an
+    existing folder, or a parent that is not a folder; creates a missing parent folder."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file path, e.g. {path / 'out'}")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a folder; give a path in a folder")
+    parent.mkdir(parents=True, exist_ok=True)
+
+
 def _replay_vllm(args: argparse.Namespace) -> int:
     """``kvoff replay --engine vllm``."""
     from kvoff.config import OffloadingConfig
@@ -960,7 +995,19 @@ def _sweep(args: argparse.Namespace, config: ReplayConfig) -> int:
     )
 
     capacities = parse_capacities(args.sweep_capacity)
-    policies = parse_policies(args.policies) if args.policies else DEFAULT_SWEEP_POLICIES
+    policies = (
+        parse_policies(args.policies) if args.policies is not None else DEFAULT_SWEEP_POLICIES
+    )
+    plot_path = None
+    if args.plot is not None:
+        try:  # before the sweep, not after it
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(
+                'kvoff replay --plot needs matplotlib: pip install "kvoff[plot]" (or matplotlib)'
+            ) from exc
+        plot_path = args.plot if args.plot.suffix else args.plot.with_suffix(".png")
+        _check_output(plot_path, "--plot")
     log = None if args.no_progress else lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)
     sweep = run_policy_sweep(config, capacities, policies, log=log)
     print(format_sweep_table(sweep))
@@ -969,13 +1016,14 @@ def _sweep(args: argparse.Namespace, config: ReplayConfig) -> int:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"  JSON written to {args.json}")
     if args.plot is not None:
-        plot_sweep(sweep, args.plot)
-        print(f"  curves drawn in {args.plot}")
+        plot_sweep(sweep, plot_path or args.plot)
+        print(f"  curves drawn in {plot_path}")
     corrupted = sum(p.corrupted_blocks for p in sweep.points)
     return 1 if corrupted else 0
 
 
 def _replay(args: argparse.Namespace) -> int:
+    _check_output(args.json, "--json")
     if args.engine == "vllm":
         return _replay_vllm(args)
     from tqdm import tqdm
@@ -984,6 +1032,17 @@ def _replay(args: argparse.Namespace) -> int:
     from kvoff.tools.replay import DEFAULT_CPU_BYTES, ReplayConfig, run_replay
     from kvoff.tools.traces import load_trace
 
+    for name, default in _VLLM_ONLY.items():
+        if getattr(args, name) != default:
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to --engine vllm only; add --engine vllm "
+                "or drop it"
+            )
+    if args.policy == "min" and (args.compute or args.device != "cpu"):
+        raise ValueError(
+            "policy 'min' simulates the pool offline (no bytes move, nothing is computed); drop "
+            "--compute and --device, or pick an engine policy"
+        )
     sweeping = args.sweep_capacity is not None
     if not sweeping and (args.policies is not None or args.plot is not None):
         raise ValueError(
@@ -1151,6 +1210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
+        if isinstance(getattr(args, "json", None), Path):  # a file: checked before a long run
+            _check_output(args.json, "--json")
         if args.command == "replay":
             return _replay(args)
         if args.command == "plan":
@@ -1165,6 +1226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args, argv)
     except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"kvoff {args.command}: error: {exc}\n")
+    except OSError as exc:  # a path the user gave: a folder for a file, a file for a folder, ...
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        reason = exc.strerror or str(exc)
+        parser.exit(2, f"kvoff {args.command}: error: {where}{reason}; check the path\n")
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2  # pragma: no cover
 

@@ -148,23 +148,45 @@ def run_manager_sweep(
     )
 
 
+def _positive_limit(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive request count")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvoff.tools.policy_sim``: full-block hit rates per policy and CPU pool
     capacity (blocks) on one trace, through the manager alone (no GPU model); a table, and
     with ``--json`` / ``--plot`` the sweep as JSON and a PNG. Returns the exit status (0).
 
     Raises:
-        SystemExit: bad arguments (argparse names them).
-        ValueError: an unknown policy or trace, or a capacity below 1 (naming it).
+        SystemExit: bad arguments, with status 2 and a message naming them: argparse's, an
+            unknown policy or trace, a capacity below 1, a bad trace record, a path that cannot
+            be read or written.
     """
     parser = argparse.ArgumentParser(prog="python -m kvoff.tools.policy_sim")
     parser.add_argument("--trace", default="conversation", help="bundled name or JSONL path")
     parser.add_argument("--sweep-capacity", required=True, metavar="N,N,...")
     parser.add_argument("--policies", default="lru,arc,probation,min", metavar="P,P,...")
-    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--limit", type=_positive_limit, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
+    try:
+        return _main(args, argv)
+    except (ValueError, ImportError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    except OSError as exc:  # FileNotFoundError (an unknown trace) included
+        where = f"{exc.filename}: " if exc.filename is not None and exc.strerror else ""
+        parser.exit(2, f"{parser.prog}: error: {where}{exc.strerror or exc}\n")
+    return 2  # pragma: no cover
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     base = ReplayConfig(trace=args.trace, limit=args.limit)
     sweep = run_manager_sweep(
         base,

@@ -236,7 +236,8 @@ def run_policy_sweep(
         log: called with a line after each replay.
 
     Raises:
-        ValueError: for no capacities or policies, an unknown policy, a capacity < 1, or a bad
+        ValueError: for no capacities or policies, an unknown policy, a capacity < 1, a disk or
+            remote tier (the points must start empty), ``min`` with ``engines > 1``, or a bad
             replay configuration (see :func:`kvoff.tools.replay.run_replay`).
     """
     if not capacities:
@@ -250,6 +251,17 @@ def run_policy_sweep(
     for c in capacities:
         if c < 1:
             raise ValueError(f"capacity {c} CPU blocks is not positive; every pool needs >= 1")
+    if base.disk_path is not None or base.remote_url is not None:
+        # the tiers outlive a replay: later points would hit what earlier points left there
+        raise ValueError(
+            "a sweep replays every point on an empty CPU pool; a disk or remote tier would keep "
+            "the blocks of earlier points; drop --disk-path and --remote-url (and KVOFF_DISK_PATH "
+            "/ KVOFF_REMOTE_URL) or replay each point with kvoff replay"
+        )
+    if MIN_POLICY in policies and base.engines > 1:
+        raise ValueError(
+            "policy 'min' simulates one CPU pool offline; drop the tiers and --engines"
+        )
     if requests is None:
         requests = load_trace(base.trace, base.limit, base.trace_block_size)
     points: list[SweepPoint] = []

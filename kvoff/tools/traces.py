@@ -70,33 +70,81 @@ def load_trace(
     Raises:
         FileNotFoundError: see :func:`resolve_trace`.
         ValueError: for a malformed line (the message gives the file and line number): bad JSON,
-            a missing field, a negative length, or ``len(hash_ids) != ceil(input_length /
-            trace_block_size)``.
+            a missing field, a length or hash id that is not a JSON integer, a negative length, a
+            hash id outside int64, or ``len(hash_ids) != ceil(input_length /
+            trace_block_size)``; for a file that is not UTF-8 or holds no request.
     """
     path = resolve_trace(str(trace))
     out: list[TraceRequest] = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
+    seen_record = False
+    with path.open(encoding="utf-8") as fh:
+        lines = enumerate(fh, 1)
+        while True:
+            try:
+                lineno, line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); a "
+                    "Mooncake trace is JSON lines"
+                ) from exc
             if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
                 continue
+            seen_record = True
             try:
                 rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise TypeError(f"a line is a JSON object, got {type(rec).__name__}")
+                timestamp = rec["timestamp"]
+                if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
+                    raise TypeError(f"timestamp must be a number, got {timestamp!r}")
+                hash_ids = rec["hash_ids"]
+                if not isinstance(hash_ids, list):
+                    raise TypeError(f"hash_ids must be a JSON list of ints, got {hash_ids!r}")
                 req = TraceRequest(
-                    float(rec["timestamp"]),
-                    int(rec["input_length"]),
-                    int(rec["output_length"]),
-                    tuple(int(h) for h in rec["hash_ids"]),
+                    float(timestamp),
+                    _json_int(rec, "input_length"),
+                    _json_int(rec, "output_length"),
+                    tuple(_hash_id(h) for h in hash_ids),
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({exc})") from exc
+            if req.input_length < 0 or req.output_length < 0:
+                raise ValueError(
+                    f"{path}:{lineno}: lengths must be >= 0, got input_length="
+                    f"{req.input_length}, output_length={req.output_length}"
+                )
             expected = math.ceil(req.input_length / trace_block_size)
-            if req.input_length < 0 or len(req.hash_ids) != expected:
+            if len(req.hash_ids) != expected:
                 raise ValueError(
                     f"{path}:{lineno}: input_length={req.input_length} needs "
                     f"ceil(input_length / {trace_block_size}) = {expected} hash_ids, got "
                     f"{len(req.hash_ids)}; is trace_block_size right?"
                 )
             out.append(req)
+    if not seen_record:
+        raise ValueError(f"{path}: the trace has no requests (an empty file); give a JSONL trace")
     return out
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _json_int(rec: dict, key: str) -> int:
+    """``rec[key]`` when it is a JSON integer (not a float, string or bool), else TypeError."""
+    value = rec[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{key} must be a JSON integer, got {value!r}")
+    return value
+
+
+def _hash_id(value: object) -> int:
+    """A hash id: a JSON integer that fits int64 (the pools key blocks by int64)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"hash_ids must hold JSON integers, got {value!r}")
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError(f"hash id {value} does not fit int64 [-2**63, 2**63 - 1]")
+    return value

@@ -104,3 +104,36 @@ def test_promotion_passes_alternate_and_every_pass_loads_the_written_bytes(tmp_p
         assert p["load_ratio"] == pytest.approx(p["load_s"] / p["read_s"])
     with pytest.raises(ValueError, match="multiple of 8192"):
         bench_promotion(block_sizes=(20000,), disk_path=str(tmp_path))
+
+
+def test_disk_rates_count_only_what_was_stored_and_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoff.tools import bench_tiers
+
+    # a tier that accepts half the blocks and serves none: its rates are of those bytes only
+    def half(tier: object, keys: list[bytes], block_size: int, batch: int) -> tuple:
+        return len(keys) // 2, 1.0, 0, 1.0
+
+    monkeypatch.setattr(bench_tiers, "_put_then_get", half)
+    r = bench_disk(tmp_path, 65536, 1 << 20, 256 << 10, io_threads=1, repeat=1)
+    assert r["write_gbps"] == pytest.approx(8 * 65536 / 1e9)
+    assert r["read_gbps"] == 0.0
+    assert r["failed"] == "stored 8 of 16 blocks and served 0 of them"
+    text = bench_tiers.format_bench_tiers({"disk": [r]})
+    assert "FAILED: disk tier, 64 KiB blocks: stored 8 of 16 blocks" in text
+
+
+def test_dead_redis_is_an_error_not_fast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("redis")
+    from kvoff.tools.cli import main
+
+    argv = ["bench", "tiers", "--remote-url", "redis://127.0.0.1:1", "--block-sizes", "64KiB"]
+    disk = ["--disk-path", str(tmp_path), "--total-bytes", "1MiB", "--disk-repeat", "1"]
+    with pytest.raises(SystemExit) as info:
+        main([*argv, *disk, "--remote-total-bytes", "256KiB", "--lookup-batch", "4"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "redis://127.0.0.1:1 stored 0 of 4 blocks" in err and "--no-remote" in err
