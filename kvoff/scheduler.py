@@ -545,15 +545,7 @@ class OffloadingScheduler:
                 f"rank (a tuple of {world}), got {type(first).__name__}: each rank keeps its own "
                 "CPU pool, and a block is all ranks' parts"
             )
-        parts = first if isinstance(first, (tuple, list)) else (first,)
-        slot_bytes = sum(int(p.nbytes) for p in parts)
-        for t in tiers:
-            if t.fmt.payload_bytes != slot_bytes:
-                raise ValueError(
-                    f"tier {t.name!r} stores {t.fmt.payload_bytes}-byte blocks but a CPU slot "
-                    f"has {slot_bytes} bytes; build its BlockFormat with payload_bytes="
-                    f"{slot_bytes}"
-                )
+        # TieredPool checks the tiers' block size against a slot (its own _check_slot_size)
         if write_queue_blocks is None:
             write_queue_blocks = default_write_queue_blocks(self.spec.num_blocks)
         self._tiers = TieredPool(

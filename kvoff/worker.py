@@ -1013,7 +1013,7 @@ class OffloadingWorker:
             return []
         self._check_open()
         seen: set[int] = set()
-        pending = {r.job_id for r in self._finished}
+        pending = self.pending_jobs()  # in flight, or finished with the result not taken
         specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]] = []
         direction: Direction | None = None
         for k, entry in enumerate(entries):
@@ -1024,7 +1024,7 @@ class OffloadingWorker:
                 )
             job_id, src, dst = entry
             job_id = _job_id(job_id, f"jobs[{k}]")
-            if job_id in self._in_flight or job_id in pending or job_id in seen:
+            if job_id in pending or job_id in seen:
                 raise ValueError(
                     f"job_id {job_id} (jobs[{k}]) is still pending (in flight, or its result not "
                     "taken yet) or repeats in jobs; use a fresh job id per job. Nothing was "

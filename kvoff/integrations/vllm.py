@@ -240,7 +240,8 @@ def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadi
         "world_size": "nothing (vLLM sets the ranks)",
     }
     unused = sorted(ignored.keys() & data.keys()) if spec_path else []
-    for key in unused[:1]:
+    if unused:
+        key = unused[0]
         raise ConfigError(
             f"kv_connector_extra_config key {key!r} is not used by KvoffOffloadingSpec (vLLM's "
             f"OffloadingConnector sizes its blocks and ranks itself); use {ignored[key]}"

@@ -181,6 +181,45 @@ def run_all(pool: Executor, fn: Callable[..., _T], calls: Sequence[tuple[Any, ..
     return [f.result() for f in futures]
 
 
+class CallGate:
+    """A tier's calls in flight, counted so that its ``close`` can wait for them.
+
+    :meth:`enter` counts a call (False once closed: the call answers misses), :meth:`exit`
+    uncounts it, :meth:`close` refuses new calls and waits until none is in flight. The gate
+    locks the tier's own lock, so the tier reads :attr:`closed` under it with its other state.
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._idle = threading.Condition(lock)
+        self._inflight = 0
+        self.closed = False
+
+    def enter(self) -> bool:
+        """Counts a call in flight; False (nothing counted) once closed."""
+        with self._idle:
+            if self.closed:
+                return False
+            self._inflight += 1
+            return True
+
+    def exit(self) -> None:
+        """Ends a call that :meth:`enter` counted."""
+        with self._idle:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
+
+    def close(self) -> bool:
+        """Refuses new calls and waits for those in flight; False when it was closed already."""
+        with self._idle:
+            if self.closed:
+                return False
+            self.closed = True
+            while self._inflight:
+                self._idle.wait()
+            return True
+
+
 class SecondaryTier(ABC):
     """A store of whole blocks below the CPU pool (disk, a shared Redis Cluster, ...).
 

@@ -60,6 +60,7 @@ import numpy as np
 import xxhash
 
 from kvoff.tiers.base import (
+    CallGate,
     SecondaryTier,
     TierStats,
     byte_view,
@@ -188,9 +189,7 @@ class DiskTier(SecondaryTier):
         )
         self._stats.set(capacity_blocks=self.num_slots, slot_bytes=self.slot_bytes)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._inflight = 0
-        self._closed = False
+        self._gate = CallGate(self._lock)  # operations in flight (close waits for them)
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._free: list[int] = []  # heap: lowest slot first keeps a sparse file compact
         self._readers: dict[int, int] = {}
@@ -569,18 +568,12 @@ class DiskTier(SecondaryTier):
         return run_all(self._pool, fn, jobs)
 
     def _enter(self) -> bool:
-        """Count an operation in flight (close waits for it); False once closed/unavailable."""
-        with self._lock:
-            if self._closed or self._fd < 0:
-                return False
-            self._inflight += 1
-            return True
+        """Count an operation in flight (close waits for it); False once closed/unavailable
+        (the descriptor is gone only when open failed, or after the gate closed)."""
+        return self._fd >= 0 and self._gate.enter()
 
     def _exit(self) -> None:
-        with self._lock:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.notify_all()
+        self._gate.exit()
 
     # ------------------------------------------------------------------ slot bookkeeping
 
@@ -617,7 +610,7 @@ class DiskTier(SecondaryTier):
         """
         check_batch(keys, None, "keys")
         with self._lock:
-            if self._closed:
+            if self._gate.closed:
                 return [False] * len(keys)
             found = [bytes(k) in self._index for k in keys]
         self._stats.add(lookups=len(found), lookup_hits=sum(found))
@@ -787,12 +780,8 @@ class DiskTier(SecondaryTier):
 
     def close(self) -> None:
         """Wait for operations in flight, stop the I/O threads, close (and unlock) the file."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            while self._inflight:
-                self._idle.wait()
+        if not self._gate.close():
+            return
         self._pool.shutdown(wait=True)
         self._close_fd()
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvoff.tiers.base import SecondaryTier, byte_view, check_batch, run_all
+from kvoff.tiers.base import CallGate, SecondaryTier, byte_view, check_batch, run_all
 from kvoff.tiers.block_format import BlockFormat
 
 __all__ = ["RankedTier"]
@@ -61,10 +61,7 @@ class RankedTier(SecondaryTier):
         self.name = ranks[0].name
         self.fmt = BlockFormat(ranks[0].fmt.fingerprint, sum(t.fmt.payload_bytes for t in ranks))
         self._threads = ThreadPoolExecutor(len(ranks), thread_name_prefix=f"kvoff-{self.name}-rank")
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._inflight = 0  # calls on the rank threads (close waits for them)
-        self._closed = False
+        self._gate = CallGate(threading.Lock())  # calls on the rank threads (close waits)
 
     def _each(self, call: Callable[[int, SecondaryTier], _T]) -> list[_T]:
         """``call(r, tier)`` for every rank, in parallel; results in rank order (the first
@@ -73,19 +70,12 @@ class RankedTier(SecondaryTier):
         misses itself (and counts them), as a closed tier does."""
         if len(self.ranks) == 1:
             return [call(0, self.ranks[0])]
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._inflight += 1
-        if closed:
+        if not self._gate.enter():
             return [call(r, t) for r, t in enumerate(self.ranks)]
         try:
             return run_all(self._threads, call, list(enumerate(self.ranks)))
         finally:
-            with self._lock:
-                self._inflight -= 1
-                if not self._inflight:
-                    self._idle.notify_all()
+            self._gate.exit()
 
     def _parts(self, bufs: Sequence[Any], what: str, *, writable: bool) -> list[list[Any]]:
         """Per rank, the part of each block (``bufs[i]``: one array per rank), every part
@@ -169,10 +159,7 @@ class RankedTier(SecondaryTier):
     def close(self) -> None:
         """Waits for the calls in flight, then closes every rank's tier and the rank threads;
         later calls answer misses. Idempotent."""
-        with self._lock:
-            self._closed = True  # calls from now on go to the closed ranks: misses
-            while self._inflight:
-                self._idle.wait()
+        self._gate.close()  # calls from now on go to the closed ranks: misses
         for t in self.ranks:
             t.close()
         self._threads.shutdown(wait=True)

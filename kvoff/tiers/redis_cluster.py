@@ -61,6 +61,7 @@ from redis.exceptions import AskError, ClusterDownError, TryAgainError
 from redis.retry import Retry
 
 from kvoff.tiers.base import (
+    CallGate,
     SecondaryTier,
     TierStats,
     byte_view,
@@ -218,12 +219,10 @@ class RedisClusterTier(SecondaryTier):
         self.error: str | None = None
         self._stats = TierStats(extra=("node_skips", "topology_refreshes", "unavailable"))
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._inflight = 0  # calls between _enter and _exit (close waits for them)
+        self._gate = CallGate(self._lock)  # calls in flight (close waits for them)
         self._down_until: dict[str, float] = {}
         self._refreshing = False
         self._next_connect = 0.0
-        self._closed = False
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-redis")
         self._local = threading.local()  # each sending thread's put buffer
         self._rc: RedisCluster | None = None
@@ -253,7 +252,7 @@ class RedisClusterTier(SecondaryTier):
     def _client(self) -> RedisCluster | None:
         """The cluster client, (re)connecting at most once per cool-down; None if unreachable."""
         rc = self._rc
-        if rc is not None or self._closed:
+        if rc is not None or self._gate.closed:
             return rc
         with self._lock:
             if self._rc is not None or time.monotonic() < self._next_connect:
@@ -291,7 +290,7 @@ class RedisClusterTier(SecondaryTier):
     def _request_refresh(self) -> None:
         """Reload the slot map in the background (one reload at a time)."""
         with self._lock:
-            if self._refreshing or self._closed:
+            if self._refreshing or self._gate.closed:
                 return
             self._refreshing = True
         self._stats.add(topology_refreshes=1)
@@ -301,7 +300,7 @@ class RedisClusterTier(SecondaryTier):
         """Reload the slot map (a failover may have moved the failed node's slots)."""
         try:
             rc = self._rc
-            if rc is not None and not self._closed:
+            if rc is not None and not self._gate.closed:
                 rc.nodes_manager.initialize()
         except Exception as e:  # any failure just leaves the old map
             log.debug("slot map refresh failed: %s", e)
@@ -495,17 +494,10 @@ class RedisClusterTier(SecondaryTier):
     def _enter(self) -> bool:
         """Count a call in flight (:meth:`close` waits for it before it shuts the node threads
         and the connections down); False once closed (the call answers misses)."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._inflight += 1
-            return True
+        return self._gate.enter()
 
     def _exit(self) -> None:
-        with self._lock:
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.notify_all()
+        self._gate.exit()
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Pipelined EXISTS per key; False for keys of failed / slow nodes, all False once the
@@ -665,10 +657,8 @@ class RedisClusterTier(SecondaryTier):
     def close(self) -> None:
         """Wait for the calls in flight (each ends within its nodes' ``timeout_s``), then close
         the node threads and the connections; later calls miss / drop. Idempotent."""
+        self._gate.close()  # calls from now on answer misses at once
         with self._lock:
-            self._closed = True  # calls from now on answer misses at once
-            while self._inflight:
-                self._idle.wait()
             rc, self._rc = self._rc, None
         self._pool.shutdown(wait=True)
         self._table = None  # it holds the node objects (and so their connection pools)

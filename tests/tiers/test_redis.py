@@ -390,7 +390,7 @@ class CloseDuringRouting(RedisClusterTier):
             self.hold = False
             self.held.set()
             deadline = time.monotonic() + 10
-            while not self._closed and time.monotonic() < deadline:
+            while not self._gate.closed and time.monotonic() < deadline:
                 time.sleep(0.001)
             time.sleep(0.2)  # close() would have shut the node threads down by now
         return table
