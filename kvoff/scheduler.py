@@ -949,7 +949,16 @@ class OffloadingScheduler:
         stale: they complete as usual for the engine, but a stale store frees its slots instead
         of making its blocks hits (their KV was computed before the reset), and a stale load's
         blocks are discarded once it has read them. A block pinned by a load in flight stays a
-        hit until that load completes."""
+        hit until that load completes.
+
+        With secondary tiers (:meth:`attach_tiers`) they are reset first
+        (:meth:`TieredPool.reset <kvoff.tiers.coordinator.TieredPool.reset>`): no tier serves a
+        block made before the reset, promotions in flight are dropped, and write-through of
+        blocks stored before it stops. This waits for tier calls already running (each ends
+        within its tier's timeout). Blocks being written through leave L1's index at once.
+        The returned count is L1's."""
+        if self._tiers is not None:
+            self._tiers.reset()
         return int(self._core.reset_cache())
 
     # ------------------------------------------------------------------ inspection

@@ -1820,8 +1820,10 @@ PYBIND11_MODULE(_scheduler, m) {
           py::arg("keys"),
           py::doc("discard(self, keys) -> int\n\n"
                   "Drops the ready, unpinned blocks among keys (their data cannot be trusted, "
-                  "e.g. a load of them failed); returns how many. Missing, pending and pinned "
-                  "keys are left as they are. Raises ValueError for an empty key."))
+                  "e.g. a load of them failed); returns how many. Missing, pending and "
+                  "load-pinned keys are left as they are; a block pinned only by its "
+                  "write-through stops being a hit (its slot is freed when the tier writer hands "
+                  "it back). Raises ValueError for an empty key."))
       .def("clear", &CPUOffloadingManager::clear, py::arg("include_in_flight") = false,
            py::doc("clear(self, include_in_flight=False) -> int\n\n"
                    "Drops every ready block that no load pins (one BlockRemoved event lists "
@@ -1830,7 +1832,20 @@ PYBIND11_MODULE(_scheduler, m) {
                    "in flight at a reset and never completes them, as vLLM's "
                    "OffloadingConnector does), pending blocks and blocks pinned by loads are "
                    "dropped too and their slots freed at once; later completions of them are "
-                   "errors. Blocks pinned for write-through to the tiers stay. O(num_blocks)."))
+                   "errors. A block being written through to the tiers stops being a hit too "
+                   "(unless a load pins it and include_in_flight is False); its slot is freed "
+                   "when the tier writer hands it back. O(num_blocks)."))
+      .def("cancel_write_through", &CPUOffloadingManager::cancel_write_through,
+           py::doc("cancel_write_through(self) -> int\n\n"
+                   "Engine thread, for a cache reset with secondary tiers: hands back, "
+                   "unwritten, every write-through batch that no take_write_through took yet "
+                   "(the next poll unpins them) and returns how many blocks. Call it while the "
+                   "tiers' dispatcher cannot call take_write_through, so that every block "
+                   "queued before is cancelled or already with its writers."))
+      .def_property_readonly("write_through_cancelled",
+                             &CPUOffloadingManager::write_through_cancelled,
+                             py::doc("int: blocks handed back unwritten by "
+                                     "cancel_write_through, since construction."))
       .def_property_readonly("num_blocks", &CPUOffloadingManager::num_blocks,
                              py::doc("int: pool size in CPU blocks (slots)."))
       .def_property_readonly("num_free_blocks", &CPUOffloadingManager::num_free_blocks,

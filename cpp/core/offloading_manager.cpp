@@ -366,7 +366,7 @@ std::pair<BlockState, std::uint32_t> CPUOffloadingManager::load_state(
     std::uint32_t slot) const noexcept {
   const std::uint64_t p = index_.payload(slot);
   std::uint32_t pins = pins_bits(p);
-  if (pins > 0 && slot < wt_pinned_.size()) pins -= wt_pinned_[slot];
+  if (pins > 0 && slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned) --pins;
   return {state_bits(p), pins};
 }
 
@@ -498,7 +498,8 @@ std::optional<std::size_t> CPUOffloadingManager::unpin_loads(
   for (std::size_t i = 0; i < slots.size(); ++i) {
     std::uint64_t& p = index_.payload(slots[i]);
     // The write-through pin is not a load's: a load's completion cannot take it.
-    if (pins_bits(p) <= (slots[i] < wt_pinned_.size() ? wt_pinned_[slots[i]] : 0U)) {
+    const bool written = slots[i] < wt_pinned_.size() && wt_pinned_[slots[i]] == kWtPinned;
+    if (pins_bits(p) <= (written ? 1U : 0U)) {
       for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
         index_.payload(slots[j]) += kOnePin;
       }
@@ -822,7 +823,7 @@ void CPUOffloadingManager::queue_write_through(std::span<const std::uint32_t> sl
   batch.keys.reserve(n);
   for (const std::uint32_t slot : batch.block_ids) {
     index_.payload(slot) += kOnePin;  // just made ready, so unpinned until now
-    wt_pinned_[slot] = 1;
+    wt_pinned_[slot] = kWtPinned;
     batch.keys.emplace_back(index_.key(slot));
   }
   num_evictable_ -= n;
@@ -888,6 +889,11 @@ std::size_t CPUOffloadingManager::drain_write_through() {
   }
   std::uint32_t unpinned = 0;
   for (const std::uint32_t slot : wt_drained_) {
+    if (wt_pinned_[slot] == kWtRetired) {  // dropped from the index while written (clear)
+      wt_pinned_[slot] = 0;
+      pool_.free(slot);
+      continue;
+    }
     std::uint64_t& p = index_.payload(slot);
     p -= kOnePin;
     wt_pinned_[slot] = 0;
@@ -931,26 +937,39 @@ std::size_t CPUOffloadingManager::discard(KeySpan keys) {
   validate_keys(keys, "discard");
   find_all(keys);
   std::vector<std::string> removed;
-  std::size_t count = 0;
+  std::size_t count = 0;    // dropped, unpinned
+  std::size_t retired = 0;  // dropped while written through (pinned for the tier writer only)
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::uint32_t slot = scratch_slots_[i];
-    if (slot == KeyIndex::kNotFound || !evictable(index_.payload(slot))) {
-      continue;  // missing, pending, pinned, or dropped earlier in this call
+    if (slot == KeyIndex::kNotFound) {
+      continue;  // missing, or dropped earlier in this call
+    }
+    const std::uint64_t p = index_.payload(slot);
+    const bool written_only = state_bits(p) == BlockState::kReady && pins_bits(p) == 1 &&
+                              slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
+    if (!evictable(p) && !written_only) {
+      continue;  // pending, or pinned by a load
     }
     if (enable_events_) {
       removed.emplace_back(index_.key(slot));
     }
-    policy_->erase(slot, index_.key(slot), /*evicted=*/false);
-    index_.erase(slot);
-    pool_.free(slot);
-    // a later occurrence of the key in this call must not see the freed slot
+    if (written_only) {
+      retire_written_through(slot);
+      ++retired;
+    } else {
+      policy_->erase(slot, index_.key(slot), /*evicted=*/false);
+      index_.erase(slot);
+      pool_.free(slot);
+      ++count;
+    }
+    // a later occurrence of the key in this call must not see the slot
     for (std::size_t k = i + 1; k < keys.size(); ++k) {
       if (scratch_slots_[k] == slot) scratch_slots_[k] = KeyIndex::kNotFound;
     }
-    ++count;
   }
-  num_ready_ -= static_cast<std::uint32_t>(count);
+  num_ready_ -= static_cast<std::uint32_t>(count + retired);
   num_evictable_ -= static_cast<std::uint32_t>(count);
+  count += retired;
   record(std::move(removed), /*removed=*/true);
   return count;
 }
@@ -962,24 +981,32 @@ std::size_t CPUOffloadingManager::clear(bool include_in_flight) {
   std::size_t pending = 0;  // pending blocks dropped (include_in_flight)
   for (std::uint32_t slot = 0; slot < index_.num_slots(); ++slot) {
     if (!policy_->contains(slot)) {
-      continue;  // free
+      continue;  // free, or retired and still read by a tier writer
     }
     const std::uint64_t p = index_.payload(slot);
     const bool unpinned = evictable(p);
     if (!unpinned) {
-      if (!include_in_flight) {
-        continue;  // pending, or ready and pinned by a load in flight
-      }
       if (state_bits(p) == BlockState::kPending) {
+        if (!include_in_flight) {
+          continue;  // a store in flight: it completes as usual
+        }
         drop_slot(slot);  // never stored: no event
         ++pending;
         continue;
       }
-      if (slot < wt_pinned_.size() && wt_pinned_[slot] != 0) {
-        // the tier writer still reads it (write_through_done needs the slot): it stays, with
-        // the loads' pins taken off, since their completions will not come
-        std::uint64_t& q = index_.payload(slot);
-        q -= kOnePin * (pins_bits(q) - wt_pinned_[slot]);
+      const bool written = slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
+      if (pins_bits(p) > (written ? 1U : 0U) && !include_in_flight) {
+        continue;  // a load in flight reads it
+      }
+      if (written) {
+        // the tier writer still reads it (write_through_done needs the slot): no longer a
+        // hit, its slot freed once the writer hands it back; the loads' pins go with it, since
+        // (include_in_flight) their completions will not come
+        if (enable_events_) {
+          removed.emplace_back(index_.key(slot));
+        }
+        retire_written_through(slot);
+        ++ready;
         continue;
       }
     }
@@ -997,6 +1024,31 @@ std::size_t CPUOffloadingManager::clear(bool include_in_flight) {
   num_pending_ -= static_cast<std::uint32_t>(pending);
   record(std::move(removed), /*removed=*/true);
   return ready + pending;
+}
+
+void CPUOffloadingManager::retire_written_through(std::uint32_t slot) {
+  policy_->erase(slot, index_.key(slot), /*evicted=*/false);
+  index_.erase(slot);
+  wt_pinned_[slot] = kWtRetired;  // drain_write_through frees the slot
+}
+
+std::size_t CPUOffloadingManager::cancel_write_through() {
+  std::size_t n = 0;
+  {
+    const std::lock_guard lock(wt_mutex_);
+    for (const WriteThroughBatch& batch : wt_batches_) {
+      for (const std::uint32_t slot : batch.block_ids) {
+        wt_outstanding_[slot] = 0;
+        wt_done_.push_back(slot);  // handed back unwritten: unpinned by the next drain
+      }
+      n += batch.block_ids.size();
+    }
+    wt_batches_.clear();
+    wt_done_ready_.store(!wt_done_.empty(), std::memory_order_release);
+  }
+  wt_done_cv_.notify_all();
+  wt_cancelled_total_ += n;
+  return n;
 }
 
 }  // namespace kvoff

@@ -1285,6 +1285,77 @@ TEST(CPUOffloadingManagerWriteThrough, LoadPinsLeaveOutTheWriteThroughPin) {
   EXPECT_EQ(m.num_evictable_blocks(), 1u);
 }
 
+TEST(CPUOffloadingManagerWriteThrough, ClearDropsBlocksBeingWrittenThroughFromTheIndex) {
+  // A reset (clear) must leave no block made before it a hit: one still being written to the
+  // tiers leaves the index at once, and its slot is freed only when the writer hands it back.
+  for (const bool include_in_flight : {false, true}) {
+    CPUOffloadingManager m(4);
+    m.set_write_through(4);
+    store(m, K({"a", "b"}));
+    const auto batches = m.take_write_through(0.0);  // the writer reads a and b now
+    ASSERT_EQ(batches.size(), 1u);
+    ASSERT_TRUE(m.prepare_load(K({"b"})).size() == 1);  // and a load reads b
+    EXPECT_EQ(m.clear(include_in_flight), include_in_flight ? 2u : 1u) << include_in_flight;
+    EXPECT_EQ(m.state("a"), BlockState::kMissing);
+    EXPECT_EQ(m.lookup(K({"a"})), 0u);
+    // without include_in_flight the load in flight keeps b (and completes as usual)
+    EXPECT_EQ(m.state("b"), include_in_flight ? BlockState::kMissing : BlockState::kReady);
+    EXPECT_EQ(m.num_stored_blocks(), include_in_flight ? 0u : 1u);
+    EXPECT_EQ(m.num_free_blocks(), 2u);  // a's slot (and b's) still read by the writer
+    EXPECT_EQ(m.clear(include_in_flight), 0u);  // a retired slot is not dropped twice
+    m.write_through_done(batches[0].block_ids);
+    EXPECT_EQ(m.poll_write_through(), 2u);
+    EXPECT_EQ(m.write_through_in_flight(), 0u);
+    if (!include_in_flight) {
+      EXPECT_EQ(m.num_free_blocks(), 3u);  // a's slot is back; b stays, pinned by its load
+      m.complete_load(K({"b"}));
+      EXPECT_EQ(m.num_evictable_blocks(), 1u);
+    }
+    EXPECT_EQ(m.num_free_blocks(), include_in_flight ? 4u : 3u);
+    // the freed slots are used again, and a new "a" is a new block
+    store(m, K({"a", "c", "d"}));
+    EXPECT_EQ(m.state("a"), BlockState::kReady);
+    EXPECT_EQ(m.num_stored_blocks(), include_in_flight ? 3u : 4u);
+  }
+}
+
+TEST(CPUOffloadingManagerWriteThrough, DiscardDropsABlockPinnedOnlyForWriteThrough) {
+  CPUOffloadingManager m(4);
+  m.set_write_through(4);
+  store(m, K({"a", "b"}));
+  ASSERT_TRUE(m.prepare_load(K({"b"})).size() == 1);
+  EXPECT_EQ(m.discard(K({"a", "b", "a"})), 1u);  // b is read by a load: it stays
+  EXPECT_EQ(m.state("a"), BlockState::kMissing);
+  EXPECT_EQ(m.state("b"), BlockState::kReady);
+  EXPECT_EQ(m.num_free_blocks(), 2u);
+  m.write_through_done(m.take_write_through(0.0).at(0).block_ids);
+  EXPECT_EQ(m.poll_write_through(), 2u);
+  EXPECT_EQ(m.num_free_blocks(), 3u);
+}
+
+TEST(CPUOffloadingManagerWriteThrough, CancelHandsBackOnlyBatchesNotTaken) {
+  CPUOffloadingManager m(8);
+  m.set_write_through(8);
+  store(m, K({"a", "b"}));
+  const auto taken = m.take_write_through(0.0);
+  store(m, K({"c"}));
+  store(m, K({"d"}));
+  EXPECT_EQ(m.write_through_in_flight(), 4u);
+  EXPECT_EQ(m.cancel_write_through(), 2u);  // c and d: never taken
+  EXPECT_EQ(m.write_through_cancelled(), 2u);
+  EXPECT_TRUE(m.take_write_through(0.0).empty());
+  EXPECT_EQ(m.poll_write_through(), 2u);  // c and d unpinned, still stored
+  EXPECT_EQ(m.pin_count("c"), 0u);
+  EXPECT_EQ(m.state("d"), BlockState::kReady);
+  EXPECT_EQ(m.pin_count("a"), 1u);  // a and b are their writer's to finish
+  EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{*m.block_id("c")}),
+               std::invalid_argument);
+  m.write_through_done(taken.at(0).block_ids);
+  EXPECT_EQ(m.poll_write_through(), 2u);
+  EXPECT_EQ(m.write_through_in_flight(), 0u);
+  EXPECT_EQ(m.cancel_write_through(), 0u);
+}
+
 TEST(CPUOffloadingManagerWriteThrough, BadHandBacksChangeNothing) {
   CPUOffloadingManager m(4);
   EXPECT_THROW(m.write_through_done(std::vector<std::uint32_t>{0}), std::invalid_argument);

@@ -1401,10 +1401,14 @@ class KvoffOffloadingManager(OffloadingManager):
         return stats
 
     def reset_cache(self) -> None:
-        """Drops every block, those of jobs in flight included (the tiers keep theirs): vLLM's
+        """Drops every block, those of jobs in flight included: vLLM's
         OffloadingConnectorScheduler forgets its jobs in flight at a reset and never completes
         them, so their blocks would stay pending (every request reading them deferred for
-        ever) or pinned (pre-reset KV served as hits)."""
+        ever) or pinned (pre-reset KV served as hits). The tiers are reset first
+        (:meth:`kvoff.tiers.coordinator.TieredPool.reset`): none of their blocks made before
+        the reset is served after it."""
+        if self.tiers is not None:
+            self.tiers.reset()
         self.manager.clear(include_in_flight=True)
 
     def shutdown(self) -> None:

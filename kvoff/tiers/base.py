@@ -278,6 +278,15 @@ class SecondaryTier(ABC):
         """Remove blocks; returns how many of ``keys`` were present. Never raises for I/O."""
 
     @abstractmethod
+    def clear(self) -> int:
+        """Forget every block stored before the call, for a cache reset (the engine's weights
+        changed, so blocks made before are wrong KV): from its return on, no block that a
+        ``put`` started before the call is served to this process (``contains`` answers False,
+        ``get`` misses), and later puts are served as usual. Returns how many blocks it dropped
+        where the tier can count them (a shared store, which cannot, returns 0). Never raises
+        for I/O conditions; 0 once the tier is closed."""
+
+    @abstractmethod
     def stats(self) -> dict[str, int | float]:
         """Counters (:data:`STAT_KEYS` at least, plus tier-specific ones)."""
 

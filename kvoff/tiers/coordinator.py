@@ -162,6 +162,7 @@ class _Read:
     keys: list[bytes]
     future: Future
     t0: float
+    generation: int  # TieredPool.reset() count when it started: an older one is stale
     phase: int = 1
     keys_to_store: list[bytes] = field(default_factory=list)
     sources: list[int] = field(default_factory=list)
@@ -174,6 +175,7 @@ class _Write:
     keys: list[bytes]
     block_ids: list[int]
     remaining: int
+    generation: int  # TieredPool.reset() count when it was dispatched: older ones are dropped
 
 
 _STOP = object()
@@ -282,6 +284,12 @@ class TieredPool:
         # The manager queues stored blocks; a dispatcher thread takes them and feeds one writer
         # thread per tier; the last tier done hands the blocks back to the manager.
         self._closing = False
+        self._generation = 0  # reset() count
+        self.resets = 0
+        # reset() holds these: the dispatcher's (so no batch is between the manager's queue and
+        # the writers' queues) and each writer's (held while its tier.put runs)
+        self._dispatch_lock = threading.Lock()
+        self._writer_locks = [threading.Lock() for _ in self.tiers]
         self._write_lock = threading.Lock()  # counters and _Write.remaining (writer threads)
         self._write_qs: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in self.tiers]
         self._writers = [
@@ -296,6 +304,7 @@ class TieredPool:
             t.name: {
                 "promoted_blocks": 0, "promoted_bytes": 0, "promotion_seconds": 0.0,
                 "promotion_failures": 0, "written_blocks": 0, "write_failures": 0,
+                "writes_dropped_reset": 0, "blocks_cleared": 0,
             }
             for t in self.tiers
         }  # fmt: skip
@@ -403,8 +412,9 @@ class TieredPool:
         self._reading.update(probe)
         asked = None if tiers is None else frozenset(tiers)
         self._reads.append(
-            _Read(probe, self._prober.submit(self._probe, probe, asked), time.perf_counter())
-        )
+            _Read(probe, self._prober.submit(self._probe, probe, asked), time.perf_counter(),
+                  self._generation)
+        )  # fmt: skip
         return True
 
     def is_reading(self, key: bytes) -> bool:
@@ -478,10 +488,14 @@ class TieredPool:
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``probes``, ``lookup_retries``, ``writes_queued``,
-        ``writes_dropped_queue_full``, ``write_queue_blocks`` (in flight now), and per tier
-        (``tiers[name]``) the pool's ``promoted_blocks`` / ``promoted_bytes`` /
-        ``promotion_seconds`` / ``promotion_gbps`` / ``promotion_failures`` / ``written_blocks``
-        / ``write_failures`` merged with the tier's own :meth:`SecondaryTier.stats`."""
+        ``writes_dropped_queue_full``, ``writes_cancelled_reset`` (queued blocks a
+        :meth:`reset` handed back unwritten), ``write_queue_blocks`` (in flight now),
+        ``resets``, and per tier (``tiers[name]``) the pool's ``promoted_blocks`` /
+        ``promoted_bytes`` / ``promotion_seconds`` / ``promotion_gbps`` /
+        ``promotion_failures`` / ``written_blocks`` / ``write_failures`` /
+        ``writes_dropped_reset`` (dispatched before a :meth:`reset`, not written) /
+        ``blocks_cleared`` (by :meth:`reset`) merged with the tier's own
+        :meth:`SecondaryTier.stats`."""
         tiers = {}
         for t in self.tiers:
             c = dict(self.counters[t.name])
@@ -494,9 +508,75 @@ class TieredPool:
             "lookup_retries": self.lookup_retries,
             "writes_queued": m.write_through_queued,
             "writes_dropped_queue_full": m.write_through_dropped,
+            "writes_cancelled_reset": m.write_through_cancelled,
             "write_queue_blocks": m.write_through_in_flight,
+            "resets": self.resets,
             "tiers": tiers,
         }
+
+    def reset(self) -> int:
+        """Forgets every block made before the call, in every tier, for an engine's cache reset
+        (new weights: the blocks are wrong KV now). Engine thread; call it right before
+        clearing L1 (:meth:`kvoff.OffloadingScheduler.reset_cache` and the vLLM integrations do
+        both). After it returns no tier serves a block written before it, and nothing written
+        through from L1 before it is written afterwards:
+
+        * promotions in flight become stale: a read into L1 slots is waited for (each tier call
+          ends within the tier's timeout) and its slots are released, never made hits; a probe
+          still running is dropped when it ends;
+        * write-through batches not yet dispatched go back to L1 unwritten
+          (``CPUOffloadingManager.cancel_write_through``), dispatched ones are dropped by their
+          writers (``writes_dropped_reset``), and a ``put`` already running is waited for;
+        * then each tier's :meth:`~kvoff.tiers.base.SecondaryTier.clear` runs (the disk tier
+          zeroes its headers; a shared Redis tier moves to a key space of its own).
+
+        It returns once the writers have handed every block back, so L1 holds no block pinned
+        for write-through when the caller clears it (a bare ``clear`` meanwhile would take such
+        blocks out of its index and free their slots when the writers hand them back).
+
+        Returns:
+            The blocks the tiers dropped, as they count them (``blocks_cleared`` per tier).
+            0 without tiers or once closed.
+        """
+        if self._closed or not self.tiers:
+            return 0
+        cleared = 0
+        with self._dispatch_lock:
+            for lock in self._writer_locks:
+                lock.acquire()
+            try:
+                # every read and write-through started so far is stale from here on: the
+                # dispatcher and the writers read the generation under the locks held now
+                self._generation += 1
+                self.resets += 1
+                self.manager.cancel_write_through()
+                for t in self.tiers:
+                    try:
+                        n = int(t.clear())
+                    except Exception as e:  # a tier must not raise; it would keep its blocks
+                        log.error("tier %s: clear failed, it is closed (its blocks are not "
+                                  "served again): %s", t.name, e)  # fmt: skip
+                        t.close()
+                        n = 0
+                    self.counters[t.name]["blocks_cleared"] += n
+                    cleared += n
+            finally:
+                for lock in self._writer_locks:
+                    lock.release()
+        self._answered.clear()
+        self._sources.clear()
+        # reads into L1 slots end now, so that their pending slots are released before L1 is
+        # cleared (a clear that drops pending blocks would free slots still being written)
+        reading = [r.future for r in self._reads if r.phase == 2]
+        if reading:
+            wait(reading)
+        self.poll()  # stale reads that ended: slots released, probes dropped; unpins
+        # what is still in write-through is stale: its writers drop it without I/O, so L1 has
+        # every block back (unpinned) before the caller clears it
+        while self.manager.write_through_in_flight:
+            self.manager.wait_write_through(0.05)
+        self._stats_tick = next(self._ticks)
+        return cleared
 
     def close(self) -> None:
         """Waits for the work in flight, stops the threads and closes the tiers. Idempotent."""
@@ -526,6 +606,12 @@ class TieredPool:
     def _finish_read(self, r: _Read) -> bool:
         """Applies a finished phase; ``True`` when the promotion is over."""
         self._stats_tick = next(self._ticks)  # this thread reads the stats: order is kept
+        if r.generation != self._generation:  # started before a reset(): its blocks are stale
+            if r.phase == 2:
+                r.future.result()  # the reader is done with the slots
+                self.manager.complete_store(r.keys_to_store, False)
+            self._reading.difference_update(r.keys)
+            return True
         if r.phase == 1:
             sources: list[int] = r.future.result()
             n = len(sources)
@@ -601,10 +687,11 @@ class TieredPool:
         """Dispatcher thread: takes the manager's write-through batches and gives each to every
         tier's writer."""
         while not self._closing:
-            for keys, block_ids in self.manager.take_write_through(0.05):
-                job = _Write(keys, block_ids, len(self.tiers))
-                for q in self._write_qs:
-                    q.put(job)
+            with self._dispatch_lock:  # reset() waits for a batch taken here to be queued
+                for keys, block_ids in self.manager.take_write_through(0.05):
+                    job = _Write(keys, block_ids, len(self.tiers), self._generation)
+                    for q in self._write_qs:
+                        q.put(job)
 
     def _writer(self, index: int) -> None:
         """Writer thread of tier ``index``: writes queued blocks from their L1 slots; the last
@@ -615,16 +702,21 @@ class TieredPool:
             job = q.get()
             if job is _STOP:
                 return
-            try:
-                result: list[bool] | None = tier.put(
-                    job.keys, [self._slot(b) for b in job.block_ids]
-                )
-            except Exception:  # a tier must not raise; if it does, the blocks count as failed
-                result = None
+            result: list[bool] | None = None
+            with self._writer_locks[index]:  # reset() waits for a put running here
+                stale = job.generation != self._generation  # taken before a reset(): dropped
+                if not stale:
+                    try:
+                        result = tier.put(job.keys, [self._slot(b) for b in job.block_ids])
+                    except Exception:  # a tier must not raise; if it does, the blocks failed
+                        result = None
             good = sum(1 for d in result if d) if result is not None else 0
             with self._write_lock:
-                c["written_blocks"] += good
-                c["write_failures"] += len(job.keys) - good
+                if stale:
+                    c["writes_dropped_reset"] += len(job.keys)
+                else:
+                    c["written_blocks"] += good
+                    c["write_failures"] += len(job.keys) - good
                 job.remaining -= 1
                 last = job.remaining == 0
             self._stats_tick = next(self._ticks)

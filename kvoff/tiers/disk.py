@@ -197,6 +197,7 @@ class DiskTier(SecondaryTier):
         self._pending: set[int] = set()  # being written (not yet indexed)
         self._releasing: set[int] = set()  # header being zeroed before the slot is freed
         self._stamp = 0
+        self._generation = 0  # clear() count: a put that straddles a clear() indexes nothing
         self._tls = threading.local()
         self._fd = -1
         self.direct = False
@@ -690,6 +691,7 @@ class DiskTier(SecondaryTier):
             where: list[int] = []
             same_as: dict[int, int] = {}  # a repeated key in the batch answers like its first
             with self._lock:
+                generation = self._generation
                 protected = {bytes(k) for k in keys if bytes(k) in self._index}
                 first: dict[bytes, int] = {}
                 for i, k in enumerate(keys):
@@ -715,11 +717,13 @@ class DiskTier(SecondaryTier):
             with self._lock:
                 for i, (slot, key, _, _), err in zip(where, jobs, errors, strict=True):
                     self._pending.discard(slot)
-                    if err is None and key not in self._index:
+                    cleared = generation != self._generation
+                    if err is None and key not in self._index and not cleared:
                         self._index[key] = slot
                         results[i] = True
-                    else:  # failed (header may be stale), or a concurrent put won: free it
-                        results[i] = err is None
+                    else:  # failed (header may be stale), a concurrent put won, or a clear()
+                        # ran meanwhile (the block is older than it): free it
+                        results[i] = err is None and not cleared
                         self._releasing.add(slot)
                         release.append(slot)
                 for i, j in same_as.items():
@@ -765,6 +769,32 @@ class DiskTier(SecondaryTier):
                         self._releasing.add(slot)
                         release.append(slot)
                 self._stats.set(blocks=len(self._index))
+            self._release(release)
+            self._stats.add(evictions=present)
+            return present
+        finally:
+            self._exit()
+
+    def clear(self) -> int:
+        """Drops every block (see :meth:`SecondaryTier.clear`): each header is zeroed on disk,
+        so a restart does not bring them back either; a ``put`` still writing when this runs
+        indexes nothing. Returns how many blocks were held (0 once the tier is closed). Slots
+        being read are freed when their reads end."""
+        if not self._enter():
+            return 0
+        try:
+            release: list[int] = []
+            with self._lock:
+                self._generation += 1
+                present = len(self._index)
+                for slot in self._index.values():
+                    if self._readers.get(slot):
+                        self._doomed.add(slot)
+                    else:
+                        self._releasing.add(slot)
+                        release.append(slot)
+                self._index.clear()
+                self._stats.set(blocks=0)
             self._release(release)
             self._stats.add(evictions=present)
             return present

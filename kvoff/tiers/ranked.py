@@ -147,6 +147,11 @@ class RankedTier(SecondaryTier):
         check_batch(keys, None, "keys")
         return self._each(lambda r, t: t.evict(keys))[0]
 
+    def clear(self) -> int:
+        """Clears every rank's tier (:meth:`SecondaryTier.clear`); returns rank 0's count (0
+        once closed)."""
+        return self._each(lambda r, t: t.clear())[0]
+
     def stats(self) -> dict[str, int | float]:
         """The ranks' counters summed (gauges such as ``blocks`` too: parts held, all ranks)."""
         out: dict[str, int | float] = {}

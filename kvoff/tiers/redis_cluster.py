@@ -6,7 +6,11 @@
     value = block header (HEADER_BYTES) + payload                     (kvoff.tiers.block_format)
 
 so engines of the same model and layout share blocks, and engines of another layout never see
-them. Everything on the wire is redis-py: the cluster client (:class:`redis.cluster.RedisCluster`)
+them. After :meth:`RedisClusterTier.clear` (a cache reset, say for new weights) the tier uses a
+key space of its own, ``{namespace}:{fingerprint}.{salt}:`` with a random salt, so blocks made
+before the reset are never read again.
+
+Everything on the wire is redis-py: the cluster client (:class:`redis.cluster.RedisCluster`)
 discovers the nodes and the slot map (``CLUSTER SLOTS``); the tier routes each key with
 redis-py's ``key_slot`` (CRC16 mod 16384, the Redis Cluster spec) to the master of its slot and
 pipelines each master's commands (``EXISTS`` / ``GET`` / ``SET ... PX`` / ``DEL``, at most
@@ -208,7 +212,9 @@ class RedisClusterTier(SecondaryTier):
         )
         self.fmt = fmt
         self.url = url
+        self.namespace = namespace
         self.prefix = f"{namespace}:{fmt.fingerprint.hex()}:".encode()
+        self.clears = 0  # clear() calls: each one moved this tier to a fresh key space
         self.ttl_ms = ttl_ms
         self.timeout_s = timeout
         self.max_batch = max_batch
@@ -358,7 +364,8 @@ class RedisClusterTier(SecondaryTier):
         now = time.monotonic()
         skipped = 0
         table = self._slot_table(rc)
-        rkeys = [self._rkey(key) for key in keys]  # each made once: routed, then sent
+        prefix = self.prefix  # read once: a clear() meanwhile moves the next call only
+        rkeys = [prefix + bytes(key).hex().encode() for key in keys]  # routed, then sent
         for i, rkey in enumerate(rkeys):
             node = table[key_slot(rkey)]
             if node is None:
@@ -646,6 +653,22 @@ class RedisClusterTier(SecondaryTier):
             self._exit()
         self._stats.add(evictions=removed)
         return removed
+
+    def clear(self) -> int:
+        """Forgets every block stored before the call (:meth:`SecondaryTier.clear`) without
+        deleting any: the cluster's blocks are other engines' too, and engines that did not
+        reset still use theirs. From now on this tier reads and writes a key space of its own,
+        ``{namespace}:{fingerprint}.{salt}:``, with a fresh random 64-bit salt, so no block
+        written before (by this engine or another) is ever read again, and this engine no
+        longer shares blocks with the others until it restarts. The old blocks stay until
+        their TTL (``ttl_s``) ends or Redis evicts them (``maxmemory-policy allkeys-lru``).
+        Calls already running finish in the old key space. Returns 0 (the shared store cannot
+        count what it forgot)."""
+        salt = os.urandom(8).hex()
+        with self._lock:
+            self.prefix = f"{self.namespace}:{self.fmt.fingerprint.hex()}.{salt}:".encode()
+            self.clears += 1
+        return 0
 
     def stats(self) -> dict[str, int | float]:
         """Counters of :data:`kvoff.tiers.base.STAT_KEYS` plus ``node_skips`` (keys that missed

@@ -145,6 +145,62 @@ def test_a_block_being_written_through_is_still_a_hit(tmp_path: Path) -> None:
     sim.sched.close()
 
 
+def test_a_reset_serves_no_block_from_before_it(tmp_path: Path) -> None:
+    """reset_cache (new weights) with write-through in flight: the disk write already running
+    is waited for and then cleared, the blocks queued behind it are never written, the blocks
+    pinned in L1 for write-through stop being hits, and a request for the same prompt after
+    the reset finds nothing in any tier (without the reset's tier part, the disk promotes the
+    old blocks: a 12-token hit of KV made with the old weights)."""
+    sim = make_sim()
+    disk = GatedDisk(tmp_path / "disk", 64 * (sim.worker.slot_bytes + 8192), fmt_of(sim))
+    pool = sim.sched.attach_tiers(
+        [disk], sim.worker.cpu_pool.numpy().__getitem__, write_queue_blocks=8
+    )
+    store_prompt(sim, "a")
+    assert disk.entered.wait(30)  # a's blocks are being written: the writer waits in put
+    sim.add_request("c", [t + 100 for t in PROMPT])  # queued behind a's write
+    assert sim.step().lookups == {"c": (0, None)}
+    pool.wait_reads()
+    assert sim.step().stored == {"c": {(0, 0), (0, 1), (0, 2)}}
+    sim.drain()
+    assert pool.stats()["write_queue_blocks"] == 6
+    done = threading.Event()
+
+    def reset() -> None:
+        sim.reset_cache()
+        done.set()
+
+    t = threading.Thread(target=reset)
+    t.start()
+    assert not done.wait(0.3)  # waits for the put that is running
+    disk.gate.set()
+    t.join(30)
+    assert done.is_set()
+    st = pool.stats()
+    assert st["resets"] == 1
+    assert st["tiers"]["disk"]["written_blocks"] == 3  # a's, written before the reset ended
+    assert st["tiers"]["disk"]["blocks_cleared"] == 3  # ... and cleared by it
+    assert st["writes_cancelled_reset"] + st["tiers"]["disk"]["writes_dropped_reset"] == 3  # c's
+    assert disk.held_keys() == []
+    assert sim.sched.stats()["num_stored_blocks"] == 0  # a's and c's L1 blocks are gone too
+    for rid in ("b", "d"):
+        sim.add_request(rid, PROMPT if rid == "b" else [t + 100 for t in PROMPT])
+        assert sim.step().lookups == {rid: (0, None)}  # L1 misses: the tiers are asked
+        pool.wait_reads()
+        rec = sim.step()
+        assert rec.lookups == {rid: (0, 0)}  # and hold nothing from before the reset
+        assert rec.stored == {rid: {(0, 0), (0, 1), (0, 2)}}
+        sim.drain()
+    pool.wait()
+    assert pool.stats()["write_queue_blocks"] == 0
+    assert sorted(disk.held_keys()) == sorted(
+        sim.key_of(rid, j) for rid in ("b", "d") for j in range(3)
+    )
+    assert sim.sched.stats()["num_stored_blocks"] == 6
+    assert sim.sched.stats()["num_free_blocks"] == 16 - 6  # every retired slot came back
+    sim.sched.close()
+
+
 def test_bad_attachments_are_refused_and_change_nothing(tmp_path: Path) -> None:
     sim = make_sim()
     slot = sim.worker.slot_bytes

@@ -1,6 +1,8 @@
-"""Hypothesis: random interleavings of store, lookup (with promotion), disk eviction, corruption
-and restart across L1 and a real disk tier keep both consistent: every block L1 serves has the
-bytes it was stored with, the disk's index matches what it holds, and no pin is left behind."""
+"""Hypothesis: random interleavings of store, lookup (with promotion), disk eviction, corruption,
+restart and cache reset across L1 and a real disk tier keep both consistent: every block L1
+serves has the bytes it was stored with since the last reset (a block of older weights is never
+served: each reset changes every key's bytes), the disk's index matches what it holds, and no
+pin or slot is left behind."""
 
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ def key(i: int) -> bytes:
     return b"k" + i.to_bytes(2, "little") + b"-offload-key"
 
 
-def value(i: int) -> np.ndarray:
-    return np.full(PAYLOAD, i * 7 % 251 + 1, dtype=np.uint8) ^ np.arange(PAYLOAD, dtype=np.uint8)
+def value(i: int, generation: int = 0) -> np.ndarray:
+    """Key i's bytes under the weights of ``generation`` (the resets so far)."""
+    fill = (i * 7 + generation * 101) % 251 + 1
+    return np.full(PAYLOAD, fill, dtype=np.uint8) ^ np.arange(PAYLOAD, dtype=np.uint8)
 
 
 class TieredPoolMachine(RuleBasedStateMachine):
@@ -41,7 +45,8 @@ class TieredPoolMachine(RuleBasedStateMachine):
         self.disk = self._open_disk()
         self.pool = TieredPool(self.manager, self.slots.__getitem__, [self.disk],
                                write_queue_blocks=4)  # fmt: skip
-        self.stored: set[int] = set()  # keys ever stored (the only ones a tier may hold)
+        self.stored: set[int] = set()  # keys stored since the last reset (a tier holds no other)
+        self.generation = 0  # resets so far: the weights every value is computed with
 
     def _open_disk(self) -> DiskTier:
         size = 4096 + DISK_BLOCKS * slot_bytes_for(FMT)
@@ -56,7 +61,7 @@ class TieredPoolMachine(RuleBasedStateMachine):
             return
         index = {key(i): i for i in ids}
         for k, b in zip(out.keys_to_store, out.block_ids, strict=True):
-            self.slots[b] = value(index[k])
+            self.slots[b] = value(index[k], self.generation)
         self.manager.complete_store(list(out.keys_to_store), True)
         self.stored.update(index[k] for k in out.keys_to_store)  # written through by the manager
 
@@ -78,8 +83,25 @@ class TieredPoolMachine(RuleBasedStateMachine):
             blocks = self.manager.prepare_load(keys[:h])
             for k, b in zip(keys[:h], blocks, strict=True):
                 i = int.from_bytes(k[1:3], "little")
-                np.testing.assert_array_equal(self.slots[b], value(i))  # never wrong bytes
+                np.testing.assert_array_equal(self.slots[b], value(i, self.generation))
             self.manager.complete_load(keys[:h])
+
+    @rule(first=st.integers(0, KEYS - 1), n=st.integers(1, 4))
+    def lookup_without_waiting(self, first: int, n: int) -> None:
+        """A lookup as an engine makes it: a miss starts a probe and a promotion that later
+        rules (a reset among them) find in flight."""
+        keys = [key((first + j) % KEYS) for j in range(n)]
+        self.pool.lookup(list(dict.fromkeys(keys)))
+
+    @rule()
+    def reset(self) -> None:
+        """A cache reset for new weights, with write-through and promotions in flight: from now
+        on every key's bytes differ, and no block of the old weights may be served."""
+        self.pool.reset()
+        self.manager.clear()
+        self.generation += 1
+        self.stored.clear()
+        assert self.manager.num_stored_blocks == 0
 
     @rule(i=st.integers(0, KEYS - 1))
     def evict_from_disk(self, i: int) -> None:
@@ -92,7 +114,7 @@ class TieredPoolMachine(RuleBasedStateMachine):
         self.pool.wait()
         path = next(Path(self.dir.name).glob("*.slots"))
         data = bytearray(path.read_bytes())
-        at = bytes(data).find(value(i)[:256].tobytes())
+        at = bytes(data).find(value(i, self.generation)[:256].tobytes())
         if at > 0:
             data[at + 1000] ^= 0x5A
             path.write_bytes(bytes(data))

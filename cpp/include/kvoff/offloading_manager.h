@@ -258,14 +258,25 @@ class CPUOffloadingManager {
   /// Blocks not queued because the queue was full, since construction.
   std::uint64_t write_through_dropped() const noexcept { return wt_dropped_total_; }
 
+  /// Engine thread, for a cache reset with secondary tiers: hands back, unwritten, every batch
+  /// queued for write-through that no take_write_through took yet (the next drain unpins
+  /// them); returns how many blocks. Batches already taken are the takers' to finish. Call it
+  /// while no take_write_through can run (the tiers' dispatcher is held), so that every
+  /// block queued before the call is either cancelled or already with its writers.
+  std::size_t cancel_write_through();
+  /// Blocks handed back unwritten by cancel_write_through, since construction.
+  std::uint64_t write_through_cancelled() const noexcept { return wt_cancelled_total_; }
+
   /// Returns the events recorded since the last call, oldest first, and forgets them. Always
   /// empty when events are disabled.
   std::vector<OffloadingEvent> take_events();
 
   /// Drops the ready, unpinned blocks among `keys` (one BlockRemoved event lists them) and
-  /// returns how many: blocks whose data cannot be trusted (a load of them failed). Keys that
-  /// are missing, pending or still pinned by another load are left as they are. A key
-  /// occurring several times is dropped once.
+  /// returns how many: blocks whose data cannot be trusted (a load of them failed, or it was
+  /// made before a cache reset). Keys that are missing, pending or still pinned by another
+  /// load are left as they are. A block pinned only by its write-through to the tiers is
+  /// dropped from the index (no longer a hit) and its slot freed when the tier writer hands it
+  /// back. A key occurring several times is dropped once.
   /// Throws std::invalid_argument, changing nothing, for an empty key.
   std::size_t discard(KeySpan keys);
 
@@ -278,8 +289,10 @@ class CPUOffloadingManager {
   /// by loads are dropped too, their slots freed at once (a later complete_store or
   /// complete_load of them is an error, like for any unknown key). A store still copying into
   /// such a slot is queued before any later store into it, so the later one's bytes win; this
-  /// is what vLLM's own CPU manager does. Blocks pinned for write-through to the tiers stay
-  /// (the writer reads them). Returns the blocks dropped, pending ones included.
+  /// is what vLLM's own CPU manager does. A block being written through to the tiers (and not
+  /// pinned by a load, unless `include_in_flight`) is dropped from the index too, so it is no
+  /// longer a hit; its slot is freed only when the tier writer hands it back (the writer still
+  /// reads it). Returns the blocks dropped, pending ones included.
   std::size_t clear(bool include_in_flight = false);
 
   /// State of `key` (kMissing for a key never seen, or an empty key).
@@ -342,6 +355,9 @@ class CPUOffloadingManager {
   void finish_stores(std::span<const std::uint32_t> slots, bool success, bool write_through);
   void queue_write_through(std::span<const std::uint32_t> slots);
   std::size_t drain_write_through();
+  // Drops a ready block pinned for write-through only from the index and the policy; its slot
+  // stays allocated (wt_pinned_ = kWtRetired) until drain_write_through sees it handed back.
+  void retire_written_through(std::uint32_t slot);
   void maybe_drain() {
     if (wt_done_ready_.load(std::memory_order_acquire)) drain_write_through();
   }
@@ -391,7 +407,12 @@ class CPUOffloadingManager {
   std::uint64_t wt_queued_total_ = 0;
   std::uint64_t wt_dropped_total_ = 0;
   std::vector<std::uint32_t> wt_drained_;           // engine thread: slots to unpin
-  std::vector<std::uint8_t> wt_pinned_;             // engine thread: per slot, 1 = pinned for it
+  // engine thread, per slot: kWtPinned = pinned for write-through (one pin of the payload's),
+  // kWtRetired = dropped from the index while being written (the slot is freed at its drain)
+  static constexpr std::uint8_t kWtPinned = 1;
+  static constexpr std::uint8_t kWtRetired = 2;
+  std::uint64_t wt_cancelled_total_ = 0;
+  std::vector<std::uint8_t> wt_pinned_;
   std::atomic<bool> wt_done_ready_{false};          // wt_done_ is not empty
   std::mutex wt_mutex_;
   std::condition_variable wt_queued_cv_;            // a batch was queued, or closed
