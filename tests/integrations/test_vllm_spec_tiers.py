@@ -128,6 +128,26 @@ def test_a_restarted_manager_promotes_from_disk_and_loads_exact_bytes(tmp_path: 
     m.shutdown()
 
 
+def test_a_reset_leaves_no_block_of_before_it_in_any_tier(tmp_path: Path) -> None:
+    """vLLM's reset_prefix_cache(reset_connector=True) after a weight update: the disk's blocks
+    are as wrong as the pool's. Without the tiers' reset the scan below promotes them (HIT)."""
+    m, pool = _manager(tmp_path / "disk")
+    _store(m, pool, range(4))
+    assert m.tiers.stats()["tiers"]["disk"]["written_blocks"] == 4
+    m.reset_cache()
+    st = m.tiers.stats()
+    assert st["resets"] == 1 and st["tiers"]["disk"]["blocks_cleared"] == 4
+    assert st["tiers"]["disk"]["blocks"] == 0
+    keys, ctx = [_key(i) for i in range(4)], _ctx()
+    assert _scan(m, keys, ctx) == ["RETRY"] * 4  # the pool misses: the tiers are asked
+    _steps_until_settled(m)
+    assert _scan(m, keys, ctx) == ["MISS"]  # ... and hold nothing from before the reset
+    _store(m, pool, range(4))  # stored again (the new weights' KV): written through as usual
+    assert m.tiers.stats()["tiers"]["disk"]["written_blocks"] == 8
+    assert _scan(m, keys, ctx) == ["HIT"] * 4
+    m.shutdown()
+
+
 def test_a_missed_key_stays_a_miss_for_a_few_steps_then_is_asked_again(tmp_path: Path) -> None:
     from kvoff.integrations.vllm import SETTLED_STEPS
 

@@ -249,6 +249,42 @@ def test_consecutive_slots_are_written_in_runs_and_unaligned_payloads_alone(
     again.close()
 
 
+def test_clear_drops_every_block_for_good_and_a_put_across_it_indexes_nothing(
+    tmp_path: Path,
+) -> None:
+    """clear() (a cache reset: the blocks are wrong KV now) zeroes every header, so a restart
+    does not bring the blocks back; a put whose write straddles the clear is not indexed (its
+    block was made before the reset); puts after it are served as usual."""
+    tier = DiskTier(tmp_path, capacity(FMT, 8), FMT)
+    keys = [key(i) for i in range(6)]
+    assert tier.put(keys[:4], [block(k) for k in keys[:4]]) == [True] * 4
+    bufs = outs(1)
+    assert tier.get(keys[:1], bufs) == [True]
+    write_run = tier._write_run
+
+    def write_then_clear(run):  # type: ignore[no-untyped-def]
+        errors = write_run(run)
+        tier.clear()  # a reset while this put's blocks are on their way to the disk
+        return errors
+
+    tier._write_run = write_then_clear  # type: ignore[method-assign]
+    assert tier.put(keys[4:5], [block(keys[4])]) == [False]
+    del tier._write_run
+    st_ = tier.stats()
+    assert st_["blocks"] == 0 and st_["evictions"] == 4 and st_["writes_dropped"] == 1
+    assert tier.contains(keys) == [False] * 6
+    assert tier.get(keys[:1], bufs) == [False]
+    assert tier.put(keys[5:], [block(keys[5])]) == [True]  # after the clear: served
+    assert tier.contains(keys) == [False] * 5 + [True]
+    tier.check_consistency()
+    tier.close()
+    again = DiskTier(tmp_path, capacity(FMT, 8), FMT)  # a restart finds only the new block
+    assert again.stats()["recovered_blocks"] == 1
+    assert again.contains(keys) == [False] * 5 + [True]
+    again.close()
+    assert again.clear() == 0  # closed: nothing to drop, no error
+
+
 def test_corruption_while_open_is_detected_by_get(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
     k = key(1)

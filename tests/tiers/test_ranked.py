@@ -51,6 +51,19 @@ def test_round_trip_of_every_ranks_part(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_clear_drops_every_ranks_part(tmp_path: Path) -> None:
+    tier = ranked(tmp_path)
+    keys = [key(i) for i in range(4)]
+    tier.put(keys, [(part(k, 0), part(k, 1)) for k in keys])
+    assert tier.clear() == 4
+    assert [t.stats()["blocks"] for t in tier.ranks] == [0, 0]
+    assert tier.contains(keys) == [False] * 4
+    assert tier.put(keys[:1], [(part(keys[0], 0), part(keys[0], 1))]) == [True]
+    assert tier.contains(keys) == [True, False, False, False]
+    tier.close()
+    assert tier.clear() == 0  # closed: nothing to drop, no error
+
+
 def test_a_part_missing_or_corrupt_on_one_rank_is_a_miss(tmp_path: Path) -> None:
     """Without the all-ranks rule, rank 0's part would be served next to garbage on rank 1."""
     tier = ranked(tmp_path)

@@ -318,6 +318,35 @@ def test_second_process_sees_the_first_process_blocks(redis_url: str) -> None:
             np.testing.assert_array_equal(b, block(k))
 
 
+def test_clear_moves_to_a_key_space_of_its_own_and_deletes_nothing(redis_url: str) -> None:
+    """A reset on one engine: its tier never reads a block written before (by itself or by
+    another engine), while another engine that did not reset still reads the shared blocks."""
+    keys = [key(i) for i in range(6)]
+    with (
+        RedisClusterTier(redis_url, FMT, namespace="kvoff-clear") as mine,
+        RedisClusterTier(redis_url, FMT, namespace="kvoff-clear") as other,
+    ):
+        assert mine.put(keys[:3], [block(k) for k in keys[:3]]) == [True] * 3
+        assert other.put(keys[3:], [block(k) for k in keys[3:]]) == [True] * 3
+        before = mine.prefix
+        assert mine.clear() == 0 and mine.clears == 1
+        assert mine.prefix != before and mine.prefix.startswith(
+            b"kvoff-clear:" + FMT.fingerprint.hex().encode() + b"."
+        )
+        assert mine.contains(keys) == [False] * 6
+        assert mine.get(keys, outs(6)) == [False] * 6
+        assert other.contains(keys) == [True] * 6  # nothing was deleted
+        assert mine.put(keys[:1], [block(keys[0])]) == [True]  # the new weights' block
+        bufs = outs(1)
+        assert mine.get(keys[:1], bufs) == [True]
+        np.testing.assert_array_equal(bufs[0], block(keys[0]))
+        mine.clear()
+        assert mine.contains(keys[:1]) == [False]  # each clear starts a fresh key space
+        other.evict(keys)
+    mine.close()
+    assert mine.clear() == 0  # closed: no error
+
+
 def test_corrupt_value_is_a_counted_miss_and_deleted(
     redis_url: str, redis_cluster: LocalRedisCluster
 ) -> None:
