@@ -226,7 +226,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def reset_cache(self) -> None:
         """The CPU pool is emptied (what no job uses; jobs in flight become stale, so their
-        stores never become hits): later hits come from new stores, or from the disk tier."""
+        stores never become hits) and so is the disk tier (write-through in flight dropped):
+        later hits come from stores made after the reset (tests/tiers/
+        test_tiered_pool_state_machine.py checks that no older block is ever served)."""
         assert self.sim is not None
         self.sim.reset_cache()  # BlockRemoved of the reset taken; jobs in flight stale
 
