@@ -610,6 +610,33 @@ def test_a_connector_reset_with_stores_in_flight(
         assert _delta(r, 1, "hit_tokens") == 0 and _delta(r, 2, "hit_tokens") >= 768
 
 
+@pytest.mark.parametrize("connector", ["kvoff", "spec"])
+def test_a_connector_reset_clears_the_disk_tier_too(
+    run_engine, tiny_models, llama_reference, tmp_path, connector
+) -> None:
+    """A weight update's reset_prefix_cache(reset_connector=True) with a disk tier: the blocks
+    written through to disk before it are as wrong as the CPU pool's. Before the tiers were
+    reset too, the request after the reset was told to retry, then loaded A's pre-reset blocks
+    from disk (768 cached tokens); now it finds nothing, and what it stores is served again."""
+    ref_a, _ = llama_reference
+    extra = {"cpu_bytes_to_use": 64 << 20, "disk_path": str(tmp_path / "disk"),
+             "disk_bytes": "16MiB"}  # fmt: skip
+    phases = [
+        {"prompts": PROMPTS_A[:1]},
+        {"prompts": PROMPTS_A[:1], "reset_connector": True},
+        {"prompts": PROMPTS_A[:1], "reset": True},
+    ]
+    r = run_engine(_plan(str(tiny_models["llama"]), connector, phases, extra=extra))
+    assert all(p["outputs"] == ref_a[:1] for p in r["phases"])
+    assert r["phases"][1]["cached"] == [0]  # neither the pool nor the disk served a block
+    assert r["phases"][2]["cached"][0] >= 768  # stored after the reset: a hit
+    assert _metric(r, 1, "vllm:kvoff_disk_promoted_blocks") == 0
+    assert _metric(r, 1, "vllm:kvoff_disk_written_blocks") >= 768 // BLOCK  # there were some
+    if connector == "kvoff":
+        tiers = r["phases"][1]["tiers"]
+        assert tiers["resets"] == 1 and tiers["tiers"]["disk"]["blocks_cleared"] >= 768 // BLOCK
+
+
 # -------------------------------------------------------------------- unit-level (no engine)
 
 
