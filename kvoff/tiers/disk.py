@@ -26,6 +26,9 @@ could never be served under this layout anyway, just as blocks of another finger
 overwritten. A file that is not a kvoff disk tier (no superblock magic, not all zeros) is refused
 with ValueError.
 
+Reset: :meth:`DiskTier.clear` (an engine's cache reset: new weights) zeroes every block's header,
+so neither this process nor a restart serves a block written before it.
+
 Crash safety: a block's header and payload are written by one system call (a run of blocks in
 consecutive slots by one ``pwritev``); ``evict`` zeroes the header. A torn write leaves an old or
 missing header, or a header whose payload checksum does not match: a miss at ``get``, counted in
@@ -135,7 +138,8 @@ class DiskTier(SecondaryTier):
     Raises:
         TypeError: ``capacity_bytes`` or ``io_threads`` not an int (a bool, float, str...), or
             ``direct`` not True, False or None.
-        ValueError: capacity smaller than one slot, io_threads < 1, ``path`` exists and is not a
+        ValueError: capacity smaller than one slot, io_threads < 1, a ``file_name`` that is
+            not one file name (empty, ``.``, ``..``, with a ``/``), ``path`` exists and is not a
             directory, ``direct=True`` on a file system without O_DIRECT, the file is locked by
             another DiskTier, the file exists and is not a kvoff disk tier file (or is one
             cut short inside its superblock), or the file system has less free space than
@@ -178,6 +182,16 @@ class DiskTier(SecondaryTier):
             raise TypeError(
                 f"direct={direct!r} must be True (require O_DIRECT), False (buffered I/O) or None "
                 f"(O_DIRECT where the file system allows it)"
+            )
+        if (
+            not isinstance(file_name, str)
+            or file_name in ("", ".", "..")
+            or "/" in file_name
+            or "\0" in file_name
+        ):
+            raise ValueError(
+                f"file_name={file_name!r} must name a file inside path (no '/', not '', '.' or "
+                f"'..'), e.g. {DEFAULT_FILE_NAME!r}"
             )
         self.num_slots = (capacity_bytes - SUPERBLOCK_BYTES) // self.slot_bytes
         self.capacity_bytes = capacity_bytes

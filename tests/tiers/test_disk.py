@@ -346,6 +346,10 @@ def test_bad_config_raises_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="payload_bytes is"):
         tier.put([key(1)], [np.zeros(10, np.uint8)])
     tier.close()
+    for name in ("", ".", "..", "a/b", "x\0y"):  # an unavailable tier before, not an error
+        with pytest.raises(ValueError, match=r"file_name=.* must name a file inside path"):
+            DiskTier(tmp_path / "f", capacity(FMT, 4), FMT, file_name=name)
+    assert not (tmp_path / "f").exists()  # nothing was made
 
 
 @pytest.mark.parametrize(
