@@ -633,7 +633,7 @@ def run_replay(
             f"{max_blocks} for the longest request) and {cpu_bytes / 2**30:.1f} GiB for "
             f"{num_cpu_blocks} CPU blocks, more than 85% of this machine's "
             f"{mem / 2**30:.1f} GiB; lower --cpu-blocks/--cpu-bytes, --gpu-prefix-blocks or "
-            "--limit, or use --model tiny"
+            "--limit" + ("" if preset.name == "tiny" else ", or use --model tiny")
         )
     if cuda:
         free_gpu, _ = torch.cuda.mem_get_info(device)
