@@ -304,7 +304,7 @@ def test_bad_configuration_errors() -> None:
         run_replay(ReplayConfig(model="gpt-9", limit=1))
     with pytest.raises(ValueError, match="lru"):
         run_replay(ReplayConfig(policy="random", limit=1))
-    with pytest.raises(ValueError, match="more than 85%.*or use --model tiny"):
+    with pytest.raises(ValueError, match=r"more than 85%.*or use --model tiny"):
         run_replay(ReplayConfig(model="llama-3-8b", cpu_bytes=2**50, limit=1))
     with pytest.raises(ValueError, match=r"more than 85%.*--limit$"):  # tiny already
         run_replay(ReplayConfig(model="tiny", cpu_bytes=2**50, limit=1))
