@@ -160,6 +160,14 @@ void expect_match(const MatchResult& got, const MatchResult& want) {
   EXPECT_EQ(got.load_async, want.load_async);
 }
 
+// Request "r" (blocks a0, a1 and one token more) hits both stored blocks and gets GPU blocks
+// 5, 6, 7: its 2-block load is prepared (and emitted by the next step).
+void prepare_load_of_a0_a1(OffloadingScheduler& s) {
+  add(s, "r", {"a0", "a1"}, 9);
+  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
+  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+}
+
 // ----------------------------------------------------------------------------- config
 
 TEST(OffloadingSchedulerConfig, RejectsBadValuesNamingThem) {
@@ -1036,9 +1044,7 @@ TEST(OffloadingSchedulerReset, DropsStoredBlocksAndMakesJobsInFlightStale) {
 TEST(OffloadingSchedulerReset, AStaleLoadsBlocksAreDiscardedWhenItCompletes) {
   OffloadingScheduler s(make_config({Full()}));
   seed(s, "seed", {"a0", "a1"}, {{1, 2}});
-  add(s, "r", {"a0", "a1"}, 9);
-  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
-  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  prepare_load_of_a0_a1(s);
   auto meta = step(s, {sched("r", {{5, 6, 7}}, 0, 0)});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   EXPECT_EQ(s.reset_cache(), 0u);  // both blocks are pinned by the load: they stay for it
@@ -1052,9 +1058,7 @@ TEST(OffloadingSchedulerReset, AStaleLoadsBlocksAreDiscardedWhenItCompletes) {
 TEST(OffloadingSchedulerFence, LoadTargetReallocatedIsFlushed) {
   OffloadingScheduler s(make_config({Full()}));
   seed(s, "seed", {"a0", "a1"}, {{1, 2}});
-  add(s, "r", {"a0", "a1"}, 9);
-  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
-  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  prepare_load_of_a0_a1(s);
   auto meta = step(s, {sched("r", {{5, 6, 7}}, 0, 0)});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   EXPECT_TRUE(meta.jobs_to_flush.empty());
@@ -1151,9 +1155,7 @@ TEST(OffloadingSchedulerOutput, FailureOnOneRankIsNoHitAndFreesSlots) {
 TEST(OffloadingSchedulerOutput, FailedLoadIsReportedAndUnpins) {
   OffloadingScheduler s(make_config({Full()}));
   seed(s, "seed", {"a0", "a1"}, {{1, 2}});
-  add(s, "r", {"a0", "a1"}, 9);
-  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
-  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  prepare_load_of_a0_a1(s);
   auto meta = step(s, {});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   auto out = report(s, {meta.load_jobs[0].job_id}, /*success=*/false);
@@ -1210,9 +1212,7 @@ TEST(OffloadingSchedulerOutput, UnknownJobIsRejectedBeforeAnyChange) {
 TEST(OffloadingSchedulerFinish, UnemittedLoadIsCancelledAndUnpinned) {
   OffloadingScheduler s(make_config({Full()}));
   seed(s, "seed", {"a0", "a1"}, {{1, 2}});
-  add(s, "r", {"a0", "a1"}, 9);
-  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
-  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  prepare_load_of_a0_a1(s);
   EXPECT_EQ(s.manager().pin_count(key("a1", 0)), 1u);
   EXPECT_FALSE(s.request_finished("r"));
   EXPECT_EQ(s.manager().pin_count(key("a0", 0)), 0u);
@@ -1402,9 +1402,7 @@ TEST(OffloadingSchedulerEvents, StoredAndRemovedEventsAndLoadTouchesHeadLast) {
   EXPECT_EQ(ev[0].keys, (Strs{key("a0", 0), key("a1", 0)}));
   EXPECT_EQ(ev[1].keys, (Strs{key("b0", 0), key("b1", 0)}));
   // Loading a0, a1 touches them: now a is more recent than b, with a0 (the head) most recent.
-  add(s, "r", {"a0", "a1"}, 9);
-  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
-  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  prepare_load_of_a0_a1(s);
   auto meta = step(s, {});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   report(s, {meta.load_jobs[0].job_id});
@@ -1494,9 +1492,7 @@ TEST(OffloadingSchedulerStepStores, ABlockAnotherRequestOfTheStepHoldsIsNotEvict
 TEST(OffloadingSchedulerJobs, ReusedRecordsCarryNothingOver) {
   OffloadingScheduler s(make_config({Full()}, 4));
   seed(s, "sa", {"a0", "a1", "a2"}, {{1, 2, 3}});  // a 3-block store, completed
-  add(s, "r", {"a0", "a1"}, 9);
-  expect_match(s.get_num_new_matched_tokens("r", 0), hit(8));
-  s.update_state_after_alloc("r", Table{{5, 6, 7}}, 8);
+  prepare_load_of_a0_a1(s);
   auto meta = step(s, {});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   expect_job(s, meta.load_jobs[0], false, "r", {5, 6}, {2}, {0}, {key("a0", 0), key("a1", 0)});

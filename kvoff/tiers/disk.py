@@ -603,6 +603,15 @@ class DiskTier(SecondaryTier):
                 return slot
         return None
 
+    def _drop(self, slot: int, release: list[int]) -> None:
+        """A slot just taken out of the index: freed when its reads end if it is being read,
+        else added to ``release`` (for :meth:`_release`); lock held."""
+        if self._readers.get(slot):
+            self._doomed.add(slot)
+        else:
+            self._releasing.add(slot)
+            release.append(slot)
+
     def _release(self, slots: list[int]) -> None:
         """Zero the headers of ``slots`` (outside the lock), then free them."""
         if not slots:
@@ -777,11 +786,7 @@ class DiskTier(SecondaryTier):
                     if slot is None:
                         continue
                     present += 1
-                    if self._readers.get(slot):
-                        self._doomed.add(slot)
-                    else:
-                        self._releasing.add(slot)
-                        release.append(slot)
+                    self._drop(slot, release)
                 self._stats.set(blocks=len(self._index))
             self._release(release)
             self._stats.add(evictions=present)
@@ -802,11 +807,7 @@ class DiskTier(SecondaryTier):
                 self._generation += 1
                 present = len(self._index)
                 for slot in self._index.values():
-                    if self._readers.get(slot):
-                        self._doomed.add(slot)
-                    else:
-                        self._releasing.add(slot)
-                        release.append(slot)
+                    self._drop(slot, release)
                 self._index.clear()
                 self._stats.set(blocks=0)
             self._release(release)

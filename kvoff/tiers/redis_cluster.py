@@ -329,8 +329,8 @@ class RedisClusterTier(SecondaryTier):
         self._table = (cache, nodes)
         return nodes
 
-    def _rkey(self, key: bytes) -> bytes:
-        return self.prefix + bytes(key).hex().encode()
+    def _rkey(self, key: bytes, prefix: bytes | None = None) -> bytes:
+        return (self.prefix if prefix is None else prefix) + bytes(key).hex().encode()
 
     def node_of(self, key: bytes) -> str | None:
         """``host:port`` of the master serving ``key`` (for tests and diagnostics)."""
@@ -365,7 +365,7 @@ class RedisClusterTier(SecondaryTier):
         skipped = 0
         table = self._slot_table(rc)
         prefix = self.prefix  # read once: a clear() meanwhile moves the next call only
-        rkeys = [prefix + bytes(key).hex().encode() for key in keys]  # routed, then sent
+        rkeys = [self._rkey(key, prefix) for key in keys]  # each made once: routed, then sent
         for i, rkey in enumerate(rkeys):
             node = table[key_slot(rkey)]
             if node is None:
