@@ -740,7 +740,19 @@ void CPUOffloadingManager::complete_store(KeySpan keys, bool success, bool write
 }
 
 void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> block_ids,
-                                                 bool success, bool write_through) {
+                                                 bool success, bool write_through,
+                                                 std::span<const std::size_t> event_ends) {
+  for (std::size_t i = 0; i < event_ends.size(); ++i) {
+    if (event_ends[i] > block_ids.size() || (i > 0 && event_ends[i] <= event_ends[i - 1])) {
+      throw std::invalid_argument(
+          "complete_store_blocks: event_ends[" + std::to_string(i) + "] = " +
+          std::to_string(event_ends[i]) + " is " +
+          (event_ends[i] > block_ids.size()
+               ? "past the end of block_ids (" + std::to_string(block_ids.size()) + " slots)"
+               : std::string("not above the one before it")) +
+          "; pass increasing positions in block_ids. Nothing was changed.");
+    }
+  }
   maybe_drain();
   for (std::size_t i = 0; i < block_ids.size(); ++i) {
     const std::uint32_t slot = block_ids[i];
@@ -756,11 +768,12 @@ void CPUOffloadingManager::complete_store_blocks(std::span<const std::uint32_t> 
                                 "; pass the block_ids of a prepare_store whose store has not "
                                 "completed. Nothing was changed.");
   }
-  finish_stores(block_ids, success, write_through);
+  finish_stores(block_ids, success, write_through, event_ends);
 }
 
 void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, bool success,
-                                         bool write_through) {
+                                         bool write_through,
+                                         std::span<const std::size_t> event_ends) {
   const std::uint32_t stamp = next_stamp();
   scratch_new_.clear();  // the distinct slots of the call
   for (const std::uint32_t slot : slots) {
@@ -773,19 +786,30 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
   }
   const auto n = static_cast<std::uint32_t>(scratch_new_.size());
   if (success) {
-    std::vector<std::string> stored;
-    if (enable_events_) {
-      stored.reserve(n);
-    }
     for (const std::uint32_t slot : scratch_new_) {
       set_state(index_.payload(slot), BlockState::kReady);
-      if (enable_events_) {
-        stored.emplace_back(index_.key(slot));
-      }
     }
     num_ready_ += n;
     num_evictable_ += n;
-    record(std::move(stored), /*removed=*/false);
+    if (enable_events_) {
+      // One BlockStored event per run of `slots` (event_ends), each slot listed in the first
+      // run that has it; a run whose slots all came earlier has no event.
+      std::vector<std::string> stored;
+      std::size_t e = 0;                          // next event end
+      const std::uint32_t again = next_stamp();  // marks each slot once more, as it is listed
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        std::uint64_t& p = index_.payload(slots[i]);
+        if (mark_bits(p) != again) {
+          set_mark(p, again);
+          stored.emplace_back(index_.key(slots[i]));
+        }
+        if (e < event_ends.size() && i + 1 == event_ends[e]) {
+          ++e;
+          record(std::exchange(stored, {}), /*removed=*/false);
+        }
+      }
+      record(std::move(stored), /*removed=*/false);
+    }
     if (write_through && wt_capacity_ > 0) {
       queue_write_through(scratch_new_);
     }

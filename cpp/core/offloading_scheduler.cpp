@@ -1106,8 +1106,10 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
   // keep their memory between calls.
   std::vector<std::uint32_t>& stored = report_stored_slots_;
   std::vector<JobId>& completed = report_completed_;
+  std::vector<std::size_t>& event_ends = report_event_ends_;
   stored.clear();
   completed.clear();
+  event_ends.clear();
   for (std::size_t i = 0; i < reports.size(); ++i) {
     const JobReport& rep = reports[i];
     Job& j = *resolved[i];  // still there: a job is erased only at its last report
@@ -1122,6 +1124,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
         manager_.complete_store_blocks(job.cpu_block_ids, false);  // frees its slots
       } else {
         stored.insert(stored.end(), job.cpu_block_ids.begin(), job.cpu_block_ids.end());
+        if (config_.enable_events) event_ends.push_back(stored.size());  // an event per job
       }
       --r.stores_in_flight;
     } else {
@@ -1152,7 +1155,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       erase_request(r);
     }
   }
-  if (!stored.empty()) manager_.complete_store_blocks(stored, true);
+  if (!stored.empty()) manager_.complete_store_blocks(stored, true, true, event_ends);
   for (const JobId id : completed) retire_job(id);
   return out;
 }

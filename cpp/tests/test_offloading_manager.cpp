@@ -571,6 +571,36 @@ TEST(Events, DisabledRecordsNothing) {
   EXPECT_TRUE(m.take_events().empty());
 }
 
+// Stores of several requests completed in one call (the scheduler's update_connector_output)
+// are announced one BlockStored event per run (event_ends): a router reads an event's keys as
+// one request's run, so an event never lists two requests' blocks. A slot repeated in a later
+// run is listed in the first only; a run left empty so has no event; bad ends change nothing.
+TEST(Events, CompleteStoreBlocksSplitsEventsByRun) {
+  CPUOffloadingManager m(8, "lru", true);
+  auto p = m.prepare_store(K({"a0", "a1", "b0", "c0", "c1"}));
+  ASSERT_TRUE(p);
+  const auto& s = p->block_ids;
+  // runs: [a0 a1] [b0 a1] [a0] [c0 c1]  (the third run repeats a slot only)
+  const std::vector<std::uint32_t> slots{s[0], s[1], s[2], s[1], s[0], s[3], s[4]};
+  const Keys all = K({"a0", "a1", "b0", "c0", "c1"});
+  const Snapshot before = snap(m, all);
+  for (const std::vector<std::size_t>& bad :
+       {std::vector<std::size_t>{2, 2, 7}, std::vector<std::size_t>{4, 2},
+        std::vector<std::size_t>{2, 8}}) {
+    EXPECT_THROW(m.complete_store_blocks(slots, true, true, bad), std::invalid_argument);
+    EXPECT_EQ(snap(m, all), before);
+  }
+  const std::vector<std::size_t> ends{2, 4, 5, 7};
+  m.complete_store_blocks(slots, true, true, ends);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].keys, S({"a0", "a1"}));
+  EXPECT_EQ(events[1].keys, S({"b0"}));
+  EXPECT_EQ(events[2].keys, S({"c0", "c1"}));
+  for (const auto& e : events) EXPECT_FALSE(e.removed);
+  EXPECT_EQ(m.lookup(all), 5u);
+}
+
 // ------------------------------------------------------------------------ invariant 7: bad input
 
 TEST(BadInput, PrepareLoadOfMissingOrPendingKeyChangesNothing) {

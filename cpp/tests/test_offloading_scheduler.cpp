@@ -1434,7 +1434,14 @@ TEST(OffloadingSchedulerStepStores, RequestsStoredInOneStepAgeInSchedulingOrder)
   expect_job(s, meta.store_jobs[1], true, "B", {3, 4}, {2}, {0}, {key("b0", 0), key("b1", 0)});
   EXPECT_LT(meta.store_jobs[0].job_id, meta.store_jobs[1].job_id);
   report(s, ids_of(meta.store_jobs));
-  (void)s.take_events();
+  // Both jobs complete in one call: one BlockStored event per job, never both requests' keys
+  // in one (a router reads an event's block hashes as one request's run).
+  auto stored = s.take_events();
+  ASSERT_EQ(stored.size(), 2u);
+  EXPECT_FALSE(stored[0].removed);
+  EXPECT_FALSE(stored[1].removed);
+  EXPECT_EQ(stored[0].keys, (Strs{key("a0", 0), key("a1", 0)}));
+  EXPECT_EQ(stored[1].keys, (Strs{key("b0", 0), key("b1", 0)}));
   // B was stored after A: A's blocks go first, each request's tail before its head.
   add(s, "w", {"c0", "c1", "c2"}, 12);
   meta = step(s, {sched("w", {{8, 9, 10}}, 0, 12)});

@@ -519,11 +519,13 @@ def _tier_totals(tiers: Any) -> dict[str, int]:
     out = {
         "tier_probes": int(st["probes"]),
         "tier_writes_dropped_queue_full": int(st["writes_dropped_queue_full"]),
+        "tier_resets": int(st["resets"]),
+        "tier_writes_cancelled_reset": int(st["writes_cancelled_reset"]),
     }
     for name, c in st["tiers"].items():
         for key in ("promoted_blocks", "promoted_bytes", "promotion_failures", "written_blocks",
                     "writes_dropped", "corrupted_blocks", "fingerprint_mismatches", "timeouts",
-                    "io_errors"):  # fmt: skip
+                    "io_errors", "blocks_cleared", "writes_dropped_reset"):  # fmt: skip
             out[f"{name}_{key}"] = int(c.get(key, 0))
     return out
 
@@ -631,6 +633,8 @@ _COUNTERS: tuple[tuple[str, str], ...] = (
 _TIER_COUNTERS: tuple[tuple[str, str], ...] = (
     ("tier_probes", "Keys asked of the secondary tiers on CPU pool misses"),
     ("tier_writes_dropped_queue_full", "Write-throughs dropped because the queue was full"),
+    ("tier_resets", "Cache resets that cleared every tier (reset_prefix_cache with the connector)"),
+    ("tier_writes_cancelled_reset", "Queued write-throughs a reset handed back unwritten"),
     *(
         (f"{tier}_{name}", f"{tier} tier: {doc}")
         for tier in ("disk", "remote")
@@ -644,6 +648,8 @@ _TIER_COUNTERS: tuple[tuple[str, str], ...] = (
             ("fingerprint_mismatches", "blocks of another model or layout seen, not served"),
             ("timeouts", "operations that ran into the tier's timeout"),
             ("io_errors", "I/O or connection errors (each a miss or a dropped write)"),
+            ("blocks_cleared", "blocks a cache reset dropped from the tier"),
+            ("writes_dropped_reset", "writes in flight at a cache reset, dropped unwritten"),
         )
     ),
 )

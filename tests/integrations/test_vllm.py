@@ -632,6 +632,8 @@ def test_a_connector_reset_clears_the_disk_tier_too(
     assert r["phases"][2]["cached"][0] >= 768  # stored after the reset: a hit
     assert _metric(r, 1, "vllm:kvoff_disk_promoted_blocks") == 0
     assert _metric(r, 1, "vllm:kvoff_disk_written_blocks") >= 768 // BLOCK  # there were some
+    assert _metric(r, 1, "vllm:kvoff_tier_resets") == 1  # the reset, as Prometheus counters
+    assert _metric(r, 1, "vllm:kvoff_disk_blocks_cleared") >= 768 // BLOCK
     if connector == "kvoff":
         tiers = r["phases"][1]["tiers"]
         assert tiers["resets"] == 1 and tiers["tiers"]["disk"]["blocks_cleared"] >= 768 // BLOCK

@@ -134,9 +134,13 @@ def test_a_reset_leaves_no_block_of_before_it_in_any_tier(tmp_path: Path) -> Non
     m, pool = _manager(tmp_path / "disk")
     _store(m, pool, range(4))
     assert m.tiers.stats()["tiers"]["disk"]["written_blocks"] == 4
+    m.get_stats()  # takes the counters so far: only the reset's moves are left below
     m.reset_cache()
     st = m.tiers.stats()
     assert st["resets"] == 1 and st["tiers"]["disk"]["blocks_cleared"] == 4
+    data = m.get_stats().reduce()  # and as Prometheus counters
+    assert data["vllm:kvoff_tier_resets"] == 1
+    assert data["vllm:kvoff_disk_blocks_cleared"] == 4
     assert st["tiers"]["disk"]["blocks"] == 0
     keys, ctx = [_key(i) for i in range(4)], _ctx()
     assert _scan(m, keys, ctx) == ["RETRY"] * 4  # the pool misses: the tiers are asked

@@ -214,8 +214,16 @@ class CPUOffloadingManager {
   /// A slot occurring several times is finished once.
   /// Throws std::invalid_argument, changing nothing, when a slot is outside [0, num_blocks),
   /// free, or not pending (naming it and its state).
+  ///
+  /// `event_ends`: with events enabled, where the BlockStored events split: increasing
+  /// positions in `block_ids` (exclusive ends; the last one should be block_ids.size()), e.g.
+  /// the end of each store job's slots when the jobs of several requests complete in one call,
+  /// so that one event never lists blocks of two requests (a router reads an event's
+  /// block_hashes as one request's run). Empty: one event lists them all. Throws
+  /// std::invalid_argument, changing nothing, when they are not increasing or pass the end.
   void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success = true,
-                             bool write_through = true);
+                             bool write_through = true,
+                             std::span<const std::size_t> event_ends = {});
 
   /// Write-through to secondary tiers, with no work on the engine thread beyond a pin per
   /// block. With `capacity_blocks` > 0, each block a store makes ready (complete_store with
@@ -352,7 +360,8 @@ class CPUOffloadingManager {
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
   // complete_store's second half: finishes the (validated, pending) slots, each once.
-  void finish_stores(std::span<const std::uint32_t> slots, bool success, bool write_through);
+  void finish_stores(std::span<const std::uint32_t> slots, bool success, bool write_through,
+                     std::span<const std::size_t> event_ends = {});
   void queue_write_through(std::span<const std::uint32_t> slots);
   std::size_t drain_write_through();
   // Drops a ready block pinned for write-through only from the index and the policy; its slot

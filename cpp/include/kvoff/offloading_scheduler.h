@@ -547,6 +547,7 @@ class OffloadingScheduler {
   // slots; the jobs completed (retired once the stores are)
   std::vector<std::string_view> report_key_views_;
   std::vector<std::uint32_t> report_stored_slots_;
+  std::vector<std::size_t> report_event_ends_;  // with events: where each store job's slots end
   std::vector<JobId> report_completed_;
   std::vector<Job*> report_resolved_;  // each report's job, looked up once
   std::size_t last_num_store_jobs_ = 0;  // the last step's (build_connector_meta reserves it)
