@@ -166,6 +166,9 @@ class _Read:
     phase: int = 1
     keys_to_store: list[bytes] = field(default_factory=list)
     sources: list[int] = field(default_factory=list)
+    # the request's L1 hits before `keys`: the promotion's prepare_store names them too, so
+    # that making room for the run never evicts the blocks it continues
+    held: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -380,9 +383,9 @@ class TieredPool:
             elif first in self._answered:
                 answered.append(first)
             else:
-                probes.append(list(keys[h : h + MAX_PROBE_BLOCKS]))
-        for probe in probes:  # two lists with the same first miss: one probe
-            self.probe(probe)
+                probes.append((list(keys[h : h + MAX_PROBE_BLOCKS]), keys[:h]))
+        for probe, held in probes:  # two lists with the same first miss: one probe
+            self.probe(probe, held=held)
         if busy or probes:
             self.lookup_retries += reading
             return None
@@ -390,7 +393,12 @@ class TieredPool:
             self._answered.pop(first, None)
         return hits
 
-    def probe(self, keys: Sequence[bytes], tiers: Collection[int] | None = None) -> bool:
+    def probe(
+        self,
+        keys: Sequence[bytes],
+        tiers: Collection[int] | None = None,
+        held: Sequence[bytes] = (),
+    ) -> bool:
         """Asks the tiers, in the background, for ``keys`` (a request's L1 misses, in the order
         its blocks are used): the leading run some tier holds is promoted into L1 by later
         :meth:`poll` calls. For callers that look keys up one at a time (vLLM's
@@ -400,6 +408,11 @@ class TieredPool:
             keys: offload keys (bytes); at most :data:`MAX_PROBE_BLOCKS` are asked.
             tiers: indices into :attr:`tiers` of those to ask (a request's tier filter);
                 ``None``: all.
+            held: the request's keys before ``keys`` that L1 holds (its hits). Making room for
+                the promoted run evicts other blocks than these (they are named in the same
+                ``prepare_store``, whose keys never evict each other), so that the request
+                finds its hits and the run together; one that has left L1 by then is not
+                stored again.
 
         Returns:
             Whether a probe started: not when ``keys`` is empty, there are no tiers, the pool
@@ -413,7 +426,7 @@ class TieredPool:
         asked = None if tiers is None else frozenset(tiers)
         self._reads.append(
             _Read(probe, self._prober.submit(self._probe, probe, asked), time.perf_counter(),
-                  self._generation)
+                  self._generation, held=list(held))
         )  # fmt: skip
         return True
 
@@ -615,20 +628,32 @@ class TieredPool:
         if r.phase == 1:
             sources: list[int] = r.future.result()
             n = len(sources)
-            out = self.manager.prepare_store(r.keys[:n]) if n else None
+            held = r.held  # the request's hits: named too, so never evicted for the run
+            out = self.manager.prepare_store(held + r.keys[:n]) if n else None
             while out is None and n > 1:
                 # L1 cannot take the whole run at once (too few free or evictable slots): the
                 # leading part that fits is promoted, the rest comes on a later miss
                 n //= 2
-                out = self.manager.prepare_store(r.keys[:n])
-            if out is None or not out.keys_to_store:
+                out = self.manager.prepare_store(held + r.keys[:n])
+            src = dict(zip(r.keys[:n], sources[:n], strict=True))
+            keys_to_store: list[bytes] = []
+            block_ids: list[int] = []
+            if out is not None:
+                # a hit that left L1 since the lookup is not stored from nowhere: released
+                gone = [k for k in out.keys_to_store if k not in src]
+                if gone:
+                    self.manager.complete_store(gone, False)
+                    keys_to_store = [k for k in out.keys_to_store if k in src]
+                    block_ids = [b for k, b in zip(out.keys_to_store, out.block_ids,
+                                                   strict=True) if k in src]  # fmt: skip
+                else:
+                    keys_to_store, block_ids = list(out.keys_to_store), list(out.block_ids)
+            if out is None or not keys_to_store:
                 self._reading.difference_update(r.keys)
                 self._answer(r.keys[n] if n < len(r.keys) and out is not None else r.keys[0])
                 return True
-            src = dict(zip(r.keys[:n], sources[:n], strict=True))
-            keys_to_store = list(out.keys_to_store)
             try:
-                outs = [self._slot(b) for b in out.block_ids]
+                outs = [self._slot(b) for b in block_ids]
                 future = self._reader.submit(
                     self._read, keys_to_store, [src[k] for k in keys_to_store], outs
                 )

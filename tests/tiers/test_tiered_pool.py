@@ -304,6 +304,49 @@ def test_a_run_longer_than_l1_promotes_its_leading_part(tmp_path: Path) -> None:
     pool.close()
 
 
+def test_a_promotion_keeps_the_request_s_own_l1_hits(tmp_path: Path) -> None:
+    """L1 (4 slots) holds a request's first two blocks as its oldest, two other blocks as its
+    newest; a tier holds the request's next two. Promoting them must evict the other blocks,
+    not the request's own hits: before, the promotion evicted k0 and k1 (LRU), and the
+    request's next lookup found nothing at all and asked the tiers for k0 (no tier has it)."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    keys = [key(i) for i in range(4)]
+    l1.store(keys[:2], [pattern(0), pattern(1)])  # the request's hits, least recent
+    l1.store([key(8), key(9)], [pattern(8), pattern(9)])
+    pool.wait()  # written through: the four are evictable again
+    assert disk.put(keys[2:], [pattern(2), pattern(3)]) == [True, True]
+    assert pool.lookup(keys) is None  # k2 missed: the tiers are asked
+    pool.wait_reads()
+    assert pool.lookup(keys) == 4  # the request's whole run, its own hits kept
+    ids = l1.manager.prepare_load(keys)
+    for i, b in enumerate(ids):
+        np.testing.assert_array_equal(l1.slots[b], pattern(i))
+    l1.manager.complete_load(keys)
+    assert l1.manager.lookup([key(8)]) == 0 and l1.manager.lookup([key(9)]) == 0  # evicted
+    assert pool.stats()["tiers"]["disk"]["promoted_blocks"] == 2
+    pool.close()
+
+
+def test_a_promotion_whose_kept_hits_left_l1_stores_only_its_own_blocks(
+    tmp_path: Path,
+) -> None:
+    """The request's hits named to a promotion may leave L1 before it applies (evicted by a
+    store meanwhile): they are not stored again from nowhere; the promoted run still is."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    keys = [key(i) for i in range(4)]
+    l1.store(keys[:2], [pattern(0), pattern(1)])
+    pool.wait()
+    assert disk.put(keys[2:], [pattern(2), pattern(3)]) == [True, True]
+    assert pool.lookup(keys) is None
+    assert l1.manager.discard([keys[0]]) == 1  # k0 leaves L1 before the promotion applies
+    pool.wait_reads()
+    st = pool.stats()["tiers"]["disk"]
+    assert st["promoted_blocks"] == 2 and st["promotion_failures"] == 0
+    assert l1.manager.lookup(keys[2:]) == 2
+    assert l1.manager.num_pending_blocks == 0
+    pool.close()
+
+
 def test_a_slot_callback_that_raises_releases_the_promoted_slots(tmp_path: Path) -> None:
     """An error between reserving the L1 slots and starting the read (here the slot callback)
     stays inside ``poll``: the slots go back and the keys are asked again later, instead of
