@@ -1062,7 +1062,10 @@ class EngineSim:
         """Invariants that hold between any two hook calls."""
         st = self.sched.stats()
         if (
-            st["num_free_blocks"] + st["num_stored_blocks"] + st["num_pending_blocks"]
+            st["num_free_blocks"]
+            + st["num_stored_blocks"]
+            + st["num_pending_blocks"]
+            + st["num_retired_blocks"]
             != st["num_cpu_blocks"]
         ):
             self.fail(f"CPU pool accounting broken: {st}")

@@ -1265,6 +1265,7 @@ void bind(py::module_& m) {
              d["num_free_blocks"] = mgr.num_free_blocks();
              d["num_stored_blocks"] = mgr.num_stored_blocks();
              d["num_pending_blocks"] = mgr.num_pending_blocks();
+             d["num_retired_blocks"] = mgr.num_retired_blocks();
              return d;
            })
       .def("counters",
@@ -1855,6 +1856,10 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_property_readonly("num_pending_blocks", &CPUOffloadingManager::num_pending_blocks,
                              py::doc("int: pending blocks (prepare_store'd, store not "
                                      "complete)."))
+      .def_property_readonly("num_retired_blocks", &CPUOffloadingManager::num_retired_blocks,
+                             py::doc("int: slots of blocks clear() or discard() dropped while "
+                                     "a tier writer still reads them; freed when it hands them "
+                                     "back. free + stored + pending + retired = num_blocks."))
       .def_property_readonly(
           "eviction_policy",
           [](const CPUOffloadingManager& self) { return std::string(self.eviction_policy_name()); },
@@ -1867,7 +1872,7 @@ PYBIND11_MODULE(_scheduler, m) {
             return self.num_stored_blocks() + self.num_pending_blocks();
           },
           py::doc("__len__(self) -> int\n\nKeys held (ready + pending) = num_blocks - "
-                  "num_free_blocks."))
+                  "num_free_blocks - num_retired_blocks."))
       .def(
           "__contains__",
           [](const CPUOffloadingManager& self, py::handle key) {

@@ -915,6 +915,7 @@ std::size_t CPUOffloadingManager::drain_write_through() {
   for (const std::uint32_t slot : wt_drained_) {
     if (wt_pinned_[slot] == kWtRetired) {  // dropped from the index while written (clear)
       wt_pinned_[slot] = 0;
+      --num_retired_;
       pool_.free(slot);
       continue;
     }
@@ -1054,6 +1055,7 @@ void CPUOffloadingManager::retire_written_through(std::uint32_t slot) {
   policy_->erase(slot, index_.key(slot), /*evicted=*/false);
   index_.erase(slot);
   wt_pinned_[slot] = kWtRetired;  // drain_write_through frees the slot
+  ++num_retired_;
 }
 
 std::size_t CPUOffloadingManager::cancel_write_through() {

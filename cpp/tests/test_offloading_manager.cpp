@@ -1332,10 +1332,16 @@ TEST(CPUOffloadingManagerWriteThrough, ClearDropsBlocksBeingWrittenThroughFromTh
     EXPECT_EQ(m.state("b"), include_in_flight ? BlockState::kMissing : BlockState::kReady);
     EXPECT_EQ(m.num_stored_blocks(), include_in_flight ? 0u : 1u);
     EXPECT_EQ(m.num_free_blocks(), 2u);  // a's slot (and b's) still read by the writer
+    EXPECT_EQ(m.num_retired_blocks(), include_in_flight ? 2u : 1u);  // counted as retired
+    EXPECT_EQ(m.num_free_blocks() + m.num_stored_blocks() + m.num_pending_blocks() +
+                  m.num_retired_blocks(),
+              4u);
     EXPECT_EQ(m.clear(include_in_flight), 0u);  // a retired slot is not dropped twice
+    EXPECT_EQ(m.num_retired_blocks(), include_in_flight ? 2u : 1u);
     m.write_through_done(batches[0].block_ids);
     EXPECT_EQ(m.poll_write_through(), 2u);
     EXPECT_EQ(m.write_through_in_flight(), 0u);
+    EXPECT_EQ(m.num_retired_blocks(), 0u);  // handed back: freed
     if (!include_in_flight) {
       EXPECT_EQ(m.num_free_blocks(), 3u);  // a's slot is back; b stays, pinned by its load
       m.complete_load(K({"b"}));
@@ -1358,9 +1364,11 @@ TEST(CPUOffloadingManagerWriteThrough, DiscardDropsABlockPinnedOnlyForWriteThrou
   EXPECT_EQ(m.state("a"), BlockState::kMissing);
   EXPECT_EQ(m.state("b"), BlockState::kReady);
   EXPECT_EQ(m.num_free_blocks(), 2u);
+  EXPECT_EQ(m.num_retired_blocks(), 1u);  // a: still read by the writer
   m.write_through_done(m.take_write_through(0.0).at(0).block_ids);
   EXPECT_EQ(m.poll_write_through(), 2u);
   EXPECT_EQ(m.num_free_blocks(), 3u);
+  EXPECT_EQ(m.num_retired_blocks(), 0u);
 }
 
 TEST(CPUOffloadingManagerWriteThrough, CancelHandsBackOnlyBatchesNotTaken) {

@@ -334,6 +334,10 @@ class CPUOffloadingManager {
   std::uint32_t num_pending_blocks() const noexcept { return num_pending_; }
   /// Ready blocks that are not pinned (could be evicted now).
   std::uint32_t num_evictable_blocks() const noexcept { return num_evictable_; }
+  /// Slots of blocks that clear() or discard() dropped while a tier writer still reads them
+  /// (write-through): in no key's name any more, freed when the writer hands them back. So
+  /// free + stored + pending + retired = num_blocks at every moment.
+  std::uint32_t num_retired_blocks() const noexcept { return num_retired_; }
   /// The eviction policy's registered name.
   std::string_view eviction_policy_name() const noexcept { return policy_->name(); }
   /// Whether events are recorded.
@@ -386,6 +390,7 @@ class CPUOffloadingManager {
   std::uint32_t num_ready_ = 0;
   std::uint32_t num_pending_ = 0;
   std::uint32_t num_evictable_ = 0;  // ready and unpinned
+  std::uint32_t num_retired_ = 0;    // kWtRetired slots (see num_retired_blocks)
   std::uint32_t call_stamp_ = 0;
   std::vector<OffloadingEvent> events_;
   // Recency log, for prefetching only: the slots in the order the manager inserted or touched
