@@ -1215,6 +1215,9 @@ class KvoffOffloadingManager(OffloadingManager):
         self._asking: set[OffloadKey] = set()  # the keys in _asks
         self._asked: dict[OffloadKey, None] = {}  # keys of probes in flight
         self._retried: set[str] = set()  # requests told to retry this step while tiers read
+        # with tiers: request -> its keys that hit L1 this step, named to its probe so that
+        # the promotion's room is never made by evicting them
+        self._held: dict[str, list[OffloadKey]] = {}
         self._settled: dict[OffloadKey, int] = {}  # asked, answered, not promoted -> step
         self._tier_seen: dict[str, int] = {}
         self._tier_version: Any = None
@@ -1258,6 +1261,11 @@ class KvoffOffloadingManager(OffloadingManager):
         if hits is None:
             return LookupResult.HIT_PENDING
         if hits:
+            if self.tiers is not None:
+                held = self._held.get(req_context.req_id)
+                if held is None:
+                    self._held[req_context.req_id] = held = []
+                held.append(key)
             return LookupResult.HIT
         tiers = self.tiers
         if tiers is None or key in self._settled:
@@ -1306,10 +1314,15 @@ class KvoffOffloadingManager(OffloadingManager):
             if settled[first] > step - SETTLED_STEPS:
                 break
             del settled[first]
-        for keys, allowed in self._asks.values():
-            tiers.probe(keys, None if len(allowed) == len(tiers.tiers) else allowed)
+        for req_id, (keys, allowed) in self._asks.items():
+            tiers.probe(
+                keys,
+                None if len(allowed) == len(tiers.tiers) else allowed,
+                held=self._held.get(req_id, ()),
+            )
             self._asked.update(dict.fromkeys(keys))
         self._asks.clear()
+        self._held.clear()
         self._asking.clear()
         self._retried.clear()
 

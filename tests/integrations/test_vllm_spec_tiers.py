@@ -257,3 +257,25 @@ def test_a_disk_too_small_for_every_rank_names_the_configured_size(tmp_path: Pat
     assert [t.name for t in tiers] == ["disk"]
     for t in tiers:
         t.close()
+
+
+def test_a_promotion_keeps_the_request_s_own_hits_in_the_pool(tmp_path: Path) -> None:
+    """The pool is full: the request's first two blocks are its oldest, 14 others newer, and
+    the disk holds the request's next two. Promoting them must evict two of the others, not
+    the request's own hits (before, it evicted them: the next scan missed at its first block
+    and asked the tiers again)."""
+    disk = tmp_path / "disk"
+    m, pool = _restarted(disk, range(2, 4))  # the disk holds k2, k3; the pool is empty
+    _store(m, pool, range(2))  # the request's hits, least recent
+    _store(m, pool, range(100, 100 + POOL - 2))  # the pool is full
+    keys, ctx = [_key(i) for i in range(4)], _ctx()
+    assert _scan(m, keys, ctx) == ["HIT", "HIT", "RETRY", "RETRY"]
+    _steps_until_settled(m)
+    assert _scan(m, keys, ctx) == ["HIT"] * 4  # the whole run, its own hits kept
+    blocks = m.prepare_load(keys, ctx).block_ids
+    for i, b in enumerate(blocks):
+        assert np.array_equal(pool[b], _payload(i))
+    m.complete_load(keys, ctx)
+    others = [m.manager.lookup([_key(i)]) for i in range(100, 100 + POOL - 2)]
+    assert sum(others) == POOL - 4  # two of the others made the room
+    m.shutdown()
