@@ -329,6 +329,15 @@ void CPUOffloadingManager::record(std::vector<std::string> keys, bool removed) {
   events_.push_back(OffloadingEvent{std::move(keys), kMedium, removed});
 }
 
+void CPUOffloadingManager::record_stored(std::size_t from) {
+  std::vector<std::string> keys;
+  keys.reserve(scratch_new_.size() - from);
+  for (std::size_t k = from; k < scratch_new_.size(); ++k) {
+    keys.emplace_back(index_.key(scratch_new_[k]));
+  }
+  record(std::move(keys), /*removed=*/false);
+}
+
 void CPUOffloadingManager::drop_slot(std::uint32_t slot) {
   policy_->erase(slot, index_.key(slot), /*evicted=*/false);
   index_.erase(slot);
@@ -776,40 +785,33 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
                                          std::span<const std::size_t> event_ends) {
   const std::uint32_t stamp = next_stamp();
   scratch_new_.clear();  // the distinct slots of the call
-  for (const std::uint32_t slot : slots) {
+  // With events: one BlockStored per run of `slots` (event_ends), listing the run's slots not
+  // listed before (a run of repeats only has none); each a slice of scratch_new_, recorded
+  // before the states change (only the keys are read).
+  const bool announce = success && enable_events_;
+  std::size_t e = 0;       // next event end
+  std::size_t listed = 0;  // scratch_new_ slots already in an event
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const std::uint32_t slot = slots[i];
     std::uint64_t& p = index_.payload(slot);
-    if (mark_bits(p) == stamp) {
-      continue;  // repeated in this call: finish it once
+    if (mark_bits(p) != stamp) {  // else repeated in this call: finish it once
+      set_mark(p, stamp);
+      scratch_new_.push_back(slot);
     }
-    set_mark(p, stamp);
-    scratch_new_.push_back(slot);
+    if (announce && e < event_ends.size() && i + 1 == event_ends[e]) {
+      ++e;
+      record_stored(listed);
+      listed = scratch_new_.size();
+    }
   }
   const auto n = static_cast<std::uint32_t>(scratch_new_.size());
   if (success) {
+    if (announce) record_stored(listed);  // the slots after the last event end
     for (const std::uint32_t slot : scratch_new_) {
       set_state(index_.payload(slot), BlockState::kReady);
     }
     num_ready_ += n;
     num_evictable_ += n;
-    if (enable_events_) {
-      // One BlockStored event per run of `slots` (event_ends), each slot listed in the first
-      // run that has it; a run whose slots all came earlier has no event.
-      std::vector<std::string> stored;
-      std::size_t e = 0;                          // next event end
-      const std::uint32_t again = next_stamp();  // marks each slot once more, as it is listed
-      for (std::size_t i = 0; i < slots.size(); ++i) {
-        std::uint64_t& p = index_.payload(slots[i]);
-        if (mark_bits(p) != again) {
-          set_mark(p, again);
-          stored.emplace_back(index_.key(slots[i]));
-        }
-        if (e < event_ends.size() && i + 1 == event_ends[e]) {
-          ++e;
-          record(std::exchange(stored, {}), /*removed=*/false);
-        }
-      }
-      record(std::move(stored), /*removed=*/false);
-    }
     if (write_through && wt_capacity_ > 0) {
       queue_write_through(scratch_new_);
     }

@@ -366,6 +366,8 @@ class CPUOffloadingManager {
   // complete_store's second half: finishes the (validated, pending) slots, each once.
   void finish_stores(std::span<const std::uint32_t> slots, bool success, bool write_through,
                      std::span<const std::size_t> event_ends = {});
+  // finish_stores' BlockStored event of scratch_new_[from:] (none when empty).
+  void record_stored(std::size_t from);
   void queue_write_through(std::span<const std::uint32_t> slots);
   std::size_t drain_write_through();
   // Drops a ready block pinned for write-through only from the index and the policy; its slot
