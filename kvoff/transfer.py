@@ -206,7 +206,7 @@ def load_thresholds(path: str | os.PathLike[str] | None = None) -> TransferThres
     packaged file (``kvoff/data/transfer_thresholds.json``: the H100 measurement).
 
     Raises:
-        ValueError: when the file is missing, is not JSON, or does not match
+        ValueError: when the file is missing, is not UTF-8 JSON, or does not match
             :class:`TransferThresholds` (the message names the file and the bad field; an old
             format-1 file says to measure again).
     """
@@ -218,7 +218,13 @@ def load_thresholds(path: str | os.PathLike[str] | None = None) -> TransferThres
     else:
         where = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"transfer thresholds file {where} is not UTF-8 text (byte {exc.start}: "
+                f"{exc.reason}); write one with `kvoff bench transfer --sweep "
+                f"--write-thresholds {where}`"
+            ) from None
         except OSError as exc:
             raise ValueError(
                 f"cannot read transfer thresholds from {where}: {exc.strerror}; write one with "
@@ -298,11 +304,18 @@ def choose_mechanism(
             sub-blocks, runs of adjacent slots), or None when staging is not possible.
 
     Raises:
-        ValueError: for a negative size, count or budget, or an unknown direction.
+        ValueError: for a negative, NaN or infinite size or count (``staged_chunk_bytes``
+            too), a negative budget, or an unknown direction.
     """
-    if chunk_bytes < 0 or num_chunks < 0:
+    if not (0 <= chunk_bytes < math.inf and 0 <= num_chunks < math.inf):
         raise ValueError(
-            f"chunk_bytes ({chunk_bytes}) and num_chunks ({num_chunks}) must be non-negative"
+            f"chunk_bytes ({chunk_bytes}) and num_chunks ({num_chunks}) must be finite and "
+            "non-negative (bytes per chunk, chunks per copy)"
+        )
+    if staged_chunk_bytes is not None and not 0 <= staged_chunk_bytes < math.inf:
+        raise ValueError(
+            f"staged_chunk_bytes ({staged_chunk_bytes}) must be finite and non-negative, or None "
+            "when staging is not possible"
         )
     if not budget >= 0:
         raise ValueError(f"budget={budget} must be >= 0 (a fraction: 0.03 is 3 %)")

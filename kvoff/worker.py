@@ -110,9 +110,14 @@ def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
         raise TypeError(
             f"{name} must be a sequence of ints, got {type(values).__name__} {values!r}"
         ) from None
+    if _is_bool(values):
+        raise TypeError(
+            f"{name} must hold ints, got a tensor or array of bools ({values!r}); pass the "
+            "integer ids, not a mask (e.g. mask.nonzero())"
+        )
     try:
         out = tuple(map(operator.index, items))
-        bad = next((v for v in items if isinstance(v, bool)), None)
+        bad = next((v for v in items if v.__class__ is not int and _is_bool(v)), None)
     except TypeError:
         bad = next((v for v in items if not _is_index(v)), values)
     if bad is not None:
@@ -127,9 +132,18 @@ def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
     return out
 
 
+def _is_bool(value: object) -> bool:
+    """Whether ``value`` is a bool: Python's, numpy's, or a tensor or array of dtype bool
+    (``operator.index`` takes a 0-d bool tensor as 0 or 1, which is never meant as an id)."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and (dtype is torch.bool or dtype == np.bool_)
+
+
 def _is_index(value: object) -> bool:
     """Whether ``value`` is an integer that ``operator.index`` takes (a bool is not)."""
-    if isinstance(value, bool):
+    if _is_bool(value):
         return False
     try:
         operator.index(value)  # type: ignore[arg-type]
@@ -151,7 +165,8 @@ class GPUBlockSpec:
             of that block inside its offloaded block (a partial first offloaded block).
 
     Raises:
-        ValueError: when the sizes disagree or a value is negative.
+        ValueError: when the sizes disagree, a value is negative, or a group's blocks would end
+            past logical index 2**63 - 2 (``block_indices[g] + group_sizes[g]`` must fit int64).
         TypeError: a value that is not an int.
     """
 
@@ -173,15 +188,24 @@ class GPUBlockSpec:
                 f"block_indices has {len(self.block_indices)} entries but group_sizes has "
                 f"{len(self.group_sizes)}: give one entry per KV cache group"
             )
+        for g, (start, n) in enumerate(zip(self.block_indices, self.group_sizes, strict=True)):
+            if start + n > _MAX_ID:
+                raise ValueError(
+                    f"group {g}: block_indices[{g}]={start} with {n} blocks ends at logical "
+                    f"index {start + n - 1}, past the largest one (2**63 - 2): logical indices "
+                    "count GPU blocks from the request's start and travel as int64"
+                )
 
     @classmethod
     def single_group(cls, block_ids: Sequence[int], block_index: int = 0) -> GPUBlockSpec:
         """A spec for a model with one KV cache group starting at logical ``block_index``.
 
         Raises:
-            ValueError, TypeError: as the constructor (negative or non-int ids).
+            ValueError, TypeError: as the constructor (negative or non-int ids; a set, a dict
+                or a str; bools).
         """
-        return cls(tuple(block_ids), (len(block_ids),), (block_index,))
+        ids = _int_tuple("block_ids", block_ids)
+        return cls(ids, (len(ids),), (block_index,))
 
 
 @dataclass(frozen=True)
@@ -481,6 +505,9 @@ class OffloadingWorker:
         self._pool_tensor: torch.Tensor | None = None
         self._batch_supported: bool | None = None
         self._groups: list[_Group] = []
+        # pairs of groups with a canonical tensor in common (hybrid models): a destination id
+        # in both writes the same bytes
+        self._shared_pairs: list[tuple[int, int]] = []
         self._layer_names: list[str] = []
         self._canonical_row_bytes: list[int] = []
         self._device: torch.device | None = None
@@ -688,6 +715,13 @@ class OffloadingWorker:
         self._pool_tensor = pool_tensor
         self._canonical_row_bytes = canon_rows
         self._groups = groups
+        canons = [{c for c, _ in views} for views in per_group]
+        self._shared_pairs = [
+            (g, h)
+            for g in range(num_groups)
+            for h in range(g + 1, num_groups)
+            if canons[g] & canons[h]
+        ]
         self._layer_names = list(kv_caches)
         self._device = device
         self._dma = {"store": Lane(device), "load": Lane(device)}
@@ -1229,8 +1263,7 @@ class OffloadingWorker:
             (np.concatenate([p[g][0] for p in parts]), np.concatenate([p[g][1] for p in parts]))
             for g in range(len(self._groups))
         ]
-        dst_index = 1 if direction == "store" else 0
-        if any(len(np.unique(ids[dst_index])) != len(ids[dst_index]) for ids in combined):
+        if self._repeated_destination(direction, combined) is not None:
             # two jobs write one block: one by one, in order (the later write wins)
             for k, _, _ in members:
                 ok[k] = self.transfer_async(*entries[k])
@@ -1300,13 +1333,29 @@ class OffloadingWorker:
                         f"group {g}: {name} id {first} is out of range; {what} must be in "
                         f"[0, {limit}). The job was not run."
                     )
-            dst = cpu_ids if direction == "store" else gpu_ids
+        if (repeat := self._repeated_destination(direction, per_group)) is not None:
+            raise ValueError(f"{repeat}; two writes to one block would race. The job was not run.")
+
+    def _repeated_destination(
+        self, direction: Direction, per_group: list[tuple[np.ndarray, np.ndarray]]
+    ) -> str | None:
+        """Where a destination id (CPU row of a store, GPU block of a load) repeats: within a
+        group, or in two groups that share a tensor (the same bytes written twice); None when
+        none does."""
+        dst_index = 1 if direction == "store" else 0
+        for g, ids in enumerate(per_group):
+            dst = ids[dst_index]
             unique = len(set(dst.tolist())) if len(dst) <= 256 else len(np.unique(dst))
             if unique != len(dst):
-                raise ValueError(
-                    f"group {g}: a destination id repeats in {dst.tolist()}; two writes to one "
-                    "block would race. The job was not run."
+                return f"group {g}: a destination id repeats in {dst.tolist()}"
+        for g, h in self._shared_pairs:
+            both = np.intersect1d(per_group[g][dst_index], per_group[h][dst_index])
+            if len(both):
+                return (
+                    f"groups {g} and {h} share a KV cache tensor and both write destination id "
+                    f"{int(both[0])} (the same bytes)"
                 )
+        return None
 
     def job_chunks(self, per_group: list[tuple[np.ndarray, np.ndarray]]) -> tuple[int, int]:
         """``(num_chunks, num_bytes)`` of a job copied directly: a chunk is one run of blocks
@@ -1437,8 +1486,18 @@ class OffloadingWorker:
         Raises:
             KeyError: for a job id that was never submitted or whose result was already taken
                 (checked before waiting: then no result is taken, every job stays reportable).
+            ValueError: a job id given more than once (each result is reported once; nothing
+                is taken).
         """
         wanted = list(job_ids)
+        wanted_set = set(wanted)
+        if len(wanted_set) != len(wanted):
+            seen: set[int] = set()
+            repeated = sorted({j for j in wanted if j in seen or seen.add(j)})
+            raise ValueError(
+                f"job ids {repeated} are given more than once; list each job once (its result "
+                "is reported once); nothing was taken"
+            )
         finished = {r.job_id for r in self._finished}
         missing = [j for j in wanted if j not in self._in_flight and j not in finished]
         if missing:
@@ -1454,7 +1513,7 @@ class OffloadingWorker:
                 results[jid] = self._complete(job)
         keep = []
         for r in self._finished:
-            if r.job_id in wanted and r.job_id not in results:
+            if r.job_id in wanted_set and r.job_id not in results:
                 results[r.job_id] = r
             else:
                 keep.append(r)

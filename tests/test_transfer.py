@@ -94,6 +94,13 @@ def test_choose_mechanism_rejects_bad_input() -> None:
         choose_mechanism(-1, 8, "store", _T)
     with pytest.raises(ValueError, match=r"budget=-0\.1 must be >= 0"):
         choose_mechanism(1, 8, "store", _T, budget=-0.1)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be finite and non-negative"):
+            choose_mechanism(bad, 8, "store", _T)
+        with pytest.raises(ValueError, match="must be finite and non-negative"):
+            choose_mechanism(1, bad, "store", _T)
+        with pytest.raises(ValueError, match=r"staged_chunk_bytes \(\w+\) must be finite"):
+            choose_mechanism(1, 8, "store", _T, staged_chunk_bytes=bad)
 
 
 def test_packaged_thresholds_are_the_h100_measurement(monkeypatch) -> None:
@@ -124,6 +131,9 @@ def test_bad_thresholds_files_name_the_file_and_field(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"cannot read transfer thresholds from .*nope\.json"):
         load_thresholds(missing)
     bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=r"bad\.json is not UTF-8 text"):
+        load_thresholds(bad)
     bad.write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_thresholds(bad)

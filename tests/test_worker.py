@@ -361,6 +361,17 @@ def test_a_cpu_block_id_whose_rows_would_wrap_int64_fails_the_job_and_copies_not
         (lambda: CPUBlockSpec(torch.tensor([1.0])), TypeError, "must hold ints, got tensor"),
         (lambda: CPUBlockSpec([[1, 2]]), TypeError, r"must hold ints, got \[1, 2\]"),
         (lambda: CPUBlockSpec(7), TypeError, "block_ids must be a sequence of ints"),
+        (lambda: CPUBlockSpec(torch.tensor([True, False])), TypeError, "not a mask"),
+        (lambda: CPUBlockSpec(np.array([True, False])), TypeError, "not a mask"),
+        (lambda: CPUBlockSpec([torch.tensor(True)]), TypeError, r"got tensor\(True\)"),
+        (lambda: GPUBlockSpec.single_group({3, 1, 2}), TypeError, "ordered sequence of ints"),
+        (lambda: GPUBlockSpec.single_group({7: "a"}), TypeError, "ordered sequence of ints"),
+        # the last logical index must fit int64: the worker computes indices up to it
+        (
+            lambda: GPUBlockSpec.single_group([1, 2], block_index=2**63 - 2),
+            ValueError,
+            r"group 0: block_indices\[0\]=9223372036854775806 with 2 blocks ends at",
+        ),
     ],
 )
 def test_block_specs_refuse_ids_that_are_not_int64_block_ids(build, error, match) -> None:  # type: ignore[no-untyped-def]
@@ -386,13 +397,95 @@ def test_a_job_id_is_refused_while_its_result_is_pending() -> None:
                     (job_id, GPUBlockSpec.single_group([4]), CPUBlockSpec((3,))),
                 ]
             )
-    for bad in (None, "a", 1.5, True, (1, 2)):
+    for bad in (None, "a", 1.5, True, (1, 2), torch.tensor(True), np.bool_(True)):
         with pytest.raises(TypeError, match="job_id must be an int"):
             w.transfer_async(bad, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))  # type: ignore[arg-type]
     assert w.pending_jobs() == {7, 5}
     assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), pool_before, strict=True))
     assert [(r.job_id, r.success) for r in w.wait([7, 5])] == [(7, True), (5, False)]
     assert w.transfer_async(7, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))  # taken: free
+
+
+def test_single_group_takes_any_iterable_of_ids_in_order() -> None:
+    spec = GPUBlockSpec.single_group(iter([4, 2]), block_index=3)
+    assert spec == GPUBlockSpec((4, 2), (2,), (3,))
+    assert GPUBlockSpec.single_group([1, 2], block_index=2**63 - 3).block_indices == (2**63 - 3,)
+
+
+def test_wait_refuses_a_job_id_given_twice_and_takes_nothing() -> None:
+    """Each result is reported once: wait([7, 7]) would hand one job's result out twice."""
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l": _kv(8)})
+    assert w.transfer_async(7, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+    assert not w.transfer_async(8, GPUBlockSpec.single_group([1]), CPUBlockSpec((99,)))
+    for ids in ([7, 7], [8, 7, 8]):
+        with pytest.raises(ValueError, match=r"job ids \[\d\] are given more than once"):
+            w.wait(ids)
+    assert w.pending_jobs() == {7, 8}
+    assert [(r.job_id, r.success) for r in w.wait([8, 7])] == [(8, False), (7, True)]
+    assert w.get_finished() == []
+
+
+def _shared_tensor_worker() -> tuple[OffloadingWorker, torch.Tensor]:
+    """Two KV cache groups whose layers share one tensor (a hybrid model's allocation)."""
+    kv = _kv(8, seed=3)
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"a": kv, "b": kv}, layer_to_group={"a": 0, "b": 1})
+    return w, kv
+
+
+def test_groups_sharing_a_tensor_may_not_write_one_block_twice_in_a_job() -> None:
+    """Groups that share a tensor write the same bytes for one destination id: a job whose
+    groups both write it would race, as a repeat within one group would; refused, nothing
+    copied."""
+    w, kv = _shared_tensor_worker()
+    kv_before = kv.clone()
+    pool_before = [t.clone() for t in w.cpu_tensors()]
+    assert not w.transfer_async(1, CPUBlockSpec((0, 1)), GPUBlockSpec((6, 6), (1, 1), (0, 0)))
+    assert not w.transfer_async(2, GPUBlockSpec((3, 5), (1, 1), (0, 0)), CPUBlockSpec((2, 2)))
+    results = {r.job_id: r for r in w.get_finished()}
+    assert not results[1].success and "groups 0 and 1 share a KV cache tensor" in (
+        results[1].error or ""
+    )
+    assert "destination id 2" in (results[2].error or "")
+    assert torch.equal(kv, kv_before)
+    assert all(torch.equal(a, b) for a, b in zip(w.cpu_tensors(), pool_before, strict=True))
+    # distinct destinations through the two groups are fine
+    assert w.transfer_async(3, GPUBlockSpec((3, 5), (1, 1), (0, 0)), CPUBlockSpec((2, 1)))
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_many_jobs_writing_one_block_through_groups_sharing_a_tensor_keep_their_order(
+    direction: str,
+) -> None:
+    """Two jobs of one call write one destination through two groups that share a tensor:
+    the later job wins, as in separate calls."""
+    if direction == "store":
+        jobs = [
+            (1, GPUBlockSpec((3,), (0, 1), (0, 0)), CPUBlockSpec((0,))),
+            (2, GPUBlockSpec((5,), (1, 0), (0, 0)), CPUBlockSpec((0,))),
+        ]
+    else:
+        jobs = [
+            (1, CPUBlockSpec((0,)), GPUBlockSpec((6,), (0, 1), (0, 0))),
+            (2, CPUBlockSpec((1,)), GPUBlockSpec((6,), (1, 0), (0, 0))),
+        ]
+    finals = []
+    for together in (False, True):
+        w, kv = _shared_tensor_worker()
+        w.cpu_tensors()[0][0].copy_(kv[1].view(torch.uint8).flatten())
+        w.cpu_tensors()[0][1].copy_(kv[2].view(torch.uint8).flatten())
+        if together:
+            assert w.transfer_many_async(jobs) == [True, True]
+        else:
+            assert [w.transfer_async(*j) for j in jobs] == [True, True]
+        finals.append((w.cpu_slot(0).clone(), kv.clone()))
+    assert torch.equal(finals[0][0], finals[1][0]) and torch.equal(finals[0][1], finals[1][1])
+    w, kv = _shared_tensor_worker()
+    if direction == "store":  # the later job's block (5) is in the slot
+        assert torch.equal(finals[1][0], kv[5].view(torch.uint8).flatten())
+    else:  # the later job's slot (1, holding block 2's bytes) is in GPU block 6
+        assert torch.equal(finals[1][1][6], finals[1][1][2])
 
 
 def test_overlapping_kv_cache_views_are_refused_at_registration() -> None:
