@@ -73,20 +73,35 @@ class TierStats:
 
 
 def byte_view(arr: Any, nbytes: int, what: str, *, writable: bool = False) -> memoryview:
-    """A flat writable-or-not uint8 memoryview of ``arr`` (numpy array or bytes-like).
+    """A flat writable-or-not uint8 memoryview of ``arr`` (numpy array or bytes-like), of
+    ``nbytes`` bytes.
+
+    Every layout check is done here, before a tier takes a slot or starts I/O: a strided
+    buffer (a numpy array or a memoryview with a step) would otherwise fail inside the I/O.
 
     Raises:
-        ValueError: not C-contiguous, not ``nbytes`` bytes, or read-only when ``writable``.
+        ValueError: not C-contiguous (a strided numpy array or memoryview), not ``nbytes``
+            bytes, or read-only when ``writable``.
+        TypeError: ``arr`` does not expose a buffer (a list, None...).
     """
     if isinstance(arr, np.ndarray):
         if not arr.flags.c_contiguous:
-            raise ValueError(f"{what} must be C-contiguous (a pool slot view), got {arr.strides}")
+            raise ValueError(
+                f"{what} must be C-contiguous (a pool slot view), got strides {arr.strides}; "
+                f"pass a contiguous array (numpy.ascontiguousarray)"
+            )
         if writable and not arr.flags.writeable:
             raise ValueError(f"{what} is read-only; pass a writable uint8 array")
         arr = arr.reshape(-1)
         if arr.dtype != np.uint8:
             arr = arr.view(np.uint8)
     view = memoryview(arr)
+    if not view.c_contiguous:
+        raise ValueError(
+            f"{what} must be C-contiguous (a pool slot view), got a strided buffer (shape "
+            f"{view.shape}, strides {view.strides}); pass a contiguous array or a copy "
+            f"(numpy.ascontiguousarray, bytes(...))"
+        )
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     if view.nbytes != nbytes:

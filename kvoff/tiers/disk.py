@@ -53,6 +53,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -140,10 +141,12 @@ class DiskTier(SecondaryTier):
             ``direct`` not True, False or None.
         ValueError: capacity smaller than one slot, io_threads < 1, a ``file_name`` that is
             not one file name (empty, ``.``, ``..``, with a ``/``), ``path`` exists and is not a
-            directory, ``direct=True`` on a file system without O_DIRECT, the file is locked by
-            another DiskTier, the file exists and is not a kvoff disk tier file (or is one
-            cut short inside its superblock), or the file system has less free space than
-            the file still needs (preallocating it would fill the disk).
+            directory, ``direct=True`` on a file system without O_DIRECT (refused at ``open()``,
+            or with EINVAL at the first read or write), the file is locked by another DiskTier,
+            the file exists and is not a kvoff disk tier file (no superblock magic and not all
+            zeros, or one cut short inside its superblock), or the file system has less free
+            space than the file still needs (preallocating it would fill the disk). Every
+            refusal is decided before the file is changed: an existing file is left as it was.
     """
 
     name = "disk"
@@ -199,7 +202,16 @@ class DiskTier(SecondaryTier):
         self.file = self.dir / file_name
         self.error: str | None = None
         self._stats = TierStats(
-            extra=("blocks", "capacity_blocks", "direct_io", "preallocated", "unavailable")
+            extra=(
+                "blocks",
+                "capacity_blocks",
+                "direct_io",
+                "preallocated",
+                "unavailable",
+                "recreated_files",
+                "scanned_slots",
+                "recovered_blocks",
+            )
         )
         self._stats.set(capacity_blocks=self.num_slots, slot_bytes=self.slot_bytes)
         self._lock = threading.Lock()
@@ -214,6 +226,7 @@ class DiskTier(SecondaryTier):
         self._generation = 0  # clear() count: a put that straddles a clear() indexes nothing
         self._tls = threading.local()
         self._fd = -1
+        self._fd_closer: weakref.finalize | None = None  # closes the file if never closed
         self.direct = False
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-disk")
         try:
@@ -233,7 +246,8 @@ class DiskTier(SecondaryTier):
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)  # also drops the flock, held per open file description
+            if self._fd_closer is not None:
+                self._fd_closer()  # os.close, once: also drops the flock (per open description)
             self._fd = -1
 
     def _open(self, direct: bool | None) -> None:
@@ -262,6 +276,8 @@ class DiskTier(SecondaryTier):
             fd = os.open(self.file, flags, 0o644)
             self.direct = False
         self._fd = fd
+        # a tier dropped without close() still closes (and unlocks) its file when collected
+        self._fd_closer = weakref.finalize(self, os.close, fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -269,26 +285,23 @@ class DiskTier(SecondaryTier):
                 f"{self.file} is in use by another DiskTier (flock); give every engine process and "
                 f"rank its own disk_path or file_name, or close the other tier first"
             ) from None
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         sb = self._buffer(SUPERBLOCK_BYTES)
         n = 0
         if size > 0:
             try:
                 n = os.preadv(fd, [sb], 0)
             except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL) or direct is True:
+                if not (self.direct and e.errno == errno.EINVAL):
                     raise
+                if direct is True:
+                    raise _Refused(self._direct_refused_message(e)) from None
                 self._reopen_buffered()  # O_DIRECT accepted at open(), refused at read
                 n = os.preadv(self._fd, [sb], 0)
         existing = size > 0 and n == SUPERBLOCK_BYTES and bytes(sb[:8]) == SUPER_MAGIC
-        if existing and not self._superblock_matches(sb):
-            log.warning(
-                "%s was written for another block size; recreating it empty (its blocks cannot be "
-                "served with payload_bytes=%d)",
-                self.file,
-                self.fmt.payload_bytes,
-            )
-            self._stats.set(recreated_files=1)
+        recreate = existing and not self._superblock_matches(sb)
+        if recreate:
             existing = False
         elif (
             not existing and n >= len(SUPER_MAGIC) and bytes(sb[: len(SUPER_MAGIC)]) == SUPER_MAGIC
@@ -298,14 +311,26 @@ class DiskTier(SecondaryTier):
                 f"{SUPERBLOCK_BYTES}-byte superblock (truncated header; it holds no blocks); "
                 f"delete that file, or choose another disk_path or file_name"
             )
-        elif size > 0 and not existing and any(bytes(sb[:n])):
+        elif size > 0 and not existing and (any(bytes(sb[:n])) or not self._only_zeros(n, size)):
             raise _Refused(
                 f"{self.file} exists and is not a kvoff disk tier file (no {SUPER_MAGIC!r} "
-                f"header); choose another disk_path or file_name, or delete that file"
+                f"header, and not all zeros: {size} bytes); choose another disk_path or "
+                f"file_name, or delete that file"
             )
+        # Every check that can refuse is done before the file is changed: a refused open leaves
+        # an existing file (and its blocks) as it was. Recreating gives back what the file holds.
+        self._check_space(size if existing else 0, reclaim=0 if existing else st.st_blocks * 512)
         if not existing:
+            if recreate:
+                log.warning(
+                    "%s was written for another block size; recreating it empty (its blocks "
+                    "cannot be served with payload_bytes=%d)",
+                    self.file,
+                    self.fmt.payload_bytes,
+                )
+                self._stats.set(recreated_files=1)
             os.ftruncate(self._fd, 0)  # new, zero-filled (crashed while created) or foreign
-            self._write_superblock()
+            self._write_superblock(direct)
         self._stats.set(direct_io=int(self.direct))
         self._size_file()
         scanned = 0
@@ -316,6 +341,43 @@ class DiskTier(SecondaryTier):
         self._free = [s for s in range(self.num_slots) if s not in used]
         heapq.heapify(self._free)
         self._stats.set(blocks=len(self._index))
+
+    def _direct_refused_message(self, e: OSError) -> str:
+        return (
+            f"the file system of {self.dir} does not support O_DIRECT I/O (it accepted O_DIRECT "
+            f"at open() but refused a read or write of {self.file}: {e}); pass direct=None to "
+            f"fall back to buffered I/O or use another disk_path"
+        )
+
+    def _only_zeros(self, start: int, end: int) -> bool:
+        """Whether bytes ``start..end`` of the file are all zero (a file that was being created
+        when the process died), reading only its data (``SEEK_DATA``: holes and preallocated
+        extents are skipped); stops at the first non-zero byte."""
+        buf = self._buffer(1 << 20)
+        seek_data = getattr(os, "SEEK_DATA", None)
+        seek_hole = getattr(os, "SEEK_HOLE", None)
+        off = start
+        while off < end:
+            data, hole = off, end
+            if seek_data is not None and seek_hole is not None:
+                try:
+                    data = os.lseek(self._fd, off, seek_data)
+                    hole = os.lseek(self._fd, data, seek_hole)
+                except OSError as e:
+                    if e.errno == errno.ENXIO:  # no data after ``off``
+                        return True
+                    data, hole = off, end  # SEEK_DATA unsupported: read it all
+            pos = data - data % ALIGN  # O_DIRECT reads at aligned offsets
+            stop = min(hole, end)
+            while pos < stop:
+                got = os.preadv(self._fd, [buf[: min(buf.nbytes, round_up(stop - pos))]], pos)
+                if got <= 0:
+                    return True  # end of file
+                if np.frombuffer(buf[:got], dtype=np.uint8).any():
+                    return False
+                pos += got
+            off = max(pos, off + 1)
+        return True
 
     def _reopen_buffered(self) -> None:
         """Turns O_DIRECT off on the tier's own descriptor: a file system that took O_DIRECT at
@@ -336,7 +398,7 @@ class DiskTier(SecondaryTier):
         (stored_sum,) = struct.unpack_from("<Q", sb, _SUPER.size)
         return bytes(sb[: _SUPER.size]) == fields and stored_sum == xxhash.xxh3_64_intdigest(fields)
 
-    def _write_superblock(self) -> None:
+    def _write_superblock(self, direct: bool | None) -> None:
         sb = self._buffer(SUPERBLOCK_BYTES)
         fields = self._superblock_fields()
         sb[:] = bytes(SUPERBLOCK_BYTES)
@@ -347,28 +409,42 @@ class DiskTier(SecondaryTier):
         except OSError as e:
             if not (self.direct and e.errno == errno.EINVAL):
                 raise
+            if direct is True:  # O_DIRECT required: no fallback
+                raise _Refused(self._direct_refused_message(e)) from None
             self._reopen_buffered()
             self._pwrite_all(sb, 0)
 
+    def _target_bytes(self) -> int:
+        """The file's size at capacity: superblock and every slot."""
+        return SUPERBLOCK_BYTES + self.num_slots * self.slot_bytes
+
+    def _check_space(self, size: int, reclaim: int = 0) -> None:
+        """Refuse when the file, ``size`` bytes long, needs more bytes to reach its capacity than
+        its file system has free (plus ``reclaim``, what emptying the file gives back):
+        fallocate would take the whole disk (and leave what it got: the engine's and everyone
+        else's writes would then fail); a sparse file would fill it later."""
+        target = self._target_bytes()
+        if size >= target:
+            return
+        st = os.fstatvfs(self._fd)
+        free = st.f_bavail * st.f_frsize + reclaim
+        if target - size > free:
+            raise _Refused(
+                f"the disk tier's file {self.file} needs {target - size} more bytes "
+                f"(disk_bytes={self.capacity_bytes}), but its file system has {free} bytes "
+                "free; lower disk_bytes or free space there"
+            )
+
     def _size_file(self) -> None:
         """Preallocate the file to its capacity (fallocate), or leave it sparse if refused."""
-        target = SUPERBLOCK_BYTES + self.num_slots * self.slot_bytes
+        target = self._target_bytes()
         size = os.fstat(self._fd).st_size
         if size > target:
             os.ftruncate(self._fd, target)
             size = target
         preallocated = 1
         if size < target:
-            st = os.fstatvfs(self._fd)
-            free = st.f_bavail * st.f_frsize
-            if target - size > free:
-                # fallocate would take the whole disk (and leave what it got: the engine's
-                # and everyone else's writes would then fail); a sparse file would fill it later
-                raise _Refused(
-                    f"the disk tier's file {self.file} needs {target - size} more bytes "
-                    f"(disk_bytes={self.capacity_bytes}), but its file system has {free} bytes "
-                    "free; lower disk_bytes or free space there"
-                )
+            self._check_space(size)  # checked before the file changed; a guard against races
             try:
                 os.posix_fallocate(self._fd, size, target - size)
             except OSError as e:
@@ -487,9 +563,9 @@ class DiskTier(SecondaryTier):
         text (a failed call fails the whole run)."""
         if len(run) == 1:
             return [self._write_block(*run[0])]
-        headers = self._run_headers(len(run))
         iov: list[memoryview] = []
         try:
+            headers = self._run_headers(len(run))
             for i, (_, key, payload, stamp) in enumerate(run):
                 h = headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
                 h[:] = encode_header(self.fmt, key, payload, stamp=stamp)
@@ -511,8 +587,8 @@ class DiskTier(SecondaryTier):
         """Read and verify one block into ``out``. Returns None if served, else the reason
         (a :func:`check_block` reason, or ``"io"``)."""
         pb = self.fmt.payload_bytes
-        buf = self._bounce()
         try:
+            buf = self._bounce()  # an mmap that fails (ENOMEM) is an I/O condition too
             if self._aligned(out):  # straight into the caller's buffer
                 header, payload = buf[:HEADER_BYTES], out
                 n = os.preadv(self._fd, [header, out], self._offset(slot))
@@ -553,11 +629,11 @@ class DiskTier(SecondaryTier):
         if len(run) == 1:
             return [self._read_block(*run[0])]
         pb = self.fmt.payload_bytes
-        headers = self._run_headers(len(run))
-        iov: list[memoryview] = []
-        for i, (_, _, out) in enumerate(run):
-            iov += [headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], out]
         try:
+            headers = self._run_headers(len(run))
+            iov: list[memoryview] = []
+            for i, (_, _, out) in enumerate(run):
+                iov += [headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], out]
             n = os.preadv(self._fd, iov, self._offset(run[0][0]))
         except OSError:
             return ["io"] * len(run)
@@ -641,7 +717,16 @@ class DiskTier(SecondaryTier):
         return found
 
     def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
-        """Read and verify blocks into ``outs`` (see :meth:`SecondaryTier.get`)."""
+        """Read and verify blocks into ``outs`` (see :meth:`SecondaryTier.get`). A block that a
+        :meth:`clear` dropped while it was being read is a miss. I/O conditions are misses; an
+        exception other than an OSError met while reading (a bug) propagates once every read has
+        ended, with nothing served, every key counted as a miss and every slot given back.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64, an ``outs`` entry that is not a
+                writable C-contiguous buffer of ``fmt.payload_bytes`` bytes, or len(outs) !=
+                len(keys) (nothing is read).
+        """
         check_batch(keys, outs, "outs")
         views = [byte_view(o, self.fmt.payload_bytes, "outs[i]", writable=True) for o in outs]
         results = [False] * len(keys)
@@ -653,6 +738,7 @@ class DiskTier(SecondaryTier):
             jobs: list[tuple[int, bytes, memoryview]] = []
             where: list[int] = []
             with self._lock:
+                generation = self._generation
                 for i, k in enumerate(keys):
                     slot = self._index.get(bytes(k))
                     if slot is not None:
@@ -660,48 +746,80 @@ class DiskTier(SecondaryTier):
                         self._readers[slot] = self._readers.get(slot, 0) + 1
                         jobs.append((slot, bytes(k), views[i]))
                         where.append(i)
-            runs = self._runs(jobs)
-            reasons = [r for rs in self._run(self._read_run, [(run,) for run in runs]) for r in rs]
-            release: list[int] = []
-            counts = dict.fromkeys(("corrupted_blocks", "fingerprint_mismatches", "io_errors"), 0)
-            with self._lock:
-                for i, (slot, key, _), reason in zip(where, jobs, reasons, strict=True):
-                    self._readers[slot] -= 1
-                    if reason is None:
-                        results[i] = True
-                    else:
-                        counts[
-                            {"fingerprint": "fingerprint_mismatches", "io": "io_errors"}.get(
-                                reason, "corrupted_blocks"
-                            )
-                        ] += 1
-                        if self._index.get(key) == slot:
-                            del self._index[key]
-                            self._doomed.add(slot)
-                    if not self._readers[slot]:
-                        del self._readers[slot]
-                        if slot in self._doomed:
-                            self._doomed.discard(slot)
-                            self._releasing.add(slot)
-                            release.append(slot)
-                self._stats.set(blocks=len(self._index))
-            self._release(release)
-            hits = sum(results)
-            self._stats.add(
-                hits=hits,
-                misses=len(keys) - hits,
-                blocks_read=len(jobs),
-                bytes_read=len(jobs) * (HEADER_BYTES + self.fmt.payload_bytes),
-                read_seconds=time.perf_counter() - t0,
-                **counts,
-            )
+            reasons: list[str | None] | None = None  # stays None if the reads raise
+            try:
+                runs = self._runs(jobs)
+                reasons = [r for rs in self._run(self._read_run, [(r,) for r in runs]) for r in rs]
+            finally:  # the reader counts are undone whatever happened
+                self._end_reads(generation, where, jobs, reasons, results, len(keys), t0)
             return results
         finally:
             self._exit()
 
+    def _end_reads(
+        self,
+        generation: int,
+        where: list[int],
+        jobs: list[tuple[int, bytes, memoryview]],
+        reasons: list[str | None] | None,
+        results: list[bool],
+        count: int,
+        t0: float,
+    ) -> None:
+        """The end of a :meth:`get` of ``count`` keys: uncount the readers of ``jobs`` (at
+        ``where`` in the batch), set ``results`` from ``reasons`` (None: the reads raised, nothing
+        is served and the blocks stay held), drop bad blocks, free slots whose last reader this
+        was, count. A block is not served when a :meth:`clear` ran since ``generation``."""
+        release: list[int] = []
+        counts = dict.fromkeys(("corrupted_blocks", "fingerprint_mismatches", "io_errors"), 0)
+        with self._lock:
+            cleared = generation != self._generation  # the blocks read predate a clear()
+            for n, (i, (slot, key, _)) in enumerate(zip(where, jobs, strict=True)):
+                self._readers[slot] -= 1
+                reason = "raised" if reasons is None else reasons[n]
+                if reason is None:
+                    results[i] = not cleared
+                elif reasons is not None:
+                    counts[
+                        {"fingerprint": "fingerprint_mismatches", "io": "io_errors"}.get(
+                            reason, "corrupted_blocks"
+                        )
+                    ] += 1
+                    if self._index.get(key) == slot:
+                        del self._index[key]
+                        self._doomed.add(slot)
+                if not self._readers[slot]:
+                    del self._readers[slot]
+                    if slot in self._doomed:
+                        self._doomed.discard(slot)
+                        self._releasing.add(slot)
+                        release.append(slot)
+            self._stats.set(blocks=len(self._index))
+        self._release(release)
+        hits = sum(results)
+        read = len(jobs) if reasons is not None else 0
+        self._stats.add(
+            hits=hits,
+            misses=count - hits,
+            blocks_read=read,
+            bytes_read=read * (HEADER_BYTES + self.fmt.payload_bytes),
+            read_seconds=time.perf_counter() - t0,
+            **counts,
+        )
+
     def put(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray]) -> list[bool]:
         """Store blocks, evicting LRU blocks when full (see :meth:`SecondaryTier.put`). A key
-        already held is refreshed, not rewritten."""
+        already held is refreshed, not rewritten. A put that a :meth:`clear` overlaps (one that
+        began before ``clear`` returned) stores nothing: its blocks predate the reset. I/O
+        conditions drop blocks; an exception other than an OSError met while writing (a bug)
+        propagates once every write has ended, with the slots it took given back.
+
+        Raises:
+            ValueError: a key that is not bytes of 1..64, a payload that is not a C-contiguous
+                buffer of ``fmt.payload_bytes`` bytes, or len(payloads) != len(keys) (nothing
+                is written or evicted).
+        """
+        generation = self._generation  # first thing: the blocks were made before this call
         check_batch(keys, payloads, "payloads")
         views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
         results = [False] * len(keys)
@@ -714,58 +832,82 @@ class DiskTier(SecondaryTier):
             where: list[int] = []
             same_as: dict[int, int] = {}  # a repeated key in the batch answers like its first
             with self._lock:
-                generation = self._generation
-                protected = {bytes(k) for k in keys if bytes(k) in self._index}
-                first: dict[bytes, int] = {}
-                for i, k in enumerate(keys):
-                    key = bytes(k)
-                    if key in protected:
-                        self._index.move_to_end(key)
-                        results[i] = True
-                        continue
-                    if key in first:
-                        same_as[i] = first[key]
-                        continue
-                    first[key] = i
-                    slot = self._take_slot(protected)
-                    if slot is None:
-                        continue
-                    self._pending.add(slot)
-                    self._stamp = max(time.time_ns(), self._stamp + 1)
-                    jobs.append((slot, key, views[i], self._stamp))
-                    where.append(i)
-            errors = [e for run in self._run(self._write_run, [(r,) for r in self._runs(jobs)])
-                      for e in run]  # fmt: skip
-            release: list[int] = []
-            with self._lock:
-                for i, (slot, key, _, _), err in zip(where, jobs, errors, strict=True):
-                    self._pending.discard(slot)
-                    cleared = generation != self._generation
-                    if err is None and key not in self._index and not cleared:
-                        self._index[key] = slot
-                        results[i] = True
-                    else:  # failed (header may be stale), a concurrent put won, or a clear()
-                        # ran meanwhile (the block is older than it): free it
-                        results[i] = err is None and not cleared
-                        self._releasing.add(slot)
-                        release.append(slot)
-                for i, j in same_as.items():
-                    results[i] = results[j]
-                self._stats.set(blocks=len(self._index))
-            self._release(release)
-            written = sum(1 for e in errors if e is None)
-            self._stats.add(
-                blocks_written=written,
-                bytes_written=written * (HEADER_BYTES + self.fmt.payload_bytes),
-                writes_dropped=len(keys) - sum(results),
-                io_errors=len(errors) - written,
-                write_seconds=time.perf_counter() - t0,
-            )
-            if written < len(errors):
+                if generation == self._generation:  # else a clear() ran: store nothing
+                    protected = {bytes(k) for k in keys if bytes(k) in self._index}
+                    first: dict[bytes, int] = {}
+                    for i, k in enumerate(keys):
+                        key = bytes(k)
+                        if key in protected:
+                            self._index.move_to_end(key)
+                            results[i] = True
+                            continue
+                        if key in first:
+                            same_as[i] = first[key]
+                            continue
+                        first[key] = i
+                        slot = self._take_slot(protected)
+                        if slot is None:
+                            continue
+                        self._pending.add(slot)
+                        self._stamp = max(time.time_ns(), self._stamp + 1)
+                        jobs.append((slot, key, views[i], self._stamp))
+                        where.append(i)
+            errors: list[str | None] | None = None  # stays None if the writes raise
+            try:
+                runs = self._runs(jobs)
+                errors = [
+                    e for run in self._run(self._write_run, [(r,) for r in runs]) for e in run
+                ]
+            finally:  # the slots taken are indexed or given back whatever happened
+                self._end_writes(generation, where, jobs, errors, same_as, results, t0)
+            if errors and any(errors):
                 log.debug("disk tier %s: %s", self.file, next(e for e in errors if e))
             return results
         finally:
             self._exit()
+
+    def _end_writes(
+        self,
+        generation: int,
+        where: list[int],
+        jobs: list[tuple[int, bytes, memoryview, int]],
+        errors: list[str | None] | None,
+        same_as: dict[int, int],
+        results: list[bool],
+        t0: float,
+    ) -> None:
+        """The end of a :meth:`put`: index each block of ``jobs`` (at ``where`` in the batch)
+        written without error (``errors``; None: the writes raised, nothing is indexed), unless
+        a :meth:`clear` ran since ``generation`` or a concurrent put of the key won; give every
+        other slot back; set ``results``; count (written: only the blocks answered True)."""
+        release: list[int] = []
+        written = 0
+        with self._lock:
+            cleared = generation != self._generation
+            for n, (i, (slot, key, _, _)) in enumerate(zip(where, jobs, strict=True)):
+                self._pending.discard(slot)
+                err = "raised" if errors is None else errors[n]
+                if err is None and key not in self._index and not cleared:
+                    self._index[key] = slot
+                    results[i] = True
+                else:  # failed (header may be stale), a concurrent put won, or a clear() ran
+                    # meanwhile (the block is older than it): free it
+                    results[i] = err is None and not cleared  # True: held (the other put's)
+                    self._releasing.add(slot)
+                    release.append(slot)
+                written += results[i]
+            for i, j in same_as.items():
+                results[i] = results[j]
+            self._stats.set(blocks=len(self._index))
+        self._release(release)
+        failed = 0 if errors is None else sum(e is not None for e in errors)
+        self._stats.add(
+            blocks_written=written,
+            bytes_written=written * (HEADER_BYTES + self.fmt.payload_bytes),
+            writes_dropped=len(results) - sum(results),
+            io_errors=failed,
+            write_seconds=time.perf_counter() - t0,
+        )
 
     def evict(self, keys: Sequence[bytes]) -> int:
         """Remove blocks (header zeroed on disk so a restart does not bring them back); returns

@@ -325,7 +325,7 @@ def test_other_payload_size_recreates_the_file(tmp_path: Path) -> None:
     assert tier.put([key(2)], [block(key(2), ODD_FMT)]) == [True]
     tier.close()
     tier = DiskTier(tmp_path, capacity(ODD_FMT, 4), ODD_FMT)
-    assert tier.contains([key(2)]) == [True] and "recreated_files" not in tier.stats()
+    assert tier.contains([key(2)]) == [True] and tier.stats()["recreated_files"] == 0
     tier.close()
 
 
@@ -783,3 +783,309 @@ def test_direct_true_refused_without_o_direct() -> None:
         tier.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_stats_report_every_documented_key_from_the_start(tmp_path: Path) -> None:
+    """stats() promises recreated_files, scanned_slots and recovered_blocks; a new (and an
+    unavailable) tier left them out."""
+    documented = ("recreated_files", "scanned_slots", "recovered_blocks", "preallocated")
+    tier = DiskTier(tmp_path / "new", capacity(FMT, 2), FMT)
+    assert {k: tier.stats().get(k) for k in documented} == dict.fromkeys(documented, 0) | {
+        "preallocated": 1
+    }
+    tier.close()
+    (tmp_path / "file").write_bytes(b"")
+    down = DiskTier(tmp_path / "file" / "tier", capacity(FMT, 2), FMT)  # unavailable
+    assert down.stats()["unavailable"] == 1
+    assert all(down.stats().get(k) == 0 for k in documented)
+    down.close()
+
+
+def test_a_strided_buffer_is_refused_before_a_slot_is_taken(tmp_path: Path) -> None:
+    """A strided 1-D memoryview passed byte_view, then raised BufferError inside the I/O after
+    put had taken (evicting) a slot and get had counted a reader: both leaked for good. Now it
+    is a ValueError naming the fix, and nothing changes."""
+    tier = DiskTier(tmp_path, capacity(FMT, 2), FMT)
+    held = [key(0), key(1)]
+    assert tier.put(held, [block(k) for k in held]) == [True, True]  # full
+    strided = memoryview(bytearray(2 * FMT.payload_bytes))[::2]
+    assert strided.nbytes == FMT.payload_bytes and not strided.c_contiguous
+    with pytest.raises(ValueError, match=r"payloads\[i\] must be C-contiguous.*ascontiguousarray"):
+        tier.put([key(2)], [strided])
+    with pytest.raises(ValueError, match=r"outs\[i\] must be C-contiguous.*strides \(2,\)"):
+        tier.get([key(0)], [strided])
+    s = tier.stats()
+    assert tier.held_keys() == held and (s["blocks"], s["evictions"], s["hits"]) == (2, 0, 0)
+    tier.check_consistency()
+    assert tier.evict([key(0)]) == 1  # no reader left on its slot: freed at once
+    assert tier.put([key(2), key(3)], [block(key(2)), block(key(3))]) == [True, True]
+    bufs = outs(2)
+    assert tier.get([key(2), key(3)], bufs) == [True, True]
+    np.testing.assert_array_equal(bufs[1], block(key(3)))
+    tier.check_consistency()
+    tier.close()
+
+
+def test_a_buffer_that_cannot_be_mapped_is_a_miss_or_a_drop(tmp_path: Path) -> None:
+    """An mmap of a bounce or header buffer that fails (ENOMEM) is an I/O condition: get misses
+    and put drops (counted), nothing raises and no slot is lost."""
+    import errno
+
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT, direct=False)  # runs form on any buffer
+    keys = [key(i) for i in range(4)]
+    assert tier.put(keys[:2], [block(k) for k in keys[:2]]) == [True, True]
+
+    def no_memory(*args: object) -> memoryview:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    tier._bounce = no_memory  # type: ignore[method-assign]
+    tier._run_headers = no_memory  # type: ignore[method-assign]
+    assert tier.get(keys[:1], outs(1)) == [False]  # one block: the bounce buffer
+    assert tier.get(keys[1:2], outs(1)) == [False]
+    assert tier.put(keys[2:], [block(k) for k in keys[2:]]) == [False, False]  # a run of two
+    del tier._bounce, tier._run_headers
+    s = tier.stats()
+    assert (s["misses"], s["writes_dropped"], s["io_errors"], s["blocks_written"]) == (2, 2, 4, 2)
+    tier.check_consistency()
+    assert tier.put(keys, [block(k) for k in keys]) == [True] * 4  # every slot is free again
+    tier.close()
+
+
+def test_an_exception_in_the_io_gives_every_slot_back(tmp_path: Path) -> None:
+    """Any exception raised while blocks are read or written (a bug, not an I/O condition)
+    propagates, and the reader count / the slot taken is given back: before, the slot being
+    read could never be evicted or freed again, and the slot being written was lost."""
+    tier = DiskTier(tmp_path, capacity(FMT, 2), FMT)
+    held = [key(0), key(1)]
+    assert tier.put(held, [block(k) for k in held]) == [True, True]
+
+    def bug(run: object) -> list[str | None]:
+        raise RuntimeError("a bug in the I/O")
+
+    tier._read_run = bug  # type: ignore[method-assign]
+    bufs = outs(1)
+    with pytest.raises(RuntimeError, match="a bug in the I/O"):
+        tier.get(held[:1], bufs)
+    del tier._read_run
+    assert tier.held_keys() == [key(1), key(0)]  # not dropped: the block itself is fine
+    assert (tier.stats()["hits"], tier.stats()["misses"]) == (0, 1)
+    assert tier.evict(held[:1]) == 1
+    assert tier.put([key(2)], [block(key(2))]) == [True]  # key 0's slot was freed at once
+    tier.check_consistency()
+
+    tier._write_run = bug  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="a bug in the I/O"):
+        tier.put([key(3)], [block(key(3))])  # takes key 1's slot (LRU) and fails
+    del tier._write_run
+    assert tier.held_keys() == [key(2)] and tier.stats()["blocks"] == 1
+    assert tier.contains([key(3)]) == [False]
+    tier.check_consistency()
+    new = [key(4), key(5)]
+    assert tier.put(new, [block(k) for k in new]) == [True, True]  # both slots usable
+    tier.check_consistency()
+    tier.close()
+
+
+def test_a_refused_open_leaves_a_file_of_another_layout_as_it_was(tmp_path: Path) -> None:
+    """A file of another payload size with a capacity beyond the free space: the file was
+    truncated and recreated before the free-space check refused the open, so the ValueError
+    came after its blocks were gone."""
+    keys = [key(i) for i in range(3)]
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    assert tier.put(keys, [block(k) for k in keys]) == [True] * 3
+    tier.close()
+    before = tier.file.read_bytes()
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(ValueError, match=r"has \d+ bytes free; lower disk_bytes"):
+        DiskTier(tmp_path, free + 2**40, ODD_FMT)
+    assert tier.file.read_bytes() == before
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    s = tier.stats()
+    assert (s["recovered_blocks"], s["recreated_files"]) == (3, 0)
+    bufs = outs(3)
+    assert tier.get(keys, bufs) == [True] * 3
+    np.testing.assert_array_equal(bufs[2], block(keys[2]))
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["zero-first-page", "sparse-data-far-in"],
+)
+def test_a_file_that_is_not_all_zeros_is_refused_and_kept(tmp_path: Path, layout: str) -> None:
+    """A foreign file whose first 4 KiB are zero was truncated as if it were a tier file cut
+    short while being created; only an all-zero file is one."""
+    slots = tmp_path / "kvoff-blocks.slots"
+    with open(slots, "wb") as f:
+        if layout == "zero-first-page":
+            f.write(bytes(SUPERBLOCK_BYTES) + b"IMPORTANT USER DATA" * 100)
+        else:  # a hole of 1 MiB, then a few bytes
+            f.truncate(1 << 20)
+            f.seek((1 << 20) - 10)
+            f.write(b"user data!")
+    before = slots.read_bytes()
+    with pytest.raises(ValueError, match=r"kvoff-blocks.slots exists and is not a kvoff .*zeros"):
+        DiskTier(tmp_path, capacity(FMT, 2), FMT)
+    assert slots.read_bytes() == before
+
+
+@pytest.mark.parametrize("layout", ["dense", "sparse", "short"])
+def test_an_all_zero_file_is_taken_as_one_crashed_while_created(
+    tmp_path: Path, layout: str
+) -> None:
+    slots = tmp_path / "kvoff-blocks.slots"
+    with open(slots, "wb") as f:
+        if layout == "dense":
+            f.write(bytes(5 * SUPERBLOCK_BYTES + 7))
+        elif layout == "sparse":
+            f.truncate(1 << 20)
+        else:
+            f.write(bytes(100))
+    tier = DiskTier(tmp_path, capacity(FMT, 2), FMT)
+    assert tier.put([key(1)], [block(key(1))]) == [True]
+    assert os.path.getsize(slots) == capacity(FMT, 2)
+    tier.close()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_direct_true_is_refused_when_o_direct_fails_at_the_first_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
+    """direct=True requires O_DIRECT: a file system that takes it at open() and refuses it at
+    I/O (EINVAL) got buffered I/O (a new file) or an unavailable tier (an existing one) instead
+    of the documented ValueError. The refusal changes nothing and keeps no lock."""
+    if not supports_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT at open()")
+    import errno
+    import fcntl
+
+    if existing:
+        tier = DiskTier(tmp_path, capacity(FMT, 4), FMT, direct=False)
+        assert tier.put([key(1)], [block(key(1))]) == [True]
+        tier.close()
+    before = tier.file.read_bytes() if existing else b""
+
+    def refusing(real):  # type: ignore[no-untyped-def]
+        def call(fd, *args):  # type: ignore[no-untyped-def]
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT refused)")
+            return real(fd, *args)
+
+        return call
+
+    for name in ("preadv", "pwrite", "pwritev"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+    with pytest.raises(ValueError, match=r"does not support O_DIRECT I/O.*pass direct=None"):
+        DiskTier(tmp_path, capacity(FMT, 4), FMT, direct=True)
+    slots = tmp_path / "kvoff-blocks.slots"
+    assert slots.read_bytes() == before
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)  # direct=None falls back; no lock left
+    assert tier.stats()["direct_io"] == 0 and tier.error is None
+    assert tier.contains([key(1)]) == [existing]
+    tier.close()
+
+
+def test_a_put_that_loses_its_block_counts_no_write_twice(tmp_path: Path) -> None:
+    """A put whose block a clear() overtook was counted in blocks_written / bytes_written and
+    in writes_dropped; a put that a concurrent put of the same key beat answers True (held)
+    and is counted once, as written."""
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    write_run = tier._write_run
+
+    def write_then_clear(run):  # type: ignore[no-untyped-def]
+        errors = write_run(run)
+        tier.clear()
+        return errors
+
+    tier._write_run = write_then_clear  # type: ignore[method-assign]
+    assert tier.put([key(1)], [block(key(1))]) == [False]
+    del tier._write_run
+    s = tier.stats()
+    assert (s["blocks_written"], s["bytes_written"], s["writes_dropped"]) == (0, 0, 1)
+
+    def write_while_another_puts(run):  # type: ignore[no-untyped-def]
+        del tier._write_run  # the other put writes as usual, and wins
+        assert tier.put([key(2)], [block(key(2), version=1)]) == [True]
+        return write_run(run)
+
+    tier._write_run = write_while_another_puts  # type: ignore[method-assign]
+    assert tier.put([key(2)], [block(key(2))]) == [True]  # held: the other put's block
+    s = tier.stats()
+    slot_bytes = HEADER_BYTES + FMT.payload_bytes
+    assert (s["blocks_written"], s["bytes_written"], s["writes_dropped"]) == (2, 2 * slot_bytes, 1)
+    assert s["blocks"] == 1
+    bufs = outs(1)
+    assert tier.get([key(2)], bufs) == [True]
+    np.testing.assert_array_equal(bufs[0], block(key(2), version=1))
+    tier.check_consistency()
+    tier.close()
+
+
+def test_a_get_overlapping_clear_serves_no_block_from_before_it(tmp_path: Path) -> None:
+    """clear() returning while a get was reading: the get served the pre-clear block after
+    clear() had returned (stale KV after a weight change)."""
+    tier = DiskTier(tmp_path, capacity(FMT, 2), FMT)
+    keys = [key(1), key(2)]
+    assert tier.put(keys, [block(k) for k in keys]) == [True, True]
+    read_run = tier._read_run
+    cleared: list[int] = []
+
+    def read_then_clear(run):  # type: ignore[no-untyped-def]
+        reasons = read_run(run)  # the bytes are read and verified...
+        if not cleared:  # (one run per block here: unaligned outputs)
+            cleared.append(tier.clear())  # ...and a cache reset returns meanwhile
+        return reasons
+
+    tier._read_run = read_then_clear  # type: ignore[method-assign]
+    assert tier.get(keys, outs(2)) == [False, False]
+    del tier._read_run
+    assert cleared == [2]
+    s = tier.stats()
+    assert (s["hits"], s["misses"], s["corrupted_blocks"], s["blocks"]) == (0, 2, 0, 0)
+    tier.check_consistency()  # the slots read were freed when the reads ended
+    assert tier.put(keys, [block(k, version=1) for k in keys]) == [True, True]  # no eviction
+    assert tier.stats()["evictions"] == 2  # the two the clear dropped, none since
+    tier.close()
+
+
+def test_a_put_begun_before_clear_stores_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put that began before a clear() (here: the clear lands while the put checks its
+    payloads) read the clear count too late and stored its pre-reset block."""
+    import kvoff.tiers.disk as disk_mod
+
+    tier = DiskTier(tmp_path, capacity(FMT, 2), FMT)
+    real = disk_mod.byte_view
+    calls: list[int] = []
+
+    def clear_first(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not calls:
+            calls.append(tier.clear())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk_mod, "byte_view", clear_first)
+    assert tier.put([key(1)], [block(key(1))]) == [False]
+    assert calls == [0]
+    assert tier.contains([key(1)]) == [False] and tier.get([key(1)], outs(1)) == [False]
+    s = tier.stats()
+    assert (s["blocks_written"], s["writes_dropped"], s["blocks"]) == (0, 1, 0)
+    assert tier.put([key(1)], [block(key(1))]) == [True]  # a put after the clear is stored
+    tier.check_consistency()
+    tier.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd (Linux)")
+def test_a_tier_dropped_without_close_releases_its_file(tmp_path: Path) -> None:
+    """A DiskTier garbage-collected without close() kept its descriptor and flock until the
+    process ended: the same path could not be opened again."""
+    import gc
+
+    gc.collect()  # tiers other tests dropped
+    before = open_fds()
+    DiskTier(tmp_path, capacity(FMT, 2), FMT).put([key(1)], [block(key(1))])
+    gc.collect()
+    assert open_fds() == before
+    tier = DiskTier(tmp_path, capacity(FMT, 2), FMT)  # not "in use by another DiskTier"
+    assert tier.contains([key(1)]) == [True]
+    tier.close()
