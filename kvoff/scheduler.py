@@ -729,9 +729,12 @@ class OffloadingScheduler:
 
         ``tail``: more scheduled requests as three columns ``(request_ids, new_block_ids,
         num_computed_tokens)``, read after the first three as if appended to them (vLLM keeps
-        its running and its new requests apart: no joined lists are made). A
-        ``num_scheduled_tokens`` sequence then covers both, in that order; indices in error
-        messages count across both.
+        its running and its new requests apart: no joined lists are made). The tail's
+        requests are scheduled as new: their ``new_block_ids`` are their whole block tables,
+        which replace the tables kept also for a request seen before (vLLM schedules a resumed
+        streaming-input session as new, under its old id; its blocks kept in place are not
+        new allocations). A ``num_scheduled_tokens`` sequence then covers both, in that order;
+        indices in error messages count across both.
 
         Returns:
             ``(packed, request_ids, jobs_to_flush)``. ``packed`` holds native int64s:

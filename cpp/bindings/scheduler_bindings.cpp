@@ -714,6 +714,8 @@ class StepColumns {
     }
   }
   Py_ssize_t size() const noexcept { return sizes_[0] + sizes_[1]; }
+  /// Entries before this index come from the first columns, the others from `tail`.
+  Py_ssize_t tail_start() const noexcept { return sizes_[0]; }
   PyObject** ids() const noexcept { return items_[0]; }
   PyObject** blocks() const noexcept { return items_[1]; }
   PyObject** computed() const noexcept { return items_[2]; }
@@ -782,6 +784,7 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
   const StepColumns columns(request_ids, new_block_ids, num_computed_tokens, tail,
                             scratch.get().joined);
   const Py_ssize_t n = columns.size();
+  const Py_ssize_t tail_start = tail.is_none() ? n : columns.tail_start();
   PyObject* scheduled_dict = PyDict_Check(num_scheduled_tokens.ptr()) ? num_scheduled_tokens.ptr()
                                                                        : nullptr;
   py::object scheduled_seq;
@@ -856,6 +859,9 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
         s.new_block_ids.clear();
       }
     }
+    // tail entries are requests scheduled as new (vLLM's scheduled_new_reqs): their block ids
+    // are the whole table, also for a request seen before (a resumed streaming-input session)
+    s.whole_table = i >= tail_start;
     s.resumed_from_preemption = false;
     if (any_resumed) {
       const int in = PySequence_Contains(resumed_request_ids.ptr(), id_obj);

@@ -696,7 +696,7 @@ bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after) 
     for (std::size_t g = 0; g < num_groups; ++g) {
       const std::int64_t k0 = first_needed_sub_block(g);
       if (k0 >= f) continue;  // this group never needs cached blocks
-      const auto& table = r.table[g];
+      auto& table = r.table[g];
       bool live = true;
       for (std::int64_t k = k0; k < f && live; ++k) {
         const auto l = static_cast<std::size_t>(j * f + k);
@@ -705,6 +705,7 @@ bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after) 
         } else if (alloc_step_[table[l].block_id] > table[l].step) {
           live = false;  // reallocated since we saw it: stale (invariant 4)
           ++stats_.stale_blocks_skipped;
+          table[l].block_id = 0;  // null from now on: counted once if the store is retried
         }
       }
       if (!live) continue;
@@ -919,6 +920,7 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
       const ScheduledRequest& s = scheduled[i];
       hashes[i] = id_hash_of(s.request_id);
       if (idle_.size() != 0 && s.new_block_ids.empty() && !s.resumed_from_preemption &&
+          !s.whole_table &&
           token_counts_valid(s) && s.num_scheduled_tokens < obs &&
           (s.num_computed_tokens + s.num_scheduled_tokens) / obs == s.num_computed_tokens / obs) {
         maybe_idle[i] = 1;
@@ -993,17 +995,33 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     const ScheduledRequest& s = scheduled[i];
     if (resolved[i] == nullptr) continue;  // idle
     Request& r = *resolved[i];
-    const bool whole_table = s.resumed_from_preemption || !r.scheduled_before;
+    const bool whole_table = s.resumed_from_preemption || s.whole_table || !r.scheduled_before;
+    // A known request's whole table that is not a resumption from preemption (a streaming-input
+    // session scheduled again as new) keeps the blocks it already had where they are: those
+    // entries keep their steps (no flush, not stale); only blocks at other positions are new.
+    const bool keep_known = s.whole_table && !s.resumed_from_preemption && r.scheduled_before;
     const std::int64_t cached_blocks = whole_table ? r.gpu_hit_tokens / config_.gpu_block_size : 0;
     for (std::size_t g = 0; g < s.new_block_ids.size(); ++g) {
       auto& table = r.table[g];
-      if (whole_table) table.clear();
-      for (const std::int64_t id64 : s.new_block_ids[g]) {
-        const auto id = static_cast<std::uint32_t>(id64);
-        const auto l = static_cast<std::int64_t>(table.size());
-        table.push_back(TableEntry{id, step_});
-        if (id == 0 || l < cached_blocks) continue;  // null, or a block the engine had cached
+      const std::size_t kept = keep_known ? table.size() : 0;
+      if (whole_table && !keep_known) table.clear();
+      const auto& ids = s.new_block_ids[g];
+      const std::size_t base = keep_known ? 0 : table.size();
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        const auto id = static_cast<std::uint32_t>(ids[k]);
+        const std::size_t l = base + k;
+        if (l < kept && table[l].block_id == id) continue;  // its block there: unchanged
+        if (l < kept) {
+          table[l] = TableEntry{id, step_};
+        } else {
+          table.push_back(TableEntry{id, step_});
+        }
+        // null, or a block the engine had cached
+        if (id == 0 || static_cast<std::int64_t>(l) < cached_blocks) continue;
         mark_allocated(id, meta.jobs_to_flush);
+      }
+      if (keep_known && ids.size() < table.size()) {
+        table.erase(table.begin() + static_cast<std::ptrdiff_t>(ids.size()), table.end());
       }
     }
     r.scheduled_before = true;

@@ -879,6 +879,57 @@ TEST(OffloadingSchedulerStore, StaleBlockReallocatedToTheSameRequestIsSkipped) {
   EXPECT_EQ(s.stats().stale_blocks_skipped, 1u);
 }
 
+TEST(OffloadingSchedulerStore, StaleBlockIsCountedOnceWhileItsRequestsStoreIsRetried) {
+  OffloadingScheduler s(make_config({SW(5)}, 4, 1, 0, 1, /*cpu_blocks=*/2));
+  add(s, "A", {"a0", "a1"}, 8);
+  auto a = step(s, {sched("A", {{1, 2}}, 0, 8)});
+  ASSERT_EQ(a.store_jobs.size(), 1u);  // both slots pending until it is reported
+  add(s, "B", {"b0", "b1"}, 12);
+  EXPECT_TRUE(step(s, {sched("B", {{5, 6, 7}}, 0, 8)}).store_jobs.empty());  // refused
+  // B's block 5 left the window and now belongs to C; B's store is refused again and again.
+  add(s, "C", {}, 8);
+  auto meta = step(s, {sched("C", {{5, 9}}, 0, 8), sched("B", Table{{}}, 8, 1)});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  for (std::int64_t computed = 9; computed < 11; ++computed) {
+    EXPECT_TRUE(step(s, {sched("B", Table{{}}, computed, 1)}).store_jobs.empty());
+  }
+  EXPECT_EQ(s.stats().store_refusals, 4u);
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 1u);  // one stale block, however many retries
+  report(s, {a.store_jobs[0].job_id});
+  meta = step(s, {sched("B", Table{{}}, 11, 0)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "B", {6}, {1}, {1}, {key("b1", 0)});
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 1u);
+}
+
+TEST(OffloadingSchedulerStore, WholeTableOfAKnownRequestReplacesItsTable) {
+  // A streaming-input session that vLLM schedules again as a new request, under its old id:
+  // its block ids are its whole table, the blocks it had first.
+  OffloadingScheduler s(make_config({Full()}));  // 4-token blocks
+  add(s, "S", hashes("s", 3), 12);
+  auto first = step(s, {sched("S", {{1, 2, 3}}, 0, 12)});
+  ASSERT_EQ(first.store_jobs.size(), 1u);  // still in flight: its GPU blocks are fenced
+  add(s, "S", {"s3", "s4", "s5"}, 26, 3);
+  ScheduledRequest again = sched("S", {{1, 2, 3, 7, 8, 9}}, 12, 12);
+  again.whole_table = true;
+  auto meta = step(s, {again});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "S", {7, 8, 9}, {3}, {3},
+             {key("s3", 0), key("s4", 0), key("s5", 0)});
+  // the blocks it kept are not new allocations: the job reading them is not flushed
+  EXPECT_TRUE(meta.jobs_to_flush.empty());
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 0u);
+  // a shorter whole table (blocks at positions 3.. given back) drops the rest
+  report(s, ids_of(first.store_jobs));
+  report(s, ids_of(meta.store_jobs));
+  ScheduledRequest shorter = sched("S", {{1, 2, 3, 4}}, 24, 2);
+  shorter.whole_table = true;
+  add(s, "S", {"s6"}, 28, 6);
+  meta = step(s, {shorter});
+  EXPECT_EQ(meta.jobs_to_flush, Ids{});
+  EXPECT_TRUE(meta.store_jobs.empty());  // 26 tokens: 6 full blocks, all stored
+}
+
 TEST(OffloadingSchedulerStore, HeldKeyInTheMiddleSplitsJobsPerGroupRun) {
   OffloadingScheduler s(make_config({Full(), Full()}));
   seed(s, "seed", {"s0", "b1"}, {{20, 21}, {0, 0}});  // holds s0/0 (slot 0) and b1/0 (slot 1)

@@ -101,6 +101,11 @@ struct ScheduledRequest {
   std::int64_t num_scheduled_tokens = 0;
   /// The request was preempted earlier and new_block_ids is its new, whole block table.
   bool resumed_from_preemption = false;
+  /// new_block_ids is the request's whole block table even if this scheduler has seen the
+  /// request before: the engine schedules it as a new request (vLLM's scheduled_new_reqs,
+  /// which also carries a streaming-input session resumed under its old id). The table then
+  /// replaces the one kept, as for a request scheduled for the first time.
+  bool whole_table = false;
 };
 
 /// The output of build_connector_meta for the worker(s).

