@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvoff.tiers.base import SecondaryTier, check_int
+from kvoff.tiers.block_format import MAX_KEY_BYTES
 
 if TYPE_CHECKING:
     from kvoff.config import OffloadingConfig
@@ -195,24 +196,62 @@ def _stop_dispatchers() -> None:
 
 
 def _check_slot_size(slot: Callable[[int], Any], tiers: Sequence[SecondaryTier]) -> None:
-    """Raise ValueError unless the tiers' ``fmt.payload_bytes`` is the size of L1 slot 0
-    (``slot(0)``: an array, or one per rank for a :class:`~kvoff.tiers.ranked.RankedTier`):
-    a tier of another block size would fail every write-through and promotion, silently."""
+    """Raise ValueError unless the tiers' blocks are the size of L1 slot 0 (``slot(0)``: an
+    array, or one per rank for a :class:`~kvoff.tiers.ranked.RankedTier`): a tier of another
+    block size would fail every write-through and promotion, silently. A ``RankedTier`` is
+    checked rank by rank (``slot(0)[r]`` against ``ranks[r].fmt.payload_bytes``: equal totals
+    of parts in another order fail every ``put`` as well); any other tier against the total."""
+    from kvoff.tiers.ranked import RankedTier
+
     try:
         first = slot(0)
         parts = first if isinstance(first, (tuple, list)) else (first,)
-        slot_bytes = sum(int(p.nbytes) for p in parts)
+        sizes = [int(p.nbytes) for p in parts]
     except Exception as e:
         raise ValueError(
             f"slot(0) failed ({type(e).__name__}: {e}); slot must map a CPU block id to that "
             "slot's bytes (a uint8 array, e.g. worker.cpu_pool.numpy().__getitem__)"
         ) from e
+    slot_bytes = sum(sizes)
     for t in tiers:
         if t.fmt.payload_bytes != slot_bytes:
             raise ValueError(
                 f"tier {t.name!r} stores {t.fmt.payload_bytes}-byte blocks but an L1 slot "
                 f"(slot(0)) has {slot_bytes} bytes; build the tier's BlockFormat with "
                 f"payload_bytes={slot_bytes}"
+            )
+        if not isinstance(t, RankedTier):
+            continue
+        want = [r.fmt.payload_bytes for r in t.ranks]
+        if len(sizes) != len(want):
+            raise ValueError(
+                f"tier {t.name!r} has {len(want)} ranks but slot(0) gives {len(sizes)} "
+                f"array(s); slot must give a tuple of one array per rank, rank order"
+            )
+        for r, (have, need) in enumerate(zip(sizes, want, strict=True)):
+            if have != need:
+                raise ValueError(
+                    f"tier {t.name!r}: rank {r} stores {need}-byte parts but rank {r}'s L1 "
+                    f"slot (slot(0)[{r}]) has {have} bytes (parts {sizes}, ranks {want}); "
+                    f"give slot(b)[r] rank r's slot and build rank {r}'s BlockFormat with "
+                    f"payload_bytes={have}"
+                )
+
+
+def _check_keys(keys: Sequence[bytes], name: str) -> None:
+    """Raise ValueError unless ``keys`` is a sequence of offload keys as the tiers store them:
+    ``bytes`` of 1..:data:`~kvoff.tiers.block_format.MAX_KEY_BYTES` (checked before a probe
+    starts, so that a bad key changes nothing instead of failing a later :meth:`poll`)."""
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise ValueError(
+            f"{name}={keys!r} is one {type(keys).__name__}, not a sequence of keys; pass a list "
+            f"of offload keys (bytes), e.g. {name}=[key]"
+        )
+    for i, k in enumerate(keys):
+        if not isinstance(k, bytes) or not 1 <= len(k) <= MAX_KEY_BYTES:
+            raise ValueError(
+                f"{name}[{i}]={k!r} is not an offload key: the tiers store keys of bytes of "
+                f"1..{MAX_KEY_BYTES}; pass the request's offload keys (bytes)"
             )
 
 
@@ -226,7 +265,8 @@ class TieredPool:
             (a view into the CPU pool, e.g. ``worker.cpu_pool.numpy()[i]``); for a
             :class:`~kvoff.tiers.ranked.RankedTier`, a tuple of one such array per rank.
         tiers: the secondary tiers, fastest first (disk, then remote); every tier's
-            ``fmt.payload_bytes`` must equal the slot size (checked on ``slot(0)``).
+            ``fmt.payload_bytes`` must equal the slot size in bytes (checked on ``slot(0)``;
+            rank by rank for a ``RankedTier``).
         write_queue_blocks: blocks in write-through at most (each pinned in L1 until every
             tier wrote it), an int in 1..2**32 - 1; blocks beyond it are dropped and counted.
             The pool sets it on the manager (``set_write_through``) and turns it off at
@@ -242,7 +282,10 @@ class TieredPool:
         TypeError: ``write_queue_blocks`` is not an int (a bool, float, str, None...).
         ValueError: ``write_queue_blocks`` outside 1..2**32 - 1; tiers with the same name;
             tiers whose ``fmt.payload_bytes`` differ from each other or from the size of an
-            L1 slot (``slot(0)``); a ``slot`` that fails for block 0.
+            L1 slot (``slot(0)``); for a :class:`~kvoff.tiers.ranked.RankedTier`, a
+            ``slot(0)`` that is not one array per rank or whose array ``r`` is not rank
+            ``r``'s ``fmt.payload_bytes`` (the message names the rank); a ``slot`` that fails
+            for block 0.
     """
 
     def __init__(
@@ -361,7 +404,9 @@ class TieredPool:
         very blocks it counted as hits.
 
         Raises:
-            TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`.
+            TypeError, ValueError: as :meth:`kvoff.CPUOffloadingManager.lookup`; with tiers
+                also ValueError for a key the tiers cannot store (not ``bytes`` of
+                1..:data:`~kvoff.tiers.block_format.MAX_KEY_BYTES`), before any probe starts.
         """
         if poll and self._reads:
             self.poll()
@@ -384,6 +429,9 @@ class TieredPool:
                 answered.append(first)
             else:
                 probes.append((list(keys[h : h + MAX_PROBE_BLOCKS]), keys[:h]))
+        for probe, held in probes:  # checked before any probe starts: a refusal starts none
+            _check_keys(probe, "keys")
+            _check_keys(held, "held")
         for probe, held in probes:  # two lists with the same first miss: one probe
             self.probe(probe, held=held)
         if busy or probes:
@@ -417,7 +465,14 @@ class TieredPool:
         Returns:
             Whether a probe started: not when ``keys`` is empty, there are no tiers, the pool
             is closed (nothing is changed then), or its first key is being read already.
+
+        Raises:
+            ValueError: ``keys`` or ``held`` is not a sequence of offload keys (``bytes`` of
+                1..:data:`~kvoff.tiers.block_format.MAX_KEY_BYTES`); the message names the
+                first bad entry (``keys[i]`` / ``held[i]``). Nothing is started or changed.
         """
+        _check_keys(keys, "keys")
+        _check_keys(held, "held")
         if self._closed or not keys or not self.tiers or keys[0] in self._reading:
             return False
         probe = list(keys[:MAX_PROBE_BLOCKS])
@@ -617,7 +672,43 @@ class TieredPool:
             self._answered.popitem(last=False)
 
     def _finish_read(self, r: _Read) -> bool:
-        """Applies a finished phase; ``True`` when the promotion is over."""
+        """Applies a finished phase; ``True`` when the promotion is over. A phase that fails
+        to apply (the tier thread or the manager raised) ends the promotion as a miss: its
+        pending L1 slots are released and its keys are no longer being read, so that the pool
+        keeps working (a read left in ``_reads`` would raise again on every poll)."""
+        try:
+            return self._apply_read(r)
+        except Exception:
+            log.exception(
+                "kvoff tiers: a finished promotion of %d keys could not be applied; its blocks "
+                "are misses, their L1 slots are released",
+                len(r.keys),
+            )
+            self._abandon_read(r)
+            return True
+
+    def _abandon_read(self, r: _Read) -> None:
+        """Ends promotion ``r`` as a miss after a failure: its keys still pending in L1 are
+        dropped (``complete_store(..., False)``, one at a time: the ones already finished are
+        refused and skipped) and, for a read into L1 slots, counted in ``promotion_failures``;
+        its keys are answered and no longer being read."""
+        released: set[bytes] = set()
+        for k in r.keys_to_store:
+            try:
+                self.manager.complete_store([k], False)
+            except ValueError:  # not pending (finished before the failure): nothing to drop
+                continue
+            released.add(k)
+        if r.phase == 2 and r.generation == self._generation:
+            for k, s in zip(r.keys_to_store, r.sources, strict=True):
+                if k in released:
+                    self.counters[self.tiers[s].name]["promotion_failures"] += 1
+        self._reading.difference_update(r.keys)
+        self._answer(r.keys[0])
+        self._stats_tick = next(self._ticks)
+
+    def _apply_read(self, r: _Read) -> bool:
+        """:meth:`_finish_read` without the failure handling."""
         self._stats_tick = next(self._ticks)  # this thread reads the stats: order is kept
         if r.generation != self._generation:  # started before a reset(): its blocks are stale
             if r.phase == 2:
@@ -639,6 +730,7 @@ class TieredPool:
             keys_to_store: list[bytes] = []
             block_ids: list[int] = []
             if out is not None:
+                r.keys_to_store = list(out.keys_to_store)  # pending now: released on a failure
                 # a hit that left L1 since the lookup is not stored from nowhere: released
                 gone = [k for k in out.keys_to_store if k not in src]
                 if gone:
@@ -734,6 +826,9 @@ class TieredPool:
                     try:
                         result = tier.put(job.keys, [self._slot(b) for b in job.block_ids])
                     except Exception:  # a tier must not raise; if it does, the blocks failed
+                        log.exception("tier %s: put of %d written-through blocks failed; they "
+                                      "are counted in write_failures", tier.name,
+                                      len(job.keys))  # fmt: skip
                         result = None
             good = sum(1 for d in result if d) if result is not None else 0
             with self._write_lock:

@@ -48,7 +48,9 @@ class RankedTier(SecondaryTier):
         ranks: the per-rank tiers.
 
     Raises:
-        ValueError: no ranks, or ranks of different names.
+        ValueError: no ranks, ranks of different names, the same tier object at two ranks, or
+            two ranks with one fingerprint (their parts would be stored under one key, and one
+            rank's part served as another's). Nothing is started or closed then.
     """
 
     def __init__(self, ranks: Sequence[SecondaryTier]) -> None:
@@ -57,6 +59,26 @@ class RankedTier(SecondaryTier):
         names = {t.name for t in ranks}
         if len(names) != 1:
             raise ValueError(f"the ranks' tiers must be of one kind, got names {sorted(names)}")
+        seen: dict[int, int] = {}
+        for r, t in enumerate(ranks):
+            if id(t) in seen:
+                raise ValueError(
+                    f"ranks {seen[id(t)]} and {r} are the same tier object; give each rank a "
+                    f"tier of its own, made with its rank's fingerprint "
+                    f"(BlockFormat(layout_fingerprint(..., rank={r}), ...))"
+                )
+            seen[id(t)] = r
+        fingerprints: dict[bytes, int] = {}
+        for r, t in enumerate(ranks):
+            fp = t.fmt.fingerprint
+            if fp in fingerprints:
+                raise ValueError(
+                    f"ranks {fingerprints[fp]} and {r} share the fingerprint {fp.hex()}: their "
+                    f"parts would be stored under one key and one rank's part served as the "
+                    f"other's; make each rank's fingerprint with its rank, "
+                    f"layout_fingerprint(..., rank=r) (rank={r} here)"
+                )
+            fingerprints[fp] = r
         self.ranks = list(ranks)
         self.name = ranks[0].name
         self.fmt = BlockFormat(ranks[0].fmt.fingerprint, sum(t.fmt.payload_bytes for t in ranks))

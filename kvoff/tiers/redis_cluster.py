@@ -228,6 +228,7 @@ class RedisClusterTier(SecondaryTier):
         self._gate = CallGate(self._lock)  # calls in flight (close waits for them)
         self._down_until: dict[str, float] = {}
         self._refreshing = False
+        self._refresher: threading.Thread | None = None  # the slot-map reload (close joins it)
         self._next_connect = 0.0
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-redis")
         self._local = threading.local()  # each sending thread's put buffer
@@ -294,13 +295,18 @@ class RedisClusterTier(SecondaryTier):
         self._request_refresh()
 
     def _request_refresh(self) -> None:
-        """Reload the slot map in the background (one reload at a time)."""
+        """Reload the slot map in the background (one reload at a time; :meth:`close` waits
+        for it). The thread is made and started under the lock, so that a ``close`` that
+        took the lock after it finds it to join."""
         with self._lock:
             if self._refreshing or self._gate.closed:
                 return
             self._refreshing = True
+            self._refresher = threading.Thread(
+                target=self._refresh, name="kvoff-redis-refresh", daemon=True
+            )
+            self._refresher.start()
         self._stats.add(topology_refreshes=1)
-        threading.Thread(target=self._refresh, name="kvoff-redis-refresh", daemon=True).start()
 
     def _refresh(self) -> None:
         """Reload the slot map (a failover may have moved the failed node's slots)."""
@@ -348,6 +354,7 @@ class RedisClusterTier(SecondaryTier):
         keys: Sequence[bytes],
         fill: Callable[[int, np.ndarray], None] | None = None,
         on_value: Callable[[int, bytes], Any] | None = None,
+        prefix: bytes | None = None,
     ) -> list[Any]:
         """Run ``op`` (get / exists / set / del) for every key; one result per key: the reply,
         or an Exception instance when the key's node failed or was skipped. ``fill(i, out)``
@@ -355,7 +362,9 @@ class RedisClusterTier(SecondaryTier):
         thread calls it right before the key's round trip, in its own put buffer
         (:data:`PUT_BUFFER_BYTES`). ``on_value(i, reply)``, when given, is called for every
         bytes reply in the thread that read it (the nodes' threads run it in parallel) and its
-        return value is the result instead."""
+        return value is the result instead. ``prefix``: the key space to use (default: the
+        current one, :attr:`prefix`), so that the calls of one method stay in one key space
+        when a :meth:`clear` runs between them."""
         results: list[Any] = [None] * len(keys)
         rc = self._client()
         if rc is None:
@@ -364,7 +373,8 @@ class RedisClusterTier(SecondaryTier):
         now = time.monotonic()
         skipped = 0
         table = self._slot_table(rc)
-        prefix = self.prefix  # read once: a clear() meanwhile moves the next call only
+        if prefix is None:
+            prefix = self.prefix  # read once: a clear() meanwhile moves the next call only
         rkeys = [self._rkey(key, prefix) for key in keys]  # each made once: routed, then sent
         for i, rkey in enumerate(rkeys):
             node = table[key_slot(rkey)]
@@ -447,12 +457,15 @@ class RedisClusterTier(SecondaryTier):
         reply is checked (``on_value``) and let go as it is read instead of after the whole
         round trip: in one A/B on the 2-core box, puts 1.28x faster at 64 KiB and gets 1.32x at
         2 MiB (README, "Beyond RAM"). An error reply (ResponseError) fails its own key only; a
-        redirection (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) also reloads the slot map. A connection
-        that fails or raises mid-reply is disconnected before it goes back to the pool, so no
-        later call reads this call's replies."""
+        redirection (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) also reloads the slot map. A node that
+        fails mid-round-trip fails the keys whose replies were not read yet (and the later
+        round trips); the replies read before stand. A connection that fails or raises
+        mid-reply is disconnected before it goes back to the pool, so no later call reads this
+        call's replies."""
         client = node.redis_connection
         chunks = self._chunks(idx, op)
         for n, chunk in enumerate(chunks):
+            done = 0  # keys of this chunk whose reply was read: their results stand
             try:
                 if client is None:
                     raise ConnectionError(f"no client for {node.name}")
@@ -469,11 +482,13 @@ class RedisClusterTier(SecondaryTier):
                         except redis.ResponseError as e:  # this key's error reply only
                             results[i] = e
                             redirected = redirected or isinstance(e, _REDIRECTIONS)
+                            done += 1
                             continue
                         if on_value is not None and isinstance(reply, (bytes, bytearray)):
                             results[i] = on_value(i, reply)
                         else:
                             results[i] = reply
+                        done += 1
                 except BaseException:
                     conn.disconnect()  # replies may be left unread on it
                     raise
@@ -487,9 +502,13 @@ class RedisClusterTier(SecondaryTier):
                 err: Exception = e
             except (*_NODE_ERRORS, redis.RedisError) as e:
                 err = e
-            # this node failed: its keys of this call fail, the node cools down
+            # this node failed: its keys of this call whose reply was not read fail (a SET
+            # acknowledged or a GET verified and copied before the failure stands), the node
+            # cools down
             self._stats.add(io_errors=1)
-            for rest in chunks[n:]:
+            for i in chunk[done:]:
+                results[i] = err
+            for rest in chunks[n + 1 :]:
                 for i in rest:
                     results[i] = err
             log.debug("node %s failed: %s", node.name, err)
@@ -561,7 +580,10 @@ class RedisClusterTier(SecondaryTier):
             return len(reply)
 
         t0 = time.perf_counter()
-        results = self._run("get", keys, on_value=verify_and_copy)
+        # one key space for the GET and the clean-up DEL: after a clear() in between, a DEL in
+        # the new key space would delete a fresh, valid block there and leave the corrupt one
+        prefix = self.prefix
+        results = self._run("get", keys, on_value=verify_and_copy, prefix=prefix)
         served = [False] * len(keys)
         bad: list[bytes] = []
         counts = {"corrupted_blocks": 0, "fingerprint_mismatches": 0}
@@ -580,7 +602,7 @@ class RedisClusterTier(SecondaryTier):
                 bad.append(bytes(keys[i]))
             # else a miss (None), or the node's error
         if bad:
-            self._run("del", bad)
+            self._run("del", bad, prefix=prefix)
         hits = sum(served)
         self._stats.add(
             hits=hits,
@@ -678,9 +700,16 @@ class RedisClusterTier(SecondaryTier):
         return self._stats.snapshot()
 
     def close(self) -> None:
-        """Wait for the calls in flight (each ends within its nodes' ``timeout_s``), then close
-        the node threads and the connections; later calls miss / drop. Idempotent."""
+        """Wait for the calls in flight and for a slot-map reload in flight (each ends within
+        its nodes' ``timeout_s`` seconds), then close the node threads and the connections;
+        later calls miss / drop. Idempotent."""
         self._gate.close()  # calls from now on answer misses at once
+        with self._lock:  # no reload starts from now on (_request_refresh checks the gate)
+            refresher = self._refresher
+        if refresher is not None:
+            # a reload in flight works on the client's node connections; it ends within its
+            # nodes' socket timeouts (timeout_s each)
+            refresher.join()
         with self._lock:
             rc, self._rc = self._rc, None
         self._pool.shutdown(wait=True)

@@ -148,3 +148,33 @@ def test_ranks_share_one_redis_cluster_under_their_own_fingerprints(redis_url: s
     assert tier.get(keys[2:3], outs[2:3]) == [False]
     assert tier.stats()["corrupted_blocks"] == 0
     tier.close()
+
+
+def test_ranks_of_one_fingerprint_or_one_tier_object_are_refused(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Before, ranks sharing a fingerprint were accepted: on one Redis Cluster both ranks store
+    their parts under one key, rank 1's part overwrites rank 0's and get() serves rank 1's
+    bytes as rank 0's part (wrong KV). The same tier object twice did the same on disk. Both
+    are refused, naming the fingerprint / ranks and the fix; the tiers are left open, unused."""
+    from kvoff.tiers.redis_cluster import RedisClusterTier
+
+    shared = BlockFormat(layout_fingerprint(model="tiny", world_size=2), PART)  # no rank in it
+    remote = [RedisClusterTier(redis_url, shared, timeout_s=2.0) for _ in range(2)]
+    fp = shared.fingerprint.hex()
+    refused = rf"ranks 0 and 1 share the fingerprint {fp}.*layout_fingerprint\(\.\.\., rank=r\)"
+    with pytest.raises(ValueError, match=refused):
+        RankedTier(remote)
+    # refused before anything ran: each tier is still open and keeps its own part
+    k = key(3)
+    assert remote[0].put([k], [part(k, 0)]) == [True]
+    out = np.zeros(PART, np.uint8)
+    assert remote[1].get([k], [out]) == [True] and np.array_equal(out, part(k, 0))
+    for t in remote:
+        t.close()
+
+    disk = DiskTier(tmp_path / "r0", SUPERBLOCK_BYTES + 4 * slot_bytes_for(fmt(0)), fmt(0))
+    with pytest.raises(ValueError, match=r"ranks 0 and 1 are the same tier object.*rank=1"):
+        RankedTier([disk, disk])
+    assert disk.put([k], [part(k, 0)]) == [True]  # still open
+    disk.close()

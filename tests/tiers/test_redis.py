@@ -662,3 +662,113 @@ def test_slow_node_times_out_into_a_miss(redis_url: str, redis_cluster: LocalRed
     assert tier.get(keys, bufs) == [True] * 30
     assert tier.stats()["corrupted_blocks"] == 0
     tier.close()
+
+
+def test_a_corrupt_block_is_deleted_in_the_key_space_it_was_read_from(
+    redis_url: str, redis_cluster: LocalRedisCluster
+) -> None:
+    """get() reads a corrupt block; a clear() and a put of the same key in the new key space
+    happen before its clean-up DEL (injected between the two round trips). Before, the DEL
+    went to the new key space: it deleted the fresh, valid block and left the corrupt one."""
+    k = key(7)
+    with RedisClusterTier(redis_url, FMT) as tier:
+        assert tier.put([k], [block(k)]) == [True]
+        old_rkey = tier._rkey(k)
+        node = redis_cluster.client(redis_cluster.index_of(tier.node_of(k) or ""))
+        value = bytearray(node.get(old_rkey))
+        value[-1] ^= 0xFF  # a payload byte: the checksum fails
+        node.set(old_rkey, bytes(value))
+        real_run = tier._run
+
+        def run(op: str, keys: list[bytes], *a: object, **kw: object) -> list[object]:
+            out = real_run(op, keys, *a, **kw)  # type: ignore[arg-type]
+            if op == "get":  # another thread: a cache reset, then a write-through
+                tier.clear()
+                assert tier.put([k], [block(k)]) == [True]
+            return out
+
+        tier._run = run  # type: ignore[method-assign]
+        assert tier.get([k], outs(1)) == [False]
+        tier._run = real_run  # type: ignore[method-assign]
+        assert node.exists(old_rkey) == 0  # the corrupt block is gone
+        bufs = outs(1)
+        assert tier.get([k], bufs) == [True]  # the fresh block is still there and served
+        np.testing.assert_array_equal(bufs[0], block(k))
+        assert tier.stats()["corrupted_blocks"] == 1
+
+
+def test_close_waits_for_a_slot_map_reload_in_flight(redis_url: str) -> None:
+    """A node failure starts a slot-map reload on a thread of its own. Before, close() did
+    not wait for it: the reload ran on the closed client after close() returned."""
+    with RedisClusterTier(redis_url, FMT) as tier:
+        assert tier.put([key(1)], [block(key(1))]) == [True]
+        assert tier._rc is not None
+        nm = tier._rc.nodes_manager
+        real = nm.initialize
+        started, finished = threading.Event(), threading.Event()
+
+        def slow_initialize(*a: object, **kw: object) -> object:
+            started.set()
+            time.sleep(0.5)  # injected: a slow CLUSTER SLOTS (bounded by timeout_s per node)
+            try:
+                return real(*a, **kw)
+            finally:
+                finished.set()
+
+        nm.initialize = slow_initialize  # type: ignore[method-assign]
+        tier._node_failed(tier.node_of(key(1)) or "")  # what a timed-out round trip does
+        assert started.wait(10)
+        tier.close()
+        assert finished.is_set()  # close() returned only after the reload ended
+        assert tier.contains([key(1)]) == [False]  # closed: a miss
+
+
+def test_a_node_failing_mid_round_trip_keeps_the_replies_already_read(
+    redis_url: str, redis_cluster: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third reply of a round trip of four keys to one node times out (injected). Before,
+    all four keys failed: put answered False (and counted writes_dropped) for the two blocks
+    whose SET was acknowledged, and get missed two blocks it had verified and copied."""
+    import redis
+
+    from kvoff.tiers.redis_cluster import _SendFromBuffer
+
+    with RedisClusterTier(redis_url, FMT, cooldown_s=0) as tier:
+        node = tier.node_of(key(0))
+        keys = [k for k in (key(i) for i in range(200)) if tier.node_of(k) == node][:4]
+        assert len(keys) == 4
+        assert tier.contains(keys) == [False] * 4  # connections made, nothing stored
+        real = _SendFromBuffer.read_response
+        me = threading.current_thread()  # one node: its round trip runs on this thread
+        calls = [0]
+
+        def flaky(self: _SendFromBuffer, *a: object, **kw: object) -> object:
+            if threading.current_thread() is me:
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise redis.TimeoutError("injected timeout")
+            return real(self, *a, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(_SendFromBuffer, "read_response", flaky)
+        assert tier.put(keys, [block(k) for k in keys]) == [True, True, False, False]
+        s = tier.stats()
+        assert (s["blocks_written"], s["writes_dropped"], s["timeouts"]) == (2, 2, 1)
+        monkeypatch.setattr(_SendFromBuffer, "read_response", real)
+        admin = redis_cluster.client(redis_cluster.index_of(node or ""))
+        assert [admin.exists(tier._rkey(k)) for k in keys[:2]] == [1, 1]  # really stored
+        assert tier.put(keys[2:], [block(k) for k in keys[2:]]) == [True, True]
+
+        calls[0] = 0
+        monkeypatch.setattr(_SendFromBuffer, "read_response", flaky)
+        bufs = outs(4)
+        assert tier.get(keys, bufs) == [True, True, False, False]
+        monkeypatch.setattr(_SendFromBuffer, "read_response", real)
+        for k, b in zip(keys[:2], bufs[:2], strict=True):
+            np.testing.assert_array_equal(b, block(k))
+        s = tier.stats()
+        assert (s["hits"], s["misses"], s["blocks_read"], s["timeouts"]) == (2, 2, 2, 2)
+        assert s["corrupted_blocks"] == 0
+        bufs = outs(4)
+        assert tier.get(keys, bufs) == [True] * 4  # the connection left no reply behind
+        for k, b in zip(keys, bufs, strict=True):
+            np.testing.assert_array_equal(b, block(k))

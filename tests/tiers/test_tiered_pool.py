@@ -525,3 +525,142 @@ def test_make_tiers_closes_the_disk_tier_when_the_remote_tier_is_refused(tmp_pat
     assert [t.name for t in tiers] == ["disk"]
     for t in tiers:
         t.close()
+
+
+@pytest.mark.parametrize(
+    ("keys", "held", "message"),
+    [
+        ([key(0)], [b""], r"held\[0\]=b'' is not an offload key"),
+        ([key(0)], [key(1), 7], r"held\[1\]=7 is not an offload key"),
+        ([key(0)], key(1), r"held=b'.*' is one bytes, not a sequence of keys"),
+        ([key(0), b"x" * 65], [], r"keys\[1\]=b'x+' is not an offload key.*1\.\.64"),
+        (["k0"], [], r"keys\[0\]='k0' is not an offload key"),
+    ],
+    ids=["empty-held", "int-held", "bytes-held", "long-key", "str-key"],
+)
+def test_a_bad_probe_is_refused_up_front_and_changes_nothing(
+    tmp_path: Path, keys: list[bytes], held: list[bytes], message: str
+) -> None:
+    """Before, probe([k], held=[b""]) was accepted; the error came out of poll() (the
+    promotion's prepare_store) with the read still in the pool, so every later poll, lookup
+    and close raised it again and the threads were never stopped. Refused now, naming the
+    bad entry, with nothing started: the pool then promotes and closes as usual."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    assert disk.put([key(0)], [pattern(0)]) == [True]
+    with pytest.raises(ValueError, match=message):
+        pool.probe(keys, held=held)
+    assert pool.probes == 0 and not pool.is_reading(key(0)) and not pool._reads
+    # lookup_groups checks every list's keys before it starts any list's probe
+    with pytest.raises(ValueError, match=r"keys\[0\]=b'x+' is not an offload key"):
+        pool.lookup_groups([[key(0)], [b"x" * 65]])
+    assert pool.probes == 0 and not pool.is_reading(key(0)) and not pool._reads
+    pool.poll()
+    assert pool.lookup([key(0)]) is None  # a good probe works
+    pool.wait_reads()
+    assert pool.lookup([key(0)]) == 1 and l1.manager.num_pending_blocks == 0
+    assert pool._dispatcher.is_alive()
+    pool.close()  # raised the probe's error before, and left the threads running
+    assert pool._closed and not pool._dispatcher.is_alive()
+    assert not any(th.is_alive() for th in pool._writers)
+
+
+@pytest.mark.parametrize("phase", ["_probe", "_read"])
+def test_a_promotion_that_fails_to_apply_is_a_miss_and_the_pool_keeps_working(
+    tmp_path: Path, phase: str
+) -> None:
+    """A finished probe (phase 1) or read into L1 slots (phase 2) whose result raises when
+    applied (injected: the internal method raises) was left in the pool: every later poll(),
+    lookup() and close() raised it again, its slots stayed pending and its keys "being read"
+    for ever. It is a miss now: slots released, keys answered, asked again later."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    keys = [key(i) for i in range(2)]
+    assert disk.put(keys, [pattern(i) for i in range(2)]) == [True, True]
+    real = getattr(pool, phase)
+
+    def broken(*a: object) -> object:
+        real(*a)  # a read really fills the slots; then the thread fails
+        raise RuntimeError(f"injected failure in {phase}")
+
+    setattr(pool, phase, broken)
+    assert pool.lookup(keys) is None
+    pool.wait_reads()  # raised from poll() before, and for ever
+    assert not pool._reads and pool.promoting_keys() == set()
+    assert not pool.is_reading(keys[0]) and l1.manager.num_pending_blocks == 0
+    failures = pool.stats()["tiers"]["disk"]["promotion_failures"]
+    assert failures == (2 if phase == "_read" else 0)
+    assert pool.lookup(keys) == 0  # answered: a miss, never served
+    assert l1.manager.lookup(keys) == 0
+    setattr(pool, phase, real)
+    assert pool.lookup(keys) is None  # asked again
+    pool.wait_reads()
+    assert pool.lookup(keys) == 2
+    ids = l1.manager.prepare_load(keys)
+    for i, b in enumerate(ids):
+        np.testing.assert_array_equal(l1.slots[b], pattern(i))
+    l1.manager.complete_load(keys)
+    pool.close()
+    assert pool._closed and not pool._dispatcher.is_alive()
+
+
+def test_ranked_tier_parts_are_checked_rank_by_rank(tmp_path: Path) -> None:
+    """Before, only the sum of a RankedTier's parts was compared with the slot: ranks of
+    8192 + 4096 bytes behind slots of 4096 + 8192 bytes were taken, and then every
+    write-through failed (ValueError inside put, swallowed: written_blocks 0). Refused now,
+    naming the rank, with nothing started; the ranks in the right order work."""
+    from kvoff.tiers.disk import SUPERBLOCK_BYTES, slot_bytes_for
+    from kvoff.tiers.ranked import RankedTier
+
+    fmts = [
+        BlockFormat(layout_fingerprint(test="ranked-slots", rank=r), s)
+        for r, s in enumerate([8192, 4096])
+    ]
+    tier = RankedTier([
+        DiskTier(tmp_path / f"r{r}", SUPERBLOCK_BYTES + 16 * slot_bytes_for(f), f)
+        for r, f in enumerate(fmts)
+    ])  # fmt: skip
+    manager = _scheduler.CPUOffloadingManager(4, "lru")
+    swapped = [np.zeros((4, 4096), np.uint8), np.zeros((4, 8192), np.uint8)]
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(
+        ValueError,
+        match=r"tier 'disk': rank 0 stores 8192-byte parts but rank 0's L1 slot "
+        r"\(slot\(0\)\[0\]\) has 4096 bytes .*payload_bytes=4096",
+    ):
+        TieredPool(manager, lambda b: (swapped[0][b], swapped[1][b]), [tier])
+    with pytest.raises(ValueError, match=r"has 2 ranks but slot\(0\) gives 3 array\(s\)"):
+        TieredPool(manager, lambda b: (swapped[0][b], swapped[0][b], swapped[0][b]), [tier])
+    assert {t.name for t in threading.enumerate()} == before
+    assert manager.write_through_capacity == 0
+    views = [np.zeros((4, 8192), np.uint8), np.zeros((4, 4096), np.uint8)]
+    pool = TieredPool(manager, lambda b: (views[0][b], views[1][b]), [tier])
+    out = manager.prepare_store([key(1), key(2)])
+    assert out is not None
+    manager.complete_store(list(out.keys_to_store), True)
+    pool.wait()
+    st = pool.stats()["tiers"]["disk"]
+    assert st["written_blocks"] == 2 and st["write_failures"] == 0
+    pool.close()
+
+
+def test_a_write_through_put_that_raises_is_logged_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tier's put that raises (injected on the real disk tier) fails its blocks; before, the
+    exception was swallowed without a trace, so a misconfigured tier failed silently."""
+    l1, pool, disk = make_pool(tmp_path, blocks=4)
+    real = disk.put
+
+    def broken(keys, payloads):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected put failure")
+
+    disk.put = broken  # type: ignore[method-assign]
+    with caplog.at_level("ERROR", logger="kvoff.tiers"):
+        l1.store([key(1), key(2)], [pattern(1), pattern(2)])
+        pool.wait()
+    st = pool.stats()["tiers"]["disk"]
+    assert st["written_blocks"] == 0 and st["write_failures"] == 2
+    logged = [r for r in caplog.records if "put of 2 written-through blocks failed" in r.message]
+    assert logged and logged[0].exc_info is not None
+    assert "injected put failure" in str(logged[0].exc_info[1])
+    disk.put = real  # type: ignore[method-assign]
+    pool.close()
