@@ -262,11 +262,17 @@ def _cpu_spec(
             f"engine's {world} ranks; leave world_size out (vLLM sets it)"
         )
     hash_bs = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+    if config.hash_block_size not in (None, hash_bs):
+        raise ValueError(
+            f"kv_connector_extra_config hash_block_size={config.hash_block_size} disagrees with "
+            f"the engine, which hashes every {hash_bs} tokens; leave hash_block_size out (vLLM "
+            "sets it)"
+        )
     return CPUOffloadingSpec(
         kvoff_config,
         cpu_bytes_to_use=_require_bytes(config),
         block_size=config.offloaded_block_size,
-        hash_block_size=config.hash_block_size or hash_bs,
+        hash_block_size=hash_bs,
         world_size=world,
         eviction_policy=config.eviction_policy,
     )
@@ -612,7 +618,7 @@ class KvoffWorkerMetadata(KVConnectorWorkerMetadata):
 
 _COUNTERS: tuple[tuple[str, str], ...] = (
     ("hit_tokens", "Prompt tokens kvoff promised to load from its CPU pool"),
-    ("lookups", "Requests looked up in kvoff's CPU pool"),
+    ("lookups", "Lookup calls (a request that waits for GPU blocks is looked up again each step)"),
     ("lookup_retries", "Lookups answered 'retry later' (a needed block was in flight)"),
     ("load_jobs", "Load jobs (CPU to GPU)"),
     ("store_jobs", "Store jobs (GPU to CPU)"),
@@ -1372,14 +1378,24 @@ class KvoffOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """Makes the keys hits (or, when ``success`` is False, frees their slots); with tiers,
-        queues them for write-through.
+        """Makes the pending keys hits (or, when ``success`` is False, frees their slots);
+        with tiers, queues them for write-through. As vLLM's ``OffloadingManager`` contract
+        says, keys that are not pending (stored already, or dropped by a reset) are left as
+        they are.
 
         Raises:
-            ValueError: a key that is not pending (no :meth:`prepare_store`, or completed
-                already); nothing is completed.
+            ValueError, TypeError: a key that is not a valid key (not bytes of 1..64 or an
+                int); nothing is completed.
         """
-        self.manager.complete_store(list(keys), success)
+        keys = list(keys)
+        try:
+            self.manager.complete_store(keys, success)  # all pending: the usual case
+        except ValueError:
+            m = self.manager
+            pending = [k for k in keys if m.lookup([k]) is None]  # None: pending; raises if bad
+            if len(pending) == len(keys):
+                raise
+            m.complete_store(pending, success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Every request offloads per block (vLLM's default policy)."""

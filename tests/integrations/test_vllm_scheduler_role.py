@@ -27,7 +27,9 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def _scheduler(model_dir: Path, num_gpu_blocks: int = 64, cpu_blocks: int = 64) -> Any:
+def _scheduler(
+    model_dir: Path, num_gpu_blocks: int = 64, cpu_blocks: int = 64, **extra: Any
+) -> Any:
     """A real vLLM Scheduler with KvoffConnector, and the engine's block hasher."""
     import torch
     from transformers import LlamaConfig
@@ -77,7 +79,7 @@ def _scheduler(model_dir: Path, num_gpu_blocks: int = 64, cpu_blocks: int = 64) 
         kv_connector="KvoffConnector",
         kv_connector_module_path="kvoff.integrations.vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes_to_use": page * len(LAYERS) * cpu_blocks},
+        kv_connector_extra_config={"cpu_bytes_to_use": page * len(LAYERS) * cpu_blocks, **extra},
     )
     config = VllmConfig(
         model_config=ModelConfig(
@@ -186,3 +188,16 @@ def test_a_resumed_streaming_session_stores_the_blocks_of_its_own_positions(
     # and the positions past the first chunk were stored too, once each
     assert sorted(stored_positions) == list(range(len(stored_positions)))
     assert len(stored_positions) > len(first_table)
+
+
+def test_a_hash_block_size_other_than_the_engines_is_refused_at_start(tmp_path: Path) -> None:
+    """vLLM hashes every 16 tokens here: a configured hash_block_size of 32 would make the
+    first request's schedule() fail, 8 would store part of each prompt only. Refused when the
+    connector starts, naming both sizes; the engine's own size is accepted."""
+    message = "hash_block_size=32 disagrees with the engine, which hashes every 16"
+    with pytest.raises(ValueError, match=message):
+        _scheduler(tmp_path / "a", hash_block_size=32)
+    with pytest.raises(ValueError, match="hash_block_size=8 disagrees"):
+        _scheduler(tmp_path / "b", hash_block_size=8)
+    scheduler, _ = _scheduler(tmp_path / "c", hash_block_size=16)
+    assert scheduler.connector is not None

@@ -239,6 +239,37 @@ def test_without_tiers_the_manager_answers_from_the_pool_alone() -> None:
     m.shutdown()
 
 
+def test_complete_store_leaves_keys_that_are_not_pending_as_vllms_manager_does() -> None:
+    """vLLM's OffloadingManager contract: complete_store(success=False) removes the blocks not
+    marked as stored yet and leaves the stored ones; keys that are not pending (stored already,
+    or dropped by a reset) are skipped, not refused. Checked side by side with vLLM's own
+    CPUOffloadingManager."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvoff.integrations.vllm import KvoffOffloadingManager
+
+    a, b, c = _key(1), _key(2), _key(3)
+    seen = {}
+    managers = (
+        ("vllm", CPUOffloadingManager(2)),
+        ("kvoff", KvoffOffloadingManager(2, "lru", False)),
+    )
+    for name, m in managers:
+        ctx = _ctx()
+        m.on_new_request(ctx)
+        m.prepare_store([a, b], ctx)
+        m.complete_store([a], ctx)
+        m.complete_store([a, b], ctx, success=False)  # a stored already, b failed
+        states = [m.lookup(k, ctx).name for k in (a, b)]
+        m.complete_store([a, c], ctx)  # a stored already, c never prepared: both skipped
+        states += [m.lookup(k, ctx).name for k in (a, c)]
+        assert m.prepare_store([c], ctx) is not None  # b's slot was freed
+        seen[name] = states
+    assert seen["kvoff"] == seen["vllm"] == ["HIT", "MISS", "HIT", "MISS"]
+    with pytest.raises(TypeError):
+        KvoffOffloadingManager(2, "lru", False).complete_store([1.5], _ctx())  # type: ignore[list-item]
+
+
 def test_a_disk_too_small_for_every_rank_names_the_configured_size(tmp_path: Path) -> None:
     """With two ranks each rank's disk tier gets half of disk_bytes: the error names the
     configured value and the size that would work, and leaves no tier open."""
