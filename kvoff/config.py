@@ -19,6 +19,7 @@ import contextvars
 import decimal
 import difflib
 import json
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -47,7 +48,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvoff.sizing import compute_num_cpu_blocks
+from kvoff.sizing import _count, compute_num_cpu_blocks
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -98,26 +99,57 @@ _BYTE_UNITS = {
 }
 
 
-def parse_byte_size(text: str) -> int:
+def parse_byte_size(text: str, *, allow_zero: bool = False) -> int:
     """Parse a byte count such as ``4096``, ``512MiB``, ``2GiB``, ``1.5GB`` or ``1e9`` (SI or
-    IEC units, case-insensitive). The arithmetic is exact (decimal), so a long byte count is
-    kept to the byte.
+    IEC units, case-insensitive). The arithmetic is exact (decimal, in a private context, so
+    neither the process-wide decimal context nor a long byte count changes the result).
+
+    Args:
+        text: the byte count, an optional unit after it.
+        allow_zero: accept a zero count (``"0"``, ``"0MiB"``); otherwise it is refused.
+
+    Returns:
+        the number of bytes, in ``1 .. 2**63 - 1`` (or 0 with ``allow_zero``).
 
     Raises:
         ValueError: for text that is not a positive whole number of bytes (``"1.5"`` bytes is
-            not; ``"1.5KiB"`` is 1,536), or one of 2**63 bytes or more.
+            not; ``"1.5KiB"`` is 1,536), or one of 2**63 bytes or more (also for an exponent
+            too large for decimal arithmetic, such as ``"1e9999999"``).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"{text!r} is not a byte count; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
+    too_large = f"{text!r} is too large a byte count (at most 2**63 - 1 bytes)"
+    not_whole = (
+        f"{text!r} is not a whole number of bytes; write an integer count or use a larger unit"
+    )
     try:
-        number = decimal.Decimal(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-    except decimal.InvalidOperation:  # an exponent too large for the context
-        raise ValueError(f"{text!r} is too large a byte count (at most 2**63 - 1 bytes)") from None
-    if number >= 2**63:
-        raise ValueError(f"{text!r} is too large a byte count (at most 2**63 - 1 bytes)")
-    if number <= 0:
+        # the constructor is exact whatever the context; only an absurd exponent fails here
+        digits = decimal.Decimal(m.group(1))
+    except (decimal.InvalidOperation, decimal.Overflow):
+        raise ValueError(f"{too_large[:-1]}; its exponent is out of range)") from None
+    if digits.is_zero():
+        if allow_zero:
+            return 0
         raise ValueError(f"{text!r}: the byte count must be positive")
+    if digits.adjusted() >= 19:  # >= 1e19 > 2**63, and every unit is >= 1
+        raise ValueError(too_large)
+    if digits.adjusted() < -20:  # < 1e-20 x at most 2**40 (TiB): below one byte, not 0
+        raise ValueError(not_whole)
+    # a private context, whatever the process-wide one says (invariant: exact arithmetic): the
+    # product of a number of n digits and a unit of at most 13 digits has at most n + 13 digits
+    context = decimal.Context(
+        prec=len(digits.as_tuple().digits) + 20,
+        Emax=decimal.MAX_EMAX,
+        Emin=decimal.MIN_EMIN,
+        traps=[decimal.InvalidOperation, decimal.Overflow, decimal.Inexact],
+    )
+    try:
+        number = context.multiply(digits, decimal.Decimal(_BYTE_UNITS[m.group(2).lower()]))
+    except decimal.DecimalException:  # cannot happen with the precision above; be safe
+        raise ValueError(too_large) from None
+    if number >= 2**63:
+        raise ValueError(too_large)
     if number != number.to_integral_value():
         raise ValueError(
             f"{text!r} is {number} bytes, not a whole number of bytes; write an integer count "
@@ -149,6 +181,12 @@ _MAX_INT = 2**63 - 1  # sizes and counts reach the C++ core as int64
 Count = Annotated[PositiveInt, BeforeValidator(_not_bool), Field(le=_MAX_INT)]
 """A positive count (blocks, tokens, ranks): an int, not a bool, below 2**63."""
 
+Seconds = Annotated[PositiveFloat, BeforeValidator(_not_bool)]
+"""A positive number of seconds: a number, not a bool (pydantic's lax mode reads True as 1.0)."""
+
+Fraction = Annotated[NonNegativeFloat, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
+"""A finite fraction >= 0 (not a bool, not inf or nan)."""
+
 OptionalPath = Annotated[Path | None, BeforeValidator(_empty_is_none)]
 """A path, or unset (``None``, or an empty string)."""
 
@@ -164,9 +202,9 @@ ByteCount = Annotated[PositiveInt, BeforeValidator(_bytes_before), Field(le=_MAX
 
 
 def _bytes_or_zero_before(value: Any) -> Any:
-    if isinstance(value, str) and value.strip() == "0":
-        return 0
-    return _bytes_before(value)
+    if isinstance(value, str):
+        return parse_byte_size(value, allow_zero=True)  # "0", "0MiB": off, whatever the unit
+    return _not_bool(value)
 
 
 ByteCountOrZero = Annotated[
@@ -206,8 +244,8 @@ class OffloadingConfig(BaseModel):
             transfer --sweep --write-thresholds FILE``); ``None``: ``$KVOFF_TRANSFER_THRESHOLDS``
             or the packaged H100 measurement.
         compute_slowdown_budget: the largest slowdown of the forward pass that ``"auto"``
-            accepts for a transfer, as a fraction (default 0.03: 3 %; a concurrent bf16 GEMM
-            measured by ``kvoff bench transfer``).
+            accepts for a transfer, as a finite fraction >= 0 (default 0.03: 3 %; a concurrent
+            bf16 GEMM measured by ``kvoff bench transfer``).
         staging_bytes: GPU staging buffer of each worker for staged transfers of layer-major
             caches, both directions together (an int or ``"64MiB"``; default 64 MiB; 0
             disables staging). It comes out of the GPU memory the engine has.
@@ -230,7 +268,8 @@ class OffloadingConfig(BaseModel):
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
             the two sizes, an unknown policy (the message lists the choices), a remote TTL or
-            timeout that is not finite or too long, or an unknown key.
+            timeout that is not finite or too long, a negative or non-finite
+            ``compute_slowdown_budget``, a bool where a number belongs, or an unknown key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -245,14 +284,14 @@ class OffloadingConfig(BaseModel):
     pin_memory: Annotated[bool | None, BeforeValidator(_auto_before)] = None
     transfer_mechanism: str = "auto"
     transfer_thresholds: OptionalPath = None
-    compute_slowdown_budget: NonNegativeFloat = 0.03
+    compute_slowdown_budget: Fraction = 0.03
     staging_bytes: ByteCountOrZero = 64 << 20
     disk_path: OptionalPath = None
     disk_bytes: ByteCount | None = None
     remote_url: str | None = None
     remote_namespace: str = "kvoff"
-    remote_ttl_s: PositiveFloat | None = None
-    remote_timeout_s: PositiveFloat = 0.25
+    remote_ttl_s: Seconds | None = None
+    remote_timeout_s: Seconds = 0.25
     tier_write_queue_blocks: Count | None = None
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
@@ -428,13 +467,18 @@ class OffloadingConfig(BaseModel):
         """GPU blocks per offloaded block for GPU blocks of ``block_size`` tokens.
 
         Raises:
-            ValueError: when ``block_size`` is not a positive int, or ``offloaded_block_size``
-                is not a multiple of it.
+            ValueError: when ``block_size`` is not a positive int (a numpy integer is taken; a
+                bool or a float is not), or ``offloaded_block_size`` is not a multiple of it.
         """
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if (
+            isinstance(block_size, bool)
+            or not hasattr(block_size, "__index__")
+            or operator.index(block_size) < 1
+        ):
             raise ValueError(
                 f"block_size must be a positive int number of tokens, got {block_size!r}"
             )
+        block_size = operator.index(block_size)
         obs = self.offloaded_block_size or block_size
         if obs % block_size:
             raise ValueError(
@@ -450,19 +494,31 @@ class OffloadingConfig(BaseModel):
         """Slots of the CPU pool: ``num_cpu_blocks``, or derived from ``cpu_bytes_to_use``.
 
         Args:
-            bytes_per_gpu_block: bytes of one GPU block over all layers of one rank.
-            block_size: GPU tokens per block.
-            world_size: tensor-parallel ranks (default: ``self.world_size``).
+            bytes_per_gpu_block: bytes of one GPU block over all layers of one rank (>= 0).
+            block_size: GPU tokens per block (>= 1).
+            world_size: tensor-parallel ranks (>= 1; default: ``self.world_size``).
+
+        All three are checked first, whichever way the pool is sized; numpy integers are taken.
+
+        Returns:
+            the number of CPU slots (offloaded blocks).
 
         Raises:
-            ValueError: when ``cpu_bytes_to_use`` cannot hold even one offloaded block; the
-                message gives the bytes one offloaded block needs.
-            TypeError: ``bytes_per_gpu_block``, ``block_size`` or ``world_size`` is not an int
-                (:func:`kvoff.sizing.compute_num_cpu_blocks`).
+            TypeError: ``bytes_per_gpu_block``, ``block_size`` or ``world_size`` is not an
+                integer (a float, a str or a bool); the message names the argument.
+            ValueError: a negative ``bytes_per_gpu_block``, a ``block_size`` or ``world_size``
+                below 1, an ``offloaded_block_size`` that is not a multiple of ``block_size``,
+                or a ``cpu_bytes_to_use`` that cannot hold even one offloaded block (the
+                message gives the bytes one offloaded block needs).
         """
+        bytes_per_gpu_block = _count("bytes_per_gpu_block", bytes_per_gpu_block)
+        block_size = _count("block_size", block_size)
+        world_size = self.world_size if world_size is None else _count("world_size", world_size)
+        if bytes_per_gpu_block < 0:
+            raise ValueError(f"bytes_per_gpu_block must be >= 0 bytes, got {bytes_per_gpu_block}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1 tensor-parallel ranks, got {world_size}")
         factor = self.block_size_factor(block_size)
-        if world_size is None:
-            world_size = self.world_size
         if self.num_cpu_blocks is not None:
             return self.num_cpu_blocks
         assert self.cpu_bytes_to_use is not None

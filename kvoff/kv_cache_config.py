@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvoff.specs import (
+    INT64_LIMIT,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -39,8 +40,14 @@ __all__ = ["fit_max_model_len", "get_kv_cache_config", "pool_bytes_per_block"]
 _LAYER_SPECS = (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, MambaSpec)
 
 
-def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _check_arg(name: str, value: object, what: str) -> None:
+    """Refuse ``value`` unless it is an int (not a bool) in ``1 .. 2**63 - 1``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int ({what}), got {value!r}")
+    if value >= INT64_LIMIT:
+        raise ValueError(
+            f"{name}={value} is too large: the C++ core takes int64, so use a value below 2**63"
+        )
 
 
 def pool_bytes_per_block(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> int:
@@ -88,17 +95,35 @@ def fit_max_model_len(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: i
     is the null block and is kept in reserve. The need grows with ``L``, so a binary search
     finds the largest fitting ``L``. Groups without full attention (only sliding windows or
     Mamba) need a bounded number of blocks, so the search is capped at ``(num_blocks - 1) ×
-    the largest block size`` tokens, which is also the cap a full-attention group would have.
+    the largest block size`` tokens, which is also the cap a full-attention group would have
+    (and at 2**63 - 1 tokens, the C++ core's int64).
+
+    Args:
+        kv_cache_groups: the plan's groups (at least one :class:`~kvoff.specs.KVCacheGroupSpec`).
+        num_blocks: GPU blocks of the plan, block 0 (the null block) included: an int >= 0.
 
     Returns:
         the fitting length in tokens, or 0 when not even one token fits.
+
+    Raises:
+        ValueError: for no groups, an element that is not a ``KVCacheGroupSpec``, or a
+            ``num_blocks`` that is not an int >= 0 (a bool or a float is refused).
     """
     groups = tuple(kv_cache_groups)
+    if not groups or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
+        raise ValueError(
+            f"kv_cache_groups must hold at least one KVCacheGroupSpec, got {kv_cache_groups!r}"
+        )
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        raise ValueError(
+            f"num_blocks must be an int >= 0 (GPU blocks, the null block included), got "
+            f"{num_blocks!r}"
+        )
     usable = num_blocks - 1
     if usable < 1 or _blocks_needed(groups, 1) > usable:
         return 0
     lo = 1
-    hi = usable * max(g.kv_cache_spec.block_size for g in groups)
+    hi = min(usable * max(g.kv_cache_spec.block_size for g in groups), INT64_LIMIT - 1)
     if _blocks_needed(groups, hi) <= usable:
         return hi
     # invariant: need(lo) fits, need(hi) does not
@@ -178,8 +203,10 @@ def get_kv_cache_config(
         pool_bytes_per_block(groups)`` bytes and whose ``max_model_len`` is the resolved length.
 
     Raises:
-        ValueError: for empty specs, a non-spec value, non-positive memory / override /
-            length, hybrid kinds with different page sizes, and when not even one token — or a
+        ValueError: for empty specs, a non-spec value, memory / override / length that is not
+            a positive int below 2**63 (the C++ core's int64), an override whose tensors would
+            total 2**63 bytes or more, hybrid kinds with different page sizes, and when not
+            even one token — or a
             given ``max_model_len`` — fits (the message names the length, the blocks needed,
             the blocks available and what to change).
     """
@@ -195,24 +222,23 @@ def get_kv_cache_config(
                 f"layer {name!r}: {type(spec).__name__} is not a layer spec; give one "
                 "FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec or MambaSpec per layer"
             )
-    if not _is_positive_int(available_memory):
-        raise ValueError(
-            f"available_memory must be a positive number of bytes, got {available_memory!r}"
-        )
-    if num_gpu_blocks_override is not None and not _is_positive_int(num_gpu_blocks_override):
-        raise ValueError(
-            f"num_gpu_blocks_override must be a positive int, got {num_gpu_blocks_override!r}"
-        )
-    if max_model_len is not None and not _is_positive_int(max_model_len):
-        raise ValueError(
-            f"max_model_len must be a positive number of tokens, got {max_model_len!r}"
-        )
+    _check_arg("available_memory", available_memory, "bytes")
+    if num_gpu_blocks_override is not None:
+        _check_arg("num_gpu_blocks_override", num_gpu_blocks_override, "GPU blocks")
+    if max_model_len is not None:
+        _check_arg("max_model_len", max_model_len, "tokens")
 
     groups, tensor_plan = _group_layers(kv_cache_specs)
     per_block = pool_bytes_per_block(groups)
     # invariant 5: the override decides capacity before anything looks at it
     if num_gpu_blocks_override is not None:
         num_blocks = num_gpu_blocks_override
+        if num_blocks * per_block >= INT64_LIMIT:  # available_memory < 2**63 bounds the other way
+            raise ValueError(
+                f"num_gpu_blocks_override={num_blocks} blocks x {per_block} bytes per block is "
+                "2**63 bytes or more, beyond the C++ core's int64; use num_gpu_blocks_override "
+                f"<= {(INT64_LIMIT - 1) // per_block}"
+            )
         source = f"num_gpu_blocks_override={num_gpu_blocks_override}"
         fix = "raise num_gpu_blocks_override"
     else:

@@ -67,14 +67,28 @@ def dtype_from_name(dtype: torch.dtype | str) -> torch.dtype:
     raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
 
 
+INT64_LIMIT = 2**63
+"""Counts and sizes reach the C++ core as int64: every one must be below this."""
+
+
 def _check_positive_int(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+    if value >= INT64_LIMIT:
+        raise ValueError(
+            f"{owner}.{name}={value} is too large: the C++ core takes int64, so use a value "
+            "below 2**63"
+        )
 
 
 def _check_non_negative_int(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}")
+    if value >= INT64_LIMIT:
+        raise ValueError(
+            f"{owner}.{name}={value} is too large: the C++ core takes int64, so use a value "
+            "below 2**63"
+        )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -441,7 +455,8 @@ class KVCacheTensor:
             different groups may share one tensor (same bytes, different block ids).
 
     Raises:
-        ValueError: for a negative size, no layer, a non-string or repeated layer name.
+        ValueError: for a negative size or one of 2**63 bytes or more, no layer, a non-string or
+            repeated layer name.
     """
 
     size: int
@@ -530,9 +545,11 @@ class KVCacheConfig:
             was built by hand without one (:func:`kvoff.get_kv_cache_config` always sets it).
 
     Raises:
-        ValueError: for a negative ``num_blocks``, non-positive ``max_model_len``, elements of
+        ValueError: for a negative ``num_blocks``, non-positive ``max_model_len``, either of
+            them (or a tensor ``size``) 2**63 or more (the C++ core's int64), elements of
             the wrong type, a layer in two groups or two tensors, a tensor naming a layer of
-            no group, or a tensor smaller than ``num_blocks`` pages of one of its layers.
+            no group, a group layer in no tensor while ``num_blocks > 0``, or a tensor smaller
+            than ``num_blocks`` pages of one of its layers.
     """
 
     num_blocks: int
@@ -575,6 +592,17 @@ class KVCacheConfig:
                         "layer uses exactly one tensor"
                     )
                 in_tensor.add(name)
+        if self.num_blocks > 0:
+            # bytes per GPU block is total tensor bytes // num_blocks (invariant 3): a layer with
+            # no tensor would be left out of it and the CPU pool would be sized too large
+            missing = [n for g in groups for n in g.layer_names if n not in in_tensor]
+            if missing:
+                raise ValueError(
+                    f"KVCacheConfig: layer {missing[0]!r} is in a KV cache group but in no "
+                    f"KVCacheTensor (layers without a tensor: {missing}); with num_blocks="
+                    f"{self.num_blocks} every group layer needs a tensor: name it in the "
+                    "shared_by of a KVCacheTensor of at least num_blocks x page_size_bytes"
+                )
         for tensor in tensors:
             # every layer needs num_blocks pages inside its tensor: a smaller tensor would make
             # the CPU pool's block size (tensor bytes // num_blocks) smaller than a real block

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import decimal
+
+import numpy as np
 import pydantic
 import pytest
 import torch
 
 import kvoff
-from kvoff.config import EVICTION_POLICIES, OffloadingConfig
+from kvoff.config import EVICTION_POLICIES, OffloadingConfig, parse_byte_size
 from kvoff.sizing import compute_num_cpu_blocks
 from kvoff.specs import FullAttentionSpec
 
@@ -187,3 +190,59 @@ def test_an_empty_path_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("KVOFF_NUM_CPU_BLOCKS", "4")
     c = OffloadingConfig.load()
     assert c.disk_path is None and c.transfer_thresholds is None and not c.has_tiers
+
+
+@pytest.mark.parametrize("text", ["1e9999999", "1e999999999", "1e999999999999999999999"])
+def test_huge_exponents_are_a_value_error_naming_the_key(text: str) -> None:
+    # decimal.Overflow used to escape pydantic instead of the error naming the key
+    with pytest.raises(ValueError, match="too large a byte count"):
+        parse_byte_size(text)
+    with pytest.raises(pydantic.ValidationError, match=r"cpu_bytes_to_use[\s\S]*too large"):
+        OffloadingConfig(cpu_bytes_to_use=text)
+
+
+def test_byte_parsing_is_exact_whatever_the_decimal_context() -> None:
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_byte_size("0.99999999999999999999999999999KiB")
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_byte_size("1.00000000000000000000000000001")
+    with decimal.localcontext() as ctx:
+        ctx.prec = 6  # as some other library in the process might set it
+        assert parse_byte_size("123456789") == 123_456_789
+        assert parse_byte_size("1.0000001GB") == 1_000_000_100
+        assert parse_byte_size("9223372036854775807") == 2**63 - 1
+
+
+def test_zero_staging_bytes_in_any_unit_and_finite_non_bool_floats() -> None:
+    for zero in (0, "0", "0MiB", "0.0GiB"):
+        assert OffloadingConfig(num_cpu_blocks=4, staging_bytes=zero).staging_bytes == 0
+    with pytest.raises(ValueError, match="must be positive"):
+        OffloadingConfig(num_cpu_blocks=4, cpu_bytes_to_use=None, disk_path="/x", disk_bytes="0MiB")
+    for key in ("compute_slowdown_budget", "remote_ttl_s", "remote_timeout_s"):
+        with pytest.raises(pydantic.ValidationError, match=rf"{key}[\s\S]*got True"):
+            OffloadingConfig(num_cpu_blocks=4, **{key: True})
+    for inf in (float("inf"), "inf"):
+        with pytest.raises(pydantic.ValidationError, match=r"compute_slowdown_budget[\s\S]*finite"):
+            OffloadingConfig(num_cpu_blocks=4, compute_slowdown_budget=inf)
+    assert (
+        OffloadingConfig(num_cpu_blocks=4, compute_slowdown_budget=0).compute_slowdown_budget == 0
+    )
+
+
+def test_resolve_num_cpu_blocks_checks_arguments_up_front() -> None:
+    config = OffloadingConfig(cpu_bytes_to_use="1GiB")
+    assert config.resolve_num_cpu_blocks(131072, np.int64(16)) == 8192
+    assert config.resolve_num_cpu_blocks(np.int64(131072), 16) == 8192
+    for args, name in (
+        ((131072, 16.0), "block_size"),
+        ((131072.0, 16), "bytes_per_gpu_block"),
+        ((131072, 16, 2.0), "world_size"),
+        ((131072, True), "block_size"),
+    ):
+        with pytest.raises(TypeError, match=rf"{name} must be an int"):
+            config.resolve_num_cpu_blocks(*args)
+    blocks = OffloadingConfig(num_cpu_blocks=4)  # checked even when the count is given
+    with pytest.raises(TypeError, match="bytes_per_gpu_block must be an int"):
+        blocks.resolve_num_cpu_blocks(1.5, 16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        blocks.resolve_num_cpu_blocks(131072, 16, 0)

@@ -13,6 +13,7 @@ from kvoff.kv_cache_config import fit_max_model_len, get_kv_cache_config, pool_b
 from kvoff.sizing import compute_num_cpu_blocks
 from kvoff.specs import (
     FullAttentionSpec,
+    KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -253,3 +254,33 @@ def test_property_plans(
     assert cpu.kv_bytes_per_block == per_block
     assert cpu.num_blocks == cpu_bytes // (config.total_bytes // config.num_blocks * world_size * 4)
     assert cpu.num_blocks == compute_num_cpu_blocks(cpu_bytes, per_block, factor, world_size)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (
+            {"num_gpu_blocks_override": 2**64},
+            r"num_gpu_blocks_override=18446744073709551616 is too",
+        ),
+        ({"num_gpu_blocks_override": 2**62}, r"num_gpu_blocks_override=4611686018427387904 blocks"),
+        ({"max_model_len": 2**63}, r"max_model_len=9223372036854775808 is too large"),
+    ],
+)
+def test_plan_refuses_values_past_int64(kwargs: dict, needle: str) -> None:
+    # they used to be accepted and crash later in the C++ binding with a raw TypeError
+    full = FullAttentionSpec(16, 8, 128, torch.bfloat16)
+    kwargs.setdefault("num_gpu_blocks_override", 100)
+    with pytest.raises(ValueError, match=needle):
+        get_kv_cache_config({"a": full}, 1, **kwargs)
+
+
+def test_fit_max_model_len_checks_its_arguments() -> None:
+    group = KVCacheGroupSpec(["a"], FullAttentionSpec(16, 8, 128, torch.bfloat16))
+    with pytest.raises(ValueError, match="kv_cache_groups must hold at least one KVCacheGroupSpec"):
+        fit_max_model_len([], 10)
+    for bad in (10.5, "10", True, -1):
+        with pytest.raises(ValueError, match=r"num_blocks must be an int >= 0"):
+            fit_max_model_len([group], bad)  # type: ignore[arg-type]
+    assert fit_max_model_len([group], 10) == 144
+    assert fit_max_model_len([group], 2**62) == 2**63 - 1  # capped at int64

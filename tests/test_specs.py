@@ -231,3 +231,36 @@ def test_kv_cache_config_containers() -> None:
         KVCacheConfig(-1, [], [KVCacheGroupSpec(["a"], full)])
     with pytest.raises(ValueError, match="max_model_len"):
         KVCacheConfig(1, [], [KVCacheGroupSpec(["a"], full)], 0)
+
+
+def test_kv_cache_config_refuses_a_group_layer_in_no_tensor() -> None:
+    # bytes per GPU block = tensor bytes // num_blocks (invariant 3) would miss layer "b", and the
+    # CPU pool would get twice the slots cpu_bytes_to_use pays for
+    full = FullAttentionSpec(16, 8, 128, BF16)  # page 65,536 bytes
+    with pytest.raises(
+        ValueError, match=r"layer 'b' is in a KV cache group but in no KVCacheTensor"
+    ):
+        KVCacheConfig(
+            100, [KVCacheTensor(100 * 65536, ["a"])], [KVCacheGroupSpec(["a", "b"], full)]
+        )
+    with pytest.raises(ValueError, match=r"layer 'a' .* no KVCacheTensor .*\['a', 'b'\]"):
+        KVCacheConfig(100, [], [KVCacheGroupSpec(["a", "b"], full)])
+    # no GPU blocks: nothing to size, no tensor needed
+    assert KVCacheConfig(0, [], [KVCacheGroupSpec(["a"], full)]).total_bytes == 0
+
+
+@pytest.mark.parametrize("field", ["num_blocks", "max_model_len"])
+def test_kv_cache_config_refuses_values_past_int64(field: str) -> None:
+    full = FullAttentionSpec(16, 8, 128, BF16)
+    kwargs = {"num_blocks": 10, "max_model_len": 144, field: 2**63}
+    with pytest.raises(
+        ValueError, match=rf"KVCacheConfig\.{field}=9223372036854775808 is too large"
+    ):
+        KVCacheConfig(
+            kwargs["num_blocks"],
+            [KVCacheTensor(655_360, ["a"])],
+            [KVCacheGroupSpec(["a"], full)],
+            kwargs["max_model_len"],
+        )
+    with pytest.raises(ValueError, match=r"KVCacheTensor\.size=.* too large"):
+        KVCacheTensor(2**63, ["a"])
