@@ -127,7 +127,7 @@ def test_sizes_that_overflow_the_core_are_refused_before_it_runs() -> None:
         def spec(gpu_bs, factor, cpu_bytes):
             layer = FullAttentionSpec(gpu_bs, 1, 1, torch.uint8)
             page = layer.page_size_bytes
-            kv = KVCacheConfig(10, [KVCacheTensor(page * 10, ("l0",))],
+            kv = KVCacheConfig(1, [KVCacheTensor(page, ("l0",))],  # below 2**63 bytes
                                [KVCacheGroupSpec(("l0",), layer)])
             return CPUOffloadingSpec(kv, cpu_bytes_to_use=cpu_bytes, block_size=gpu_bs * factor)
         for args, want in (((2**61, 8, 2**70), "2^31 tokens"),
