@@ -147,6 +147,12 @@ class VsVllmParams:
 # ------------------------------------------------------------------------------- the engine
 
 
+VLLM_LAYERS = 4
+"""Attention layers of :func:`vllm_scheduler`'s model."""
+VLLM_BLOCK_BYTES_PER_TOKEN = VLLM_LAYERS * 2 * 2 * 64 * 2
+"""KV bytes per token over all layers of that model (K and V × 2 heads × 64 × bf16)."""
+
+
 def _model_dir() -> str:
     """A model folder with a config.json only (the scheduler never loads weights)."""
     root = Path(tempfile.gettempdir()) / "kvoff-bench-vllm-model"
@@ -154,25 +160,33 @@ def _model_dir() -> str:
         from transformers import LlamaConfig
 
         LlamaConfig(
-            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=VLLM_LAYERS,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             max_position_embeddings=1 << 16,
         ).save_pretrained(root)  # fmt: skip
     return str(root)
 
 
-def _engine(
-    connector: str, running: int, total_requests: int, p: VsVllmParams
-) -> tuple[Any, Callable, int]:
-    """A vLLM Scheduler with ``connector``, its request block hasher and its GPU block count."""
+def vllm_scheduler(
+    kv_transfer_config: Any,
+    *,
+    num_gpu_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> tuple[Any, Callable]:
+    """A real vLLM ``Scheduler`` (no model, no workers) over ``num_gpu_blocks`` GPU blocks of
+    ``block_size`` tokens for a 4-layer Llama-like model (2 KV heads of 64, bf16: 8 KiB per
+    block and layer), with ``kv_transfer_config`` (a vLLM ``KVTransferConfig``, or None for no
+    connector), and the engine's request block hasher. Used by the benchmark and by the tests
+    that step vLLM's scheduler by hand.
+
+    Raises:
+        whatever vLLM raises for the configuration (e.g. the connector's own refusals).
+    """
     import torch
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -184,14 +198,10 @@ def _engine(
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    bs = p.block_size
-    max_len = p.prompt_tokens + p.output_tokens + bs
-    blocks_per_request = -(-max_len // bs)
-    # Room for the running batch and a few requests more: finished requests' blocks, and with
-    # them the prefixes, are reused within a few steps, so the CPU pool serves the repeats.
-    num_gpu_blocks = running * blocks_per_request + 8 * blocks_per_request + 1
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(VLLM_LAYERS)]
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
     page = spec.page_size_bytes
     kv_cache_config = KVCacheConfig(
         num_blocks=num_gpu_blocks,
@@ -205,9 +215,50 @@ def _engine(
         ],
         kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
     )
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=_model_dir(),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=max_model_len,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=kv_transfer_config,
+    )
+    config.cache_config.num_gpu_blocks = num_gpu_blocks  # what the engine sets after profiling
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+        log_stats=True,
+    )
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return scheduler, get_request_block_hasher(block_size, hash_fn)
+
+
+def _engine(
+    connector: str, running: int, total_requests: int, p: VsVllmParams
+) -> tuple[Any, Callable, int]:
+    """A vLLM Scheduler with ``connector``, its request block hasher and its GPU block count."""
+    from vllm.config import KVTransferConfig
+
+    bs = p.block_size
+    max_len = p.prompt_tokens + p.output_tokens + bs
+    blocks_per_request = -(-max_len // bs)
+    # Room for the running batch and a few requests more: finished requests' blocks, and with
+    # them the prefixes, are reused within a few steps, so the CPU pool serves the repeats.
+    num_gpu_blocks = running * blocks_per_request + 8 * blocks_per_request + 1
     # A CPU pool that holds every block of the run (no eviction: both connectors must find the
     # same hits whatever their eviction order). The scheduler role allocates no pool.
-    cpu_bytes = page * len(layers) * blocks_per_request * (total_requests + 1)
+    cpu_bytes = VLLM_BLOCK_BYTES_PER_TOKEN * bs * blocks_per_request * (total_requests + 1)
     transfer = None
     if connector == "kvoff":
         transfer = KVTransferConfig(
@@ -230,30 +281,11 @@ def _engine(
             },
             kv_load_failure_policy="recompute",
         )  # fmt: skip
-    config = VllmConfig(
-        model_config=ModelConfig(
-            model=_model_dir(), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_len
-        ),
-        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=running,
-            max_num_batched_tokens=8192 + running,
-            max_model_len=max_len,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=transfer,
-    )
-    config.cache_config.num_gpu_blocks = num_gpu_blocks  # what the engine sets after profiling
-    scheduler = Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=bs,
-        log_stats=True,
-    )
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return scheduler, get_request_block_hasher(bs, hash_fn), num_gpu_blocks
+    scheduler, hasher = vllm_scheduler(
+        transfer, num_gpu_blocks=num_gpu_blocks, block_size=bs, max_model_len=max_len,
+        max_num_seqs=running, max_num_batched_tokens=8192 + running,
+    )  # fmt: skip
+    return scheduler, hasher, num_gpu_blocks
 
 
 def _prompts(p: VsVllmParams, running: int, count: int) -> list[list[int]]:

@@ -11,7 +11,6 @@ of later positions, and a later request with that prefix was offered that wrong 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +18,6 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 BS = 16
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -27,84 +25,23 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def _scheduler(
-    model_dir: Path, num_gpu_blocks: int = 64, cpu_blocks: int = 64, **extra: Any
-) -> Any:
-    """A real vLLM Scheduler with KvoffConnector, and the engine's block hasher."""
-    import torch
-    from transformers import LlamaConfig
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
+def _scheduler(**extra: Any) -> Any:
+    """A real vLLM Scheduler with KvoffConnector (``extra``: more connector config) over 64
+    GPU blocks, and the engine's block hasher."""
+    from vllm.config import KVTransferConfig
 
-    LlamaConfig(
-        vocab_size=32000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=len(LAYERS),
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-    ).save_pretrained(model_dir)
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_gpu_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * num_gpu_blocks * len(LAYERS),
-                layers=LAYERS,
-                layer_stride=page * num_gpu_blocks,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
-    )
+    from kvoff.tools.bench_vllm import vllm_scheduler
+
     transfer = KVTransferConfig(
         kv_connector="KvoffConnector",
         kv_connector_module_path="kvoff.integrations.vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes_to_use": page * len(LAYERS) * cpu_blocks, **extra},
+        kv_connector_extra_config={"cpu_bytes_to_use": "64MiB", **extra},
     )
-    config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=1024
-        ),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=2048,
-            max_model_len=1024,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=transfer,
-    )
-    config.cache_config.num_gpu_blocks = num_gpu_blocks
-    scheduler = Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BS,
-        log_stats=True,
-    )
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return scheduler, get_request_block_hasher(BS, hash_fn)
+    return vllm_scheduler(
+        transfer, num_gpu_blocks=64, block_size=BS, max_model_len=1024, max_num_seqs=8,
+        max_num_batched_tokens=2048,
+    )  # fmt: skip
 
 
 class _Workers:
@@ -148,13 +85,11 @@ class _Workers:
         return out
 
 
-def test_a_resumed_streaming_session_stores_the_blocks_of_its_own_positions(
-    tmp_path: Path,
-) -> None:
+def test_a_resumed_streaming_session_stores_the_blocks_of_its_own_positions() -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    scheduler, hasher = _scheduler(tmp_path)
+    scheduler, hasher = _scheduler()
     workers = _Workers()
 
     def chunk(seed: int, n: int) -> Request:
@@ -190,14 +125,14 @@ def test_a_resumed_streaming_session_stores_the_blocks_of_its_own_positions(
     assert len(stored_positions) > len(first_table)
 
 
-def test_a_hash_block_size_other_than_the_engines_is_refused_at_start(tmp_path: Path) -> None:
+def test_a_hash_block_size_other_than_the_engines_is_refused_at_start() -> None:
     """vLLM hashes every 16 tokens here: a configured hash_block_size of 32 would make the
     first request's schedule() fail, 8 would store part of each prompt only. Refused when the
     connector starts, naming both sizes; the engine's own size is accepted."""
     message = "hash_block_size=32 disagrees with the engine, which hashes every 16"
     with pytest.raises(ValueError, match=message):
-        _scheduler(tmp_path / "a", hash_block_size=32)
+        _scheduler(hash_block_size=32)
     with pytest.raises(ValueError, match="hash_block_size=8 disagrees"):
-        _scheduler(tmp_path / "b", hash_block_size=8)
-    scheduler, _ = _scheduler(tmp_path / "c", hash_block_size=16)
+        _scheduler(hash_block_size=8)
+    scheduler, _ = _scheduler(hash_block_size=16)
     assert scheduler.connector is not None
