@@ -45,6 +45,7 @@ from kvoff.ops import copy_blocks
 from kvoff.scheduler import (
     ConnectorMetadata,
     ConnectorOutput,
+    FinishState,
     JobReport,
     OffloadingScheduler,
     Request,
@@ -80,6 +81,7 @@ __all__ = [
     "CPUOffloadingSpec",
     "ConnectorMetadata",
     "ConnectorOutput",
+    "FinishState",
     "FullAttentionSpec",
     "GPUBlockSpec",
     "JobReport",

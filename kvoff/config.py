@@ -264,6 +264,15 @@ class OffloadingConfig(BaseModel):
         tier_write_queue_blocks: CPU blocks pinned for write-through to the tiers at most;
             beyond that writes are dropped and counted (``None``: a quarter of the pool, at
             most 1,024; :func:`kvoff.tiers.coordinator.default_write_queue_blocks`).
+        store_batch_blocks: store batching, in offloaded blocks (1 to 2**20; default 4): a
+            running request's full blocks are stored once this many wait, and the rest when it
+            finishes (:class:`kvoff.OffloadingScheduler`; the engine keeps those blocks until
+            that store is submitted). Decode fills one block every ``offloaded_block_size``
+            tokens, so 4 makes about a quarter as many store jobs as 1, which stores every
+            block in the step it fills (DESIGN.md step 2). While a request runs its blocks stay
+            in the engine's own prefix cache, so the wait loses no hit. A model with a
+            sliding-window or Mamba group always uses 1. The default's measurement: README,
+            "Benchmarks against vLLM".
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -293,6 +302,7 @@ class OffloadingConfig(BaseModel):
     remote_ttl_s: Seconds | None = None
     remote_timeout_s: Seconds = 0.25
     tier_write_queue_blocks: Count | None = None
+    store_batch_blocks: Annotated[Count, Field(le=1 << 20)] = 4
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
 from kvoff.specs import (
@@ -257,6 +257,21 @@ class JobReport:
     success: bool = True
 
 
+class FinishState(NamedTuple):
+    """Why a finished request's GPU blocks should stay
+    (:meth:`OffloadingScheduler.request_finished_state`).
+
+    Attributes:
+        jobs_in_flight: loads or stores of the request are in flight; an engine that frees the
+            blocks anyway is safe (the next step that reuses them flushes those jobs).
+        store_due: store batching: its blocks that waited for a full batch are stored by the
+            next step; blocks the engine reuses before that step are not stored.
+    """
+
+    jobs_in_flight: bool
+    store_due: bool
+
+
 @dataclass(frozen=True)
 class ConnectorOutput:
     """What :meth:`OffloadingScheduler.update_connector_output` concluded.
@@ -357,6 +372,16 @@ class OffloadingScheduler:
             GPU block size, hash block size, world size, eviction policy, KV cache groups and
             ``kv_cache_config.num_blocks`` GPU blocks.
         enable_events: record ``BlockStored`` / ``BlockRemoved`` events for :meth:`take_events`.
+        store_batch_blocks: store batching, in offloaded blocks (1 to 2**20; default 1). A
+            running request's full offloaded blocks are stored once at least this many wait
+            (a prefill chunk usually completes that many at once, decode one block every
+            ``offloaded_block_size`` tokens), so a decoding request makes one store job per
+            ``store_batch_blocks`` blocks instead of one per block; the blocks still waiting
+            when it finishes are stored by the next step (:meth:`request_finished`). While a
+            request runs the engine holds its blocks, so no prefix hit is lost by the wait; a
+            preemption drops the wait (the blocks are stored again after recompute). Models
+            with a sliding-window or Mamba group always use 1 (their blocks leave the window,
+            and are freed, while waiting). 1 stores every block in the step it fills.
 
     Raises:
         ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``) or more than
@@ -377,7 +402,22 @@ class OffloadingScheduler:
     to it there) is refused the same way.
     """
 
-    def __init__(self, spec: CPUOffloadingSpec, *, enable_events: bool = False) -> None:
+    def __init__(
+        self,
+        spec: CPUOffloadingSpec,
+        *,
+        enable_events: bool = False,
+        store_batch_blocks: int = 1,
+    ) -> None:
+        if (
+            isinstance(store_batch_blocks, bool)
+            or not isinstance(store_batch_blocks, int)
+            or not 1 <= store_batch_blocks <= 1 << 20
+        ):
+            raise ValueError(
+                f"store_batch_blocks={store_batch_blocks!r} must be an int in [1, 2**20] "
+                "(offloaded blocks; 1 stores every block as it fills)"
+            )
         if spec.num_blocks > 2**31 - 1:
             raise ValueError(
                 f"the CPU pool has {spec.num_blocks} blocks; at most 2**31 - 1 are supported: "
@@ -400,7 +440,10 @@ class OffloadingScheduler:
             world_size=spec.world_size,
             num_gpu_blocks=spec.kv_cache_config.num_blocks,
             groups=list(group_kinds(spec)),
+            store_batch_blocks=store_batch_blocks,
         )
+        # The batch in effect (1 with a sliding-window or Mamba group)
+        self._store_batch = self._core.store_batch_blocks
         # The per-step hooks as plain CPython methods of the same core: with the caches as the
         # engine's own work leaves them, pybind11's dispatcher costs ~10 us more per call (see
         # README, "Scheduler cost")
@@ -419,7 +462,7 @@ class OffloadingScheduler:
     ) -> OffloadingScheduler:
         """The scheduler for an engine plan and the library's configuration object: the CPU
         plan from :meth:`kvoff.CPUOffloadingSpec.from_config`, events from
-        ``config.enable_events``.
+        ``config.enable_events``, store batching from ``config.store_batch_blocks``.
 
         Raises:
             ValueError: everything :meth:`kvoff.CPUOffloadingSpec.from_config` and the
@@ -428,7 +471,11 @@ class OffloadingScheduler:
         from kvoff.offloading_spec import CPUOffloadingSpec
 
         spec = CPUOffloadingSpec.from_config(kv_cache_config, config)
-        return cls(spec, enable_events=config.enable_events)
+        return cls(
+            spec,
+            enable_events=config.enable_events,
+            store_batch_blocks=config.store_batch_blocks,
+        )
 
     # ------------------------------------------------------------------ requests
     def get_num_new_matched_tokens(
@@ -916,16 +963,46 @@ class OffloadingScheduler:
         A load prepared but not yet handed to the workers is cancelled; in-flight jobs run to
         completion.
 
+        With store batching (``store_batch_blocks`` > 1), its full blocks not stored yet are
+        stored by the next :meth:`build_connector_meta`: up to the tokens of its last
+        scheduled step, as far as its block hashes go (given a request object, its new hashes
+        are read first).
+
         Returns:
-            True when jobs of the request are still in flight: keep its GPU blocks until it
-            appears in ``ConnectorOutput.finished_storing`` (freeing them earlier is safe but
-            makes the next step flush those jobs). Unknown ids return False.
+            True when jobs of the request are still in flight or such a store is due: keep its
+            GPU blocks until it appears in ``ConnectorOutput.finished_storing`` (freeing them
+            earlier is safe: in-flight jobs are flushed when their blocks are reused, and a
+            due block reused before the next step is not stored). Unknown ids return False.
 
         Raises:
             TypeError: ``request`` is neither a str id nor an object with ``request_id``.
             RuntimeError: called from inside this scheduler's own step (see the class notes);
                 nothing is changed.
         """
+        return self._finish(request) != 0
+
+    def request_finished_state(self, request: RequestLike | str) -> FinishState:
+        """:meth:`request_finished`, telling apart the two reasons to keep the request's GPU
+        blocks: jobs of it in flight (which the fences protect if the engine frees the blocks
+        anyway) and a store due at its finish (store batching; its blocks must stay until
+        the next :meth:`build_connector_meta` has emitted that store, or it stores nothing
+        the engine reused). Integrations that free blocks at once, as vLLM's connector does,
+        keep them only in the second case.
+
+        Raises:
+            TypeError, RuntimeError: as :meth:`request_finished`.
+        """
+        code = self._finish(request)
+        return FinishState(jobs_in_flight=bool(code & 1), store_due=bool(code & 2))
+
+    @property
+    def store_batch_blocks(self) -> int:
+        """The store batch in effect, in offloaded blocks: the constructor's
+        ``store_batch_blocks``, or 1 for a model with a sliding-window or Mamba group."""
+        return self._store_batch
+
+    def _finish(self, request: RequestLike | str) -> int:
+        """The core's finish_request: bit 0 jobs in flight, bit 1 a store is due."""
         if isinstance(request, str):
             rid = request
         else:
@@ -935,10 +1012,14 @@ class OffloadingScheduler:
                     f"request_finished takes a request or its str id, got {request!r} "
                     f"({type(request).__name__})"
                 )
-        in_flight = self._hooks.request_finished(rid)  # first: a refused call changes nothing
+        # With store batching the core reads the request's last block hashes from it first
+        req = None
+        if self._store_batch > 1:
+            req = self._requests.get(rid) if isinstance(request, str) else request
+        code = self._hooks.request_finished(rid, req)  # first: a refused call changes nothing
         self._requests.pop(rid, None)
         self._settled.pop(rid, None)
-        return in_flight
+        return code
 
     def take_events(self) -> list[OffloadingEvent]:
         """``BlockStored`` / ``BlockRemoved`` events (medium ``"CPU"``) since the last call;

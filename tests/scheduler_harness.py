@@ -210,6 +210,8 @@ class SimRequest:
     pending_tokens: int = 0
     load_emitted: bool = False
     history: dict[Pos, tuple[int, int]] = field(default_factory=dict)
+    flush_due: bool = False  # kept with no job in flight: a store of its waiting blocks is due
+    flush_built: bool = False  # that step came and stored nothing: finished_storing lists it
 
 
 @dataclass
@@ -318,6 +320,7 @@ class EngineSim:
         free_early: bool = False,
         enable_events: bool = True,
         eviction_policy: str = "lru",
+        store_batch_blocks: int = 1,
     ) -> None:
         self.groups = tuple(groups)
         if gpu_prefix_cache and any(g.kind != "full" for g in self.groups):
@@ -342,7 +345,9 @@ class EngineSim:
             world_size=world_size,
             eviction_policy=eviction_policy,
         )
-        self.sched = OffloadingScheduler(self.spec, enable_events=enable_events)
+        self.sched = OffloadingScheduler(
+            self.spec, enable_events=enable_events, store_batch_blocks=store_batch_blocks
+        )
         self.worker = OffloadingWorker.from_spec(self.spec, pin_memory=False)
         caches: dict[str, torch.Tensor] = {}
         self.rows: dict[str, torch.Tensor] = {}  # layer -> (num_gpu_blocks, page) uint8 view
@@ -565,6 +570,9 @@ class EngineSim:
         self._scheduled = [s for s in self._scheduled if s.request_id != r.rid]
         if in_flight and not self.free_early:
             r.status = "kept"
+            # store batching: True with nothing in flight means the next step stores its
+            # waiting blocks (or lists it in finished_storing when none can be stored)
+            r.flush_due = not self.in_flight(r.rid)
         else:
             self._free_all(r)
             r.status = "done"
@@ -721,6 +729,10 @@ class EngineSim:
                 self.announced_gen[b] = max(self.announced_gen[b], self.gen[b])
         self._finished_ids = []
         self._preempted_ids = []
+        for r in self.requests.values():
+            if r.flush_due:
+                r.flush_due = False  # its store is in flight now, or finished_storing lists it
+                r.flush_built = not any(j.request_id == r.rid for j in meta.store_jobs)
         rec.meta = meta
         rec.flushed = tuple(meta.jobs_to_flush)
         self._take_events()
@@ -754,7 +766,7 @@ class EngineSim:
             self._unpublished = []
         for s in step.scheduled:
             self._after_forward(self.requests[s.request_id])
-        if self.auto_complete and self.jobs:
+        if self.auto_complete and (self.jobs or any(r.flush_built for r in self.requests.values())):
             self.complete()
         self.check()
         self.records.append(rec)
@@ -810,7 +822,9 @@ class EngineSim:
             self.fail(f"load job {job.job_id} emitted for finished request {r.rid}")
         if not self.check_tables:
             return
-        done_tokens = r.computed + r.pending_tokens if r.status == "running" else 0
+        # a finished request's computed tokens stay computed (a store due at its finish)
+        done_tokens = {"running": r.computed + r.pending_tokens, "kept": r.computed,
+                       "done": r.computed}.get(r.status, 0)  # fmt: skip
         for g, p, b in self._positions(job):
             if p >= len(r.table[g]):
                 self.fail(f"job {job.job_id}: position {p} of group {g} beyond the table")
@@ -1020,8 +1034,13 @@ class EngineSim:
                 continue  # freed at once already
             if r.status != "kept":
                 self.fail(f"finished_storing names {rid}, which is {r.status}")
+            r.flush_built = False
             self._free_all(r)
             r.status = "done"
+        for r in self.requests.values():
+            if r.flush_built:
+                self.fail(f"{r.rid}: the store due at its finish stored nothing, but "
+                          "finished_storing did not list it")  # fmt: skip
         if self.rec is not None:
             self.rec.outputs.append(out)
         self.check()
@@ -1096,7 +1115,11 @@ class EngineSim:
                           f"with pin count {self.sched.pin_count(k)}")  # fmt: skip
         self._check_no_load_and_store()
         for r in self.requests.values():
-            if r.status == "kept" and not self.in_flight(r.rid):
+            if (
+                r.status == "kept"
+                and not self.in_flight(r.rid)
+                and not (r.flush_due or r.flush_built)
+            ):
                 self.fail(f"{r.rid} keeps its GPU blocks (request_finished returned True) but "
                           "has no job in flight and was not in finished_storing: the blocks "
                           "would never be freed")  # fmt: skip

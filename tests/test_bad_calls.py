@@ -753,7 +753,9 @@ def test_fast_hooks_refuse_bad_calls_as_the_pybind11_methods_do() -> None:
     with pytest.raises(TypeError, match="num_computed_tokens must be an int, got float"):
         fast.sync_and_match(r, 0.0, s._requests)
     with pytest.raises(TypeError, match="request_id must be a str"):
-        fast.request_finished(5)
+        fast.request_finished(5, None)
+    with pytest.raises(TypeError, match="request_finished takes 2 positional arguments, got 1"):
+        fast.request_finished("y")
     assert s.stats()["num_requests"] == 0 and s.stats()["lookups"] == 0
     # an int-like object with __index__ is taken as pybind11 takes it
     assert fast.sync_and_match(r, np.int64(0), s._requests) == core.sync_and_match(
@@ -771,8 +773,8 @@ def test_fast_hooks_keep_their_scheduler_alive_and_cannot_be_made_empty() -> Non
     # the scheduler the hooks hold is the one the engine drove (its counters), still alive
     delta, _ = hooks.counters_delta(None)
     assert delta["lookups"] == 1 and delta["store_jobs"] == 1
-    assert isinstance(hooks.request_finished("a"), bool)
-    assert hooks.request_finished("a") is False  # now unknown
+    assert hooks.request_finished("a", None) == 0  # no job in flight, no store due
+    assert hooks.request_finished("a", None) == 0  # now unknown
     assert isinstance(hooks.take_events(), list)
     with pytest.raises(TypeError, match="cannot create"):
         type(hooks)()

@@ -647,3 +647,91 @@ def test_an_alloc_of_nothing_after_a_no_hit_lookup_is_skipped_and_changes_nothin
         s.update_state_after_alloc(d2, (), 0.0)  # type: ignore[arg-type]
     s.request_finished(d)
     assert "D" not in s._settled
+
+
+# ---------------------------------------------------------------------- store batching
+def _stores_of(sim: EngineSim, rid: str, until_done: bool = True) -> list[set[tuple[int, int]]]:
+    """Steps until ``rid`` is done; the positions each of its store jobs covered, in order."""
+    stores = []
+    for _ in range(100):
+        rec = sim.step()
+        stores += [set(rec.stored[rid])] if rid in rec.stored else []
+        if sim.requests[rid].status == "done":
+            return stores
+    raise AssertionError(f"{rid} did not finish")
+
+
+def test_store_batching_stores_decode_in_batches_and_the_rest_after_finish() -> None:
+    """3-block batches: the prompt's 2 blocks wait for decode to fill a third, the next 2
+    blocks are stored after the request finished (its blocks kept until then), and a request
+    with the same tokens loads all 5, byte for byte."""
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=32, store_batch_blocks=3)
+    assert sim.sched.store_batch_blocks == 3
+    output = [500 + i for i in range(12)]
+    sim.add_request("a", list(range(9)), max_tokens=12, output=output)  # 20 tokens computed
+    assert _stores_of(sim, "a") == [_positions(0, 0, 1, 2), _positions(0, 3, 4)]
+    stats = sim.sched.stats()
+    assert stats["store_jobs"] == 2 and stats["blocks_stored"] == 5
+    assert stats["stale_blocks_skipped"] == 0 and stats["num_requests"] == 0
+    # the same 20 tokens and one more: all 5 blocks come from the pool (the harness checks the
+    # loaded bytes against the pattern of each position)
+    sim.add_request("b", [*range(9), *output[:11], 7])
+    rec = sim.step()
+    assert rec.lookups["b"] == (0, 20)
+    assert rec.loaded == {"b": _positions(0, 0, 1, 2, 3, 4)}
+    sim.drain()
+
+
+def test_store_batching_does_not_copy_blocks_reused_before_the_store_at_finish() -> None:
+    """The engine frees a finished request's blocks at once (``free_early``, as vLLM does when
+    a connector does not ask to keep them) and a new request takes every free block in the
+    next step: the store due at the finish finds its blocks reallocated and copies none of
+    them (the harness fails on a copy of overwritten bytes)."""
+    sim = EngineSim(block_size=4, num_gpu_blocks=7, num_cpu_blocks=32, store_batch_blocks=4,
+                    free_early=True)  # fmt: skip
+    sim.add_request("a", list(range(9)), max_tokens=4)  # 12 tokens computed: 3 blocks wait
+    assert _stores_of(sim, "a") == []
+    sim.add_request("c", [900 + i for i in range(24)])  # needs all 6 usable GPU blocks
+    rec = sim.step()
+    assert "a" not in rec.stored
+    stats = sim.sched.stats()
+    assert stats["stale_blocks_skipped"] >= 3
+    assert all(sim.sched.block_state(sim.key_of("a", j)) == "missing" for j in range(3))
+    sim.drain()
+
+
+def test_store_batching_is_off_for_models_with_a_sliding_window_group() -> None:
+    """A sliding-window block can leave the window, and be freed, while it waits: such models
+    store every block in the step it fills, whatever store_batch_blocks says."""
+    sim = EngineSim((FULL, GroupDesc("sliding_window", 6)), block_size=4, num_gpu_blocks=32,
+                    num_cpu_blocks=32, store_batch_blocks=4)  # fmt: skip
+    assert sim.sched.store_batch_blocks == 1
+    sim.add_request("a", list(range(9)), max_tokens=4)
+    rec = sim.step()
+    assert rec.stored == {"a": _positions(0, 0, 1) | _positions(1, 0, 1)}
+    sim.drain()
+
+
+def test_store_batching_with_preemption_and_async_scheduling() -> None:
+    """Requests decode in 2-block batches, one is preempted with a block waiting and resumes;
+    every request's blocks end up stored once and a second round of the same prompts loads
+    them all, byte for byte."""
+    sim = EngineSim(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, store_batch_blocks=2,
+                    async_scheduling=True)  # fmt: skip
+    prompts = {rid: [100 * k + i for i in range(10)] for k, rid in enumerate("abc", start=1)}
+    outputs = {rid: [1000 * k + i for i in range(9)] for k, rid in enumerate("abc", start=1)}
+    for rid in "abc":
+        sim.add_request(rid, prompts[rid], max_tokens=9, output=outputs[rid])
+    sim.step()
+    sim.step()
+    sim.preempt("b")
+    sim.drain()
+    assert sim.sched.stats()["num_requests"] == 0
+    for rid in "abc":  # 18 tokens computed: blocks 0..3 full
+        for j in range(4):
+            assert sim.sched.block_state(sim.key_of(rid, j)) == "ready", (rid, j)
+    for rid in "abc":
+        sim.add_request(rid + "2", [*prompts[rid], *outputs[rid][:8], 5])
+    rec = sim.step()
+    assert {rid: rec.lookups[rid + "2"] for rid in "abc"} == dict.fromkeys("abc", (0, 16))
+    sim.drain()

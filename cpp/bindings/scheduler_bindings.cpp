@@ -1121,14 +1121,15 @@ void bind(py::module_& m) {
   py::class_<OffloadingScheduler>(
       m, "_OffloadingScheduler",
       "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
-      "block_size_factor, hash_block_size, world_size, num_gpu_blocks, groups)\n\n"
+      "block_size_factor, hash_block_size, world_size, num_gpu_blocks, groups, "
+      "store_batch_blocks=1)\n\n"
       "The C++ per-step offloading scheduler. Private: use kvoff.OffloadingScheduler, which "
       "documents every hook (shapes, units, errors).")
       .def(py::init([](std::int64_t num_cpu_blocks, const std::string& eviction_policy,
                        bool enable_events, std::int64_t gpu_block_size,
                        std::int64_t block_size_factor, std::int64_t hash_block_size,
                        std::int64_t world_size, std::int64_t num_gpu_blocks,
-                       py::handle groups) {
+                       py::handle groups, std::int64_t store_batch_blocks) {
              kvoff::SchedulerConfig c;
              c.num_cpu_blocks = num_cpu_blocks;
              c.eviction_policy = eviction_policy;
@@ -1138,6 +1139,7 @@ void bind(py::module_& m) {
              c.hash_block_size = hash_block_size;
              c.world_size = world_size;
              c.num_gpu_blocks = num_gpu_blocks;
+             c.store_batch_blocks = store_batch_blocks;
              for (py::handle g : groups) {
                if (!PyTuple_Check(g.ptr()) || PyTuple_GET_SIZE(g.ptr()) != 2) {
                  throw py::type_error("groups must be (kind, sliding_window) tuples");
@@ -1150,7 +1152,8 @@ void bind(py::module_& m) {
            }),
            py::arg("num_cpu_blocks"), py::arg("eviction_policy"), py::arg("enable_events"),
            py::arg("gpu_block_size"), py::arg("block_size_factor"), py::arg("hash_block_size"),
-           py::arg("world_size"), py::arg("num_gpu_blocks"), py::arg("groups"))
+           py::arg("world_size"), py::arg("num_gpu_blocks"), py::arg("groups"),
+           py::arg("store_batch_blocks") = 1)
       .def(
           "update_request",
           [](OffloadingScheduler& self, const std::string& request_id, std::size_t start,
@@ -1305,7 +1308,9 @@ void bind(py::module_& m) {
              return self.manager().pin_count(to_key(key.ptr(), "key", -1, buf));
            },
            py::arg("key"))
-      .def("next_store_block", &OffloadingScheduler::next_store_block, py::arg("request_id"));
+      .def("next_store_block", &OffloadingScheduler::next_store_block, py::arg("request_id"))
+      .def_property_readonly("store_batch_blocks", &OffloadingScheduler::store_batch_blocks)
+      .def("num_flushes_pending", &OffloadingScheduler::num_flushes_pending);
 }
 
 }  // namespace sched
@@ -1434,10 +1439,50 @@ PyObject* take_events(PyObject* self, PyObject* /*unused*/) {
   return guarded([&] { return events_to_py(core_of(self).take_events()).release().ptr(); });
 }
 
-PyObject* request_finished(PyObject* self, PyObject* arg) {
+/// With store batching, a finishing request's block hashes the core lacks are read from the
+/// engine's request object (`block_hashes`) first, so that its last blocks can be stored; a
+/// request whose hashes cannot be read finishes anyway, storing the blocks whose hashes are
+/// known.
+void pull_last_hashes(kvoff::OffloadingScheduler& core, std::string_view rid,
+                      PyObject* request) {
+  if (request == Py_None || core.store_batch_blocks() <= 1 || core.next_store_block(rid) < 0) {
+    return;
+  }
+  static PyObject* const kHashes = PyUnicode_InternFromString("block_hashes");
+  py::object hashes = py::reinterpret_steal<py::object>(PyObject_GetAttr(request, kHashes));
+  if (!hashes) {
+    PyErr_Clear();
+    return;
+  }
+  const std::size_t known = core.num_hashes(rid);
+  const Py_ssize_t n = PyList_Check(hashes.ptr()) ? PyList_GET_SIZE(hashes.ptr())
+                                                  : PyObject_Length(hashes.ptr());
+  if (n < 0) {
+    PyErr_Clear();
+    return;
+  }
+  if (static_cast<std::size_t>(n) <= known) return;
+  try {
+    KeyBatch batch(hashes, static_cast<Py_ssize_t>(known));
+    core.add_hashes(rid, known, batch.span());
+  } catch (const py::error_already_set&) {  // bad hashes: the blocks whose hashes are known
+  } catch (const py::builtin_exception&) {   // are stored
+  } catch (const std::invalid_argument&) {
+  }
+}
+
+/// (request_id, request or None) -> int: bit 0, jobs of the request in flight; bit 1, a store
+/// of its waiting blocks is due (store batching: the next build_connector_meta emits it).
+/// OffloadingScheduler::finish_request's answer.
+PyObject* request_finished(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("request_finished", nargs, 2)) return nullptr;
   return guarded([&] {
-    const auto rid = sched::id_view(arg, sched::Where{"request_id"});
-    return py::bool_(core_of(self).request_finished(rid)).release().ptr();
+    const auto rid = sched::id_view(args[0], sched::Where{"request_id"});
+    auto& core = core_of(self);
+    core.refuse_reentry("request_finished");
+    pull_last_hashes(core, rid, args[1]);
+    const kvoff::FinishResult f = core.finish_request(rid);
+    return PyLong_FromLong((f.jobs_in_flight ? 1 : 0) | (f.store_due ? 2 : 0));
   });
 }
 
@@ -1459,7 +1504,8 @@ PyMethodDef methods[] = {
     {"update_connector_output_counts", update_connector_output_counts, METH_O, nullptr},
     {"counters_delta", counters_delta, METH_O, nullptr},
     {"take_events", take_events, METH_NOARGS, nullptr},
-    {"request_finished", request_finished, METH_O, nullptr},
+    {"request_finished", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(request_finished)),
+     METH_FASTCALL, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 

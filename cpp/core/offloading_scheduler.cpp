@@ -69,6 +69,9 @@ SchedulerConfig validated(SchedulerConfig c) {
                                         std::to_string(grp.sliding_window) + "; it must be >= 1");
     }
   }
+  need(c.store_batch_blocks >= 1 && c.store_batch_blocks <= (1 << 20),
+       "store_batch_blocks must be in [1, 2^20] offloaded blocks, got " +
+           std::to_string(c.store_batch_blocks) + " (1 stores every block as it fills)");
   return c;
 }
 
@@ -82,6 +85,7 @@ OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
                                      [](const SchedulerGroup& g) {
                                        return g.kind != GroupKind::kFullAttention;
                                      })),
+      store_batch_(any_partial_group_ ? 1 : config_.store_batch_blocks),
       manager_(config_.num_cpu_blocks, config_.eviction_policy, config_.enable_events),
       alloc_step_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       store_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
@@ -112,11 +116,22 @@ void OffloadingScheduler::throw_reentry(const char* hook) {
       "call after build_connector_meta returns. Nothing was changed");
 }
 
-void OffloadingScheduler::set_idle(Request& r, bool idle) {
-  if (r.idle == idle) return;
+void OffloadingScheduler::set_idle(Request& r, bool idle, std::int64_t wake_tokens) {
   if (idle) {
-    idle_.insert(r.id_hash, 0);
+    IdleEntry entry{0, wake_tokens, r.tokens_seen};
+    if (r.idle) {
+      if (IdleEntry* e = idle_.find(r.id_hash, kAnyEntry)) {
+        entry.stamp = e->stamp;  // the step's duplicate check still sees it
+        *e = entry;
+      }
+      return;
+    }
+    idle_.insert(r.id_hash, entry);
   } else {
+    if (!r.idle) return;
+    if (const IdleEntry* e = idle_.find(r.id_hash, kAnyEntry)) {
+      r.tokens_seen = std::max(r.tokens_seen, e->tokens);  // steps it was skipped in
+    }
     idle_.erase(r.id_hash, kAnyEntry);
   }
   r.idle = idle;
@@ -131,8 +146,13 @@ void OffloadingScheduler::settle_without_load(Request& r) {
 void OffloadingScheduler::set_idle_after_stores(Request& r, std::int64_t tokens_after) {
   // Idle from now on when every offloaded block full after this step is stored (or held) and
   // no load of it is pending: until its next block completes, a step changes nothing.
-  set_idle(r, r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty() &&
-                  r.next_store >= tokens_after / offloaded_block_size_);
+  // With store batching, fewer than store_batch_ waiting blocks also leave it idle: a step
+  // that completes no block cannot start a store (one that does is never skipped as idle).
+  // It wakes when the step's tokens fill its next batch (next_store + store_batch_ blocks).
+  set_idle(r,
+           r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty() &&
+               r.next_store + store_batch_ > tokens_after / offloaded_block_size_,
+           (r.next_store + store_batch_) * offloaded_block_size_);
 }
 
 OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
@@ -310,6 +330,18 @@ void OffloadingScheduler::update_request(std::string_view request_id, std::size_
     request_index_.insert(h, r);
   }
   append_hashes(*r, start, new_hashes, num_tokens);
+}
+
+void OffloadingScheduler::add_hashes(std::string_view request_id, std::size_t start,
+                                     std::span<const std::string_view> new_hashes) {
+  constexpr const char* kHook = "add_hashes";
+  refuse_reentry(kHook);
+  Request& r = get(request_id, kHook);
+  const std::size_t total = std::max(r.hashes.size(), start + new_hashes.size());
+  const std::int64_t covered = static_cast<std::int64_t>(total) * config_.hash_block_size;
+  const std::int64_t num_tokens = std::max(r.num_tokens, covered);
+  check_hashes(&r, request_id, start, new_hashes, num_tokens, kHook);
+  append_hashes(r, start, new_hashes, num_tokens);
 }
 
 void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_hashes,
@@ -681,10 +713,11 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
 
 // --------------------------------------------------------------------------------- stores
 
-bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after) {
+bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after, bool flush) {
   if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return false;  // invariant 7
   const std::int64_t full = known_blocks(r, tokens_after);
   if (full <= r.next_store) return false;
+  if (!flush && full - r.next_store < store_batch_) return false;  // the batch is not full yet
   const std::int64_t f = config_.block_size_factor;
   const std::size_t num_groups = config_.groups.size();
   constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
@@ -919,10 +952,9 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     for (std::size_t i = 0; i < scheduled.size(); ++i) {
       const ScheduledRequest& s = scheduled[i];
       hashes[i] = id_hash_of(s.request_id);
+      // (whether its tokens reach the block that wakes it is read from its idle entry)
       if (idle_.size() != 0 && s.new_block_ids.empty() && !s.resumed_from_preemption &&
-          !s.whole_table &&
-          token_counts_valid(s) && s.num_scheduled_tokens < obs &&
-          (s.num_computed_tokens + s.num_scheduled_tokens) / obs == s.num_computed_tokens / obs) {
+          !s.whole_table && token_counts_valid(s) && s.num_scheduled_tokens < obs) {
         maybe_idle[i] = 1;
         idle_.prefetch(hashes[i]);
       } else {
@@ -932,12 +964,15 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     for (const auto& s : scheduled) {
       const auto i = static_cast<std::size_t>(&s - scheduled.data());
       if (maybe_idle[i] != 0) {
-        if (std::uint64_t* stamp = idle_.find(hashes[i], kAnyEntry)) {
-          if (*stamp == validation_stamp_) {
+        IdleEntry* e = idle_.find(hashes[i], kAnyEntry);
+        const std::int64_t tokens_after = s.num_computed_tokens + s.num_scheduled_tokens;
+        if (e != nullptr && tokens_after < e->wake_tokens) {
+          if (e->stamp == validation_stamp_) {
             throw std::invalid_argument(
                 hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
           }
-          *stamp = validation_stamp_;
+          e->stamp = validation_stamp_;
+          e->tokens = tokens_after;  // (tokens_seen, should it finish while idle)
           resolved.push_back(nullptr);
           continue;
         }
@@ -949,7 +984,10 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
         // decode: once per offloaded block, not every step).
         const std::int64_t full = (s.num_computed_tokens + s.num_scheduled_tokens) /
                                   offloaded_block_size_ * offloaded_block_size_;
-        if (static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size < full) {
+        // With store batching, only when a batch is due (a finished request's last blocks are
+        // pulled by request_finished's caller).
+        if (static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size < full &&
+            full / offloaded_block_size_ - r.next_store >= store_batch_) {
           HashSink sink(*this, r);
           in_hash_source_ = true;  // engine code runs: calls back into this scheduler refused
           struct Reset {
@@ -960,14 +998,14 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
                       r.hashes.size(), sink);
         }
       }
-      std::uint64_t* idle_stamp = r.idle ? idle_.find(r.id_hash, kAnyEntry) : nullptr;
+      IdleEntry* idle_entry = r.idle ? idle_.find(r.id_hash, kAnyEntry) : nullptr;
       if (r.validation_stamp == validation_stamp_ ||
-          (idle_stamp != nullptr && *idle_stamp == validation_stamp_)) {
+          (idle_entry != nullptr && idle_entry->stamp == validation_stamp_)) {
         throw std::invalid_argument(
             hook_error(kHook, s.request_id, "scheduled twice in one step; list it once"));
       }
       r.validation_stamp = validation_stamp_;
-      if (idle_stamp != nullptr) *idle_stamp = validation_stamp_;
+      if (idle_entry != nullptr) idle_entry->stamp = validation_stamp_;
       if (!s.new_block_ids.empty()) {
         validate_block_ids(s.new_block_ids, kHook, s.request_id);
       }
@@ -1071,11 +1109,25 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
     Request& r = *resolved[i];
     if (r.finished) continue;  // finished (or preempted and finished) in this very step
     const std::int64_t tokens_after = s.num_computed_tokens + s.num_scheduled_tokens;
+    r.tokens_seen = tokens_after;
     if (!collect_stores(r, tokens_after)) set_idle_after_stores(r, tokens_after);
   }
+  // Finished requests' waiting blocks (store batching): after this step's allocations were
+  // marked, so that a block the engine reallocated since it freed it is stale, never copied.
+  for (Request* r : flush_pending_) {
+    r->flush_pending = false;
+    collect_stores(*r, r->tokens_seen, /*flush=*/true);
+  }
   build_stores(meta.store_jobs);
+  for (Request* r : flush_pending_) {
+    if (r->stores_in_flight == 0) {  // nothing stored (stale, held already or no room)
+      flushed_unstored_.push_back(r->id);
+      erase_request(*r);
+    }
+  }
+  flush_pending_.clear();
   for (const StoreCandidate& c : store_candidates_) {
-    set_idle_after_stores(*c.request, c.tokens_after);
+    if (!c.request->finished) set_idle_after_stores(*c.request, c.tokens_after);
   }
   for (const auto& id : finished_request_ids) erase_if_done(id);
   last_num_store_jobs_ = meta.store_jobs.size();
@@ -1118,6 +1170,10 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     }
   }
   ConnectorOutput out;
+  if (!flushed_unstored_.empty()) {  // flushes that stored nothing: their blocks are free now
+    out.finished_storing = std::move(flushed_unstored_);
+    flushed_unstored_.clear();
+  }
   out.completed_jobs.reserve(reports.size());  // one allocation, not one per doubling
   // The blocks of every successful store complete in one manager call at the end, by their CPU
   // slots (a pending block cannot move: no key is hashed or looked up again). Scratch vectors
@@ -1186,13 +1242,15 @@ std::size_t OffloadingScheduler::reset_cache() {
 
 // --------------------------------------------------------------------------------- finish
 
-void OffloadingScheduler::release(Request& r) {
+void OffloadingScheduler::release(Request& r, bool keep_table) {
   if (r.finished) return;
   set_idle(r, false);  // a finished request listed again must reach get() (which rejects it)
   r.finished = true;
   cancel_unemitted_loads(r);
   r.match.reset();
-  for (auto& t : r.table) t.clear();
+  if (!keep_table) {
+    for (auto& t : r.table) t.clear();
+  }
 }
 
 OffloadingScheduler::Request& OffloadingScheduler::new_request(std::string_view request_id,
@@ -1247,20 +1305,39 @@ void OffloadingScheduler::erase_request(Request& r) {
 
 void OffloadingScheduler::erase_if_done(std::string_view request_id) {
   Request* r = find(request_id);
-  if (r != nullptr && r->finished && r->loads_in_flight == 0 && r->stores_in_flight == 0) {
+  if (r != nullptr && r->finished && !r->flush_pending && r->loads_in_flight == 0 &&
+      r->stores_in_flight == 0) {
     set_idle(*r, false);
     erase_request(*r);
   }
 }
 
 bool OffloadingScheduler::request_finished(std::string_view request_id) {
+  const FinishResult f = finish_request(request_id);
+  return f.jobs_in_flight || f.store_due;
+}
+
+FinishResult OffloadingScheduler::finish_request(std::string_view request_id) {
   refuse_reentry("request_finished");
   Request* r = find(request_id);
-  if (r == nullptr) return false;
-  release(*r);
-  const bool in_flight = r->loads_in_flight > 0 || r->stores_in_flight > 0;
+  if (r == nullptr) return {};
+  if (flush_pending_.capacity() == flush_pending_.size()) {
+    flush_pending_.reserve(2 * flush_pending_.size() + 8);  // first: nothing throws after it
+  }
+  set_idle(*r, false);  // tokens_seen then counts the steps it was skipped in
+  // Store batching: blocks full after its last step and not stored yet are stored by the next
+  // build_connector_meta (its table is kept until then).
+  const bool flush = store_batch_ > 1 && !r->finished && r->scheduled_before &&
+                     r->loads_in_flight == 0 && r->unemitted_loads.empty() &&
+                     known_blocks(*r, r->tokens_seen) > r->next_store;
+  release(*r, /*keep_table=*/flush);
+  if (flush) {
+    r->flush_pending = true;
+    flush_pending_.push_back(r);  // reserved: no throw
+  }
+  const FinishResult out{r->loads_in_flight > 0 || r->stores_in_flight > 0, flush};
   erase_if_done(request_id);
-  return in_flight;
+  return out;
 }
 
 }  // namespace kvoff

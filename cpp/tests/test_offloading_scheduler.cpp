@@ -1637,5 +1637,156 @@ TEST(OffloadingSchedulerRequests, FinishingAnyRequestLeavesTheOthersIntact) {
   EXPECT_EQ(s.num_requests(), 0u);
 }
 
+// ------------------------------------------------------------------------ store batching
+
+SchedulerConfig batched(std::int64_t batch, std::vector<SchedulerGroup> groups = {Full()}) {
+  auto c = make_config(std::move(groups));
+  c.store_batch_blocks = batch;
+  return c;
+}
+
+TEST(OffloadingSchedulerStoreBatch, ConfigRangeAndPartialGroupsStoreEveryBlock) {
+  expect_names(error_of([] { OffloadingScheduler s(batched(0)); }),
+               {"store_batch_blocks", "got 0"});
+  expect_names(error_of([] { OffloadingScheduler s(batched((1 << 20) + 1)); }),
+               {"store_batch_blocks", "got 1048577"});
+  EXPECT_EQ(OffloadingScheduler(batched(1 << 20)).store_batch_blocks(), 1 << 20);
+  EXPECT_EQ(OffloadingScheduler(batched(3)).store_batch_blocks(), 3);
+  // Blocks of a sliding-window or Mamba group can leave the window and be freed while waiting
+  EXPECT_EQ(OffloadingScheduler(batched(3, {Full(), SW(8)})).store_batch_blocks(), 1);
+  EXPECT_EQ(OffloadingScheduler(batched(3, {Full(), Mamba()})).store_batch_blocks(), 1);
+}
+
+TEST(OffloadingSchedulerStoreBatch, DecodeStoresWaitForAFullBatch) {
+  OffloadingScheduler s(batched(3));
+  add(s, "A", hashes("a", 8), 32);
+  // prefill of 8 tokens: 2 full blocks wait (fewer than 3)
+  auto meta = step(s, {sched("A", {{5, 6, 7}}, 0, 9)});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  EXPECT_EQ(s.next_store_block("A"), 0);
+  EXPECT_EQ(s.num_idle_requests(), 1u);  // steps that complete no block skip it
+  for (std::int64_t c = 9; c < 11; ++c) {
+    EXPECT_TRUE(step(s, {sched("A", Table{}, c, 1)}).store_jobs.empty()) << "at " << c;
+  }
+  // token 11 fills block 2: the batch of 3 is stored in one job
+  meta = step(s, {sched("A", Table{}, 11, 1)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5, 6, 7}, {3}, {0},
+             {key("a0", 0), key("a1", 0), key("a2", 0)});
+  EXPECT_EQ(s.next_store_block("A"), 3);
+  report(s, {meta.store_jobs[0].job_id});
+  // a prefill chunk that completes a batch or more at once stores all of it
+  meta = step(s, {sched("A", {{8, 9, 10, 11}}, 12, 16)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {8, 9, 10, 11}, {4}, {3},
+             {key("a3", 0), key("a4", 0), key("a5", 0), key("a6", 0)});
+  EXPECT_EQ(s.stats().store_jobs, 2u);
+  EXPECT_EQ(s.stats().blocks_stored, 7u);
+}
+
+TEST(OffloadingSchedulerStoreBatch, FinishStoresTheWaitingBlocksInTheNextStep) {
+  OffloadingScheduler s(batched(4));
+  add(s, "A", hashes("a", 3), 12);
+  EXPECT_TRUE(step(s, {sched("A", {{5, 6, 7}}, 0, 12)}).store_jobs.empty());
+  EXPECT_TRUE(s.request_finished("A"));  // a store is due: keep the blocks
+  EXPECT_EQ(s.num_flushes_pending(), 1u);
+  EXPECT_FALSE(s.request_finished("A"));  // finishing again changes nothing
+  expect_names(error_of([&] { step(s, {sched("A", Table{}, 12, 1)}); }), {"'A'", "finished"});
+  EXPECT_EQ(s.num_flushes_pending(), 1u);
+  EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kMissing);
+  auto meta = step(s, {}, {"A"});  // the engine lists it as finished in its next step
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5, 6, 7}, {3}, {0},
+             {key("a0", 0), key("a1", 0), key("a2", 0)});
+  EXPECT_EQ(s.num_flushes_pending(), 0u);
+  EXPECT_EQ(s.num_requests(), 1u);
+  auto out = report(s, {meta.store_jobs[0].job_id});
+  EXPECT_EQ(out.finished_storing, Strs{"A"});
+  EXPECT_EQ(s.num_requests(), 0u);
+  for (const char* h : {"a0", "a1", "a2"}) {
+    EXPECT_EQ(s.manager().state(key(h, 0)), BlockState::kReady) << h;
+  }
+}
+
+TEST(OffloadingSchedulerStoreBatch, BlocksFilledWhileSkippedAsIdleAreStoredAtFinish) {
+  OffloadingScheduler s(batched(4));
+  add(s, "A", hashes("a", 4), 16);
+  EXPECT_TRUE(step(s, {sched("A", {{5, 6, 7}}, 0, 8)}).store_jobs.empty());  // 2 blocks wait
+  EXPECT_EQ(s.num_idle_requests(), 1u);
+  for (std::int64_t c = 8; c < 12; ++c) {  // token 11 fills block 2: skipped (batch of 4)
+    EXPECT_TRUE(step(s, {sched("A", Table{}, c, 1)}).store_jobs.empty()) << "at " << c;
+    EXPECT_EQ(s.num_idle_requests(), 1u) << "at " << c;
+  }
+  EXPECT_TRUE(s.request_finished("A"));
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5, 6, 7}, {3}, {0},
+             {key("a0", 0), key("a1", 0), key("a2", 0)});
+}
+
+TEST(OffloadingSchedulerStoreBatch, FinishStoresOnlyBlocksWhoseHashesAreKnown) {
+  OffloadingScheduler s(batched(4));
+  add(s, "A", hashes("a", 1), 12);  // 3 blocks computed, 1 hash known
+  EXPECT_TRUE(step(s, {sched("A", {{5, 6, 7}}, 0, 12)}).store_jobs.empty());
+  // the engine's last hashes, handed over before finishing (the binding reads them)
+  const Strs more = hashes("a", 2);
+  std::vector<std::string_view> views(more.begin(), more.end());
+  s.add_hashes("A", 0, views);
+  EXPECT_TRUE(s.request_finished("A"));
+  auto meta = step(s, {});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5, 6}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  expect_names(error_of([&] { s.add_hashes("A", 2, views); }), {"'A'", "finished"});
+  expect_names(error_of([&] { s.add_hashes("nobody", 0, views); }), {"'nobody'", "unknown"});
+}
+
+TEST(OffloadingSchedulerStoreBatch, WaitingBlockReallocatedBeforeTheFlushIsStale) {
+  OffloadingScheduler s(batched(4));
+  add(s, "A", hashes("a", 3), 12);
+  EXPECT_TRUE(step(s, {sched("A", {{5, 6, 7}}, 0, 12)}).store_jobs.empty());
+  EXPECT_TRUE(s.request_finished("A"));
+  // the engine freed A's blocks and gives block 7 to B in the very step the flush is built
+  add(s, "B", {}, 8);
+  auto meta = step(s, {sched("B", {{7, 9}}, 0, 3)}, {"A"});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5, 6}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 1u);
+  EXPECT_EQ(s.manager().state(key("a2", 0)), BlockState::kMissing);
+  // every waiting block reallocated: nothing is stored, and the request is listed as done by
+  // the next update_connector_output (request_finished returned true for it)
+  add(s, "C", hashes("c", 2), 8);
+  EXPECT_TRUE(step(s, {sched("C", {{11, 12}}, 0, 8)}).store_jobs.empty());
+  EXPECT_TRUE(s.request_finished("C"));
+  add(s, "D", {}, 8);
+  meta = step(s, {sched("D", {{12, 11}}, 0, 3)}, {"C"});
+  EXPECT_TRUE(meta.store_jobs.empty());
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 3u);
+  EXPECT_EQ(s.next_store_block("C"), -1);  // forgotten
+  auto out = report(s, {});
+  EXPECT_EQ(out.finished_storing, Strs{"C"});
+  EXPECT_TRUE(report(s, {}).finished_storing.empty());  // listed once
+}
+
+TEST(OffloadingSchedulerStoreBatch, PreemptionDropsTheWaitAndTheNewTableIsStored) {
+  OffloadingScheduler s(batched(2));
+  add(s, "A", hashes("a", 4), 16);
+  EXPECT_TRUE(step(s, {sched("A", {{5}}, 0, 4)}).store_jobs.empty());  // block 0 waits
+  EXPECT_TRUE(step(s, {}, {}, {"A"}).store_jobs.empty());  // preempted: blocks freed
+  add(s, "B", {}, 8);
+  EXPECT_TRUE(step(s, {sched("B", {{5}}, 0, 3)}).store_jobs.empty());  // 5 reused by B
+  auto meta = step(s, {sched("A", {{7, 8}}, 0, 8, /*resumed=*/true)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {7, 8}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  EXPECT_EQ(s.stats().stale_blocks_skipped, 0u);
+}
+
+TEST(OffloadingSchedulerStoreBatch, UnscheduledRequestIsForgottenAtOnce) {
+  OffloadingScheduler s(batched(4));
+  add(s, "Q", hashes("q", 2), 8);  // queued, never scheduled: nothing to store
+  EXPECT_FALSE(s.request_finished("Q"));
+  EXPECT_EQ(s.num_requests(), 0u);
+  EXPECT_EQ(s.num_flushes_pending(), 0u);
+}
+
 }  // namespace
 }  // namespace kvoff

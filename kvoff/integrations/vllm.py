@@ -554,11 +554,16 @@ class KvoffConnectorMetadata(KVConnectorMetadata):
         request_ids: the request of each packed job, same order.
         jobs_to_flush: in-flight job ids whose GPU blocks are rewritten this step: wait for
             them before the forward pass (DESIGN.md invariant 4).
+        finished_flushes: finished requests whose GPU blocks vLLM kept for a store due at
+            their finish (store batching, ``store_batch_blocks``): this step's jobs include
+            that store, so every worker reports them in ``finished_sending`` and vLLM frees
+            the blocks (a later reuse waits for the store through ``jobs_to_flush``).
     """
 
     packed_jobs: bytes = _NO_JOBS
     request_ids: tuple[str, ...] = ()
     jobs_to_flush: tuple[int, ...] = ()
+    finished_flushes: tuple[str, ...] = ()
 
     @functools.cached_property
     def _jobs(self) -> tuple[tuple[TransferJob, ...], tuple[TransferJob, ...]]:
@@ -807,6 +812,8 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_meta = KvoffWorkerMetadata()
         self._flushed: list[Any] = []  # results taken by fences, reported with the next ones
         self._load_errors: set[int] = set()
+        # scheduler: requests whose store is due at their finish, for the next step's metadata
+        self._flushes_due: list[str] = []
         # counters: the scheduler's (COUNTER_NAMES), then bytes and seconds moved by the
         # workers; the values at the last get_kv_connector_stats
         self._transfer_totals = [0, 0, 0.0, 0.0]  # _TRANSFER_TOTALS
@@ -819,7 +826,11 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                 getattr(vllm_config, "kv_events_config", None)
                 and vllm_config.kv_events_config.enable_kv_cache_events
             )
-            self._scheduler = OffloadingScheduler(self._spec, enable_events=events)
+            self._scheduler = OffloadingScheduler(
+                self._spec,
+                enable_events=events,
+                store_batch_blocks=self._config.store_batch_blocks,
+            )
             if self._config.has_tiers:
                 self._has_tiers = True
                 _attach_tiers(
@@ -929,7 +940,10 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             [c.dst_block_id for c in copies] if copies else (),
             tail,
         )
-        return KvoffConnectorMetadata(packed, request_ids, tuple(flush))
+        flushes: tuple[str, ...] = ()
+        if self._flushes_due:  # stores due at requests' finish: emitted by this very step
+            flushes, self._flushes_due = tuple(self._flushes_due), []
+        return KvoffConnectorMetadata(packed, request_ids, tuple(flush), flushes)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Counts the ranks' job reports; jobs reported by every rank complete.
@@ -956,17 +970,20 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """The request finished: vLLM may free its blocks now (jobs in flight that still use
-        them are flushed when the blocks are reused)."""
-        self.scheduler.request_finished(request)
+        """The request finished. vLLM may free its blocks now (jobs in flight that still use
+        them are flushed when the blocks are reused), unless a store of its last blocks is
+        due (store batching): then ``(True, None)``, and the workers report it in
+        ``finished_sending`` in the step that submits that store."""
+        if self.scheduler.request_finished_state(request).store_due:
+            self._flushes_due.append(request.request_id)
+            return True, None
         return False, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` for hybrid (several KV cache groups) models."""
-        self.scheduler.request_finished(request)
-        return False, None
+        return self.request_finished(request, [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvoff's ``BlockStored`` / ``BlockRemoved`` events as vLLM's, medium ``"CPU"``, one
@@ -1108,6 +1125,10 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         go to :meth:`get_block_ids_with_load_errors`); every job goes into the worker
         metadata."""
         results = KVConnectorTransferResults()
+        step = getattr(self, "_connector_metadata", None)  # this step's (bound until cleared)
+        if isinstance(step, KvoffConnectorMetadata) and step.finished_flushes:
+            # their stores are this step's jobs: vLLM may free their blocks now
+            results.finished_sending.update(step.finished_flushes)
         finished, self._flushed = [*self._flushed, *self.worker.get_finished()], []
         meta = self._pending_meta
         for r in finished:

@@ -114,6 +114,9 @@ class VsVllmParams:
         manager_batch: keys per manager call.
         manager_rounds: timed rounds of the manager measurement.
         seed: token stream seed.
+        store_batch_blocks: KvoffConnector's ``store_batch_blocks``; ``None``: the library's
+            default (:class:`kvoff.OffloadingConfig`), as shipped. vLLM's connector stores every
+            offloaded block in the step it fills whatever this says.
     """
 
     running: tuple[int, ...] = DEFAULT_RUNNING
@@ -127,6 +130,7 @@ class VsVllmParams:
     manager_batch: int = 32
     manager_rounds: int = 3000
     seed: int = 0
+    store_batch_blocks: int | None = None
 
     def __post_init__(self) -> None:
         names = ("block_size", "prompt_tokens", "output_tokens", "prefixes_per_request")
@@ -263,7 +267,11 @@ def _engine(
     if connector == "kvoff":
         transfer = KVTransferConfig(
             kv_connector="KvoffConnector", kv_connector_module_path="kvoff.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
+            kv_role="kv_both", kv_connector_extra_config={
+                "cpu_bytes_to_use": cpu_bytes,
+                **({} if p.store_batch_blocks is None
+                   else {"store_batch_blocks": p.store_batch_blocks}),
+            },
             kv_load_failure_policy="recompute",
         )  # fmt: skip
     elif connector == "vllm_cpu_spec":  # vLLM's default spec: CPUOffloadingSpec, LRU

@@ -419,6 +419,14 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "order; medians over rounds are reported (default: 3)",
     )
     sp.add_argument(
+        "--store-batch-blocks",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --vs-vllm: KvoffConnector's store_batch_blocks (default: the library's, "
+        "4; 1 stores every block in the step it fills, as vLLM's connector does)",
+    )
+    sp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
     _add_bench_transfer_parser(bench_sub)
@@ -673,6 +681,7 @@ def _bench_vs_vllm(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         seed=args.seed,
         **({"running": tuple(args.running)} if args.running else {}),
         **({"rounds": args.rounds} if args.rounds else {}),
+        store_batch_blocks=args.store_batch_blocks,
     )
     run_vs_vllm(
         params,
@@ -763,8 +772,8 @@ def _bench_tiers(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.vs_vllm:
         return _bench_vs_vllm(args, argv)
-    if args.running is not None or args.rounds is not None:
-        raise ValueError("--running and --rounds apply to --vs-vllm only")
+    if args.running is not None or args.rounds is not None or args.store_batch_blocks is not None:
+        raise ValueError("--running, --rounds and --store-batch-blocks apply to --vs-vllm only")
     from kvoff.tools.bench import (
         DEFAULT_POOL_SIZES,
         DEFAULT_STEP_SHAPES,

@@ -494,6 +494,76 @@ def test_hybrid_sliding_window_and_full_attention(run_engine, tiny_models, conne
 # ------------------------------------------------------------------ S5 and preemption
 
 
+def test_decode_blocks_are_stored_in_batches_and_the_last_ones_after_the_finish(
+    run_engine, tiny_models
+) -> None:
+    """store_batch_blocks = 4 (the default): three requests of 2 prompt blocks generate 400
+    tokens each, so 5 blocks fill. Blocks 0-3 go in one store job once 4 wait, block 4 waits
+    and is stored after the request finished: vLLM keeps its blocks for that (the connector
+    answers request_finished with delay_free) until the workers report it in finished_sending.
+    A continuation of each conversation then loads all 5 blocks from kvoff, with outputs
+    identical to full recompute."""
+    model = str(tiny_models["llama"])
+    prompts = [_tokens(700 + i, 2 * BLOCK) for i in range(3)]
+    (first,) = _baseline(run_engine, model, prompts, max_model_len=1024)
+    (out,) = [
+        ph["outputs"]
+        for ph in run_engine(
+            _plan(model, "none", [{"prompts": prompts, "max_tokens": 400, "ignore_eos": True}],
+                  engine={"enable_prefix_caching": False, "max_model_len": 1024})
+        )["phases"]
+    ]  # fmt: skip
+    assert [o[:MAX_TOKENS] for o in out] == first
+    # KV exists for the prompt and the first 399 outputs (the last one is sampled only)
+    nexts = [p + o[:399] for p, o in zip(prompts, out, strict=True)]
+    assert {len(p) // BLOCK for p in nexts} == {5}
+    r = run_engine(
+        _plan(model, "kvoff", [{"prompts": prompts, "max_tokens": 400, "ignore_eos": True},
+                               {"prompts": [[1, 2, 3]], "max_tokens": 1},
+                               {"prompts": nexts, "reset": True}],
+              engine={"max_model_len": 1024})
+    )  # fmt: skip
+    (ref_next,) = _baseline(run_engine, model, nexts, max_model_len=1024)
+    assert r["phases"][0]["outputs"] == out
+    assert r["phases"][2]["outputs"] == ref_next
+    # when generate() returns, each request's first 4 blocks are stored (one job each) and the
+    # finished requests are kept for their last block's store
+    stats = r["phases"][0]["kvoff"]
+    assert stats["store_jobs"] == 3 and stats["blocks_stored"] == 3 * 4
+    assert stats["num_requests"] == 3
+    # the engine's next step stores them and frees their blocks (vLLM's reset_prefix_cache
+    # refuses while blocks are held, so the reset of phase 2 needs that step to come first)
+    stats = r["phases"][1]["kvoff"]
+    assert stats["store_jobs"] == 3 * 2 and stats["blocks_stored"] == 3 * 5
+    assert stats["stale_blocks_skipped"] == 0 and stats["failed_jobs"] == 0
+    assert stats["num_requests"] == 0
+    assert r["phases"][2]["cached"] == [5 * BLOCK] * 3
+    assert _delta(r, 2, "hit_tokens") == 3 * 5 * BLOCK
+
+
+def test_blocks_a_store_is_due_for_are_kept_until_it_is_submitted(run_engine, tiny_models) -> None:
+    """Twelve GPU blocks, two requests at a time (max_num_seqs), four requests of 2 prompt
+    blocks generating 400 tokens: each ends with 6 blocks, one of them full and waiting for its
+    store. When a request finishes, the next one needs 3 blocks at once, and vLLM hands out the
+    finished request's last blocks first. The connector keeps them (delay_free) until the step
+    that submits their store, so no waiting block is reallocated before it is copied (a stale
+    block would be skipped, and the prefix lost)."""
+    model = str(tiny_models["llama"])
+    engine = {"num_gpu_blocks_override": 13, "max_model_len": 1024, "max_num_seqs": 2}
+    prompts = [_tokens(800 + i, 2 * BLOCK) for i in range(4)]
+    phase = {"prompts": prompts, "max_tokens": 400, "ignore_eos": True}
+    r = run_engine(_plan(model, "kvoff", [phase, {"prompts": [[1, 2, 3]], "max_tokens": 1}],
+                         engine=engine))  # fmt: skip
+    ref = run_engine(
+        _plan(model, "none", [phase], engine={**engine, "enable_prefix_caching": False})
+    )
+    assert r["phases"][0]["outputs"] == ref["phases"][0]["outputs"]
+    stats = r["phases"][1]["kvoff"]
+    assert stats["stale_blocks_skipped"] == 0 and stats["failed_jobs"] == 0
+    assert stats["blocks_stored"] == 4 * 5 and stats["store_jobs"] == 4 * 2
+    assert _metric(r, 0, "vllm:num_preemptions") == 0
+
+
 @pytest.mark.parametrize("connector", ["kvoff", "spec"])
 def test_gpu_blocks_override_with_max_model_len(run_engine, tiny_models, connector) -> None:
     """S5: num_gpu_blocks_override = 17 (16 + the null block) with max_model_len = 2048: one

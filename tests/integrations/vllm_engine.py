@@ -15,7 +15,8 @@ The plan (JSON):
         then has no kvoff counters, tiers or jobs (they live in the engine-core process), and
         faults do not apply
     env: environment variables to set before vLLM is imported (e.g. VLLM_CPU_OMP_THREADS_BIND)
-    phases: a list of {prompts: [[token ids]], max_tokens, reset (reset_prefix_cache before),
+    phases: a list of {prompts: [[token ids]], max_tokens, ignore_eos (generate max_tokens
+        whatever the model samples), reset (reset_prefix_cache before),
         reset_connector (reset_prefix_cache(reset_connector=True) before: the connector's
         cache too),
         fault: null | "fail_loads" | "fail_stores" | "corrupt_loads" | "slow_transfers",
@@ -242,7 +243,10 @@ def main(plan_path: str, result_path: str) -> None:
             llm.reset_prefix_cache(reset_connector=True)
         elif phase.get("reset"):
             llm.reset_prefix_cache()
-        params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0)
+        params = SamplingParams(
+            max_tokens=phase.get("max_tokens", 8), temperature=0.0,
+            ignore_eos=phase.get("ignore_eos", False),
+        )  # fmt: skip
         at_abort: dict[str, Any] | None = None
         prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
         if "abort_after_steps" in phase:

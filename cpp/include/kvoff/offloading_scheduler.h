@@ -63,6 +63,14 @@ struct SchedulerConfig {
   std::int64_t num_gpu_blocks = 0;
   /// The KV cache groups, in the engine's group order (>= 1, at most 256).
   std::vector<SchedulerGroup> groups;
+  /// Store batching, in offloaded blocks (1 to 2^20): a running request's full offloaded
+  /// blocks are stored once at least this many wait (a prefill chunk usually completes that
+  /// many at once; decode completes one block every block size tokens), and those still
+  /// waiting when it finishes are stored by the next build_connector_meta, unless the engine
+  /// reallocated their GPU blocks by then (stale, invariant 4). 1 stores every block in the
+  /// step it fills (DESIGN.md "One engine step", step 2). Models with a sliding-window or Mamba
+  /// group always use 1: their blocks can leave the window, and be freed, while waiting.
+  std::int64_t store_batch_blocks = 1;
 };
 
 /// Identifier of a job, unique for the scheduler's lifetime (starts at 1).
@@ -144,6 +152,15 @@ struct ConnectorOutput {
   std::vector<JobId> completed_jobs;
   /// The subset of completed_jobs that failed on at least one rank.
   std::vector<JobId> failed_jobs;
+};
+
+/// finish_request's answer: why the engine should keep a finished request's GPU blocks.
+struct FinishResult {
+  /// Loads or stores of the request are in flight.
+  bool jobs_in_flight = false;
+  /// Store batching: its blocks that waited for a batch are stored by the next
+  /// build_connector_meta.
+  bool store_due = false;
 };
 
 /// get_num_new_matched_tokens's answer: num_tokens == nullopt means "retry later".
@@ -248,6 +265,13 @@ class OffloadingScheduler {
   void update_request(std::string_view request_id, std::size_t start,
                       std::span<const std::string_view> new_hashes, std::int64_t num_tokens);
 
+  /// update_request without a token count: the request keeps its own, raised to what its
+  /// hashes then cover. For a finishing request's last hashes with store batching (a step
+  /// pulls hashes only when a batch is due). Throws std::invalid_argument as update_request,
+  /// and for an unknown or finished request.
+  void add_hashes(std::string_view request_id, std::size_t start,
+                  std::span<const std::string_view> new_hashes);
+
   /// How many tokens beyond `num_computed_tokens` (the engine's own GPU prefix hit, a multiple
   /// of gpu_block_size) can be loaded from the CPU pool for a known request; see the class
   /// notes. {nullopt, false}: retry later (a needed block is being stored, or being loaded for
@@ -307,11 +331,19 @@ class OffloadingScheduler {
   ConnectorOutput update_connector_output(std::span<const JobReport> reports);
 
   /// The request is finished (or aborted): a pending, unemitted load is cancelled (its blocks
-  /// unpinned), the request is forgotten once its in-flight jobs complete. Returns true when
-  /// jobs of the request are still in flight: the engine should keep its GPU blocks until the
-  /// request appears in ConnectorOutput::finished_storing (if it frees them earlier, the fences
-  /// flush the jobs). Unknown ids return false.
+  /// unpinned), the request is forgotten once its in-flight jobs complete. With store batching
+  /// (store_batch_blocks > 1), its full blocks not stored yet (as far as its hashes are known
+  /// and up to the tokens of its last scheduled step) are stored by the next
+  /// build_connector_meta. Returns true when jobs of the request are still in flight or such a
+  /// store is due: the engine should keep its GPU blocks until the request appears in
+  /// ConnectorOutput::finished_storing (if it frees them earlier, the fences flush the jobs, and
+  /// a due block the engine reallocated before that step is stale: never copied). Unknown ids
+  /// return false.
   bool request_finished(std::string_view request_id);
+  /// request_finished, telling its two reasons apart: jobs of the request in flight (fences
+  /// protect them if the engine frees the blocks anyway), and a store due at its finish (its
+  /// blocks must stay until the next build_connector_meta, or what was reused is not stored).
+  FinishResult finish_request(std::string_view request_id);
 
   /// The manager's events since the last call (BlockStored / BlockRemoved, medium "CPU").
   std::vector<OffloadingEvent> take_events() {
@@ -340,7 +372,7 @@ class OffloadingScheduler {
   /// Requests that are idle: a step that gives them no new block and completes none of their
   /// offloaded blocks changes nothing, so build_connector_meta skips them without a lookup.
   /// A request is idle after a step that stored (or found held) every offloaded block full
-  /// after it, with no load pending; a refused store, missing hashes, a load, a preemption or
+  /// after it but fewer than store_batch_blocks(), with no load pending; a refused store, missing hashes, a load, a preemption or
   /// its end make it busy again. For tests and metrics.
   std::size_t num_idle_requests() const noexcept { return idle_.size(); }
   /// Jobs emitted and not yet completed.
@@ -351,6 +383,11 @@ class OffloadingScheduler {
   /// Index of the next offloaded block to consider for storing (tests, debugging); -1 if the
   /// request is unknown.
   std::int64_t next_store_block(std::string_view request_id) const;
+  /// The store batch in effect (offloaded blocks): config().store_batch_blocks, or 1 for a
+  /// model with a sliding-window or Mamba group.
+  std::int64_t store_batch_blocks() const noexcept { return store_batch_; }
+  /// Finished requests whose waiting blocks the next build_connector_meta stores.
+  std::size_t num_flushes_pending() const noexcept { return flush_pending_.size(); }
 
  private:
   struct TableEntry {
@@ -377,6 +414,8 @@ class OffloadingScheduler {
     std::uint64_t validation_stamp = 0;  // build_connector_meta call that last listed it
     bool scheduled_before = false;  // a block table was recorded (since the last preemption)
     bool finished = false;
+    bool flush_pending = false;     // finished with blocks waiting (in flush_pending_)
+    std::int64_t tokens_seen = 0;   // tokens computed after its last non-idle step
     bool idle = false;              // in idle_ (id_hash)
     std::uint64_t id_hash = 0;      // id_hash_of(id)
     std::size_t slot = 0;           // its index in live_requests_
@@ -445,8 +484,9 @@ class OffloadingScheduler {
     std::size_t end;
   };
   /// Appends the request's blocks to store this step (full, live, not stored yet) to the
-  /// step's scratch and to store_candidates_; false when it has none (next_store may move on).
-  bool collect_stores(Request& r, std::int64_t tokens_after);
+  /// step's scratch and to store_candidates_; false when it has none (next_store may move on)
+  /// or, unless `flush`, fewer than store_batch_ wait.
+  bool collect_stores(Request& r, std::int64_t tokens_after, bool flush = false);
   /// Prepares the step's candidates' stores (one manager call for all when they fit, else one
   /// per request in order; a refused request retries next step) and emits their jobs.
   void build_stores(std::vector<const TransferJob*>& out);
@@ -459,13 +499,21 @@ class OffloadingScheduler {
   void emit_store_jobs(const StoreCandidate& c, std::vector<const TransferJob*>& out);
   void set_idle_after_stores(Request& r, std::int64_t tokens_after);
   void cancel_unemitted_loads(Request& r);
-  void release(Request& r);
+  /// Marks it finished; its block table is dropped unless `keep_table` (a flush pending).
+  void release(Request& r, bool keep_table = false);
   void erase_if_done(std::string_view request_id);
 
   SchedulerConfig config_;
   std::int64_t offloaded_block_size_;
   std::int64_t hashes_per_block_;  // hash blocks per offloaded block
   bool any_partial_group_;         // a sliding-window or Mamba group exists
+  std::int64_t store_batch_;       // store_batch_blocks in effect (1 with a partial group)
+  /// Finished requests with blocks waiting for the next build_connector_meta to store (alive
+  /// until then: erase_if_done skips them).
+  std::vector<Request*> flush_pending_;
+  /// Ids of flushes that stored nothing, for the next update_connector_output's
+  /// finished_storing (request_finished returned true for them).
+  std::vector<std::string> flushed_unstored_;
   CPUOffloadingManager manager_;
   /// Every live request's record, owned here; Request::slot is its index (an erase moves the
   /// last record's pointer into the hole). Records never move, so request_index_ and jobs keep
@@ -490,12 +538,18 @@ class OffloadingScheduler {
   /// one or two adjacent cache lines per lookup. The pointers stay valid until the request is
   /// erased.
   detail::FlatHashTable<Request*> request_index_;
-  /// Requests that need nothing in a step unless they get new blocks or complete an offloaded
-  /// block ("idle"): their ids' 64-bit hashes, with the last build_connector_meta call that
-  /// listed each (duplicate detection). A decode step checks most running requests here,
+  /// Requests that need nothing in a step unless they get new blocks or their tokens fill
+  /// their next store batch ("idle"): their ids' 64-bit hashes, with the last
+  /// build_connector_meta call that listed each (duplicate detection) and the tokens of the
+  /// last step that skipped each (for a store at finish). A decode step checks most running requests here,
   /// without touching their records (a 64-bit hash names the request: two live ids sharing
   /// one are not told apart).
-  detail::FlatHashTable<std::uint64_t> idle_;
+  struct IdleEntry {
+    std::uint64_t stamp = 0;        // the last build_connector_meta call that listed it
+    std::int64_t wake_tokens = 0;   // a step whose tokens reach this is not skipped
+    std::int64_t tokens = 0;        // tokens after the last step it was skipped in
+  };
+  detail::FlatHashTable<IdleEntry> idle_;
   /// std::hash of a request id, 0 mapped to 1 (0 marks an empty table entry).
   static std::uint64_t id_hash_of(std::string_view id) noexcept;
   // build_connector_meta's scratch, per scheduled request: its id's hash; whether it may be idle
@@ -505,7 +559,9 @@ class OffloadingScheduler {
   /// True while build_connector_meta runs the engine's hash_source (see refuse_reentry).
   bool in_hash_source_ = false;
   [[noreturn]] static void throw_reentry(const char* hook);
-  void set_idle(Request& r, bool idle);
+  /// Adds r to idle_ (or updates its entry) until a step's tokens reach `wake_tokens`, or
+  /// removes it (its tokens_seen raised to those of the steps it was skipped in).
+  void set_idle(Request& r, bool idle, std::int64_t wake_tokens = 0);
   /// The request loads nothing now: no match pending, the engine's own hit (its last
   /// get_num_new_matched_tokens' num_computed_tokens) noted for its next table, not idle.
   /// What update_state_after_alloc(.., 0) and a no-hit lookup both leave.
