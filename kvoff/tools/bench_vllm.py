@@ -348,17 +348,20 @@ class _Timed:
 
 def _worker_output(connector: str, meta: Any) -> Any:
     """What every rank's worker reports for a step whose jobs all finished: KvoffConnector's
-    ``KvoffWorkerMetadata`` or vLLM's ``OffloadingWorkerMetadata``, and the requests whose
-    loads finished (``finished_recving``)."""
+    ``KvoffWorkerMetadata`` or vLLM's ``OffloadingWorkerMetadata``, the requests whose loads
+    finished (``finished_recving``) and, for KvoffConnector, the finished requests whose
+    blocks vLLM kept for a store due at their finish (``finished_sending``, as its workers
+    report them)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     if connector == "kvoff":
         from kvoff.integrations.vllm import KvoffWorkerMetadata
 
         jobs = (*meta.load_jobs, *meta.store_jobs)
-        if not jobs:
+        if not jobs and not meta.finished_flushes:
             return None
         return KVConnectorOutput(
+            finished_sending=set(meta.finished_flushes) or None,
             finished_recving={j.request_id for j in meta.load_jobs} or None,
             kv_connector_worker_meta=KvoffWorkerMetadata({j.job_id: [1, 0] for j in jobs}),
         )

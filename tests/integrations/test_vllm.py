@@ -519,7 +519,7 @@ def test_decode_blocks_are_stored_in_batches_and_the_last_ones_after_the_finish(
     assert {len(p) // BLOCK for p in nexts} == {5}
     r = run_engine(
         _plan(model, "kvoff", [{"prompts": prompts, "max_tokens": 400, "ignore_eos": True},
-                               {"prompts": [[1, 2, 3]], "max_tokens": 1},
+                               {"prompts": [], "idle_steps": 1},
                                {"prompts": nexts, "reset": True}],
               engine={"max_model_len": 1024})
     )  # fmt: skip
@@ -531,8 +531,8 @@ def test_decode_blocks_are_stored_in_batches_and_the_last_ones_after_the_finish(
     stats = r["phases"][0]["kvoff"]
     assert stats["store_jobs"] == 3 and stats["blocks_stored"] == 3 * 4
     assert stats["num_requests"] == 3
-    # the engine's next step stores them and frees their blocks (vLLM's reset_prefix_cache
-    # refuses while blocks are held, so the reset of phase 2 needs that step to come first)
+    # the engine's next step, with nothing to compute, stores them and frees their blocks
+    # (vLLM's reset_prefix_cache refuses while blocks are held: phase 2's reset needs it)
     stats = r["phases"][1]["kvoff"]
     assert stats["store_jobs"] == 3 * 2 and stats["blocks_stored"] == 3 * 5
     assert stats["stale_blocks_skipped"] == 0 and stats["failed_jobs"] == 0

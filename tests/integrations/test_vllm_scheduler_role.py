@@ -45,7 +45,9 @@ def _scheduler(**extra: Any) -> Any:
 
 
 class _Workers:
-    """Every job handed out in a step is reported done, on every rank, the step after."""
+    """Every job handed out in a step is reported done, on every rank, the step after; the
+    requests whose blocks vLLM kept for a store due at their finish are reported in
+    ``finished_sending`` in the step that hands that store out, as KvoffConnector's workers do."""
 
     def __init__(self) -> None:
         self.due: list[Any] = []
@@ -61,9 +63,10 @@ class _Workers:
         done, self.due = self.due, [*meta.load_jobs, *meta.store_jobs]
         self.jobs += self.due
         kv_out = None
-        if done:
+        if done or meta.finished_flushes:
             loads = {j.request_id for j in done if j.direction == "load"}
             kv_out = KVConnectorOutput(
+                finished_sending=set(meta.finished_flushes) or None,
                 finished_recving=loads or None,
                 kv_connector_worker_meta=KvoffWorkerMetadata({j.job_id: [1, 0] for j in done}),
             )

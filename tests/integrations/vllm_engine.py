@@ -23,7 +23,10 @@ The plan (JSON):
         slow_steps: engine steps a job is held back under "slow_transfers",
         abort_after_steps: N to add the prompts, run N engine steps, abort every request (as
         a client that goes away does), then step until the engine has no request left; the
-        phase then has no outputs}
+        phase then has no outputs,
+        idle_steps: N to run N engine steps without adding the prompts (requests of earlier
+        phases the engine still holds, e.g. for a connector's store, are served); the phase
+        then has no outputs}
 
 Faults act on kvoff's worker in this process for one phase: "fail_loads" and "fail_stores"
 report every load (store) as failed without copying (what a real failure does),
@@ -263,6 +266,10 @@ def main(plan_path: str, result_path: str) -> None:
                 engine_.step()
                 steps += 1
                 assert steps < 10_000, "the engine kept aborted requests"
+            outs = []
+        elif "idle_steps" in phase:  # engine steps with no new request (the prompts are ignored)
+            for _ in range(phase["idle_steps"]):
+                llm.llm_engine.step()
             outs = []
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
