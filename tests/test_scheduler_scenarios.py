@@ -735,3 +735,37 @@ def test_store_batching_with_preemption_and_async_scheduling() -> None:
     rec = sim.step()
     assert {rid: rec.lookups[rid + "2"] for rid in "abc"} == dict.fromkeys("abc", (0, 16))
     sim.drain()
+
+
+def test_store_batching_bad_values_and_a_finish_whose_hashes_cannot_be_read() -> None:
+    """store_batch_blocks out of range or not an int is refused naming it; a finishing request
+    whose block_hashes cannot be read still finishes, storing the blocks whose hashes are known,
+    and the scheduler stays usable."""
+    from kvoff import FinishState, OffloadingScheduler
+
+    sim = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=32, store_batch_blocks=4)
+    for bad in (0, -2, (1 << 20) + 1, True, 2.0, "4"):
+        with pytest.raises(ValueError, match=rf"store_batch_blocks={bad!r}"):
+            OffloadingScheduler(sim.spec, store_batch_blocks=bad)
+    sim.add_request("a", list(range(9)), max_tokens=8)  # 2 prompt blocks wait (fewer than 4)
+    sim.step()
+    assert sim.sched.stats()["store_jobs"] == 0
+    req = sim.requests["a"].req
+    good = list(req.block_hashes)
+    req.block_hashes = [*good, "not bytes"]  # a hash the binding refuses
+    state = sim.sched.request_finished_state(req)
+    assert state == FinishState(jobs_in_flight=False, store_due=True)
+    meta = sim.sched.build_connector_meta(_step_finishing_a())
+    (job,) = meta.store_jobs
+    assert job.keys == (sim.key_of("a", 0), sim.key_of("a", 1))
+    assert sim.sched.request_finished_state("a") == FinishState(True, False)  # its store runs
+    out = sim.sched.update_connector_output([(job.job_id, True)])
+    assert out.finished_storing == ("a",)
+    assert sim.sched.request_finished_state("a") == FinishState(False, False)  # forgotten
+    assert sim.sched.block_state(sim.key_of("a", 1)) == "ready"
+
+
+def _step_finishing_a():  # an engine step with nothing scheduled, "a" listed as finished
+    from kvoff import SchedulerStep
+
+    return SchedulerStep(scheduled=[], finished_request_ids=["a"], preempted_request_ids=[])

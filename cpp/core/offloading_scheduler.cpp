@@ -1237,6 +1237,29 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
 std::size_t OffloadingScheduler::reset_cache() {
   refuse_reentry("reset_cache");
   for (auto& [id, j] : jobs_) j.stale = true;
+  // Blocks computed before the reset and not stored yet (waiting for a store batch, a store
+  // refused for lack of room, or due at a finish) are never stored after it: their KV is that
+  // of the old weights. Live requests store from the tokens of their last step on.
+  flushed_unstored_.reserve(flushed_unstored_.size() + flush_pending_.size());
+  for (auto& p : live_requests_) {
+    Request& r = *p;
+    std::int64_t tokens = r.tokens_seen;
+    if (r.idle) {
+      if (const IdleEntry* e = idle_.find(r.id_hash, kAnyEntry)) {
+        tokens = std::max(tokens, e->tokens);
+      }
+    }
+    r.next_store = std::max(r.next_store, tokens / offloaded_block_size_);
+  }
+  for (Request* r : flush_pending_) {
+    r->flush_pending = false;
+    for (auto& t : r->table) t.clear();
+    if (r->stores_in_flight == 0) {  // the engine may free its blocks: listed as done
+      flushed_unstored_.push_back(r->id);  // reserved: no throw
+      erase_request(*r);
+    }
+  }
+  flush_pending_.clear();
   return manager_.clear();
 }
 

@@ -1780,6 +1780,30 @@ TEST(OffloadingSchedulerStoreBatch, PreemptionDropsTheWaitAndTheNewTableIsStored
   EXPECT_EQ(s.stats().stale_blocks_skipped, 0u);
 }
 
+TEST(OffloadingSchedulerStoreBatch, BlocksWaitingAtAResetAreNeverStored) {
+  OffloadingScheduler s(batched(3));
+  add(s, "A", hashes("a", 8), 32);
+  EXPECT_TRUE(step(s, {sched("A", {{5, 6, 7, 8, 9}}, 0, 8)}).store_jobs.empty());  // 2 wait
+  add(s, "B", hashes("b", 2), 8);
+  EXPECT_TRUE(step(s, {sched("B", {{10, 11}}, 0, 8)}).store_jobs.empty());
+  EXPECT_TRUE(s.request_finished("B"));  // B's 2 blocks are due at the next step
+  s.reset_cache();  // a weight update: KV computed before it is never stored
+  EXPECT_EQ(s.num_flushes_pending(), 0u);
+  EXPECT_EQ(s.next_store_block("A"), 2);
+  EXPECT_EQ(s.next_store_block("B"), -1);
+  // A's blocks 2..4 fill after the reset: they are its next batch; 0 and 1 are never stored
+  EXPECT_TRUE(step(s, {sched("A", Table{}, 8, 4)}).store_jobs.empty());
+  auto meta = step(s, {sched("A", Table{}, 12, 8)}, {"B"});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {7, 8, 9}, {3}, {2},
+             {key("a2", 0), key("a3", 0), key("a4", 0)});
+  auto out = report(s, {meta.store_jobs[0].job_id});
+  EXPECT_EQ(out.finished_storing, Strs{"B"});
+  for (const char* h : {"a0", "a1", "b0", "b1"}) {
+    EXPECT_EQ(s.manager().state(key(h, 0)), BlockState::kMissing) << h;
+  }
+}
+
 TEST(OffloadingSchedulerStoreBatch, UnscheduledRequestIsForgottenAtOnce) {
   OffloadingScheduler s(batched(4));
   add(s, "Q", hashes("q", 2), 8);  // queued, never scheduled: nothing to store

@@ -230,7 +230,8 @@ def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadi
     Raises:
         kvoff.config.ConfigError: for an unknown key (naming it and the closest valid key), or
             on the spec path a key vLLM's OffloadingConnector decides itself
-            (``offloaded_block_size``, ``hash_block_size``, ``world_size``).
+            (``offloaded_block_size``, ``hash_block_size``, ``world_size``,
+            ``store_batch_blocks``).
         pydantic.ValidationError: for a bad value (naming it).
     """
     data = {k: v for k, v in dict(extra).items() if not (spec_path and k in VLLM_SPEC_KEYS)}
@@ -238,13 +239,14 @@ def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadi
         "offloaded_block_size": "block_size (vLLM's key: tokens per offloaded block)",
         "hash_block_size": "nothing (vLLM hashes with its own block size)",
         "world_size": "nothing (vLLM sets the ranks)",
+        "store_batch_blocks": "KvoffConnector (vLLM's scheduler stores every block as it fills)",
     }
     unused = sorted(ignored.keys() & data.keys()) if spec_path else []
     if unused:
         key = unused[0]
         raise ConfigError(
             f"kv_connector_extra_config key {key!r} is not used by KvoffOffloadingSpec (vLLM's "
-            f"OffloadingConnector sizes its blocks and ranks itself); use {ignored[key]}"
+            f"OffloadingConnector decides it itself); use {ignored[key]}"
         )
     if spec_path and "block_size" in extra and "offloaded_block_size" not in data:
         data["offloaded_block_size"] = int(extra["block_size"])

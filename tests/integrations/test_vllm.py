@@ -731,10 +731,17 @@ def test_configuration_errors_name_the_key() -> None:
         _offloading_config({"cpu_bytes_to_use": 1, "spec_name": "x"}, spec_path=False)
     # kvoff keys that vLLM's OffloadingConnector decides itself are refused there, not ignored
     for key, use in (("offloaded_block_size", "block_size"), ("hash_block_size", "nothing"),
-                     ("world_size", "nothing")):  # fmt: skip
+                     ("world_size", "nothing"),
+                     ("store_batch_blocks", "KvoffConnector")):  # fmt: skip
         with pytest.raises(ConfigError, match=rf"{key}.*not used by KvoffOffloadingSpec.*{use}"):
             _offloading_config({"cpu_bytes_to_use": "1GiB", key: 4}, spec_path=True)
         _offloading_config({"cpu_bytes_to_use": "1GiB", key: 256}, spec_path=False)
+    # store batching: a count of offloaded blocks in [1, 2**20], named when out of range
+    for bad in (0, -1, (1 << 20) + 1, True, 2.5):
+        with pytest.raises(ValueError, match="store_batch_blocks"):
+            _offloading_config({"cpu_bytes_to_use": "1GiB", "store_batch_blocks": bad},
+                               spec_path=False)  # fmt: skip
+    assert _offloading_config({"cpu_bytes_to_use": "1GiB"}, spec_path=False).store_batch_blocks == 4
 
 
 def test_worker_metadata_sums_ranks_and_stats_reduce() -> None:

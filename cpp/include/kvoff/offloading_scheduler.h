@@ -355,7 +355,11 @@ class OffloadingScheduler {
   /// jobs in flight become stale: they complete as usual for the engine, but a stale store
   /// frees its slots instead of making its blocks hits (their KV was computed before the
   /// reset), and a stale load's blocks are discarded once it has read them. A block pinned by a
-  /// load in flight stays a hit until that load completes.
+  /// load in flight stays a hit until that load completes. Blocks computed before the reset
+  /// and not stored yet (waiting for a store batch, refused for lack of room, or due at a
+  /// finish) are never stored: a request stores from the tokens of its last step on, and a
+  /// store due at a finish is dropped (the request is listed in the next
+  /// update_connector_output's finished_storing).
   std::size_t reset_cache();
 
   /// The CPU pool manager (read access for tests and metrics).
