@@ -976,18 +976,16 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         them are flushed when the blocks are reused), unless a store of its last blocks is
         due (store batching): then ``(True, None)``, and the workers report it in
         ``finished_sending`` in the step that submits that store."""
-        # OffloadingScheduler.request_finished_state's answer without its FinishState (bit 1:
-        # a store is due): this hook runs for every request, about 2 per engine step
-        if self.scheduler._finish(request) & 2:
-            self._flushes_due.append(request.request_id)
-            return True, None
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """:meth:`request_finished` for hybrid (several KV cache groups) models."""
-        if self.scheduler._finish(request) & 2:  # as request_finished
+        """:meth:`request_finished` for every model (vLLM calls this one for connectors that
+        support the hybrid memory allocator, as this one does)."""
+        # OffloadingScheduler.request_finished_state's answer without its FinishState (bit 1:
+        # a store is due): this hook runs for every request, about 2 per engine step
+        if self.scheduler._finish(request) & 2:
             self._flushes_due.append(request.request_id)
             return True, None
         return False, None
