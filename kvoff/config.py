@@ -234,6 +234,14 @@ class OffloadingConfig(BaseModel):
         hash_block_size: tokens per block hash of the engine's prefix hashing; ``None`` means
             the GPU block size.
         enable_events: whether the manager records block stored/removed events (default off).
+        offload_prompt_only: store only the offloaded blocks that lie wholly inside each
+            request's prompt (default on), not those that decode fills. vLLM 0.32's
+            OffloadingConnector has the same key and default (so both ways into vLLM store the
+            same blocks), and LMCache saves no decode KV by default either. Output blocks are
+            reused only where a later prompt repeats the output token for token (a chat turn
+            re-sending the answer verbatim); elsewhere they take pool room from prompt blocks
+            that are reused. Set it off for chat traffic that re-sends answers verbatim.
+            Measurement: docs/vllm-pool-pressure.md.
         pin_memory: whether the CPU pool uses pinned (page-locked) memory; ``None`` (also
             ``"auto"`` in files and the environment) pins when CUDA is available.
         transfer_mechanism: how jobs copy: ``"auto"`` (per job: the fastest mechanism whose
@@ -290,6 +298,7 @@ class OffloadingConfig(BaseModel):
     world_size: Count = 1
     hash_block_size: Count | None = None
     enable_events: bool = False
+    offload_prompt_only: bool = True
     pin_memory: Annotated[bool | None, BeforeValidator(_auto_before)] = None
     transfer_mechanism: str = "auto"
     transfer_thresholds: OptionalPath = None

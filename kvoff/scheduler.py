@@ -91,6 +91,11 @@ class RequestLike(Protocol):
         """Tokens of the request so far (prompt + output), >= what the hashes cover."""
         ...
 
+    # With offload_prompt_only the scheduler also reads ``num_prompt_tokens`` (an int >= 0,
+    # or None for "unknown": nothing limited): the prompt's length in tokens (vLLM's Request
+    # has it). Not part of the protocol, so objects without it still satisfy it where the
+    # option is off.
+
 
 @dataclass
 class Request:
@@ -105,11 +110,14 @@ class Request:
         num_tokens: known tokens (prompt + generated so far); with async scheduling tokens
             scheduled but not yet sampled are not counted. Must be
             ``>= len(block_hashes) * hash_block_size``.
+        num_prompt_tokens: the prompt's length in tokens, read with ``offload_prompt_only``
+            (:class:`OffloadingScheduler`); ``None``: unknown, nothing is limited.
     """
 
     request_id: str
     block_hashes: list[bytes | int] = field(default_factory=list)
     num_tokens: int = 0
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -382,6 +390,12 @@ class OffloadingScheduler:
             preemption drops the wait (the blocks are stored again after recompute). Models
             with a sliding-window or Mamba group always use 1 (their blocks leave the window,
             and are freed, while waiting). 1 stores every block in the step it fills.
+        offload_prompt_only: store only the offloaded blocks that lie wholly inside each
+            request's prompt (default off here; :class:`kvoff.OffloadingConfig` turns it on,
+            as vLLM 0.32 does). The request objects then also need ``num_prompt_tokens``
+            (:class:`RequestLike`; ``None``: not limited); a missing attribute raises
+            ``AttributeError``, a negative count ``ValueError``, and nothing changes. Once a request's prompt blocks are all
+            full, those waiting for a store batch are stored in that step.
 
     Raises:
         ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``) or more than
@@ -408,6 +422,7 @@ class OffloadingScheduler:
         *,
         enable_events: bool = False,
         store_batch_blocks: int = 1,
+        offload_prompt_only: bool = False,
     ) -> None:
         if (
             isinstance(store_batch_blocks, bool)
@@ -441,6 +456,7 @@ class OffloadingScheduler:
             num_gpu_blocks=spec.kv_cache_config.num_blocks,
             groups=list(group_kinds(spec)),
             store_batch_blocks=store_batch_blocks,
+            offload_prompt_only=bool(offload_prompt_only),
         )
         # The batch in effect (1 with a sliding-window or Mamba group)
         self._store_batch = self._core.store_batch_blocks
@@ -475,6 +491,7 @@ class OffloadingScheduler:
             spec,
             enable_events=config.enable_events,
             store_batch_blocks=config.store_batch_blocks,
+            offload_prompt_only=config.offload_prompt_only,
         )
 
     # ------------------------------------------------------------------ requests
@@ -1053,8 +1070,16 @@ class OffloadingScheduler:
         """Counters: lookups, lookup_retries, hit_tokens, load_jobs, store_jobs,
         blocks_loaded, blocks_stored (GPU blocks), store_refusals, blocks_evicted and
         blocks_discarded (offloaded blocks), stale_blocks_skipped, jobs_flushed, failed_jobs,
-        and the pool and request gauges."""
+        and the pool and request gauges (blocks: num_cpu_blocks, num_free_blocks,
+        num_stored_blocks, num_pending_blocks, num_retired_blocks, num_evictable_blocks)."""
         return self._core.stats()
+
+    def pool_usage(self) -> tuple[int, int, int]:
+        """``(num_blocks, pinned, pending)``: the CPU pool's blocks, those transfers pin now
+        (stores in flight, loads, write-through to the tiers) and the pending stores among
+        them, in blocks. A cheap read for usage gauges (vLLM's
+        ``vllm:kv_offload_cpu_cache_usage_perc`` is ``pinned / num_blocks``)."""
+        return self._core.pool_usage()
 
     def counters(self) -> tuple[int, ...]:
         """The monotonic counters of :meth:`stats` as one tuple, in the order of

@@ -362,6 +362,38 @@ def test_arc_pinned_and_pending_blocks_are_not_evicted():
     assert m.lookup([b"p"]) is None  # still pending
 
 
+def test_arc_pending_touch_is_no_reuse():
+    # A request stores its new blocks and touches them at once (KvoffConnector's scheduler does
+    # after every prepare_store): seen once, they stay in T1, the most recent of it. Fails if
+    # touch() of a pending key promoted it to T2: then a, seen once, would go first.
+    m = arc(3)
+    store(m, [b"a"])  # T1: a
+    out = m.prepare_store([b"p", b"q"])
+    m.touch([b"p", b"q"])  # pending: ordered in T1 (q before p), not promoted
+    m.complete_store(out.keys_to_store)
+    assert evict_order(m, 3) == [b"a", b"q", b"p"]
+
+
+def test_touch_with_reuse_flags_counts_only_flagged_uses():
+    # A finished request's accesses (vLLM's on_request_finished): its own stores are ordered,
+    # blocks it reused count as a reuse. Under ARC, a reuse moves a block to T2, which T1's
+    # blocks leave before. Fails if the flags were ignored (both reused, or neither).
+    for reused, survivor in (([True, False], b"a"), ([False, True], b"b")):
+        m = arc(3)
+        for k in (b"a", b"b", b"c"):
+            store(m, [k])
+        m.touch([b"a", b"b"], reused=reused)
+        for k in (b"d", b"e"):
+            store(m, [k])
+        assert m.lookup([survivor]) == 1, reused
+    m = arc(2)
+    store(m, [b"a"])
+    with pytest.raises(ValueError, match="1 reuse flags for 2 keys"):
+        m.touch([b"a", b"x"], reused=[True])
+    with pytest.raises(TypeError, match="bools"):
+        m.touch([b"a"], reused=[1])
+
+
 def test_arc_touch_last_to_first_evicts_tail_first():
     # invariant 8: touch([a, b, c]) moves c, then b, then a to T2's most recent end, so
     # eviction goes c, b, a. Fails if touch processes keys first to last.
@@ -765,7 +797,11 @@ class ARCModel:
         (self.t1 if k in self.t1 else self.t2).pop(k)
         self.t2[k] = None
 
-    touch_pending = touch
+    def touch_pending(self, k: bytes) -> None:
+        # a block used by the request storing it is seen once: most recent of its own list
+        lst = self.t1 if k in self.t1 else self.t2
+        lst.pop(k)
+        lst[k] = None
 
     def erase(self, k: bytes, evicted: bool) -> None:
         from_t1 = k in self.t1

@@ -919,7 +919,8 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
 }
 
 /// An engine request object (attributes `request_id` (str), `block_hashes` (a list of bytes or
-/// int hashes) and `num_tokens` (int)) handed to the core in one call: its block hashes beyond
+/// int hashes), `num_tokens` (int) and, with offload_prompt_only, `num_prompt_tokens` (int))
+/// handed to the core in one call: its block hashes beyond
 /// those the core has are read in place (no slice), then update_request; the object is kept in
 /// `requests` (a dict by request id, read by build_connector_meta's hash source). Returns the
 /// id object (a new reference; the view the hooks take is valid while it lives). Raises as
@@ -936,11 +937,28 @@ py::object sync_request(kvoff::OffloadingScheduler& self, py::handle request,
   if (!hashes) throw py::error_already_set();
   py::object tokens = py::reinterpret_steal<py::object>(PyObject_GetAttr(request.ptr(), kTokens));
   if (!tokens) throw py::error_already_set();
+  // offload_prompt_only: the prompt's length (vLLM's num_prompt_tokens), read and checked
+  // before anything changes
+  std::int64_t prompt_tokens = -1;
+  if (self.config().offload_prompt_only) {
+    static PyObject* const kPrompt = PyUnicode_InternFromString("num_prompt_tokens");
+    py::object prompt =
+        py::reinterpret_steal<py::object>(PyObject_GetAttr(request.ptr(), kPrompt));
+    if (!prompt) throw py::error_already_set();
+    if (!prompt.is_none()) {  // None: the prompt's length is unknown, nothing is limited
+      prompt_tokens = to_int64(prompt.ptr(), "request.num_prompt_tokens");
+      if (prompt_tokens < 0) {
+        throw py::value_error("request.num_prompt_tokens is " + std::to_string(prompt_tokens) +
+                              "; it must be the prompt's length in tokens (>= 0)");
+      }
+    }
+  }
   const std::size_t known = self.num_hashes(rid);
   struct SyncViews;
   Borrowed<std::vector<std::string_view>, SyncViews> storage;  // kept between calls
   KeyBatch batch(hashes, static_cast<Py_ssize_t>(known), &storage.get());  // the new ones only
   self.update_request(rid, known, batch.span(), to_int64(tokens.ptr(), "request.num_tokens"));
+  if (prompt_tokens >= 0) self.set_prompt_tokens(rid, prompt_tokens);  // checked: no throw
   if (PyDict_Check(requests.ptr()) && PyDict_SetItem(requests.ptr(), id.ptr(), request.ptr()) < 0) {
     throw py::error_already_set();
   }
@@ -1122,14 +1140,15 @@ void bind(py::module_& m) {
       m, "_OffloadingScheduler",
       "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
       "block_size_factor, hash_block_size, world_size, num_gpu_blocks, groups, "
-      "store_batch_blocks=1)\n\n"
+      "store_batch_blocks=1, offload_prompt_only=False)\n\n"
       "The C++ per-step offloading scheduler. Private: use kvoff.OffloadingScheduler, which "
       "documents every hook (shapes, units, errors).")
       .def(py::init([](std::int64_t num_cpu_blocks, const std::string& eviction_policy,
                        bool enable_events, std::int64_t gpu_block_size,
                        std::int64_t block_size_factor, std::int64_t hash_block_size,
                        std::int64_t world_size, std::int64_t num_gpu_blocks,
-                       py::handle groups, std::int64_t store_batch_blocks) {
+                       py::handle groups, std::int64_t store_batch_blocks,
+                       bool offload_prompt_only) {
              kvoff::SchedulerConfig c;
              c.num_cpu_blocks = num_cpu_blocks;
              c.eviction_policy = eviction_policy;
@@ -1140,6 +1159,7 @@ void bind(py::module_& m) {
              c.world_size = world_size;
              c.num_gpu_blocks = num_gpu_blocks;
              c.store_batch_blocks = store_batch_blocks;
+             c.offload_prompt_only = offload_prompt_only;
              for (py::handle g : groups) {
                if (!PyTuple_Check(g.ptr()) || PyTuple_GET_SIZE(g.ptr()) != 2) {
                  throw py::type_error("groups must be (kind, sliding_window) tuples");
@@ -1153,7 +1173,9 @@ void bind(py::module_& m) {
            py::arg("num_cpu_blocks"), py::arg("eviction_policy"), py::arg("enable_events"),
            py::arg("gpu_block_size"), py::arg("block_size_factor"), py::arg("hash_block_size"),
            py::arg("world_size"), py::arg("num_gpu_blocks"), py::arg("groups"),
-           py::arg("store_batch_blocks") = 1)
+           py::arg("store_batch_blocks") = 1, py::arg("offload_prompt_only") = false)
+      .def("set_prompt_tokens", &OffloadingScheduler::set_prompt_tokens, py::arg("request_id"),
+           py::arg("prompt_tokens"))
       .def(
           "update_request",
           [](OffloadingScheduler& self, const std::string& request_id, std::size_t start,
@@ -1275,7 +1297,16 @@ void bind(py::module_& m) {
              d["num_stored_blocks"] = mgr.num_stored_blocks();
              d["num_pending_blocks"] = mgr.num_pending_blocks();
              d["num_retired_blocks"] = mgr.num_retired_blocks();
+             d["num_evictable_blocks"] = mgr.num_evictable_blocks();
              return d;
+           })
+      .def("pool_usage",
+           [](const OffloadingScheduler& self) {
+             // (blocks, pinned by transfers, pending stores), for usage gauges every step
+             const auto& mgr = self.manager();
+             const std::uint32_t n = mgr.num_blocks();
+             return py::make_tuple(n, n - mgr.num_free_blocks() - mgr.num_evictable_blocks(),
+                                   mgr.num_pending_blocks());
            })
       .def("counters",
            [](const OffloadingScheduler& self) {
@@ -1310,6 +1341,9 @@ void bind(py::module_& m) {
            py::arg("key"))
       .def("next_store_block", &OffloadingScheduler::next_store_block, py::arg("request_id"))
       .def_property_readonly("store_batch_blocks", &OffloadingScheduler::store_batch_blocks)
+      .def_property_readonly(
+          "offload_prompt_only",
+          [](const OffloadingScheduler& self) { return self.config().offload_prompt_only; })
       .def("num_flushes_pending", &OffloadingScheduler::num_flushes_pending);
 }
 
@@ -1712,17 +1746,35 @@ PYBIND11_MODULE(_scheduler, m) {
                       .c_str()))
       .def(
           "touch",
-          [](CPUOffloadingManager& self, py::handle keys) {
+          [](CPUOffloadingManager& self, py::handle keys, py::handle reused) {
             KeyBatch batch(keys);
-            self.touch(batch.span());
+            if (reused.is_none()) {
+              self.touch(batch.span());
+              return;
+            }
+            std::vector<std::uint8_t> flags;
+            flags.reserve(batch.span().size());
+            for (py::handle f : reused) {
+              if (!PyBool_Check(f.ptr())) {
+                throw py::type_error("touch: reused must hold bools, got " +
+                                     std::string(py::str(py::type::of(f).attr("__name__"))));
+              }
+              flags.push_back(f.ptr() == Py_True ? 1 : 0);
+            }
+            self.touch(batch.span(), flags);
           },
-          py::arg("keys"),
-          py::doc(doc("touch(self, keys: Sequence[bytes | int]) -> None\n\n"
+          py::arg("keys"), py::arg("reused") = py::none(),
+          py::doc(doc("touch(self, keys: Sequence[bytes | int], reused: Sequence[bool] | None "
+                      "= None) -> None\n\n"
                       "Marks held keys (ready or pending) most recently used, last to first, so "
                       "keys[0] ends the most recent: a prefix's tail is evicted before its head. "
-                      "A ready key's use is a reuse (the probation policy protects it); a "
-                      "pending key is being stored by the caller, so its use only orders it. "
-                      "Keys not held are ignored.")
+                      "A ready key's use is a reuse (ARC promotes it, the probation policy "
+                      "protects it); a pending key is being stored by the caller, so its use only "
+                      "orders it. With reused (one bool per key), a ready key whose flag is False "
+                      "is ordered only, not a reuse (a block the request stored itself, applied "
+                      "when it finishes). Keys not held are ignored. Raises ValueError when "
+                      "reused has another length than keys, TypeError for a flag that is not a "
+                      "bool; nothing changes then.")
                       .c_str()))
       .def(
           "prepare_store",
@@ -1908,6 +1960,9 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_property_readonly("num_pending_blocks", &CPUOffloadingManager::num_pending_blocks,
                              py::doc("int: pending blocks (prepare_store'd, store not "
                                      "complete)."))
+      .def_property_readonly("num_evictable_blocks", &CPUOffloadingManager::num_evictable_blocks,
+                             py::doc("int: ready blocks that no load pins (could be evicted "
+                                     "now)."))
       .def_property_readonly("num_retired_blocks", &CPUOffloadingManager::num_retired_blocks,
                              py::doc("int: slots of blocks clear() or discard() dropped while "
                                      "a tier writer still reads them; freed when it hands them "

@@ -311,6 +311,15 @@ void ARCEvictionPolicy::touch(std::uint32_t slot) {
   link_most_recent(slot, List::kT2);
 }
 
+void ARCEvictionPolicy::touch_pending(std::uint32_t slot) {
+  check_tracked(slot, "touch_pending");
+  const List list = where_[slot];
+  const std::uint32_t head = list == List::kT1 ? t1_head_ : t2_head_;
+  if (links_[head].prev == slot) return;  // already the most recent of its list
+  unlink(slot);
+  link_most_recent(slot, list);
+}
+
 void ARCEvictionPolicy::erase(std::uint32_t slot, std::string_view key, bool evicted) {
   check_tracked(slot, "erase");
   const List from = where_[slot];

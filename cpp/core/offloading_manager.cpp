@@ -529,6 +529,17 @@ void CPUOffloadingManager::touch(KeySpan keys) {
   touch_slots(scratch_slots_);
 }
 
+void CPUOffloadingManager::touch(KeySpan keys, std::span<const std::uint8_t> reused) {
+  if (reused.size() != keys.size()) {
+    throw std::invalid_argument("touch: " + std::to_string(reused.size()) +
+                                " reuse flags for " + std::to_string(keys.size()) +
+                                " keys; pass one flag per key. Nothing was changed.");
+  }
+  validate_keys(keys, "touch");
+  find_all(keys);
+  touch_slots(scratch_slots_, reused);
+}
+
 void CPUOffloadingManager::touch_blocks(std::span<const std::uint32_t> block_ids) {
   for (std::size_t i = 0; i < block_ids.size(); ++i) {
     const std::uint32_t slot = block_ids[i];
@@ -544,7 +555,8 @@ void CPUOffloadingManager::touch_blocks(std::span<const std::uint32_t> block_ids
   touch_slots(block_ids);
 }
 
-void CPUOffloadingManager::touch_slots(std::span<const std::uint32_t> slots) {
+void CPUOffloadingManager::touch_slots(std::span<const std::uint32_t> slots,
+                                       std::span<const std::uint8_t> reused) {
   for (const std::uint32_t slot : slots) {
     if (slot != KeyIndex::kNotFound) {
       policy_->prefetch(slot);
@@ -555,7 +567,8 @@ void CPUOffloadingManager::touch_slots(std::span<const std::uint32_t> slots) {
   for (std::size_t i = slots.size(); i-- > 0;) {
     const std::uint32_t slot = slots[i];
     if (slot != KeyIndex::kNotFound) {
-      if (state_bits(index_.payload(slot)) == BlockState::kPending) {
+      if (state_bits(index_.payload(slot)) == BlockState::kPending ||
+          (!reused.empty() && reused[i] == 0)) {
         policy_->touch_pending(slot);
       } else {
         policy_->touch(slot);

@@ -149,10 +149,16 @@ void OffloadingScheduler::set_idle_after_stores(Request& r, std::int64_t tokens_
   // With store batching, fewer than store_batch_ waiting blocks also leave it idle: a step
   // that completes no block cannot start a store (one that does is never skipped as idle).
   // It wakes when the step's tokens fill its next batch (next_store + store_batch_ blocks).
-  set_idle(r,
-           r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty() &&
-               r.next_store + store_batch_ > tokens_after / offloaded_block_size_,
-           (r.next_store + store_batch_) * offloaded_block_size_);
+  // With a store limit (offload_prompt_only) the batch that wakes it ends at the limit's last
+  // block, and a request that stored every block below the limit never wakes (decode).
+  const std::int64_t target = std::min(r.next_store + store_batch_, storable_blocks(r));
+  const bool quiet = r.scheduled_before && r.loads_in_flight == 0 && r.unemitted_loads.empty();
+  if (target <= r.next_store) {
+    set_idle(r, quiet, kAllTokens);
+    return;
+  }
+  set_idle(r, quiet && target > tokens_after / offloaded_block_size_,
+           target * offloaded_block_size_);
 }
 
 OffloadingScheduler::Request* OffloadingScheduler::find(std::string_view request_id) noexcept {
@@ -342,6 +348,24 @@ void OffloadingScheduler::add_hashes(std::string_view request_id, std::size_t st
   const std::int64_t num_tokens = std::max(r.num_tokens, covered);
   check_hashes(&r, request_id, start, new_hashes, num_tokens, kHook);
   append_hashes(r, start, new_hashes, num_tokens);
+}
+
+void OffloadingScheduler::set_prompt_tokens(std::string_view request_id,
+                                            std::int64_t prompt_tokens) {
+  constexpr const char* kHook = "set_prompt_tokens";
+  refuse_reentry(kHook);
+  Request& r = get(request_id, kHook);
+  if (r.finished) {
+    throw std::invalid_argument(hook_error(
+        kHook, request_id, "the request was finished; a new request needs a new id"));
+  }
+  if (prompt_tokens < 0 || prompt_tokens > kMaxTokenCount) {
+    throw std::invalid_argument(hook_error(
+        kHook, request_id,
+        "prompt_tokens " + std::to_string(prompt_tokens) +
+            " must be in [0, 2^61]; pass the request's prompt length in tokens"));
+  }
+  if (config_.offload_prompt_only) r.store_limit = prompt_tokens;
 }
 
 void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_hashes,
@@ -715,9 +739,11 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
 
 bool OffloadingScheduler::collect_stores(Request& r, std::int64_t tokens_after, bool flush) {
   if (r.loads_in_flight > 0 || !r.unemitted_loads.empty()) return false;  // invariant 7
-  const std::int64_t full = known_blocks(r, tokens_after);
+  const std::int64_t full = known_storable_blocks(r, tokens_after);
   if (full <= r.next_store) return false;
-  if (!flush && full - r.next_store < store_batch_) return false;  // the batch is not full yet
+  // The batch is not full yet (unless the request's last storable block is: nothing more will
+  // join it)
+  if (!flush && full - r.next_store < store_batch_ && full < storable_blocks(r)) return false;
   const std::int64_t f = config_.block_size_factor;
   const std::size_t num_groups = config_.groups.size();
   constexpr std::uint32_t kNoSlot = std::numeric_limits<std::uint32_t>::max();
@@ -982,12 +1008,14 @@ ConnectorMetaView OffloadingScheduler::build_connector_meta_view(
       if (hash_source && token_counts_valid(s)) {
         // Pull hashes only when the blocks full after this step need more than are known (in
         // decode: once per offloaded block, not every step).
-        const std::int64_t full = (s.num_computed_tokens + s.num_scheduled_tokens) /
-                                  offloaded_block_size_ * offloaded_block_size_;
+        const std::int64_t full =
+            std::min(s.num_computed_tokens + s.num_scheduled_tokens, r.store_limit) /
+            offloaded_block_size_ * offloaded_block_size_;
         // With store batching, only when a batch is due (a finished request's last blocks are
-        // pulled by request_finished's caller).
+        // pulled by request_finished's caller), or the last storable block is full.
+        const std::int64_t full_blocks = full / offloaded_block_size_;
         if (static_cast<std::int64_t>(r.hashes.size()) * config_.hash_block_size < full &&
-            full / offloaded_block_size_ - r.next_store >= store_batch_) {
+            (full_blocks - r.next_store >= store_batch_ || full_blocks >= storable_blocks(r))) {
           HashSink sink(*this, r);
           in_hash_source_ = true;  // engine code runs: calls back into this scheduler refused
           struct Reset {
@@ -1352,7 +1380,7 @@ FinishResult OffloadingScheduler::finish_request(std::string_view request_id) {
   // build_connector_meta (its table is kept until then).
   const bool flush = store_batch_ > 1 && !r->finished && r->scheduled_before &&
                      r->loads_in_flight == 0 && r->unemitted_loads.empty() &&
-                     known_blocks(*r, r->tokens_seen) > r->next_store;
+                     known_storable_blocks(*r, r->tokens_seen) > r->next_store;
   release(*r, /*keep_table=*/flush);
   if (flush) {
     r->flush_pending = true;

@@ -1457,5 +1457,55 @@ TEST(CPUOffloadingManagerWriteThrough, AWriterThreadHandsBackWhileTheEngineStore
   EXPECT_EQ(m.num_evictable_blocks(), m.num_stored_blocks());  // no pin left behind
 }
 
+// ----------------------------------------------- touch with reuse flags (a request's accesses)
+
+/// ARC evicts T1 (blocks seen once) before T2 (reused blocks): A survives three more stores
+/// into a pool of 3 only if its touch counted as a reuse.
+bool survives_arc_after_touch(std::uint8_t reused) {
+  CPUOffloadingManager m(3, "arc");
+  for (const char* k : {"A", "B", "C"}) store(m, Keys{k});
+  const std::uint8_t flags[] = {reused};
+  m.touch(Keys{"A"}, flags);
+  for (const char* k : {"D", "E", "F"}) store(m, Keys{k});
+  return m.state("A") == BlockState::kReady;
+}
+
+TEST(ManagerTouchReused, OnlyAFlaggedUseIsAReuse) {
+  EXPECT_TRUE(survives_arc_after_touch(1));   // promoted to T2 by the reuse
+  EXPECT_FALSE(survives_arc_after_touch(0));  // ordered in T1, evicted with the others
+}
+
+TEST(ManagerTouchReused, KeysEndInPrefixOrderWhateverTheirFlags) {
+  CPUOffloadingManager m(4, "lru");
+  for (const char* k : {"h", "m", "t", "x"}) store(m, Keys{k});
+  const std::uint8_t flags[] = {0, 1, 0};
+  m.touch(K({"h", "m", "t"}), flags);  // h ends the most recent, t the least of the three
+  EXPECT_EQ(drain(m, 4), S({"x", "t", "m", "h"}));
+}
+
+TEST(ManagerTouchReused, PendingKeysAreOrderedNeverReused) {
+  CPUOffloadingManager m(2, "arc");
+  auto r = m.prepare_store(Keys{"A"});
+  ASSERT_TRUE(r.has_value());
+  const std::uint8_t flags[] = {1};
+  m.touch(Keys{"A"}, flags);  // pending: its own request stores it, no reuse
+  m.complete_store(Keys{"A"});
+  store(m, Keys{"B"});
+  EXPECT_EQ(drain(m, 1), S({"A"}));  // both in T1: the least recent goes first
+}
+
+TEST(ManagerTouchReused, AFlagCountOtherThanTheKeysIsRefusedAndChangesNothing) {
+  CPUOffloadingManager m(2, "lru");
+  for (const char* k : {"a", "b"}) store(m, Keys{k});
+  const std::uint8_t flags[] = {1};
+  try {
+    m.touch(K({"a", "b"}), flags);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("1 reuse flags for 2 keys"), std::string::npos);
+  }
+  EXPECT_EQ(drain(m, 2), S({"a", "b"}));  // b was stored last: a is still the least recent
+}
+
 }  // namespace
 }  // namespace kvoff

@@ -1812,5 +1812,98 @@ TEST(OffloadingSchedulerStoreBatch, UnscheduledRequestIsForgottenAtOnce) {
   EXPECT_EQ(s.num_flushes_pending(), 0u);
 }
 
+// ------------------------------------------------------------------- offload_prompt_only
+
+SchedulerConfig prompt_only(std::int64_t batch = 1) {
+  auto c = batched(batch);
+  c.offload_prompt_only = true;
+  return c;
+}
+
+TEST(OffloadingSchedulerPromptOnly, DecodeBlocksAreNeverStored) {
+  OffloadingScheduler s(prompt_only());
+  add(s, "A", hashes("a", 2), 10);  // a prompt of 10 tokens: 2 full blocks and 2 tokens
+  s.set_prompt_tokens("A", 10);
+  auto meta = step(s, {sched("A", {{5, 6, 7}}, 0, 10)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {5, 6}, {2}, {0}, {key("a0", 0), key("a1", 0)});
+  report(s, {meta.store_jobs[0].job_id});
+  EXPECT_EQ(s.num_idle_requests(), 1u);  // nothing more to store: decode steps skip it
+  // decode fills block 2 (tokens 8..11) and block 3: neither is stored
+  add(s, "A", hashes("a", 4), 16);
+  for (std::int64_t c = 10; c < 16; ++c) {
+    EXPECT_TRUE(step(s, {sched("A", c == 11 ? Table{{8}} : Table{}, c, 1)}).store_jobs.empty())
+        << "at " << c;
+  }
+  EXPECT_FALSE(s.request_finished("A"));  // no store due at the finish either
+  EXPECT_EQ(s.stats().blocks_stored, 2u);
+  EXPECT_EQ(s.manager().state(key("a2", 0)), BlockState::kMissing);
+}
+
+TEST(OffloadingSchedulerPromptOnly, TheLastPromptBlocksAreStoredWithoutWaitingForABatch) {
+  OffloadingScheduler s(prompt_only(4));
+  add(s, "A", hashes("a", 6), 24);
+  s.set_prompt_tokens("A", 24);  // 6 prompt blocks: one batch of 4, then 2 that end it
+  auto meta = step(s, {sched("A", {{5, 6, 7, 8}}, 0, 16)});  // prefill chunk 1: 4 blocks
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  EXPECT_EQ(meta.store_jobs[0].keys.size(), 4u);
+  report(s, {meta.store_jobs[0].job_id});
+  meta = step(s, {sched("A", {{9, 10}}, 16, 8)});  // chunk 2: the prompt's last 2 blocks
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {9, 10}, {2}, {4}, {key("a4", 0), key("a5", 0)});
+  report(s, {meta.store_jobs[0].job_id});
+  EXPECT_FALSE(s.request_finished("A"));  // nothing waits for the finish
+}
+
+TEST(OffloadingSchedulerPromptOnly, OffByDefaultAndAPromptLengthWithoutTheOptionChangesNothing) {
+  OffloadingScheduler s(batched(1));
+  EXPECT_FALSE(s.config().offload_prompt_only);
+  add(s, "A", hashes("a", 3), 12);
+  s.set_prompt_tokens("A", 4);  // checked, not applied
+  auto meta = step(s, {sched("A", {{5, 6, 7}}, 0, 12)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  EXPECT_EQ(meta.store_jobs[0].keys.size(), 3u);
+}
+
+TEST(OffloadingSchedulerPromptOnly, ARequestWithoutAPromptLengthIsNotLimited) {
+  OffloadingScheduler s(prompt_only());
+  add(s, "A", hashes("a", 3), 12);
+  auto meta = step(s, {sched("A", {{5, 6, 7}}, 0, 12)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  EXPECT_EQ(meta.store_jobs[0].keys.size(), 3u);
+}
+
+TEST(OffloadingSchedulerPromptOnly, BadPromptLengthsAreRefusedAndChangeNothing) {
+  OffloadingScheduler s(prompt_only());
+  add(s, "A", hashes("a", 3), 12);
+  expect_names(error_of([&] { s.set_prompt_tokens("A", -1); }),
+               {"set_prompt_tokens", "'A'", "-1", "prompt"});
+  expect_names(error_of([&] { s.set_prompt_tokens("nobody", 4); }), {"'nobody'"});
+  auto meta = step(s, {sched("A", {{5, 6, 7}}, 0, 12)});  // not limited: nothing was set
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  EXPECT_EQ(meta.store_jobs[0].keys.size(), 3u);
+  report(s, {meta.store_jobs[0].job_id});
+  s.request_finished("A");
+  expect_names(error_of([&] { s.set_prompt_tokens("A", 4); }), {"'A'"});
+}
+
+TEST(OffloadingSchedulerPromptOnly, AStreamingSessionWhosePromptGrewStoresTheNewPromptBlocks) {
+  OffloadingScheduler s(prompt_only());
+  add(s, "A", hashes("a", 2), 8);
+  s.set_prompt_tokens("A", 8);
+  auto meta = step(s, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  report(s, {meta.store_jobs[0].job_id});
+  // the session's next input: its prompt now has 16 tokens; scheduled again as new (its
+  // whole table), it stores the prompt blocks it did not have
+  add(s, "A", hashes("a", 4), 16);
+  s.set_prompt_tokens("A", 16);
+  ScheduledRequest again = sched("A", {{5, 6, 7, 8}}, 8, 8);
+  again.whole_table = true;
+  meta = step(s, {again});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  expect_job(s, meta.store_jobs[0], true, "A", {7, 8}, {2}, {2}, {key("a2", 0), key("a3", 0)});
+}
+
 }  // namespace
 }  // namespace kvoff

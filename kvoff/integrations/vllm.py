@@ -103,11 +103,12 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.base import OffloadingWorker as VllmOffloadingWorker
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoff import specs as kspecs
 from kvoff._scheduler import CPUOffloadingManager
-from kvoff.config import ConfigError, OffloadingConfig
+from kvoff.config import EVICTION_POLICIES, ConfigError, OffloadingConfig
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.scheduler import (
     OffloadingScheduler,
@@ -227,14 +228,33 @@ def kvoff_kv_cache_config(config: VllmKVCacheConfig) -> kspecs.KVCacheConfig:
 def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> OffloadingConfig:
     """The :class:`kvoff.OffloadingConfig` in ``kv_connector_extra_config``.
 
+    vLLM's CPU offloading keys carry over: ``eviction_policy``, ``store_threshold`` and
+    ``max_tracker_size`` are kvoff keys of the same meaning, and ``cache_policy_module_path``
+    is accepted when empty.
+
     Raises:
-        kvoff.config.ConfigError: for an unknown key (naming it and the closest valid key), or
-            on the spec path a key vLLM's OffloadingConnector decides itself
+        kvoff.config.ConfigError: for an unknown key (naming it and the closest valid key), a
+            missing ``cpu_bytes_to_use`` (vLLM's message: "cpu_bytes_to_use must be
+            specified"), a ``cache_policy_module_path`` (a Python policy cannot run in kvoff's
+            C++ manager), or on the spec path a key vLLM's OffloadingConnector decides itself
             (``offloaded_block_size``, ``hash_block_size``, ``world_size``,
-            ``store_batch_blocks``).
+            ``store_batch_blocks``, ``offload_prompt_only`` is vLLM's own key there).
         pydantic.ValidationError: for a bad value (naming it).
     """
     data = {k: v for k, v in dict(extra).items() if not (spec_path and k in VLLM_SPEC_KEYS)}
+    module = data.pop("cache_policy_module_path", None)
+    if module:
+        raise ConfigError(
+            f"kv_connector_extra_config cache_policy_module_path={module!r}: kvoff's eviction "
+            "policies run inside its C++ manager, which cannot call a Python CachePolicy; "
+            f"choose eviction_policy from {list(EVICTION_POLICIES)} and remove the key, or use "
+            "vLLM's own CPUOffloadingSpec for a Python policy"
+        )
+    if not data.get("cpu_bytes_to_use") and "num_cpu_blocks" not in data:
+        raise ConfigError(
+            "cpu_bytes_to_use must be specified in kv_connector_extra_config: the CPU pool's "
+            'bytes over all ranks, e.g. "cpu_bytes_to_use": "40GiB"'
+        )
     ignored = {
         "offloaded_block_size": "block_size (vLLM's key: tokens per offloaded block)",
         "hash_block_size": "nothing (vLLM hashes with its own block size)",
@@ -683,6 +703,19 @@ def _configured_tier_counters(extra: Mapping[str, Any]) -> tuple[tuple[str, str]
     )
 
 
+#: Gauges of :class:`KvoffConnector`: vLLM's CPU cache usage figures
+#: (``vllm:kv_offload_cpu_cache_*_usage_perc``, which :class:`KvoffOffloadingSpec` reports under
+#: vLLM's names) under kvoff's, ``vllm:kvoff_<name>``.
+_GAUGES: tuple[tuple[str, str], ...] = (
+    ("cpu_cache_usage_perc", "Fraction of the CPU pool's blocks that transfers pin now (stores "
+     "in flight, loads, write-through to the tiers); as vLLM's "
+     "vllm:kv_offload_cpu_cache_usage_perc"),
+    ("cpu_cache_write_usage_perc", "Fraction of the CPU pool's blocks pinned by stores in flight"),
+    ("cpu_cache_read_usage_perc", "Fraction of the CPU pool's blocks pinned by loads and "
+     "write-through"),
+)  # fmt: skip
+_GAUGE_NAMES = frozenset(name for name, _ in _GAUGES)
+
 #: The workers' transfer totals, after the scheduler's COUNTER_NAMES in the connector's stats.
 _TRANSFER_TOTALS = ("load_bytes", "store_bytes", "load_seconds", "store_seconds")
 
@@ -690,7 +723,8 @@ _TRANSFER_TOTALS = ("load_bytes", "store_bytes", "load_seconds", "store_seconds"
 @dataclass
 class KvoffConnectorStats(KVConnectorStats):
     """kvoff's counters since the last report (``data``: name → value; see
-    :data:`_COUNTERS`, plus ``load_seconds`` and ``store_seconds``).
+    :data:`_COUNTERS`, plus ``load_seconds`` and ``store_seconds``) and its usage gauges at
+    the report (:data:`_GAUGES`, fractions of the CPU pool's blocks).
 
     :meth:`reduce` adds GB/s per direction (bytes over the transfer seconds of all ranks,
     10^9 bytes per second).
@@ -710,7 +744,8 @@ class KvoffConnectorStats(KVConnectorStats):
             raise TypeError(f"cannot aggregate KvoffConnectorStats with {type(other).__name__}")
         merged = dict(self.data)
         for k, v in other.data.items():
-            merged[k] = merged.get(k, 0) + v
+            # a gauge is the newer report's (``other``), counters add up
+            merged[k] = v if k in _GAUGE_NAMES else merged.get(k, 0) + v
         return KvoffConnectorStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
@@ -722,14 +757,15 @@ class KvoffConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        """Whether no counter moved."""
-        return not any(self.data.values())
+        """Whether no counter moved (gauges alone are not news)."""
+        return not any(v for k, v in self.data.items() if k not in _GAUGE_NAMES)
 
 
 class KvoffPromMetrics(KVConnectorPromMetrics):
     """Prometheus counters ``vllm:kvoff_<name>_total`` per engine, from
     :class:`KvoffConnectorStats` (hit tokens, lookups, jobs, blocks and bytes loaded and stored,
-    evictions, refused stores, stale blocks skipped, flushes, failures, transfer seconds)."""
+    evictions, refused stores, stale blocks skipped, flushes, failures, transfer seconds), and
+    the CPU pool's usage gauges ``vllm:kvoff_cpu_cache_*usage_perc`` (:data:`_GAUGES`)."""
 
     def __init__(
         self,
@@ -750,10 +786,23 @@ class KvoffPromMetrics(KVConnectorPromMetrics):
             )
             for engine, values in per_engine_labelvalues.items():
                 self._counters[(engine, name)] = metric.labels(*values)
+        self._gauges: dict[tuple[int, str], Any] = {}
+        for name, doc in _GAUGES:
+            gauge = self._gauge_cls(
+                name=f"vllm:kvoff_{name}", documentation=doc, labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )  # fmt: skip
+            for engine, values in per_engine_labelvalues.items():
+                self._gauges[(engine, name)] = gauge.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Adds one report's counters to the engine's Prometheus counters."""
+        """Adds one report's counters to the engine's Prometheus counters and sets its
+        gauges."""
         for name, value in transfer_stats_data.items():
+            gauge = self._gauges.get((engine_idx, name))
+            if gauge is not None:
+                gauge.set(value)
+                continue
             counter = self._counters.get((engine_idx, name))
             if counter is not None and value:
                 counter.inc(value)
@@ -832,6 +881,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                 self._spec,
                 enable_events=events,
                 store_batch_blocks=self._config.store_batch_blocks,
+                offload_prompt_only=self._config.offload_prompt_only,
             )
             if self._config.has_tiers:
                 self._has_tiers = True
@@ -1010,10 +1060,18 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                     yield BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)
 
     def get_kv_connector_stats(self) -> KvoffConnectorStats | None:
-        """The counters (:data:`_COUNTERS`) since the last call; ``None`` when none moved."""
+        """The counters (:data:`_COUNTERS`) since the last call and the pool's usage gauges
+        (:data:`_GAUGES`); ``None`` when no counter moved (the gauges did not either)."""
         if self._scheduler is None:
             return None
         data, self._counters_seen = self._scheduler.counters_delta(self._counters_seen)
+        if data is not None:
+            # the pool's pins change only with jobs, which move the counters: gauges are read
+            # only then (about 0.2 µs)
+            n, pinned, pending = self._scheduler.pool_usage()
+            data["cpu_cache_usage_perc"] = pinned / n
+            data["cpu_cache_write_usage_perc"] = pending / n
+            data["cpu_cache_read_usage_perc"] = (pinned - pending) / n
         if self._totals_moved:  # (the engine calls this every step: the usual case is cheap)
             self._totals_moved = False
             totals, seen = self._transfer_totals, self._totals_seen
@@ -1190,9 +1248,100 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
 # --------------------------------------------------------- vLLM's OffloadingConnector, kvoff inside
 
 
-class KvoffCPUBlocks(BlockIDsLoadStoreSpec):
+class KvoffCPUBlocks(CPULoadStoreSpec):
     """The CPU side of a vLLM offloading job: kvoff CPU block ids (slots), one per offloaded
-    block (chunk), in the order of the job's keys."""
+    block (chunk), in the order of the job's keys: ``block_ids`` (and vLLM's alias
+    ``chunk_ids``), an int32 array. A ``CPULoadStoreSpec``, as vLLM's CPU manager returns."""
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """The offload keys one request used, kept in its vLLM ``ReqContext`` until it finishes,
+    when :meth:`KvoffOffloadingManager.on_request_finished` makes them recent in prefix order
+    (vLLM 0.32's managers apply a request's recency there: its scheduler never calls
+    ``touch``)."""
+
+    owner: object  # the manager that recorded it
+    generation: int  # the manager's cache generation (a reset starts a new one)
+    groups: dict[int, list[OffloadKey]] = field(default_factory=dict)  # first-seen order
+    seen: set[OffloadKey] = field(default_factory=set)
+    inserted: set[OffloadKey] = field(default_factory=set)  # stored by this request
+    reused: set[OffloadKey] = field(default_factory=set)  # ready blocks it used, not its own
+    finished: bool = False
+
+
+def _group_of(key: OffloadKey) -> int:
+    """The KV cache group of a vLLM offload key (its last 4 bytes, big-endian:
+    ``vllm.v1.kv_offload.base.make_offload_key``)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+def _prefix_order(access: _RequestAccess, req_context: ReqContext) -> list[OffloadKey]:
+    """A request's keys head to tail: by the token position vLLM's scheduler recorded for each
+    (``ReqContext.get_offload_key_position``) across all KV cache groups when every key has
+    one, so that one group's tail never outranks another group's head; else group by group
+    (group order), each by position when all of its keys have one, else in the order the
+    request used them. The same order as vLLM's ``order_request_keys``."""
+    position = req_context.get_offload_key_position
+    keys: list[OffloadKey] = []
+    for g in sorted(access.groups):
+        group = access.groups[g]
+        pos = [position(k) for k in group]
+        if None not in pos:
+            group = [k for _, _, k in sorted(zip(pos, range(len(group)), group))]
+        keys.extend(group)
+    pos = [position(k) for k in keys]
+    if None not in pos:
+        keys = [k for _, _, k in sorted(zip(pos, range(len(keys)), keys))]
+    return keys
+
+
+class _NoPool:
+    """The CPU manager of a pool of 0 blocks (vLLM sizes the pool at 0 when the workers' KV
+    bytes per block are 0): every key misses and nothing can be stored."""
+
+    num_blocks = num_free_blocks = num_stored_blocks = num_pending_blocks = 0
+    num_evictable_blocks = num_retired_blocks = 0
+    stores_skipped = 0
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def prepare_store(self, keys: Sequence[bytes]) -> Any:
+        return None if keys else _EMPTY_STORE
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        if keys:
+            raise ValueError(
+                f"key {bytes(keys[0]).hex()} is not in the CPU pool, which has 0 blocks; load "
+                "only keys that lookup() reports as hits"
+            )
+        return []
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        self.prepare_load(keys)
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        self.prepare_load(keys)
+
+    def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | None = None) -> None:
+        return None
+
+    def take_events(self) -> list[Any]:
+        return []
+
+    def clear(self, include_in_flight: bool = False) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class _EmptyStore:
+    keys_to_store: tuple[bytes, ...] = ()
+    block_ids: tuple[int, ...] = ()
+    evicted_keys: tuple[bytes, ...] = ()
+
+
+_EMPTY_STORE = _EmptyStore()
 
 
 #: Engine steps for which a key the tiers were asked about and did not promote stays a miss
@@ -1220,26 +1369,60 @@ class KvoffOffloadingManager(OffloadingManager):
     as a hit is not evicted under the request. Completed stores are written through to the
     tiers in the background (see :mod:`kvoff.tiers.coordinator`).
 
+    Recency, as vLLM 0.32's ``CPUOffloadingManager`` keeps it: vLLM's scheduler never calls
+    :meth:`touch`; a request's keys (those it loaded, stored or offered while held) are
+    recorded in its ``ReqContext`` and made recent when it finishes
+    (:meth:`on_request_finished`), head most recent, ordered by token position across KV
+    cache groups (invariant 8 over the whole request). Blocks it loaded, or offered while
+    another request had stored them, count as a reuse (ARC promotes them, probation protects
+    them); blocks it stored itself are only ordered. New blocks enter the policy at
+    :meth:`prepare_store` as the most recent, the call's first key the most recent of them.
+
     Args:
-        num_blocks: CPU slots (offloaded blocks).
+        num_blocks: CPU slots (offloaded blocks); 0 makes a pool that holds nothing (vLLM sizes
+            the pool at 0 when the workers' KV bytes per block are 0).
         eviction_policy: a kvoff eviction policy name.
         enable_events: record ``BlockStored`` / ``BlockRemoved`` events.
+        store_threshold: store a block only once ``prepare_store`` was offered it this many
+            times (vLLM's admission filter; < 2: every block); see
+            :class:`kvoff.CPUOffloadingManager`.
+        max_tracker_size: keys the admission filter counts at most.
 
     Raises:
-        ValueError: a pool of fewer than one block, or an unknown policy.
+        ValueError: a negative ``num_blocks``, an unknown policy, or a bad ``store_threshold``
+            / ``max_tracker_size``.
         MemoryError: the host cannot hold the pool's index and policy (about 110 bytes per
             block); the message names ``num_blocks``, the bytes needed and the fix (a smaller
             ``cpu_bytes_to_use``).
     """
 
-    def __init__(self, num_blocks: int, eviction_policy: str, enable_events: bool) -> None:
-        if num_blocks < 1:
+    def __init__(
+        self,
+        num_blocks: int,
+        eviction_policy: str,
+        enable_events: bool,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+    ) -> None:
+        if num_blocks < 0:
             raise ValueError(
                 f"the CPU pool has {num_blocks} offloaded blocks; raise cpu_bytes_to_use in "
                 "kv_connector_extra_config so that at least one offloaded block fits"
             )
+        self.medium = Medium.CPU
         self.num_blocks = num_blocks
-        self.manager = CPUOffloadingManager(num_blocks, eviction_policy, enable_events)
+        self.store_threshold = store_threshold
+        self.manager: Any = (
+            CPUOffloadingManager(
+                num_blocks, eviction_policy, enable_events,
+                store_threshold=store_threshold, max_tracker_size=max_tracker_size,
+            )  # fmt: skip
+            if num_blocks > 0
+            else _NoPool()
+        )
+        self._generation = 0  # cache resets so far: older request records are dropped
+        self._allocation_sizes: list[int] = []  # keys to store per prepare_store, for get_stats
+        self._skipped_seen = 0
         self.tiers: Any = None  # kvoff.tiers.coordinator.TieredPool, after attach_tiers
         self._step = 0
         # request -> (keys to probe at the step's end, the tiers its filter allows)
@@ -1362,14 +1545,48 @@ class KvoffOffloadingManager(OffloadingManager):
         """Whether keys wait for the tiers (vLLM then keeps stepping)."""
         return bool(self._asks or self._asked)
 
+    def _access(self, req_context: ReqContext) -> _RequestAccess:
+        """The request's access record (a new one after a cache reset, for another manager, or
+        once the request's last one was applied)."""
+        access = req_context.get_state(_RequestAccess)
+        if (
+            access is None
+            or access.owner is not self
+            or access.generation != self._generation
+            or access.finished
+        ):
+            access = _RequestAccess(owner=self, generation=self._generation)
+            req_context.set_state(access)
+        return access
+
+    @staticmethod
+    def _record(
+        access: _RequestAccess,
+        keys: Iterable[OffloadKey],
+        inserted: Iterable[OffloadKey] = (),
+        reused: Iterable[OffloadKey] = (),
+    ) -> None:
+        seen, groups = access.seen, access.groups
+        for key in keys:
+            if key not in seen:
+                seen.add(key)
+                groups.setdefault(_group_of(key), []).append(key)
+        access.inserted.update(inserted)
+        # reading back a block this request stored (a tier's cascade) is not a reuse
+        access.reused.update(k for k in reused if k not in access.inserted)
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvoffCPUBlocks:
-        """Pins the keys' blocks until :meth:`complete_load`; their CPU block ids.
+        """Pins the keys' blocks until :meth:`complete_load`; their CPU block ids. The keys
+        are a reuse of the request's, made recent when it finishes.
 
         Raises:
             ValueError: a key that is not ready in the pool (missing or still being stored),
                 named with its state; nothing is pinned.
         """
-        return KvoffCPUBlocks(self.manager.prepare_load(list(keys)))
+        keys = list(keys)
+        spec = KvoffCPUBlocks(self.manager.prepare_load(keys))
+        self._record(self._access(req_context), keys, reused=keys)
+        return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Marks the keys used, the first most recently (invariant 8).
@@ -1391,12 +1608,31 @@ class KvoffOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        """Slots for the keys not held (all or nothing: None changes nothing, invariant 6)."""
-        out = self.manager.prepare_store(list(keys))
+        """Slots for the keys not held (all or nothing: None changes no block, invariant 6),
+        in the call's order; with ``store_threshold`` only for those offered often enough.
+        The request's keys are recorded for its recency at :meth:`on_request_finished`:
+        those stored now as its own, those another request had stored (ready) as a reuse,
+        also when the call returns None."""
+        keys = list(keys)
+        manager = self.manager
+        out = manager.prepare_store(keys)
+        stored = [] if out is None else list(out.keys_to_store)
+        new = set(stored)
+        # held keys: ready ones are a reuse; pending ones (another request is storing them),
+        # missing ones (no room, or held back by the admission filter) are not recorded
+        state = {k: manager.lookup([k]) for k in keys if k not in new}  # 1, 0 or None
+        ready = [k for k, st in state.items() if st == 1]
+        # vLLM's allocation-size histogram: the keys that needed a slot, refused calls too
+        attempted = len(stored) if out is not None else sum(st == 0 for st in state.values())
+        if attempted > 0:
+            self._allocation_sizes.append(attempted)
+        access = self._access(req_context)
+        keep = new.union(ready)
+        self._record(access, (k for k in keys if k in keep), inserted=stored, reused=ready)
         if out is None:
             return None
         return PrepareStoreOutput(
-            keys_to_store=list(out.keys_to_store),
+            keys_to_store=stored,
             store_spec=KvoffCPUBlocks(list(out.block_ids)),
             evicted_keys=list(out.evicted_keys),
         )
@@ -1424,8 +1660,30 @@ class KvoffOffloadingManager(OffloadingManager):
             m.complete_store(pending, success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        """Every request offloads per block (vLLM's default policy)."""
+        """Starts the request's access record; every request offloads per block (vLLM's
+        default policy)."""
+        self._access(req_context)
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Makes the request's keys recent in prefix order: head most recent, a tail evicted
+        before its head across every KV cache group (:func:`_prefix_order`); blocks it reused
+        count as a reuse, those it stored only as ordered
+        (:meth:`kvoff.CPUOffloadingManager.touch` with ``reused``). Keys no longer held are
+        passed by. Once per record: a second call does nothing."""
+        access = req_context.get_state(_RequestAccess)
+        if (
+            access is None
+            or access.owner is not self
+            or access.generation != self._generation
+            or access.finished
+        ):
+            return
+        access.finished = True
+        if access.seen:
+            keys = _prefix_order(access, req_context)
+            reused = access.reused
+            self.manager.touch(keys, [k in reused for k in keys])
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """kvoff's events as vLLM's ``OffloadingEvent`` (medium CPU; promotions are stores)."""
@@ -1436,29 +1694,51 @@ class KvoffOffloadingManager(OffloadingManager):
             )  # fmt: skip
 
     def get_stats(self) -> Any:
-        """The tiers' counters that moved since the last call, as vLLM's
-        ``OffloadingConnectorStats`` counters ``vllm:kvoff_<name>`` (:data:`_TIER_COUNTERS`,
-        defined by :meth:`KvoffOffloadingSpec.build_metric_definitions`); ``None`` without
-        tiers or when none moved."""
-        tiers = self.tiers
-        if tiers is None:
-            return None
-        version = tiers.stats_version()
-        if version == self._tier_version:
-            return None
-        self._tier_version = version
-        now, seen = _tier_totals(tiers), self._tier_seen
-        moved = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
-        if not moved:
-            return None
+        """vLLM's CPU offloading metrics (``vllm.v1.kv_offload.cpu.common.
+        CPUOffloadingMetrics``, same names and meaning as its ``CPUOffloadingManager``), as an
+        ``OffloadingConnectorStats``, every call:
+
+        * ``vllm:kv_offload_cpu_cache_usage_perc``: the fraction of the pool's blocks that
+          transfers pin now (stores in flight, blocks being loaded or written through to the
+          tiers; 0.0 with 0 blocks), ``..._write_usage_perc`` the stores' share,
+          ``..._read_usage_perc`` the rest (blocks being read);
+        * ``vllm:kv_offload_cpu_allocation_size``: one histogram sample per
+          :meth:`prepare_store` since the last call that needed slots (keys needing one);
+        * with ``store_threshold`` >= 2, ``vllm:kv_offload_stores_skipped``: blocks the
+          admission filter held back since the last call;
+        * with tiers, the tiers' counters that moved, as ``vllm:kvoff_<name>``
+          (:data:`_TIER_COUNTERS`).
+
+        The metric definitions come from :meth:`KvoffOffloadingSpec.build_metric_definitions`.
+        """
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
 
-        self._tier_seen = now
+        m, n = self.manager, self.num_blocks
         stats = OffloadingConnectorStats()
-        for name, value in moved.items():
-            stats.increase_counter(f"vllm:kvoff_{name}", value)
+        # pending stores, loads, and blocks the tiers' write-through reads
+        pinned = n - m.num_free_blocks - m.num_evictable_blocks
+        usage = pinned / n if n > 0 else 0.0
+        write = m.num_pending_blocks / n if n > 0 else 0.0
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write, 0.0))
+        for size in self._allocation_sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
+        if self.store_threshold >= 2:
+            skipped = m.stores_skipped
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, skipped - self._skipped_seen)
+            self._skipped_seen = skipped
+        tiers = self.tiers
+        if tiers is not None and tiers.stats_version() != self._tier_version:
+            self._tier_version = tiers.stats_version()
+            now, seen = _tier_totals(tiers), self._tier_seen
+            for name, value in now.items():
+                if value != seen.get(name, 0):
+                    stats.increase_counter(f"vllm:kvoff_{name}", value - seen.get(name, 0))
+            self._tier_seen = now
         return stats
 
     def reset_cache(self) -> None:
@@ -1471,6 +1751,7 @@ class KvoffOffloadingManager(OffloadingManager):
         if self.tiers is not None:
             self.tiers.reset()
         self.manager.clear(include_in_flight=True)
+        self._generation += 1  # requests' records of blocks before the reset are dropped
 
     def shutdown(self) -> None:
         """Waits for the tiers' reads and writes and closes them. Idempotent."""
@@ -1607,11 +1888,15 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        """The Prometheus counters ``vllm:kvoff_<name>`` of the tiers ``extra_config``
-        configures (:func:`_configured_tier_counters`); none without tiers."""
+        """vLLM's CPU offloading metrics, as vLLM's ``CPUOffloadingSpec`` defines them (its own
+        definitions: same names, documentation and buckets; ``vllm:kv_offload_stores_skipped``
+        with ``store_threshold`` >= 2), and the Prometheus counters ``vllm:kvoff_<name>`` of
+        the tiers ``extra_config`` configures (:func:`_configured_tier_counters`).
+        :meth:`KvoffOffloadingManager.get_stats` reports them."""
         from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmCPUOffloadingSpec
 
-        return {
+        return VllmCPUOffloadingSpec.build_metric_definitions(extra_config) | {
             f"vllm:kvoff_{name}": OffloadingCounterMetadata(documentation=doc)
             for name, doc in _configured_tier_counters(extra_config)
         }
@@ -1628,6 +1913,11 @@ class KvoffOffloadingSpec(OffloadingSpec):
         self._manager: KvoffOffloadingManager | None = None
         self._worker: KvoffOffloadingWorker | None = None
 
+    @property
+    def num_chunks(self) -> int:
+        """vLLM's name for :attr:`num_cpu_blocks` (offloaded blocks in the CPU pool)."""
+        return self.num_cpu_blocks
+
     def _shm_name(self, rank: int) -> str:
         return _pool_shm_name(str(self.config.engine_id), rank)
 
@@ -1640,12 +1930,15 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 the class).
         """
         if self._manager is None:
+            config = self.kvoff_config
             manager = KvoffOffloadingManager(
                 self.num_cpu_blocks,
-                self.kvoff_config.eviction_policy,
-                self.kv_events_config.enable_kv_cache_events or self.kvoff_config.enable_events,
+                config.eviction_policy,
+                self.kv_events_config.enable_kv_cache_events or config.enable_events,
+                store_threshold=config.store_threshold,
+                max_tracker_size=config.max_tracker_size,
             )
-            if self.kvoff_config.has_tiers:
+            if config.has_tiers and self.num_cpu_blocks > 0:
                 self._attach_tiers(manager)
             self._manager = manager
         return self._manager

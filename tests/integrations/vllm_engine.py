@@ -192,6 +192,7 @@ def _watch_spec(connector: Any, jobs: list, result: dict[str, Any]) -> None:
         return real_build(self, scheduler_output)
 
     type(sched).build_connector_meta = build
+    result["cpu_blocks"] = sched.manager.num_blocks
     for name, direction in (("submit_load", "load"), ("submit_store", "store")):
         real = getattr(kv.KvoffOffloadingWorker, name)
 

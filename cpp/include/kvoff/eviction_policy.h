@@ -158,6 +158,8 @@ class LRUEvictionPolicy final : public EvictionPolicy {
 ///    of B2 (of B1 when B2 is empty) while |T1| + |T2| + |B1| + |B2| >= 2c. So always
 ///    |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
 ///  * touch(slot): a T1 or T2 slot becomes the most recent of T2.
+///  * touch_pending(slot): the slot becomes the most recent of its own list (no promotion: a
+///    block used by the request that stores it, or whose own store it was, is seen once).
 ///  * erase(slot, key, evicted=true): the slot leaves its list and hash(key) becomes the most
 ///    recent ghost of B1 (from T1) or B2 (from T2); a ghost with the same hash is replaced.
 ///    erase(slot, key, evicted=false) (a failed store) drops the slot without a ghost.
@@ -196,6 +198,7 @@ class ARCEvictionPolicy final : public EvictionPolicy {
   }
   void insert(std::uint32_t slot, std::string_view key) override;
   void touch(std::uint32_t slot) override;
+  void touch_pending(std::uint32_t slot) override;
   void erase(std::uint32_t slot, std::string_view key, bool evicted) override;
   void prefetch(std::uint32_t slot) const noexcept override;
   std::size_t select_victims(std::size_t count, SlotPredicate can_evict,

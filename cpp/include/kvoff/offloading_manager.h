@@ -181,6 +181,14 @@ class CPUOffloadingManager {
   /// uses it: ordered, but no reuse).
   /// Throws std::invalid_argument, changing nothing, for an empty key.
   void touch(KeySpan keys);
+  /// touch() with each key's kind of use given, for a request's accesses applied when it
+  /// finishes (vLLM's managers do so at on_request_finished): reused[i] != 0 is a reuse (the
+  /// policy's touch(): ARC promotes, probation protects), 0 orders the key without counting a
+  /// reuse (touch_pending(): a block the request stored itself). A pending key is never a
+  /// reuse. keys[0] ends the most recent; keys not held are ignored.
+  /// Throws std::invalid_argument, changing nothing, for an empty key or when reused.size()
+  /// differs from keys.size().
+  void touch(KeySpan keys, std::span<const std::uint8_t> reused);
   /// touch() by CPU block id (as prepare_load and prepare_store return them), for callers that
   /// know the blocks already: block_ids[0] ends the most recently used; no key is hashed.
   /// Throws std::invalid_argument, changing nothing, for an id that is not a held block (out of
@@ -354,8 +362,10 @@ class CPUOffloadingManager {
   std::pair<BlockState, std::uint32_t> load_state(std::uint32_t slot) const noexcept;
   /// Finds all keys (hashes into scratch_hashes_, slots into scratch_slots_).
   void find_all(KeySpan keys);
-  /// touch() of slots (kNotFound entries skipped), last to first; no checks.
-  void touch_slots(std::span<const std::uint32_t> slots);
+  /// touch() of slots (kNotFound entries skipped), last to first; no checks. With `reused`
+  /// (one flag per slot), a ready slot whose flag is 0 is ordered only (touch_pending).
+  void touch_slots(std::span<const std::uint32_t> slots,
+                   std::span<const std::uint8_t> reused = {});
   /// Takes one load pin off each of `slots` (ready blocks; a slot may repeat). When a slot has
   /// no load pin left to take (the write-through pin is not a load's), undoes the call's
   /// unpins and returns that slot's index: nothing changed. Else std::nullopt.

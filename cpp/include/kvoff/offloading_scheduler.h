@@ -9,6 +9,7 @@
 // ids are integers.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -71,6 +72,12 @@ struct SchedulerConfig {
   /// step it fills (DESIGN.md "One engine step", step 2). Models with a sliding-window or Mamba
   /// group always use 1: their blocks can leave the window, and be freed, while waiting.
   std::int64_t store_batch_blocks = 1;
+  /// Store only offloaded blocks that lie wholly inside each request's prompt (vLLM 0.32's
+  /// `offload_prompt_only`, the default of its OffloadingConnector): blocks that decode fills
+  /// are not stored. Each request's prompt length comes from set_prompt_tokens (a request
+  /// whose prompt length was never given is not limited). Once a request's prompt blocks are
+  /// all full, those still waiting for a store batch are stored in that step.
+  bool offload_prompt_only = false;
 };
 
 /// Identifier of a job, unique for the scheduler's lifetime (starts at 1).
@@ -272,6 +279,13 @@ class OffloadingScheduler {
   void add_hashes(std::string_view request_id, std::size_t start,
                   std::span<const std::string_view> new_hashes);
 
+  /// Tokens of request `request_id`'s prompt (>= 0), for offload_prompt_only: blocks past
+  /// its last full prompt block are never stored. Ignored (only checked) without
+  /// offload_prompt_only. A streaming-input session whose prompt grew gets its new length.
+  /// Throws std::invalid_argument (changing nothing) for an unknown or finished request or a
+  /// negative or absurd (> 2^61) count.
+  void set_prompt_tokens(std::string_view request_id, std::int64_t prompt_tokens);
+
   /// How many tokens beyond `num_computed_tokens` (the engine's own GPU prefix hit, a multiple
   /// of gpu_block_size) can be loaded from the CPU pool for a known request; see the class
   /// notes. {nullopt, false}: retry later (a needed block is being stored, or being loaded for
@@ -408,6 +422,7 @@ class OffloadingScheduler {
     std::int64_t num_tokens = 0;
     std::vector<std::vector<TableEntry>> table;  // per group
     std::int64_t next_store = 0;                 // offloaded block index
+    std::int64_t store_limit = std::numeric_limits<std::int64_t>::max();  // tokens (prompt)
     std::optional<Match> match;                  // from get_num_new_matched_tokens
     std::int64_t last_computed_tokens = 0;       // its num_computed_tokens
     std::int64_t gpu_hit_tokens = 0;  // engine-cached prefix of the table set this step
@@ -461,6 +476,15 @@ class OffloadingScheduler {
   std::string_view key_in(std::string& buf, const Request& r, std::int64_t j,
                           std::size_t g) const;
   std::int64_t known_blocks(const Request& r, std::int64_t tokens) const noexcept;
+  /// Offloaded blocks of r that may ever be stored (its store_limit in blocks; huge without
+  /// one).
+  std::int64_t storable_blocks(const Request& r) const noexcept {
+    return r.store_limit / offloaded_block_size_;
+  }
+  /// known_blocks of the tokens that may be stored (at most r's store_limit).
+  std::int64_t known_storable_blocks(const Request& r, std::int64_t tokens) const noexcept {
+    return known_blocks(r, std::min(tokens, r.store_limit));
+  }
   /// Throws std::invalid_argument (as update_request) unless the hashes can be appended.
   void check_hashes(const Request* r, std::string_view request_id, std::size_t start,
                     std::span<const std::string_view> new_hashes, std::int64_t num_tokens,
