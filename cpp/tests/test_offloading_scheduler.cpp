@@ -1469,6 +1469,27 @@ TEST(OffloadingSchedulerEvents, StoredAndRemovedEventsAndLoadTouchesHeadLast) {
   EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
 }
 
+// Invariant 8 over a hybrid request: its blocks age by token position across KV cache groups,
+// so every group's tail goes before any group's head (vLLM's manager orders them so too). Fails
+// if keys were ordered group by group (group 1's head would go before group 0's tail).
+TEST(OffloadingSchedulerEvents, TailsOfEveryGroupAreEvictedBeforeAnyHead) {
+  auto c = make_config({Full(), Full()}, 4, 1, 0, 1, /*cpu_blocks=*/4);
+  c.enable_events = true;
+  OffloadingScheduler s(std::move(c));
+  add(s, "A", {"h", "t"}, 8);  // head block at tokens 0-3, tail at 4-7, in both groups
+  auto meta = step(s, {sched("A", {{1, 2}, {3, 4}}, 0, 8)});
+  report(s, ids_of(meta.store_jobs));
+  s.take_events();
+  add(s, "w", {"n0"}, 4);  // one new block in both groups: two evictions
+  meta = step(s, {sched("w", {{5}, {6}}, 0, 4)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  auto ev = s.take_events();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_TRUE(ev[0].removed);
+  EXPECT_EQ(ev[0].keys, (Strs{key("t", 1), key("t", 0)}));
+  EXPECT_EQ(s.manager().state(key("h", 0)), BlockState::kReady);
+  EXPECT_EQ(s.manager().state(key("h", 1)), BlockState::kReady);
+}
 
 // A step's stores are prepared in one manager call (build_stores). What one call per request in
 // scheduling order gives must still hold: recency by scheduling order (invariant 8 across
