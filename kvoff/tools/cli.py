@@ -431,6 +431,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_bench_transfer_parser(bench_sub)
     _add_bench_tiers_parser(bench_sub)
+    from kvoff.tools.bench_manager_calls import add_manager_calls_parser
+
+    add_manager_calls_parser(bench_sub)
 
 
 def _add_bench_tiers_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -1231,6 +1234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench_transfer(args, argv)
         if args.command == "bench" and args.bench_command == "tiers":
             return _bench_tiers(args)
+        if args.command == "bench" and args.bench_command == "manager-calls":
+            from kvoff.tools.bench_manager_calls import run_manager_calls_cli
+
+            return run_manager_calls_cli(args, argv)
         if args.command == "bench":
             return _bench(args, argv)
     except (ValueError, FileNotFoundError) as exc:
