@@ -4,6 +4,7 @@ The C++ rules themselves are in cpp/tests/test_store_threshold.cpp."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -260,3 +261,135 @@ def test_a_promotion_from_a_tier_is_not_filtered(tmp_path: Path) -> None:
     assert [int(slots[b][0]) for b in ids] == [1, 2]
     m.complete_load(keys[:2])
     pool.close()
+
+
+# -------------------------------------------------------------------------------- tools
+def _trace(tmp_path: Path) -> str:
+    """48 requests of 4 blocks: two of every three reuse one of 5 prefixes (stored on their
+    second offer), the third is unique (always filtered)."""
+    import json
+
+    lines = []
+    for i in range(48):
+        g = (i // 3) % 5
+        ids = (
+            [100_000 + 10 * i + k for k in range(4)]
+            if i % 3 == 2
+            else [10 * g + k for k in range(4)]
+        )
+        lines.append(json.dumps({"timestamp": i, "input_length": 4 * 512, "output_length": 1,
+                                 "hash_ids": ids}))  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_policy_specs_carry_a_store_threshold() -> None:
+    from kvoff.tools.policy_sweep import parse_policies, resolve_policies, split_policy
+
+    assert split_policy("lru") == ("lru", None)
+    assert split_policy("Probation+T3") == ("probation", 3)
+    assert split_policy("min+t0") == ("min", 0)
+    assert parse_policies("lru, lru+t2,min") == ("lru", "lru+t2", "min")
+    assert resolve_policies(["lru", "lru+t2", "probation+t1", "min"]) == (
+        ("lru", "lru", 0), ("lru+t2", "lru", 2), ("probation", "probation", 1),
+        ("min", "min", 0),
+    )  # fmt: skip
+    # the default applies to names without +tN, never to min; +t0 turns it off for that row
+    assert [label for label, _, _ in resolve_policies(["lru+t0", "arc", "min"], 2)] == [
+        "lru", "arc+t2", "min",
+    ]  # fmt: skip
+    for bad, match in (
+        ("lru+2", r"lru\+tN with N in 0\.\.2\*\*20"),
+        ("lru+t", r"lru\+tN"),
+        ("lru+t-1", r"lru\+tN"),
+        (f"lru+t{2**20 + 1}", r"lru\+tN"),
+        ("min+t2", "min is the offline optimum"),
+        ("fifo+t2", "unknown policy 'fifo'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_policies(bad)
+    with pytest.raises(ValueError, match="repeats"):
+        parse_policies("lru+t2,lru+t2")
+    with pytest.raises(ValueError, match="'lru\\+t2' twice"):
+        resolve_policies(["lru", "lru+t2"], 2)
+
+
+def test_manager_replay_with_a_threshold_counts_what_the_replay_counts(tmp_path: Path) -> None:
+    from kvoff.tools.policy_sim import run_manager_replay
+    from kvoff.tools.replay import ReplayConfig, run_replay
+
+    config = ReplayConfig(trace=_trace(tmp_path), cpu_blocks=8, store_threshold=2)
+    real = run_replay(config)
+    sim = run_manager_replay(config)
+    assert real.stores_filtered > 0 and real.evictions > 0
+    assert (real.store_threshold, real.max_tracker_size) == (2, 64000)
+    for name in ("hit_tokens", "evictions", "stores_skipped", "stores_filtered", "blocks_stored"):
+        assert getattr(sim, name) == getattr(real, name), name
+    plain = run_replay(dataclasses.replace(config, store_threshold=0))
+    assert plain.stores_filtered == 0 and plain.blocks_stored > real.blocks_stored
+    with pytest.raises(ValueError, match="offline optimum without an admission filter"):
+        run_replay(dataclasses.replace(config, policy="min"))
+    with pytest.raises(pydantic.ValidationError, match="store_threshold"):
+        run_replay(dataclasses.replace(config, store_threshold=-1))
+
+
+def test_a_sweep_reports_the_filter_beside_the_plain_policy(tmp_path: Path) -> None:
+    from kvoff.tools.policy_sim import run_manager_sweep
+    from kvoff.tools.policy_sweep import format_sweep_table, run_policy_sweep
+    from kvoff.tools.replay import ReplayConfig
+
+    base = ReplayConfig(trace=_trace(tmp_path))
+    sweep = run_policy_sweep(base, [8, 64], ["lru", "lru+t2"])
+    assert sweep.policies == ("lru", "lru+t2")
+    point = sweep.point("lru+t2", 8)
+    assert point.store_threshold == 2 and point.stores_filtered > 0
+    assert sweep.point("lru", 8).stores_filtered == 0
+    d = sweep.to_dict()
+    assert set(d["hit_rate"]) == {"lru", "lru+t2"}
+    assert d["config"]["store_threshold"] is None
+    assert "lru+t2" in d["gap_closed_lru_to_min"] or d["gap_closed_lru_to_min"] == {}
+    assert "lru+t2" in format_sweep_table(sweep)
+    sim = run_manager_sweep(dataclasses.replace(base, store_threshold=2), [8, 64], ["lru", "min"])
+    assert sim.policies == ("lru+t2", "min")
+    for c in (8, 64):  # the simulation and the replay agree
+        assert sim.point("lru+t2", c).hit_tokens == sweep.point("lru+t2", c).hit_tokens
+
+
+def test_the_cli_takes_the_threshold_and_writes_it_to_the_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from kvoff.tools.cli import main
+
+    out = tmp_path / "r.json"
+    trace = _trace(tmp_path)
+    argv = ["replay", "--trace", trace, "--cpu-blocks", "64", "--store-threshold", "2",
+            "--max-tracker-size", "500", "--no-progress", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "store_threshold 2" in text and "below store_threshold" in text
+    result = json.loads(out.read_text())["result"]
+    assert (result["store_threshold"], result["max_tracker_size"]) == (2, 500)
+    assert result["stores_filtered"] > 0
+    sweep = tmp_path / "s.json"
+    argv = ["replay", "--trace", trace, "--sweep-capacity", "16", "--policies", "lru,lru+t2",
+            "--no-progress", "--json", str(sweep)]  # fmt: skip
+    assert main(argv) == 0
+    assert set(json.loads(sweep.read_text())["sweep"]["hit_rate"]) == {"lru", "lru+t2"}
+    for bad, match in (
+        (["--policy", "min", "--store-threshold", "2"], "offline optimum"),
+        (
+            ["--engine", "vllm", "--store-threshold", "2"],
+            "--store-threshold applies to --engine sim",
+        ),
+        (["--store-threshold", "-1"], "store-threshold"),
+        (["--store-threshold", str(2**20 + 1)], "store_threshold"),
+        (["--sweep-capacity", "16", "--policies", "min+t2"], "min is the offline optimum"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["replay", "--limit", "3", "--no-progress", *bad])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "Traceback" not in err
+        assert match in err, err
