@@ -281,12 +281,22 @@ class OffloadingConfig(BaseModel):
             in the engine's own prefix cache, so the wait loses no hit. A model with a
             sliding-window or Mamba group always uses 1. The default's measurement: README,
             "Benchmarks against vLLM".
+        store_threshold: store admission, in offers (0 to 2**20; default 0, off; vLLM's key of
+            the same name): with n >= 2 an offloaded block is stored in the CPU pool only once
+            requests offered it n times (a request that computed the block and reached it is
+            one offer), so blocks used once never take a slot. 0 or 1 stores every block.
+            Skipped blocks are counted (``stores_skipped``). README "Store admission".
+        max_tracker_size: keys whose offers ``store_threshold`` counts at most, the least
+            recently offered forgotten first (1 to 2**31 - 1; default 64000, vLLM's; about 104
+            bytes of host memory each; unused while ``store_threshold`` < 2).
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
             the two sizes, an unknown policy (the message lists the choices), a remote TTL or
             timeout that is not finite or too long, a negative or non-finite
-            ``compute_slowdown_budget``, a bool where a number belongs, or an unknown key.
+            ``compute_slowdown_budget``, a ``store_threshold`` outside [0, 2**20], a
+            ``max_tracker_size`` outside [1, 2**31 - 1], a bool where a number belongs, or an
+            unknown key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -312,6 +322,8 @@ class OffloadingConfig(BaseModel):
     remote_timeout_s: Seconds = 0.25
     tier_write_queue_blocks: Count | None = None
     store_batch_blocks: Annotated[Count, Field(le=1 << 20)] = 4
+    store_threshold: Annotated[NonNegativeInt, BeforeValidator(_not_bool), Field(le=1 << 20)] = 0
+    max_tracker_size: Annotated[Count, Field(le=2**31 - 1)] = 64000
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 

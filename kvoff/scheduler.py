@@ -394,13 +394,23 @@ class OffloadingScheduler:
             request's prompt (default off here; :class:`kvoff.OffloadingConfig` turns it on,
             as vLLM 0.32 does). The request objects then also need ``num_prompt_tokens``
             (:class:`RequestLike`; ``None``: not limited); a missing attribute raises
-            ``AttributeError``, a negative count ``ValueError``, and nothing changes. Once a request's prompt blocks are all
-            full, those waiting for a store batch are stored in that step.
+            ``AttributeError``, a negative count ``ValueError``, and nothing changes. Once a
+            request's prompt blocks are all full, those waiting for a store batch are stored
+            in that step.
+        store_threshold: store admission, in offers (0 to 2**20; default 0; vLLM's
+            ``store_threshold``): with n >= 2 an offloaded block is stored only once requests
+            offered it n times (each request that computed it and reached it in a step is one
+            offer; :class:`kvoff.CPUOffloadingManager`). A skipped block is not copied and the
+            request moves past it as past a held block; ``stats()["stores_skipped"]`` counts
+            them. 0 or 1: every block is stored.
+        max_tracker_size: keys whose offers are counted at most (1 to 2**31 - 1; default
+            64000, about 104 bytes each; used only with ``store_threshold`` >= 2).
 
     Raises:
         ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``) or more than
             2**31 - 1, a group type the scheduler cannot offload, or an offloaded block of more
-            than 2**31 tokens (``gpu_block_size × block_size_factor``).
+            than 2**31 tokens (``gpu_block_size × block_size_factor``); ``store_batch_blocks``,
+            ``store_threshold`` or ``max_tracker_size`` out of range (naming it).
         MemoryError: the host cannot hold the CPU pool's index and eviction policy (about 110
             bytes per CPU block); the message names ``num_blocks``, the bytes needed and the
             fix (a smaller ``cpu_bytes_to_use``). Nothing stays allocated.
@@ -423,6 +433,8 @@ class OffloadingScheduler:
         enable_events: bool = False,
         store_batch_blocks: int = 1,
         offload_prompt_only: bool = False,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64000,
     ) -> None:
         if (
             isinstance(store_batch_blocks, bool)
@@ -432,6 +444,24 @@ class OffloadingScheduler:
             raise ValueError(
                 f"store_batch_blocks={store_batch_blocks!r} must be an int in [1, 2**20] "
                 "(offloaded blocks; 1 stores every block as it fills)"
+            )
+        if (
+            isinstance(store_threshold, bool)
+            or not isinstance(store_threshold, int)
+            or not 0 <= store_threshold <= 1 << 20
+        ):
+            raise ValueError(
+                f"store_threshold={store_threshold!r} must be an int in [0, 2**20] (offers; 0 "
+                "or 1 stores every block, n >= 2 stores a block once it was offered n times)"
+            )
+        if (
+            isinstance(max_tracker_size, bool)
+            or not isinstance(max_tracker_size, int)
+            or not (1 if store_threshold >= 2 else 0) <= max_tracker_size <= 2**31 - 1
+        ):
+            raise ValueError(
+                f"max_tracker_size={max_tracker_size!r} must be an int in [1, 2**31 - 1] "
+                "(keys whose offers store_threshold counts; default 64000)"
             )
         if spec.num_blocks > 2**31 - 1:
             raise ValueError(
@@ -457,6 +487,8 @@ class OffloadingScheduler:
             groups=list(group_kinds(spec)),
             store_batch_blocks=store_batch_blocks,
             offload_prompt_only=bool(offload_prompt_only),
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
         )
         # The batch in effect (1 with a sliding-window or Mamba group)
         self._store_batch = self._core.store_batch_blocks
@@ -478,7 +510,8 @@ class OffloadingScheduler:
     ) -> OffloadingScheduler:
         """The scheduler for an engine plan and the library's configuration object: the CPU
         plan from :meth:`kvoff.CPUOffloadingSpec.from_config`, events from
-        ``config.enable_events``, store batching from ``config.store_batch_blocks``.
+        ``config.enable_events``, store batching from ``config.store_batch_blocks``, store
+        admission from ``config.store_threshold`` and ``config.max_tracker_size``.
 
         Raises:
             ValueError: everything :meth:`kvoff.CPUOffloadingSpec.from_config` and the
@@ -492,6 +525,8 @@ class OffloadingScheduler:
             enable_events=config.enable_events,
             store_batch_blocks=config.store_batch_blocks,
             offload_prompt_only=config.offload_prompt_only,
+            store_threshold=config.store_threshold,
+            max_tracker_size=config.max_tracker_size,
         )
 
     # ------------------------------------------------------------------ requests
@@ -1068,9 +1103,10 @@ class OffloadingScheduler:
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict[str, int]:
         """Counters: lookups, lookup_retries, hit_tokens, load_jobs, store_jobs,
-        blocks_loaded, blocks_stored (GPU blocks), store_refusals, blocks_evicted and
-        blocks_discarded (offloaded blocks), stale_blocks_skipped, jobs_flushed, failed_jobs,
-        and the pool and request gauges (blocks: num_cpu_blocks, num_free_blocks,
+        blocks_loaded, blocks_stored (GPU blocks), store_refusals, blocks_evicted,
+        blocks_discarded and stores_skipped (offloaded blocks; stores_skipped: not stored by
+        the ``store_threshold`` filter), stale_blocks_skipped, jobs_flushed, failed_jobs, and
+        the pool and request gauges (blocks: num_cpu_blocks, num_free_blocks,
         num_stored_blocks, num_pending_blocks, num_retired_blocks, num_evictable_blocks)."""
         return self._core.stats()
 

@@ -302,6 +302,8 @@ class EngineSim:
         free_early: free a finished request's blocks at once even when jobs are in flight.
         enable_events: record scheduler events (the harness tracks ready keys through them).
         eviction_policy: CPU pool eviction policy.
+        store_batch_blocks: the scheduler's store batching.
+        store_threshold: the scheduler's store admission (offers before a block is stored).
     """
 
     def __init__(
@@ -321,6 +323,7 @@ class EngineSim:
         enable_events: bool = True,
         eviction_policy: str = "lru",
         store_batch_blocks: int = 1,
+        store_threshold: int = 0,
     ) -> None:
         self.groups = tuple(groups)
         if gpu_prefix_cache and any(g.kind != "full" for g in self.groups):
@@ -346,7 +349,10 @@ class EngineSim:
             eviction_policy=eviction_policy,
         )
         self.sched = OffloadingScheduler(
-            self.spec, enable_events=enable_events, store_batch_blocks=store_batch_blocks
+            self.spec,
+            enable_events=enable_events,
+            store_batch_blocks=store_batch_blocks,
+            store_threshold=store_threshold,
         )
         self.worker = OffloadingWorker.from_spec(self.spec, pin_memory=False)
         caches: dict[str, torch.Tensor] = {}

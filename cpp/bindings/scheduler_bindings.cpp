@@ -319,12 +319,32 @@ std::int64_t to_num_blocks(py::handle obj) {
   return v;
 }
 
+/// An int argument of CPUOffloadingManager(): TypeError for anything else (a bool included),
+/// ValueError naming `range` for one beyond 64 bits (the core checks the range itself).
+std::int64_t to_int_arg(py::handle obj, const char* name, const char* range) {
+  if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) {
+    throw py::type_error(std::string(name) + " must be an int, got " + Py_TYPE(obj.ptr())->tp_name +
+                         " (" + short_repr(obj.ptr()) + ")");
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(obj.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  if (overflow != 0) {
+    throw py::value_error(std::string(name) + "=" + short_repr(obj.ptr()) +
+                          " is out of range; pass " + range);
+  }
+  return v;
+}
+
 // ------------------------------------------------------------------------- Python records
 
 struct PrepareStoreOutput {
   py::list keys_to_store;
   py::list block_ids;
   py::list evicted_keys;
+  py::list skipped_keys;
 };
 
 struct OffloadingEvent {
@@ -355,7 +375,7 @@ little-endian bytes: [-2**63, 2**63) as two's complement, [2**63, 2**64) unsigne
 back as ``bytes``. CPU block ids are ints in [0, num_blocks).
 )doc";
 
-constexpr const char* kManagerDoc = R"doc(CPUOffloadingManager(num_blocks: int, eviction_policy: str = "lru", enable_events: bool = False)
+constexpr const char* kManagerDoc = R"doc(CPUOffloadingManager(num_blocks: int, eviction_policy: str = "lru", enable_events: bool = False, store_threshold: int = 0, max_tracker_size: int = 64000)
 
 Tracks which offloaded blocks a CPU pool of ``num_blocks`` slots holds and evicts by policy.
 
@@ -370,16 +390,30 @@ batch before changing anything (an exception leaves the manager unchanged); ``to
 ``prepare_store`` leave ``keys[0]`` the most recent, so a prefix's tail is evicted before its
 head. O(1) per key. Not thread-safe.
 
+Store admission (``store_threshold`` >= 2, vLLM's ``store_threshold``/``max_tracker_size``): a
+key that is not held is stored only once it was offered to ``prepare_store`` at least
+``store_threshold`` times (each occurrence in a successful call is one offer; ``lookup`` counts
+nothing). A tracker of at most ``max_tracker_size`` keys counts the offers and forgets the least
+recently offered key that is not a key of the call. Keys offered too few times are skipped
+(``PrepareStoreOutput.skipped_keys``, ``stores_skipped``): no slot, no event, still missing.
+Held keys are never skipped. Unlike vLLM, a ``prepare_store`` that returns None counts no offer
+(it changes nothing; callers retry it), and the tracker orders ``keys[0]`` most recent (a
+prefix's tail is forgotten first).
+
 Args:
     num_blocks (int): pool size in CPU blocks (slots), 1 .. 2**31-1.
     eviction_policy (str): a name from ``eviction_policies()``: "lru" (the default), "arc" or
         "probation" (README "Eviction policies against Belady's MIN").
     enable_events (bool): record ``OffloadingEvent``s for ``take_events()``.
+    store_threshold (int): offers before a key is stored, 0 .. 2**20 (0 or 1: no filter, no
+        tracker; the default 0).
+    max_tracker_size (int): keys the tracker holds at most, 1 .. 2**31-1 (default 64000; about
+        104 bytes each; unused while store_threshold < 2, where 0 is accepted too).
 
 Raises:
-    ValueError: num_blocks out of range (naming it) or an unknown eviction_policy (listing the
-        choices).
-    TypeError: num_blocks is not an int.
+    ValueError: num_blocks, store_threshold or max_tracker_size out of range (naming the value
+        and the range), or an unknown eviction_policy (listing the choices).
+    TypeError: num_blocks, store_threshold or max_tracker_size is not an int.
     MemoryError: the host cannot hold the pool's index and policy (about 110 bytes per block,
         more with "arc" or "probation"): refused before allocating when they exceed physical
         memory (or the cgroup limit), or when an allocation fails. The message names
@@ -616,17 +650,18 @@ py::list job_list(const std::vector<kvoff::TransferJob>& jobs, bool with_keys = 
 }
 
 /// The scheduler's monotonic counters, in the order of COUNTER_NAMES.
-constexpr std::array<const char*, 13> kCounterNames = {
+/// New counters go at the end: consumers keep their positions.
+constexpr std::array<const char*, 14> kCounterNames = {
     "lookups",       "lookup_retries", "hit_tokens",     "load_jobs",
     "store_jobs",    "blocks_loaded",  "blocks_stored",  "store_refusals",
     "blocks_evicted", "blocks_discarded", "stale_blocks_skipped", "jobs_flushed",
-    "failed_jobs"};
+    "failed_jobs",   "stores_skipped"};
 
 std::array<std::uint64_t, kCounterNames.size()> counter_values(const kvoff::SchedulerStats& s) {
   return {s.lookups,       s.lookup_retries, s.hit_tokens,     s.load_jobs,
           s.store_jobs,    s.blocks_loaded,  s.blocks_stored,  s.store_refusals,
           s.blocks_evicted, s.blocks_discarded, s.stale_blocks_skipped, s.jobs_flushed,
-          s.failed_jobs};
+          s.failed_jobs,   s.stores_skipped};
 }
 
 /// The step's jobs packed for shipping (see kvoff.scheduler.OffloadingScheduler.
@@ -1140,7 +1175,8 @@ void bind(py::module_& m) {
       m, "_OffloadingScheduler",
       "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
       "block_size_factor, hash_block_size, world_size, num_gpu_blocks, groups, "
-      "store_batch_blocks=1, offload_prompt_only=False)\n\n"
+      "store_batch_blocks=1, offload_prompt_only=False, store_threshold=0, "
+      "max_tracker_size=64000)\n\n"
       "The C++ per-step offloading scheduler. Private: use kvoff.OffloadingScheduler, which "
       "documents every hook (shapes, units, errors).")
       .def(py::init([](std::int64_t num_cpu_blocks, const std::string& eviction_policy,
@@ -1148,7 +1184,8 @@ void bind(py::module_& m) {
                        std::int64_t block_size_factor, std::int64_t hash_block_size,
                        std::int64_t world_size, std::int64_t num_gpu_blocks,
                        py::handle groups, std::int64_t store_batch_blocks,
-                       bool offload_prompt_only) {
+                       bool offload_prompt_only, std::int64_t store_threshold,
+                       std::int64_t max_tracker_size) {
              kvoff::SchedulerConfig c;
              c.num_cpu_blocks = num_cpu_blocks;
              c.eviction_policy = eviction_policy;
@@ -1160,6 +1197,8 @@ void bind(py::module_& m) {
              c.num_gpu_blocks = num_gpu_blocks;
              c.store_batch_blocks = store_batch_blocks;
              c.offload_prompt_only = offload_prompt_only;
+             c.store_threshold = store_threshold;
+             c.max_tracker_size = max_tracker_size;
              for (py::handle g : groups) {
                if (!PyTuple_Check(g.ptr()) || PyTuple_GET_SIZE(g.ptr()) != 2) {
                  throw py::type_error("groups must be (kind, sliding_window) tuples");
@@ -1173,7 +1212,9 @@ void bind(py::module_& m) {
            py::arg("num_cpu_blocks"), py::arg("eviction_policy"), py::arg("enable_events"),
            py::arg("gpu_block_size"), py::arg("block_size_factor"), py::arg("hash_block_size"),
            py::arg("world_size"), py::arg("num_gpu_blocks"), py::arg("groups"),
-           py::arg("store_batch_blocks") = 1, py::arg("offload_prompt_only") = false)
+           py::arg("store_batch_blocks") = 1, py::arg("offload_prompt_only") = false,
+           py::arg("store_threshold") = 0,
+           py::arg("max_tracker_size") = CPUOffloadingManager::kDefaultMaxTrackerSize)
       .def("set_prompt_tokens", &OffloadingScheduler::set_prompt_tokens, py::arg("request_id"),
            py::arg("prompt_tokens"))
       .def(
@@ -1289,6 +1330,7 @@ void bind(py::module_& m) {
              d["stale_blocks_skipped"] = s.stale_blocks_skipped;
              d["jobs_flushed"] = s.jobs_flushed;
              d["failed_jobs"] = s.failed_jobs;
+             d["stores_skipped"] = s.stores_skipped;
              d["num_requests"] = self.num_requests();
              d["num_jobs_in_flight"] = self.num_jobs_in_flight();
              const auto& mgr = self.manager();
@@ -1591,22 +1633,28 @@ PYBIND11_MODULE(_scheduler, m) {
   py::class_<PrepareStoreOutput>(
       m, "PrepareStoreOutput",
       ("PrepareStoreOutput(keys_to_store: Sequence[bytes | int], block_ids: "
-              "Sequence[int], evicted_keys: Sequence[bytes | int] = ())\n\n"
+              "Sequence[int], evicted_keys: Sequence[bytes | int] = (), skipped_keys: "
+              "Sequence[bytes | int] = ())\n\n"
               "What CPUOffloadingManager.prepare_store decided.\n\n"
               "Attributes:\n"
-              "    keys_to_store (list[bytes]): keys of the call that were not held, "
-              "deduplicated, in call order: copy these blocks GPU->CPU.\n"
+              "    keys_to_store (list[bytes]): keys of the call that were not held and are "
+              "stored now, deduplicated, in call order: copy these blocks GPU->CPU.\n"
               "    block_ids (list[int]): the CPU block id (slot) given to each of "
               "keys_to_store, same order.\n"
-              "    evicted_keys (list[bytes]): keys evicted to make room, in eviction order.\n\n"
+              "    evicted_keys (list[bytes]): keys evicted to make room, in eviction order.\n"
+              "    skipped_keys (list[bytes]): keys of the call that were not held and that "
+              "the store_threshold filter skipped (offered too few times), deduplicated, in "
+              "call order: not stored, no slot (always empty without the filter). Every key "
+              "of the call is held already, in keys_to_store or in skipped_keys.\n\n"
               "Raises:\n"
               "    TypeError: a key that is neither bytes nor int, or a block id that is not "
               "an int.\n"
               "    ValueError: an empty key, or len(keys_to_store) != len(block_ids) (naming "
               "both lengths)."))
-      .def(py::init([](py::handle keys_to_store, py::handle block_ids, py::handle evicted_keys) {
+      .def(py::init([](py::handle keys_to_store, py::handle block_ids, py::handle evicted_keys,
+                       py::handle skipped_keys) {
              PrepareStoreOutput out{normalized_keys(keys_to_store), normalized_ids(block_ids),
-                                    normalized_keys(evicted_keys)};
+                                    normalized_keys(evicted_keys), normalized_keys(skipped_keys)};
              if (out.keys_to_store.size() != out.block_ids.size()) {
                throw py::value_error(
                    "PrepareStoreOutput: len(keys_to_store) = " +
@@ -1617,8 +1665,10 @@ PYBIND11_MODULE(_scheduler, m) {
              return out;
            }),
            py::arg("keys_to_store"), py::arg("block_ids"), py::arg("evicted_keys") = py::tuple(),
+           py::arg("skipped_keys") = py::tuple(),
            py::doc("__init__(self, keys_to_store: Sequence[bytes | int], block_ids: "
-                   "Sequence[int], evicted_keys: Sequence[bytes | int] = ()) -> None\n\n"
+                   "Sequence[int], evicted_keys: Sequence[bytes | int] = (), skipped_keys: "
+                   "Sequence[bytes | int] = ()) -> None\n\n"
                    "Raises:\n"
                    "    TypeError: a key that is neither bytes nor int, or a block id that is "
                    "not an int.\n"
@@ -1630,6 +1680,9 @@ PYBIND11_MODULE(_scheduler, m) {
                     py::doc("list[int]: CPU block id of each of keys_to_store."))
       .def_readonly("evicted_keys", &PrepareStoreOutput::evicted_keys,
                     py::doc("list[bytes]: keys evicted to make room, in eviction order."))
+      .def_readonly("skipped_keys", &PrepareStoreOutput::skipped_keys,
+                    py::doc("list[bytes]: keys not held that the store_threshold filter "
+                            "skipped (not stored), in call order."))
       .def("__eq__",
            [](const PrepareStoreOutput& a, py::object other) -> py::object {
              if (!py::isinstance<PrepareStoreOutput>(other)) {
@@ -1638,12 +1691,15 @@ PYBIND11_MODULE(_scheduler, m) {
              const auto& b = other.cast<const PrepareStoreOutput&>();
              return py::bool_(a.keys_to_store.equal(b.keys_to_store) &&
                               a.block_ids.equal(b.block_ids) &&
-                              a.evicted_keys.equal(b.evicted_keys));
+                              a.evicted_keys.equal(b.evicted_keys) &&
+                              a.skipped_keys.equal(b.skipped_keys));
            })
       .def("__repr__", [](const PrepareStoreOutput& o) {
         return "PrepareStoreOutput(keys_to_store=" + list_repr(o.keys_to_store) +
                ", block_ids=" + list_repr(o.block_ids) +
-               ", evicted_keys=" + list_repr(o.evicted_keys) + ")";
+               ", evicted_keys=" + list_repr(o.evicted_keys) +
+               (o.skipped_keys.empty() ? "" : ", skipped_keys=" + list_repr(o.skipped_keys)) +
+               ")";
       });
   m.attr("PrepareStoreOutput").attr("__hash__") = py::none();
 
@@ -1693,14 +1749,22 @@ PYBIND11_MODULE(_scheduler, m) {
   // ---- CPUOffloadingManager
   py::class_<CPUOffloadingManager>(m, "CPUOffloadingManager", kManagerDoc)
       .def(py::init([](py::handle num_blocks, const std::string& eviction_policy,
-                       bool enable_events) {
-             return std::make_unique<CPUOffloadingManager>(to_num_blocks(num_blocks),
-                                                           eviction_policy, enable_events);
+                       bool enable_events, py::handle store_threshold,
+                       py::handle max_tracker_size) {
+             const std::int64_t n = to_num_blocks(num_blocks);
+             const std::int64_t threshold =
+                 to_int_arg(store_threshold, "store_threshold", "0 (off) or 2..2**20");
+             const std::int64_t tracker =
+                 to_int_arg(max_tracker_size, "max_tracker_size", "1..2**31-1 keys");
+             return std::make_unique<CPUOffloadingManager>(n, eviction_policy, enable_events,
+                                                           threshold, tracker);
            }),
            py::arg("num_blocks"), py::arg("eviction_policy") = "lru",
-           py::arg("enable_events") = false,
+           py::arg("enable_events") = false, py::arg("store_threshold") = 0,
+           py::arg("max_tracker_size") = CPUOffloadingManager::kDefaultMaxTrackerSize,
            py::doc("__init__(self, num_blocks: int, eviction_policy: str = \"lru\", "
-                   "enable_events: bool = False) -> None\n\nSee the class docstring."))
+                   "enable_events: bool = False, store_threshold: int = 0, "
+                   "max_tracker_size: int = 64000) -> None\n\nSee the class docstring."))
       .def(
           "lookup",
           [](const CPUOffloadingManager& self, py::handle keys) -> py::object {
@@ -1778,27 +1842,34 @@ PYBIND11_MODULE(_scheduler, m) {
                       .c_str()))
       .def(
           "prepare_store",
-          [](CPUOffloadingManager& self, py::handle keys) -> py::object {
+          [](CPUOffloadingManager& self, py::handle keys, bool apply_threshold) -> py::object {
             KeyBatch batch(keys);
-            auto result = self.prepare_store(batch.span());
+            auto result = self.prepare_store(batch.span(), apply_threshold);
             if (!result) {
               return py::none();
             }
             return py::cast(PrepareStoreOutput{batch.items_as_bytes(result->store_indices),
                                                to_int_list(result->block_ids),
-                                               to_bytes_list(result->evicted_keys)});
+                                               to_bytes_list(result->evicted_keys),
+                                               batch.items_as_bytes(result->skipped_indices)});
           },
-          py::arg("keys"),
-          py::doc(doc("prepare_store(self, keys: Sequence[bytes | int]) -> PrepareStoreOutput "
-                      "| None\n\n"
+          py::arg("keys"), py::arg("apply_threshold") = true,
+          py::doc(doc("prepare_store(self, keys: Sequence[bytes | int], apply_threshold: bool = "
+                      "True) -> PrepareStoreOutput | None\n\n"
                       "Gives each key not yet held (deduplicated, in call order) a CPU slot; the "
                       "new blocks are pending (not lookup hits) until complete_store. If the "
                       "free slots are too few, evicts ready, unpinned blocks that are not keys "
                       "of this call, in policy order (a BlockRemoved event lists them). New "
                       "blocks become the most recent, keys[0] the most recent of them; keys "
                       "already held are left as they are.\n\n"
-                      "Returns None, changing nothing (no eviction, no event), when the free "
-                      "slots plus evictable blocks are fewer than the new keys: retry later.")
+                      "With store_threshold >= 2, keys not held that were offered fewer than "
+                      "store_threshold times (this call included) are skipped first "
+                      "(skipped_keys) and need no slot; the call's offers are counted only when "
+                      "it succeeds. apply_threshold=False: the filter neither counts nor skips "
+                      "these keys (promotions from a secondary tier).\n\n"
+                      "Returns None, changing nothing (no eviction, no event, no offer counted), "
+                      "when the free slots plus evictable blocks are fewer than the keys to "
+                      "store: retry later.")
                       .c_str()))
       .def(
           "complete_store",
@@ -1973,6 +2044,29 @@ PYBIND11_MODULE(_scheduler, m) {
           py::doc("str: the eviction policy's name (\"lru\", \"arc\" or \"probation\")."))
       .def_property_readonly("enable_events", &CPUOffloadingManager::events_enabled,
                              py::doc("bool: whether events are recorded."))
+      .def_property_readonly("store_threshold", &CPUOffloadingManager::store_threshold,
+                             py::doc("int: offers before a key is stored (< 2: no admission "
+                                     "filter)."))
+      .def_property_readonly("max_tracker_size", &CPUOffloadingManager::max_tracker_size,
+                             py::doc("int: keys the store_threshold tracker holds at most."))
+      .def_property_readonly("stores_skipped", &CPUOffloadingManager::stores_skipped,
+                             py::doc("int: keys prepare_store skipped because of "
+                                     "store_threshold, since construction (vLLM's "
+                                     "kv_offload_stores_skipped)."))
+      .def_property_readonly("tracker_size", &CPUOffloadingManager::tracker_size,
+                             py::doc("int: keys the store_threshold tracker holds now (0 "
+                                     "without the filter)."))
+      .def(
+          "offer_count",
+          [](const CPUOffloadingManager& self, py::handle key) {
+            std::array<char, 8> buf{};
+            return self.offer_count(to_key(key.ptr(), "key", -1, buf));
+          },
+          py::arg("key"),
+          py::doc("offer_count(self, key: bytes | int) -> int\n\n"
+                  "Offers the store_threshold tracker counted for key (0 when it does not "
+                  "track it, or without the filter).\n\nRaises:\n    TypeError / ValueError: "
+                  "for a bad key, as lookup."))
       .def(
           "__len__",
           [](const CPUOffloadingManager& self) {
@@ -1996,6 +2090,9 @@ PYBIND11_MODULE(_scheduler, m) {
                std::to_string(self.num_blocks()) + " eviction_policy='" +
                std::string(self.eviction_policy_name()) +
                "' enable_events=" + (self.events_enabled() ? "True" : "False") +
+               (self.store_threshold() >= 2
+                    ? " store_threshold=" + std::to_string(self.store_threshold())
+                    : std::string()) +
                " stored=" + std::to_string(self.num_stored_blocks()) +
                " pending=" + std::to_string(self.num_pending_blocks()) +
                " free=" + std::to_string(self.num_free_blocks()) + ">";

@@ -107,9 +107,41 @@ std::uint64_t recent_log_entries(std::uint32_t num_blocks, std::uint64_t max_ent
 // any host that runs the engine has it.
 constexpr std::uint64_t kCheckHostMemoryFrom = std::uint64_t{256} << 20;
 
+/// Validates the store_threshold arguments (see the constructor's errors).
+void check_store_threshold(std::int64_t store_threshold, std::int64_t max_tracker_size) {
+  const std::string range = "pass 0 (no admission filter) or 2.." +
+                            std::to_string(CPUOffloadingManager::kMaxStoreThreshold) +
+                            " (a block is stored once it was offered that many times)";
+  if (store_threshold < 0) {
+    throw std::invalid_argument("CPUOffloadingManager: store_threshold=" +
+                                std::to_string(store_threshold) + " is negative; " + range);
+  }
+  if (store_threshold > CPUOffloadingManager::kMaxStoreThreshold) {
+    throw std::invalid_argument(
+        "CPUOffloadingManager: store_threshold=" + std::to_string(store_threshold) +
+        " is above " + std::to_string(CPUOffloadingManager::kMaxStoreThreshold) +
+        " (2^20): a block would be stored only after that many offers; " + range);
+  }
+  if (max_tracker_size < 0 || max_tracker_size > kMaxNumBlocks) {
+    throw std::invalid_argument(
+        "CPUOffloadingManager: max_tracker_size=" + std::to_string(max_tracker_size) +
+        " is out of range; pass 1.." + std::to_string(kMaxNumBlocks) + " keys (default " +
+        std::to_string(CPUOffloadingManager::kDefaultMaxTrackerSize) + ")");
+  }
+  if (max_tracker_size == 0 && store_threshold >= 2) {
+    throw std::invalid_argument(
+        "CPUOffloadingManager: max_tracker_size=0 but store_threshold=" +
+        std::to_string(store_threshold) +
+        " needs a tracker of at least 1 key; pass max_tracker_size >= 1 (default " +
+        std::to_string(CPUOffloadingManager::kDefaultMaxTrackerSize) +
+        "), or store_threshold=0 to turn the filter off");
+  }
+}
+
 /// Validates the arguments before anything large is allocated, the pool's memory included;
 /// returns num_blocks.
-std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy) {
+std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy,
+                                std::int64_t store_threshold, std::int64_t max_tracker_size) {
   if (num_blocks < 1 || num_blocks > kMaxNumBlocks) {
     throw std::invalid_argument(bad_num_blocks_message(std::to_string(num_blocks)));
   }
@@ -117,11 +149,15 @@ std::int64_t checked_num_blocks(std::int64_t num_blocks, std::string_view policy
   if (std::find(names.begin(), names.end(), policy) == names.end()) {
     make_eviction_policy(policy, 1);  // throws the "unknown eviction_policy" error
   }
-  const std::uint64_t needed = CPUOffloadingManager::memory_bytes(num_blocks, policy);
+  check_store_threshold(store_threshold, max_tracker_size);
+  const std::uint64_t needed = CPUOffloadingManager::memory_bytes(num_blocks, policy,
+                                                                  store_threshold,
+                                                                  max_tracker_size);
   if (needed >= kCheckHostMemoryFrom) {
     const std::uint64_t limit = host_memory_limit_bytes();
     if (needed > limit) {
-      throw HostMemoryError(num_blocks, policy, needed, limit);
+      throw HostMemoryError(num_blocks, policy, needed, limit,
+                            store_threshold >= 2 ? max_tracker_size : 0);
     }
   }
   return num_blocks;
@@ -180,7 +216,8 @@ std::uint64_t cgroup_memory_limit() {
 }  // namespace
 
 HostMemoryError::HostMemoryError(std::int64_t num_blocks, std::string_view eviction_policy,
-                                 std::uint64_t needed_bytes, std::uint64_t limit_bytes) {
+                                 std::uint64_t needed_bytes, std::uint64_t limit_bytes,
+                                 std::int64_t tracker_entries) {
   const std::uint64_t per_block =
       num_blocks > 0 ? needed_bytes / static_cast<std::uint64_t>(num_blocks) : 0;
   std::string m = "CPUOffloadingManager: num_blocks=" + std::to_string(num_blocks) +
@@ -194,7 +231,15 @@ HostMemoryError::HostMemoryError(std::int64_t num_blocks, std::string_view evict
     m += "and allocating it failed (std::bad_alloc)";
   }
   m += "; use fewer CPU blocks: a smaller cpu_bytes_to_use (or num_blocks), or a larger "
-       "block_size_factor for fewer, larger blocks. Nothing is left allocated.";
+       "block_size_factor for fewer, larger blocks";
+  if (tracker_entries > 0) {
+    const std::uint64_t tracker =
+        AdmissionTracker::memory_bytes(static_cast<std::uint32_t>(tracker_entries));
+    m += ". Of these, " + format_bytes(tracker) + " are the store_threshold tracker of "
+         "max_tracker_size=" + std::to_string(tracker_entries) +
+         " keys: a smaller max_tracker_size shrinks it";
+  }
+  m += ". Nothing is left allocated.";
   message_ = std::make_shared<const std::string>(std::move(m));
 }
 
@@ -225,6 +270,18 @@ std::uint64_t CPUOffloadingManager::memory_bytes(std::int64_t num_blocks,
   return CPUBlockPool::memory_bytes(n) + KeyIndex::memory_bytes(n) +
          eviction_policy_memory_bytes(eviction_policy, n) +
          recent_log_entries(n, kMaxRecentLog) * sizeof(std::uint32_t);
+}
+
+std::uint64_t CPUOffloadingManager::memory_bytes(std::int64_t num_blocks,
+                                                 std::string_view eviction_policy,
+                                                 std::int64_t store_threshold,
+                                                 std::int64_t max_tracker_size) {
+  std::uint64_t bytes = memory_bytes(num_blocks, eviction_policy);
+  if (bytes > 0 && store_threshold >= 2 && max_tracker_size >= 1 &&
+      max_tracker_size <= kMaxNumBlocks) {
+    bytes += AdmissionTracker::memory_bytes(static_cast<std::uint32_t>(max_tracker_size));
+  }
+  return bytes;
 }
 
 namespace {
@@ -270,17 +327,26 @@ std::string describe_state(BlockState state) {
 // A function-try-block: when an allocation fails, the members built so far are destroyed
 // (their memory freed) before the handler turns std::bad_alloc into a HostMemoryError.
 CPUOffloadingManager::CPUOffloadingManager(std::int64_t num_blocks,
-                                           std::string_view eviction_policy, bool enable_events)
-try : pool_(checked_num_blocks(num_blocks, eviction_policy)),
+                                           std::string_view eviction_policy, bool enable_events,
+                                           std::int64_t store_threshold,
+                                           std::int64_t max_tracker_size)
+try : pool_(checked_num_blocks(num_blocks, eviction_policy, store_threshold, max_tracker_size)),
       index_(pool_.num_blocks()),
       policy_(make_eviction_policy(eviction_policy, pool_.num_blocks())),
-      enable_events_(enable_events) {
+      enable_events_(enable_events),
+      store_threshold_(store_threshold),
+      max_tracker_size_(max_tracker_size),
+      tracker_(store_threshold >= 2 ? std::make_unique<AdmissionTracker>(
+                                          static_cast<std::uint32_t>(max_tracker_size))
+                                    : nullptr) {
   recent_.assign(recent_log_entries(pool_.num_blocks(), kMaxRecentLog), 0);
 } catch (const HostMemoryError&) {
   throw;
 } catch (const std::bad_alloc&) {
-  throw HostMemoryError(num_blocks, eviction_policy, memory_bytes(num_blocks, eviction_policy),
-                        0);
+  throw HostMemoryError(num_blocks, eviction_policy,
+                        memory_bytes(num_blocks, eviction_policy, store_threshold,
+                                     max_tracker_size),
+                        0, store_threshold >= 2 ? max_tracker_size : 0);
 }
 
 void CPUOffloadingManager::note_recent(std::uint32_t slot) noexcept {
@@ -580,7 +646,8 @@ void CPUOffloadingManager::touch_slots(std::span<const std::uint32_t> slots,
 
 // ------------------------------------------------------------------------------------- stores
 
-bool CPUOffloadingManager::dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash) {
+std::size_t CPUOffloadingManager::dedupe_insert(KeySpan keys, std::size_t index,
+                                               std::uint64_t hash) {
   // Open addressing over a power-of-two table; an entry holds the high half of the key's hash
   // (compared first, no indirection) and the key's position + 1 (0 = empty).
   const std::size_t mask = scratch_set_.size() - 1;
@@ -589,26 +656,56 @@ bool CPUOffloadingManager::dedupe_insert(KeySpan keys, std::size_t index, std::u
     const DedupeEntry entry = scratch_set_[b];
     if (entry.position == 0) {
       scratch_set_[b] = DedupeEntry{high, static_cast<std::uint32_t>(index) + 1};
-      return true;
+      return index;
     }
     if (entry.hash_high == high && keys[entry.position - 1] == keys[index]) {
-      return false;
+      return entry.position - 1;
     }
   }
 }
 
-std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan keys) {
+static_assert(PrepareStoreResult::kNoBlock == KeyIndex::kNotFound);
+static_assert(AdmissionTracker::kNotTracked == KeyIndex::kNotFound);
+
+void CPUOffloadingManager::filter_new_keys(KeySpan keys) {
+  scratch_tracked_.resize(keys.size());
+  tracker_->find_all(keys, scratch_hashes_.data(), scratch_tracked_.data());
+  const auto threshold = static_cast<std::uint64_t>(store_threshold_);
+  std::size_t kept = 0;
+  for (const std::uint32_t i : scratch_new_) {
+    const std::uint32_t entry = scratch_tracked_[i];
+    // its offers so far (0 when the tracker forgot it or never saw it) plus this call's
+    const std::uint64_t offers =
+        std::uint64_t{entry == AdmissionTracker::kNotTracked ? 0 : tracker_->count(entry)} +
+        (keys.size() > 1 ? scratch_offers_[i] : 1);
+    if (offers >= threshold) {
+      scratch_new_[kept++] = i;
+    } else {
+      scratch_skipped_.push_back(i);
+    }
+  }
+  scratch_new_.resize(kept);
+}
+
+std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan keys,
+                                                                      bool apply_threshold) {
   PrepareStoreResult result;
-  if (!prepare_store(keys, result)) return std::nullopt;
+  if (!prepare_store(keys, result, apply_threshold)) return std::nullopt;
   return result;
 }
 
-bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& result) {
+bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& result,
+                                         bool apply_threshold) {
   validate_keys(keys, "prepare_store");
   maybe_drain();  // blocks the tiers finished writing become evictable again
   const std::uint32_t stamp = next_stamp();
   find_all(keys);
   scratch_new_.clear();
+  scratch_skipped_.clear();
+  const bool filter = tracker_ != nullptr && apply_threshold;
+  if (filter && keys.size() > 1) {
+    scratch_offers_.assign(keys.size(), 0);  // per new key: its occurrences in the call
+  }
   if (keys.size() > 1) {
     std::size_t buckets = 4;
     while (buckets < 2 * keys.size()) {
@@ -630,10 +727,16 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
       }
       continue;
     }
-    if (keys.size() > 1 && !dedupe_insert(keys, i, scratch_hashes_[i])) {
-      continue;  // repeats an earlier new key of this call
+    if (keys.size() > 1) {
+      const std::size_t first = dedupe_insert(keys, i, scratch_hashes_[i]);
+      if (filter) ++scratch_offers_[first];
+      if (first != i) continue;  // repeats an earlier new key of this call
     }
     scratch_new_.push_back(static_cast<std::uint32_t>(i));
+  }
+  // The store_threshold filter: new keys offered too few times need no slot (no state change).
+  if (filter) {
+    filter_new_keys(keys);
   }
 
   // Pass 2 (no state change): find victims, or give up.
@@ -736,8 +839,14 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   }
   for (std::size_t i = 0; i < keys.size(); ++i) {
     if (result.key_block_ids[i] == KeyIndex::kNotFound) {
+      // (kNotFound == kNoBlock: a skipped key stays so)
       result.key_block_ids[i] = index_.find(keys[i], scratch_hashes_[i]);
     }
+  }
+  result.skipped_indices.assign(scratch_skipped_.begin(), scratch_skipped_.end());
+  if (filter) {
+    stores_skipped_ += scratch_skipped_.size();
+    tracker_->record(keys, scratch_hashes_.data(), scratch_tracked_);  // the call's offers
   }
   return true;
 }

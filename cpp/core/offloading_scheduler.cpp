@@ -72,6 +72,14 @@ SchedulerConfig validated(SchedulerConfig c) {
   need(c.store_batch_blocks >= 1 && c.store_batch_blocks <= (1 << 20),
        "store_batch_blocks must be in [1, 2^20] offloaded blocks, got " +
            std::to_string(c.store_batch_blocks) + " (1 stores every block as it fills)");
+  need(c.store_threshold >= 0 && c.store_threshold <= CPUOffloadingManager::kMaxStoreThreshold,
+       "store_threshold must be in [0, 2^20] offers, got " + std::to_string(c.store_threshold) +
+           " (0 or 1: store every block; n >= 2: store a block once it was offered n times)");
+  need(c.max_tracker_size >= (c.store_threshold >= 2 ? 1 : 0) &&
+           c.max_tracker_size <= kMaxNumBlocks,
+       "max_tracker_size must be in [1, 2^31-1] keys, got " +
+           std::to_string(c.max_tracker_size) + " (default " +
+           std::to_string(CPUOffloadingManager::kDefaultMaxTrackerSize) + ")");
   return c;
 }
 
@@ -86,7 +94,8 @@ OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
                                        return g.kind != GroupKind::kFullAttention;
                                      })),
       store_batch_(any_partial_group_ ? 1 : config_.store_batch_blocks),
-      manager_(config_.num_cpu_blocks, config_.eviction_policy, config_.enable_events),
+      manager_(config_.num_cpu_blocks, config_.eviction_policy, config_.enable_events,
+               config_.store_threshold, config_.max_tracker_size),
       alloc_step_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       store_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       load_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0) {
@@ -799,6 +808,12 @@ bool OffloadingScheduler::prepare_stores(std::span<const StoreCandidate> candida
   PrepareStoreResult& result = store_result_;  // scratch: memory reused from call to call
   if (!manager_.prepare_store(key_views, result)) return false;  // nothing changed
   stats_.blocks_evicted += result.evicted_keys.size();
+  if (!result.skipped_indices.empty()) {
+    // store_threshold: skipped keys have no block (their items keep kNoSlot: not copied, like
+    // held ones, and next_store moves past them as vLLM's connector does)
+    stats_.stores_skipped += result.skipped_indices.size();
+    std::erase(result.key_block_ids, PrepareStoreResult::kNoBlock);
+  }
   manager_.touch_blocks(result.key_block_ids);  // by block id: no key is looked up again
   for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
     store_items_[item_of[result.store_indices[k]]].slot = result.block_ids[k];

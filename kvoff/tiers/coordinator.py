@@ -36,6 +36,7 @@ write-through calls.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -720,12 +721,15 @@ class TieredPool:
             sources: list[int] = r.future.result()
             n = len(sources)
             held = r.held  # the request's hits: named too, so never evicted for the run
-            out = self.manager.prepare_store(held + r.keys[:n]) if n else None
+            # a promotion is no offer: the store_threshold filter neither counts nor skips it
+            # (the blocks passed it when they were first stored)
+            promote = functools.partial(self.manager.prepare_store, apply_threshold=False)
+            out = promote(held + r.keys[:n]) if n else None
             while out is None and n > 1:
                 # L1 cannot take the whole run at once (too few free or evictable slots): the
                 # leading part that fits is promoted, the rest comes on a later miss
                 n //= 2
-                out = self.manager.prepare_store(held + r.keys[:n])
+                out = promote(held + r.keys[:n])
             src = dict(zip(r.keys[:n], sources[:n], strict=True))
             keys_to_store: list[bytes] = []
             block_ids: list[int] = []

@@ -131,6 +131,23 @@ def _build_parser() -> argparse.ArgumentParser:
         "kvoff/tools/belady.py)",
     )
     rp.add_argument(
+        "--store-threshold",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="store admission: store an offloaded block only once requests offered it N times "
+        "(a request that computed the block offers it; 0 or 1: every block, the default; "
+        "vLLM's store_threshold). With --sweep-capacity: for the policies without +tN",
+    )
+    rp.add_argument(
+        "--max-tracker-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --store-threshold: keys whose offers are counted at most, the least "
+        "recently offered forgotten first (default: 64000)",
+    )
+    rp.add_argument(
         "--config",
         type=Path,
         default=None,
@@ -281,7 +298,8 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="P,P,...",
         help="with --sweep-capacity: the policies (default: lru,arc,probation,min; min is "
-        "Belady's offline optimum)",
+        "Belady's offline optimum); a policy may carry a store threshold: lru+t2 is lru with "
+        "--store-threshold 2 (rows lru and lru+t2 side by side; +t0: off for that row)",
     )
     rp.add_argument(
         "--plot",
@@ -949,6 +967,12 @@ def _replay_vllm(args: argparse.Namespace) -> int:
                 f"--{name.replace('_', '-')} applies to --engine sim only; with --engine vllm "
                 "the engine owns the GPU cache, the transfers and the model (see --engine-model)"
             )
+    for name in ("store_threshold", "max_tracker_size"):
+        if getattr(args, name) is not None:
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to --engine sim only (the vLLM replay "
+                "does not pass it to its connector); drop it"
+            )
     flags = {
         "cpu_bytes_to_use": args.cpu_bytes,
         "offloaded_block_size": args.offloaded_block_size,
@@ -1055,6 +1079,11 @@ def _replay(args: argparse.Namespace) -> int:
             "policy 'min' simulates the pool offline (no bytes move, nothing is computed); drop "
             "--compute and --device, or pick an engine policy"
         )
+    if args.policy == "min" and (args.store_threshold or 0) >= 2:
+        raise ValueError(
+            "policy 'min' is the offline optimum without an admission filter; drop "
+            "--store-threshold or pick an engine policy"
+        )
     sweeping = args.sweep_capacity is not None
     if not sweeping and (args.policies is not None or args.plot is not None):
         raise ValueError(
@@ -1071,6 +1100,8 @@ def _replay(args: argparse.Namespace) -> int:
         "cpu_bytes_to_use": args.cpu_bytes,
         "offloaded_block_size": args.offloaded_block_size,
         "eviction_policy": None if args.policy == "min" else args.policy,
+        "store_threshold": args.store_threshold,
+        "max_tracker_size": args.max_tracker_size,
         # the tiers: flags, else KVOFF_DISK_PATH / KVOFF_DISK_BYTES / KVOFF_REMOTE_URL or the file
         "disk_path": args.disk_path,
         "disk_bytes": args.disk_bytes,
@@ -1090,6 +1121,8 @@ def _replay(args: argparse.Namespace) -> int:
         cpu_blocks=pool.num_cpu_blocks,
         cpu_bytes=pool.cpu_bytes_to_use,
         policy="min" if args.policy == "min" else pool.eviction_policy,
+        store_threshold=pool.store_threshold,
+        max_tracker_size=pool.max_tracker_size,
         limit=args.limit,
         trace_block_size=args.trace_block_size,
         device=args.device,
@@ -1127,6 +1160,9 @@ def _replay(args: argparse.Namespace) -> int:
         result = run_replay(config, progress=progress, requests=requests)
     s = result.summary()
     gib = 2**30
+    on = s["store_threshold"] >= 2
+    threshold = f", store_threshold {s['store_threshold']}" if on else ""
+    filtered = f", {s['stores_filtered']:,} below store_threshold" if on else ""
     if s["device"] == "offline":  # Belady's MIN: simulated, no bytes moved
         print(
             f"kvoff replay: {s['requests']} requests of trace {s['trace']!r}, Belady's MIN "
@@ -1151,14 +1187,15 @@ def _replay(args: argparse.Namespace) -> int:
         f"kvoff replay: {s['requests']} requests of trace {s['trace']!r}, model {s['model']}, "
         f"block_size {s['block_size']}, offloaded_block_size {s['offloaded_block_size']}\n"
         f"  pool: {s['cpu_blocks']} CPU blocks ({s['cpu_pool_bytes'] / gib:.2f} GiB, "
-        f"{s['policy']}), GPU prefix cache {s['gpu_prefix_blocks']} blocks\n"
+        f"{s['policy']}{threshold}), GPU prefix cache {s['gpu_prefix_blocks']} blocks\n"
         f"  input tokens     {s['input_tokens']:>14,}\n"
         f"  GPU hit tokens   {s['gpu_hit_tokens']:>14,}\n"
         f"  kvoff hit tokens {s['cpu_hit_tokens']:>14,}\n"
         f"  hit rate         {s['hit_rate']:>14.4%}   (full-block maximum "
         f"{s['max_hit_rate']:.4%})\n"
         f"  stored           {s['blocks_stored']:>14,} blocks, {s['bytes_stored'] / gib:.2f} GiB "
-        f"at {s['store_gbps']:.2f} GB/s; {s['stores_skipped']} skipped (no room)\n"
+        f"at {s['store_gbps']:.2f} GB/s; {s['stores_skipped']} skipped (no room)"
+        f"{filtered}\n"
         f"  loaded           {s['blocks_loaded']:>14,} GPU blocks, {s['bytes_loaded'] / gib:.2f} "
         f"GiB at {s['load_gbps']:.2f} GB/s\n"
         f"  verified         {s['blocks_verified']:>14,} blocks, corrupted "

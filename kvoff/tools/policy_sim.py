@@ -10,9 +10,10 @@ checks that its counts equal the replay's. The GPU prefix cache is not modelled
 (``gpu_prefix_blocks`` must be 0, the replay's default).
 
 ``python -m kvoff.tools.policy_sim --trace T --sweep-capacity 1000,3000 --policies lru,min
-[--json F.json] [--plot F.png]`` prints the table of ``kvoff replay --sweep-capacity`` and writes
-the same JSON (``run``: machine, date, command; ``sweep``) and curves; ``min`` is
-:func:`kvoff.tools.belady.run_min_replay`.
+[--store-threshold N] [--max-tracker-size N] [--json F.json] [--plot F.png]`` prints the table
+of ``kvoff replay --sweep-capacity`` and writes the same JSON (``run``: machine, date, command;
+``sweep``) and curves; ``min`` is :func:`kvoff.tools.belady.run_min_replay`. A policy with a
+store threshold is written ``lru+t2`` (:func:`kvoff.tools.policy_sweep.parse_policies`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvoff.tools.policy_sweep import (
     parse_capacities,
     parse_policies,
     plot_sweep,
+    resolve_policies,
 )
 from kvoff.tools.replay import ReplayConfig, ReplayResult, offload_key
 from kvoff.tools.traces import TraceRequest, load_trace
@@ -46,12 +48,18 @@ def run_manager_replay(
     """The hit counts of ``run_replay(config)`` from the manager alone (module docstring).
 
     Raises:
-        ValueError: ``gpu_prefix_blocks`` != 0, no ``cpu_blocks``, or block sizes that do not
-            divide.
+        ValueError: ``gpu_prefix_blocks`` != 0, no ``cpu_blocks``, block sizes that do not
+            divide, ``min`` with a ``store_threshold`` >= 2, or a ``store_threshold`` /
+            ``max_tracker_size`` out of range (naming it).
     """
     from kvoff import _scheduler
 
     if config.policy == MIN_POLICY:
+        if config.store_threshold >= 2:
+            raise ValueError(
+                "policy 'min' is the offline optimum without an admission filter; drop "
+                f"store_threshold={config.store_threshold}"
+            )
         return run_min_replay(config, requests=requests)
     if config.gpu_prefix_blocks or not config.cpu_blocks:
         raise ValueError("run_manager_replay needs gpu_prefix_blocks=0 and cpu_blocks")
@@ -64,7 +72,12 @@ def run_manager_replay(
     if config.limit is not None:
         reqs = reqs[: config.limit]
     policy = config.policy or "lru"
-    manager = _scheduler.CPUOffloadingManager(config.cpu_blocks, policy)
+    manager = _scheduler.CPUOffloadingManager(
+        config.cpu_blocks,
+        policy,
+        store_threshold=config.store_threshold,
+        max_tracker_size=config.max_tracker_size,
+    )
     res = ReplayResult(
         trace=config.trace,
         model=config.model,
@@ -75,6 +88,8 @@ def run_manager_replay(
         policy=policy,
         device="manager-only",
         gpu_layout=config.gpu_layout,
+        store_threshold=config.store_threshold,
+        max_tracker_size=config.max_tracker_size,
         gpu_blocks=0,
         cpu_pool_bytes=0,
     )
@@ -115,6 +130,7 @@ def run_manager_replay(
         res.cpu_hit_tokens += h * obs
         res.blocks_loaded += h * factor
         res.computed_tokens += req.input_length - h * obs
+    res.stores_filtered = manager.stores_skipped
     res.hit_tokens = res.cpu_hit_tokens
     res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
     res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
@@ -125,22 +141,32 @@ def run_manager_replay(
 def run_manager_sweep(
     base: ReplayConfig, capacities: Sequence[int], policies: Sequence[str], log=None
 ) -> PolicySweep:
-    """:func:`kvoff.tools.policy_sweep.run_policy_sweep` with :func:`run_manager_replay`."""
+    """:func:`kvoff.tools.policy_sweep.run_policy_sweep` with :func:`run_manager_replay`
+    (policies as there: ``lru+t2`` carries a ``store_threshold``, others take
+    ``base.store_threshold``).
+
+    Raises:
+        ValueError: a bad policy or ``+tN`` (:func:`kvoff.tools.policy_sweep.resolve_policies`),
+            or what :func:`run_manager_replay` raises.
+    """
+    specs = resolve_policies(policies, base.store_threshold)
     requests = load_trace(base.trace, base.limit, base.trace_block_size)
     points = []
     result = None
-    for policy in policies:
+    for label, policy, threshold in specs:
         for c in capacities:
-            config = dataclasses.replace(base, cpu_blocks=c, cpu_bytes=None, policy=policy)
+            config = dataclasses.replace(
+                base, cpu_blocks=c, cpu_bytes=None, policy=policy, store_threshold=threshold
+            )
             result = run_manager_replay(config, requests)
             points.append(SweepPoint.from_result(result))
             if log is not None:
-                log(f"{policy:>10} {c:>9,}: hit rate {result.hit_rate:.4f} ({result.wall_s:.1f} s)")
+                log(f"{label:>10} {c:>9,}: hit rate {result.hit_rate:.4f} ({result.wall_s:.1f} s)")
     assert result is not None
     return PolicySweep(
         config=dataclasses.replace(base, cpu_blocks=capacities[0], cpu_bytes=None),
         capacities=tuple(capacities),
-        policies=tuple(policies),
+        policies=tuple(label for label, _, _ in specs),
         requests=result.requests,
         input_tokens=result.input_tokens,
         max_hit_rate=result.max_hit_rate,
@@ -171,7 +197,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvoff.tools.policy_sim")
     parser.add_argument("--trace", default="conversation", help="bundled name or JSONL path")
     parser.add_argument("--sweep-capacity", required=True, metavar="N,N,...")
-    parser.add_argument("--policies", default="lru,arc,probation,min", metavar="P,P,...")
+    parser.add_argument(
+        "--policies",
+        default="lru,arc,probation,min",
+        metavar="P,P,...",
+        help="policies, each optionally with a store threshold (lru+t2); default: "
+        "lru,arc,probation,min",
+    )
+    parser.add_argument(
+        "--store-threshold",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the manager's store_threshold for policies without +tN (default: 0, off)",
+    )
+    parser.add_argument(
+        "--max-tracker-size",
+        type=int,
+        default=64000,
+        metavar="N",
+        help="keys the store_threshold tracker holds at most (default: 64000)",
+    )
     parser.add_argument("--limit", type=_positive_limit, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
@@ -187,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
-    base = ReplayConfig(trace=args.trace, limit=args.limit)
+    base = ReplayConfig(
+        trace=args.trace,
+        limit=args.limit,
+        store_threshold=args.store_threshold,
+        max_tracker_size=args.max_tracker_size,
+    )
     sweep = run_manager_sweep(
         base,
         parse_capacities(args.sweep_capacity),

@@ -8,6 +8,13 @@ cache, model, limit) are the same for every point. The result is a table (and JS
 rates, the fraction of the gap from a baseline policy to MIN that each policy closes,
 ``(policy - baseline) / (min - baseline)``, and optionally hit-rate curves drawn with
 matplotlib (``--plot FILE.png``).
+
+**Store admission.** A policy may carry the manager's ``store_threshold`` (a block is stored only
+once it was offered that many times): ``lru+t2`` is LRU with ``store_threshold=2``, so
+``--policies lru,lru+t2`` reports the filter beside the plain policy in one sweep. A name without
+``+tN`` takes ``--store-threshold`` (``ReplayConfig.store_threshold``, default 0: off); ``+t0``
+turns it off for that line. Rows are labelled ``policy+tN`` whenever N >= 2. ``min`` (the
+offline optimum) never takes a threshold.
 """
 
 from __future__ import annotations
@@ -30,9 +37,15 @@ __all__ = [
     "parse_capacities",
     "parse_policies",
     "plot_sweep",
+    "policy_label",
+    "resolve_policies",
     "run_policy_sweep",
+    "split_policy",
     "sweep_policy_names",
 ]
+
+MAX_STORE_THRESHOLD = 1 << 20
+"""Largest ``+tN`` (the manager's ``store_threshold`` bound)."""
 
 DEFAULT_SWEEP_POLICIES = ("lru", "arc", "probation", MIN_POLICY)
 """Policies of a sweep when ``--policies`` is not given: every engine policy, then MIN."""
@@ -75,12 +88,70 @@ def parse_capacities(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def parse_policies(text: str) -> tuple[str, ...]:
-    """Policies from a comma-separated list, e.g. ``lru,arc,probation,min``.
+def split_policy(spec: str) -> tuple[str, int | None]:
+    """``(policy, store_threshold)`` of a sweep policy: ``"lru"`` -> ``("lru", None)`` (the
+    sweep's default threshold applies), ``"lru+t2"`` -> ``("lru", 2)``.
 
     Raises:
-        ValueError: for an empty list, an unknown name (listing the choices), or a repeated
-            name.
+        ValueError: an unknown policy (listing the choices), a suffix that is not ``+t`` and an
+            integer in [0, 2**20], or ``min`` with a threshold >= 2 (naming the item).
+    """
+    choices = sweep_policy_names()
+    name, plus, suffix = spec.strip().lower().partition("+")
+    if name not in choices:
+        raise ValueError(f"unknown policy {name!r}; choose from: " + ", ".join(choices))
+    if not plus:
+        return name, None
+    digits = suffix[1:] if suffix.startswith("t") else ""
+    if not digits.isdigit() or int(digits) > MAX_STORE_THRESHOLD:
+        raise ValueError(
+            f"policy {spec!r}: write a store threshold as {name}+tN with N in 0..2**20 (e.g. "
+            f"{name}+t2: store a block once it was offered twice)"
+        )
+    threshold = int(digits)
+    if name == MIN_POLICY and threshold >= 2:
+        why = "min is the offline optimum without an admission filter"
+        raise ValueError(f"policy {spec!r}: {why}; drop its +tN")
+    return name, threshold
+
+
+def policy_label(policy: str, store_threshold: int) -> str:
+    """A sweep row's name: ``policy``, or ``policy+tN`` when ``store_threshold`` N >= 2."""
+    return f"{policy}+t{store_threshold}" if store_threshold >= 2 else policy
+
+
+def resolve_policies(
+    specs: Sequence[str], default_threshold: int = 0
+) -> tuple[tuple[str, str, int], ...]:
+    """``(label, policy, store_threshold)`` per sweep policy, a spec without ``+tN`` taking
+    ``default_threshold`` (``min`` always 0).
+
+    Raises:
+        ValueError: a bad spec (see :func:`split_policy`), or two specs that name the same
+            replay (e.g. ``lru+t2`` twice, or ``lru`` and ``lru+t2`` with a default of 2).
+    """
+    out: list[tuple[str, str, int]] = []
+    for spec in specs:
+        name, threshold = split_policy(spec)
+        if threshold is None:
+            threshold = 0 if name == MIN_POLICY else default_threshold
+        label = policy_label(name, threshold)
+        if any(label == seen for seen, _, _ in out):
+            raise ValueError(
+                f"policies {list(specs)!r} name the replay {label!r} twice (with the store "
+                f"threshold {default_threshold} for names without +tN); give each once"
+            )
+        out.append((label, name, threshold))
+    return tuple(out)
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    """Policies from a comma-separated list, e.g. ``lru,arc,probation,min`` or
+    ``lru,lru+t2,probation`` (``+tN``: that line's ``store_threshold``, see the module notes).
+
+    Raises:
+        ValueError: for an empty list, an unknown name (listing the choices), a bad ``+tN``,
+            or a repeated item.
     """
     choices = sweep_policy_names()
     names = [item.strip().lower() for item in text.split(",")]
@@ -88,12 +159,13 @@ def parse_policies(text: str) -> tuple[str, ...]:
         raise ValueError(
             f"--policies {text!r} has an empty item; give names separated by commas from: "
             + ", ".join(choices)
+            + " (optionally with a store threshold: lru+t2)"
         )
     for name in names:
-        if name not in choices:
-            raise ValueError(
-                f"--policies: unknown policy {name!r}; choose from: " + ", ".join(choices)
-            )
+        try:
+            split_policy(name)
+        except ValueError as exc:
+            raise ValueError(f"--policies: {exc}") from None
     if len(set(names)) != len(names):
         raise ValueError(f"--policies {text!r} repeats a policy; give each once")
     return tuple(names)
@@ -104,7 +176,8 @@ class SweepPoint:
     """One replay of a sweep.
 
     Attributes:
-        policy: eviction policy, or ``min``.
+        policy: the row's label: the eviction policy (or ``min``), ``+tN`` when it ran with a
+            ``store_threshold`` N >= 2.
         cpu_blocks: CPU pool size in offloaded blocks.
         hit_rate: hit tokens / input tokens (GPU prefix cache and kvoff together).
         hit_tokens: tokens not recomputed.
@@ -114,6 +187,8 @@ class SweepPoint:
         corrupted_blocks: loaded GPU blocks whose bytes were wrong (0 unless broken; MIN moves
             no bytes).
         wall_s: seconds the replay took.
+        store_threshold: the manager's ``store_threshold`` (0: no admission filter).
+        stores_filtered: offloaded blocks the admission filter skipped.
     """
 
     policy: str
@@ -125,12 +200,14 @@ class SweepPoint:
     stores_skipped: int
     corrupted_blocks: int
     wall_s: float
+    store_threshold: int = 0
+    stores_filtered: int = 0
 
     @classmethod
     def from_result(cls, result: ReplayResult) -> SweepPoint:
         """The point of one replay's totals."""
         return cls(
-            policy=result.policy,
+            policy=policy_label(result.policy, result.store_threshold),
             cpu_blocks=result.cpu_blocks,
             hit_rate=result.hit_rate,
             hit_tokens=result.hit_tokens,
@@ -139,6 +216,8 @@ class SweepPoint:
             stores_skipped=result.stores_skipped,
             corrupted_blocks=result.corrupted_blocks,
             wall_s=result.wall_s,
+            store_threshold=result.store_threshold,
+            stores_filtered=result.stores_filtered,
         )
 
 
@@ -147,10 +226,10 @@ class PolicySweep:
     """Hit rates of every policy at every pool size on one trace.
 
     Attributes:
-        config: the replay options shared by every point (``cpu_blocks`` and ``policy`` are
-            those of the first point; each point has its own).
+        config: the replay options shared by every point (``cpu_blocks``, ``policy`` and
+            ``store_threshold`` are those of the first point; each point has its own).
         capacities: pool sizes, CPU blocks, in sweep order.
-        policies: policies, in sweep order.
+        policies: the rows' labels (:attr:`SweepPoint.policy`), in sweep order.
         requests: requests replayed.
         input_tokens: input tokens replayed.
         max_hit_rate: the full-block maximum (an unbounded pool: every full block seen before
@@ -201,7 +280,8 @@ class PolicySweep:
             if p not in ("lru", MIN_POLICY)
         }
         return {
-            "config": dataclasses.asdict(self.config) | {"cpu_blocks": None, "policy": None},
+            "config": dataclasses.asdict(self.config)
+            | {"cpu_blocks": None, "policy": None, "store_threshold": None},
             "capacities": list(self.capacities),
             "policies": list(self.policies),
             "requests": self.requests,
@@ -229,25 +309,25 @@ def run_policy_sweep(
     cleared); see the module docstring.
 
     Args:
-        base: the shared replay options.
+        base: the shared replay options; ``base.store_threshold`` applies to policies without
+            ``+tN``.
         capacities: pool sizes in CPU blocks (see :func:`parse_capacities`).
-        policies: names from :func:`sweep_policy_names`.
+        policies: names from :func:`sweep_policy_names`, each optionally with ``+tN`` (see
+            the module notes).
         requests: already loaded requests (else the trace is read once).
         log: called with a line after each replay.
 
     Raises:
-        ValueError: for no capacities or policies, an unknown policy, a capacity < 1, a disk or
-            remote tier (the points must start empty), ``min`` with ``engines > 1``, or a bad
-            replay configuration (see :func:`kvoff.tools.replay.run_replay`).
+        ValueError: for no capacities or policies, an unknown policy or a bad ``+tN`` (see
+            :func:`resolve_policies`), a capacity < 1, a disk or remote tier (the points must
+            start empty), ``min`` with ``engines > 1``, or a bad replay configuration (see
+            :func:`kvoff.tools.replay.run_replay`).
     """
     if not capacities:
         raise ValueError("a sweep needs at least one capacity (CPU blocks)")
     if not policies:
         raise ValueError("a sweep needs at least one policy")
-    choices = sweep_policy_names()
-    for name in policies:
-        if name not in choices:
-            raise ValueError(f"unknown policy {name!r}; choose from: " + ", ".join(choices))
+    specs = resolve_policies(policies, base.store_threshold)
     for c in capacities:
         if c < 1:
             raise ValueError(f"capacity {c} CPU blocks is not positive; every pool needs >= 1")
@@ -258,7 +338,7 @@ def run_policy_sweep(
             "the blocks of earlier points; drop --disk-path and --remote-url (and KVOFF_DISK_PATH "
             "/ KVOFF_REMOTE_URL) or replay each point with kvoff replay"
         )
-    if MIN_POLICY in policies and base.engines > 1:
+    if any(name == MIN_POLICY for _, name, _ in specs) and base.engines > 1:
         raise ValueError(
             "policy 'min' simulates one CPU pool offline; drop the tiers and --engines"
         )
@@ -268,9 +348,11 @@ def run_policy_sweep(
     max_hit_rate = 0.0
     input_tokens = 0
     n_requests = 0
-    for policy in policies:
+    for label, policy, threshold in specs:
         for c in capacities:
-            config = dataclasses.replace(base, cpu_blocks=c, cpu_bytes=None, policy=policy)
+            config = dataclasses.replace(
+                base, cpu_blocks=c, cpu_bytes=None, policy=policy, store_threshold=threshold
+            )
             if policy == MIN_POLICY:
                 result = run_min_replay(config, requests=requests)
             else:
@@ -281,13 +363,13 @@ def run_policy_sweep(
             n_requests = result.requests
             if log is not None:
                 log(
-                    f"{policy:>10} {c:>9,} CPU blocks: hit rate {result.hit_rate:.4f} "
+                    f"{label:>10} {c:>9,} CPU blocks: hit rate {result.hit_rate:.4f} "
                     f"({result.wall_s:.1f} s)"
                 )
     return PolicySweep(
         config=dataclasses.replace(base, cpu_blocks=capacities[0], cpu_bytes=None),
         capacities=tuple(capacities),
-        policies=tuple(policies),
+        policies=tuple(label for label, _, _ in specs),
         requests=n_requests,
         input_tokens=input_tokens,
         max_hit_rate=max_hit_rate,
@@ -346,7 +428,7 @@ def plot_sweep(sweep: PolicySweep, path: str | Path) -> None:
         order = sorted(range(len(xs)), key=lambda i: xs[i])
         for p in sweep.policies:
             ys = [sweep.point(p, xs[i]).hit_rate for i in order]
-            style = "--" if p == MIN_POLICY else "-"
+            style = "--" if p == MIN_POLICY else ":" if "+t" in p else "-"
             label = "Belady MIN (offline)" if p == MIN_POLICY else p
             ax.plot([xs[i] for i in order], ys, style, marker="o", label=label)
         ax.axhline(sweep.max_hit_rate, color="gray", linestyle=":", label="unbounded pool")

@@ -17,10 +17,12 @@ Each request of a Mooncake-format trace is served like an engine serves a prefil
    runs too: GEMMs proportional to the computed tokens on the compute stream.
 4. **Store.** Offloaded blocks that are full and contain computed tokens are stored GPU→CPU in one
    all-or-nothing ``prepare_store`` (when the pool cannot make room, nothing is stored and
-   ``stores_skipped`` counts the blocks). The store runs in the background (on a GPU it overlaps
-   the next request); ``complete_store`` runs when the worker reports it finished. A GPU block
-   that is the source of a store in flight is not reused before that store finishes (a fence,
-   DESIGN.md invariant 4).
+   ``stores_skipped`` counts the blocks). With ``store_threshold`` >= 2 the manager's admission
+   filter first skips blocks offered fewer times than that (a request that computed a block
+   offers it; ``stores_filtered`` counts them). The store runs in the background (on a GPU it
+   overlaps the next request); ``complete_store`` runs when the worker reports it finished. A
+   GPU block that is the source of a store in flight is not reused before that store finishes
+   (a fence, DESIGN.md invariant 4).
 5. **Recency.** The request's stored keys are touched last-to-first so that its head is the most
    recent (DESIGN.md invariant 8), and its full GPU blocks enter the GPU prefix cache the same way.
 
@@ -164,6 +166,9 @@ class ReplayConfig:
         cpu_bytes: kvoff pool size in bytes; when neither is given, 2 GiB.
         policy: eviction policy name, or ``"min"``: Belady's offline optimum, simulated by
             :func:`kvoff.tools.belady.run_min_replay` (no bytes move).
+        store_threshold: the manager's store admission (offers before a block is stored;
+            0 or 1: off; not with ``"min"``).
+        max_tracker_size: keys whose offers the admission filter counts at most.
         limit: replay only the first ``limit`` requests.
         trace_block_size: tokens per trace hash id (512 for Mooncake).
         device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``): where the "GPU" cache lives.
@@ -198,6 +203,8 @@ class ReplayConfig:
     cpu_blocks: int | None = None
     cpu_bytes: int | None = None
     policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64000
     limit: int | None = None
     trace_block_size: int = MOONCAKE_BLOCK_SIZE
     device: str = "cpu"
@@ -226,6 +233,10 @@ class ReplayResult:
     The ``time_*``, ``speedup*`` and ``gemm_*`` fields are set with ``compute`` (seconds; see
     the module docstring), ``None`` otherwise.
 
+    ``stores_skipped`` counts offloaded blocks not stored because ``prepare_store`` found no
+    room; ``stores_filtered`` those the ``store_threshold`` admission filter skipped (the
+    manager's ``stores_skipped``).
+
     Host seconds the request loop spent blocked, where a request waits before its compute:
     ``fence_wait_s`` on stores still reading GPU blocks it was given (``fence_waits`` times),
     ``retry_wait_s`` on jobs in flight before a lookup answered "retry later"
@@ -241,6 +252,8 @@ class ReplayResult:
     policy: str
     device: str = "cpu"
     gpu_layout: str = "layer_major"
+    store_threshold: int = 0
+    max_tracker_size: int = 64000
     mechanisms: dict[str, int] = field(default_factory=dict)
     requests: int = 0
     input_tokens: int = 0
@@ -252,6 +265,7 @@ class ReplayResult:
     blocks_stored: int = 0
     blocks_loaded: int = 0
     stores_skipped: int = 0
+    stores_filtered: int = 0
     failed_transfers: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
@@ -346,7 +360,12 @@ def _make_engine(
         mechanism=config.mechanism,
     )  # fmt: skip
     worker.register_kv_caches(kv_caches)
-    manager = _scheduler.CPUOffloadingManager(num_cpu_blocks, policy)
+    manager = _scheduler.CPUOffloadingManager(
+        num_cpu_blocks,
+        policy,
+        store_threshold=config.store_threshold,
+        max_tracker_size=config.max_tracker_size,
+    )
     pool = None
     fmt = BlockFormat(fingerprint, worker.slot_bytes)
     tiers = _make_tiers(config, index, fmt)
@@ -535,10 +554,12 @@ class _Marks:
 
 def pool_config(config: ReplayConfig, policy: str | None = None) -> OffloadingConfig:
     """The CPU pool of a replay: ``cpu_blocks`` or ``cpu_bytes`` (2 GiB when neither is given),
-    ``offloaded_block_size`` and, when given, the eviction ``policy``.
+    ``offloaded_block_size``, ``store_threshold``, ``max_tracker_size`` and, when given, the
+    eviction ``policy``.
 
     Raises:
-        kvoff.config.ConfigError: a bad size or policy (the message names the field).
+        pydantic.ValidationError: a bad size, policy, store_threshold or max_tracker_size (the
+            message names the field).
     """
     cpu_bytes = config.cpu_bytes
     if cpu_bytes is None and config.cpu_blocks is None:
@@ -548,6 +569,8 @@ def pool_config(config: ReplayConfig, policy: str | None = None) -> OffloadingCo
         num_cpu_blocks=config.cpu_blocks,
         cpu_bytes_to_use=cpu_bytes,
         offloaded_block_size=config.offloaded_block_size,
+        store_threshold=config.store_threshold,
+        max_tracker_size=config.max_tracker_size,
         **extra,
     )
 
@@ -577,6 +600,12 @@ def run_replay(
     if config.policy == "min" and (tiered or config.engines > 1):
         raise ValueError(
             "policy 'min' simulates one CPU pool offline; drop the tiers and --engines"
+        )
+    if config.policy == "min" and config.store_threshold >= 2:
+        raise ValueError(
+            f"policy 'min' is the offline optimum without an admission filter; drop "
+            f"store_threshold={config.store_threshold} (--store-threshold) or pick an engine "
+            "policy"
         )
     if config.policy == "min":  # Belady's MIN: an offline simulation of the same loop
         from kvoff.tools.belady import run_min_replay
@@ -663,6 +692,8 @@ def run_replay(
         policy=offload_cfg.eviction_policy,
         device=str(device),
         gpu_layout=config.gpu_layout,
+        store_threshold=offload_cfg.store_threshold,
+        max_tracker_size=offload_cfg.max_tracker_size,
         gpu_blocks=num_gpu_blocks,
         cpu_pool_bytes=engines[0].worker.cpu_pool_bytes,
         engines=config.engines,
@@ -854,6 +885,7 @@ def run_replay(
         finish(e, e.worker.wait(list(e.pending)))
         if e.pool is not None:
             e.pool.wait()
+    res.stores_filtered = sum(e.manager.stores_skipped for e in engines)
     res.hit_tokens = res.gpu_hit_tokens + res.cpu_hit_tokens
     res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
     res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvoff/admission_tracker.h"
 #include "kvoff/block_pool.h"
 #include "kvoff/eviction_policy.h"
 #include "kvoff/key_index.h"
@@ -36,17 +37,26 @@ std::string_view to_string(BlockState state) noexcept;
 /// What prepare_store decided. Building it allocates nothing per key: the new keys are given as
 /// positions in (and views of) the call's keys, and the evicted keys are copied into one buffer.
 struct PrepareStoreResult {
-  /// Positions in the call's keys of the keys that were not held, deduplicated (the first
-  /// occurrence of each), ascending: copy these blocks.
+  /// key_block_ids' entry of a key that has no block (skipped by the store_threshold filter).
+  static constexpr std::uint32_t kNoBlock = 0xffffffffu;
+  /// Positions in the call's keys of the keys that were not held and are stored now,
+  /// deduplicated (the first occurrence of each), ascending: copy these blocks.
   std::vector<std::uint32_t> store_indices;
   /// keys[store_indices[i]]: views of the call's key bytes, valid as long as those are.
   std::vector<std::string_view> keys_to_store;
   /// The CPU block id (slot) allocated for each of keys_to_store, same order.
   std::vector<std::uint32_t> block_ids;
   /// The CPU block id of every key of the call, in the call's order: the block that held it
-  /// already, or the one allocated for it now (a repeated key: the same block each time). For
-  /// touch_blocks after the store, which then hashes and looks up no key.
+  /// already, or the one allocated for it now (a repeated key: the same block each time);
+  /// kNoBlock for a key the store_threshold filter skipped. For touch_blocks after the store
+  /// (without the kNoBlock entries), which then hashes and looks up no key.
   std::vector<std::uint32_t> key_block_ids;
+  /// Positions in the call's keys of the keys that were not held and that the store_threshold
+  /// filter skipped (offered fewer than store_threshold times, this call's offers included),
+  /// deduplicated (the first occurrence of each), ascending. They got no slot, stay missing
+  /// (lookup misses), are in no event and count in stores_skipped(). Empty when the filter is
+  /// off. So every key of the call is held already, stored now (store_indices) or skipped.
+  std::vector<std::uint32_t> skipped_indices;
   /// Keys evicted to make room, in eviction order (their slots may be among block_ids).
   KeyList evicted_keys;
 };
@@ -70,11 +80,14 @@ struct OffloadingEvent {
 /// they need and the fix (fewer blocks: a smaller cpu_bytes_to_use).
 class HostMemoryError : public std::bad_alloc {
  public:
-  /// `needed_bytes`: CPUOffloadingManager::memory_bytes(num_blocks, eviction_policy).
+  /// `needed_bytes`: CPUOffloadingManager::memory_bytes(num_blocks, eviction_policy, ...).
   /// `limit_bytes`: the host limit (host_memory_limit_bytes) that needed_bytes exceeds, or 0
-  /// when an allocation failed below it.
+  /// when an allocation failed below it. `tracker_entries`: max_tracker_size when the
+  /// store_threshold filter is on (its tracker is part of needed_bytes; the message then names
+  /// it), else 0.
   HostMemoryError(std::int64_t num_blocks, std::string_view eviction_policy,
-                  std::uint64_t needed_bytes, std::uint64_t limit_bytes);
+                  std::uint64_t needed_bytes, std::uint64_t limit_bytes,
+                  std::int64_t tracker_entries = 0);
   const char* what() const noexcept override { return message_->c_str(); }
 
  private:
@@ -115,12 +128,30 @@ struct WriteThroughBatch {
 ///  * touch and prepare_store order keys so that keys[0] ends most recent: among blocks of
 ///    equal recency, a prefix's tail is evicted before its head.
 ///
+/// Store admission (store_threshold >= 2; vLLM's store_threshold and max_tracker_size): a key
+/// that is not held is stored only once it has been offered to prepare_store at least
+/// store_threshold times. An AdmissionTracker of at most max_tracker_size keys counts the
+/// offers: every successful prepare_store adds one offer per occurrence of each of its keys
+/// (held ones included), and a full tracker forgets its least recently offered key that is not
+/// a key of the call (when all are, a new key is not tracked). A new key whose offers, this
+/// call's included, stay below the threshold is skipped: no slot, no event, still missing,
+/// counted in stores_skipped() and listed in PrepareStoreResult::skipped_indices. Held keys
+/// are never skipped, even when the tracker forgot them. lookup() counts nothing. On
+/// purpose unlike vLLM (whose CPU manager counts offers even when prepare_store then refuses
+/// for lack of room): a refused prepare_store changes the tracker neither (invariant 6; the
+/// schedulers retry a refused store with the same keys, which would count one offer twice).
+/// And among the keys of one call the tracker orders keys[0] most recent, so that a prefix's
+/// tail leaves it before its head, as in the pool (invariant 8; vLLM keeps call order), and
+/// its head gets room first when the tracker is full. Off (store_threshold 0 or 1): no
+/// tracker, no memory, no cost per call.
+///
 /// All operations are O(1) per key, plus, for prepare_store, the slots the policy skips while
 /// looking for victims (pinned, pending or protected blocks at the evictable end).
 /// Memory: about 115 bytes per slot (a 64-byte record holding the key inline up to 40 bytes, the
 /// slot's state and its recency-log position; 32 bytes of hash buckets; 8 bytes of LRU links;
 /// 5 bytes of free list and flags; 4..8 bytes of recency log), plus the bytes of keys longer
-/// than 40; memory_bytes() gives the exact figure for a pool size and policy.
+/// than 40; memory_bytes() gives the exact figure for a pool size and policy. The store_threshold
+/// tracker adds about 104 bytes per max_tracker_size entry (64,000: about 6.6 MB).
 /// Not thread-safe: call it from one thread (the scheduler's).
 ///
 /// Speed on large pools (the per-slot arrays are far larger than the CPU caches, so a key costs
@@ -135,20 +166,35 @@ struct WriteThroughBatch {
 /// scheduler` measures it (manager_bench.h).
 class CPUOffloadingManager {
  public:
+  /// Largest store_threshold (offers): a larger one would store almost nothing.
+  static constexpr std::int64_t kMaxStoreThreshold = std::int64_t{1} << 20;
+  /// Default max_tracker_size (keys), vLLM's.
+  static constexpr std::int64_t kDefaultMaxTrackerSize = 64000;
+
   /// Creates a manager for a pool of `num_blocks` slots using the eviction policy registered as
   /// `eviction_policy` ("lru", "arc", "probation"); with `enable_events` it records
-  /// OffloadingEvents.
+  /// OffloadingEvents. `store_threshold` (offers; 0 or 1: off) and `max_tracker_size` (keys,
+  /// used only when store_threshold >= 2) configure store admission (see the class notes).
   /// Throws std::invalid_argument when num_blocks < 1 or num_blocks > 2^31-1 (naming the
-  /// value) or when the policy name is unknown (listing the choices); HostMemoryError (a
-  /// std::bad_alloc) when memory_bytes() exceeds host_memory_limit_bytes() (checked before
-  /// anything is allocated) or when an allocation fails; nothing stays allocated then.
+  /// value), when the policy name is unknown (listing the choices), when store_threshold is
+  /// negative or above kMaxStoreThreshold, when max_tracker_size is negative or above 2^31-1,
+  /// or when it is 0 while store_threshold >= 2 (each naming the value and the valid range);
+  /// HostMemoryError (a std::bad_alloc) when memory_bytes() exceeds host_memory_limit_bytes()
+  /// (checked before anything is allocated) or when an allocation fails; nothing stays
+  /// allocated then.
   explicit CPUOffloadingManager(std::int64_t num_blocks, std::string_view eviction_policy = "lru",
-                                bool enable_events = false);
+                                bool enable_events = false, std::int64_t store_threshold = 0,
+                                std::int64_t max_tracker_size = kDefaultMaxTrackerSize);
   /// Bytes of host memory the constructor allocates for `num_blocks` slots with
   /// `eviction_policy` (pool, key index, policy and recency log; keys longer than 40 bytes add
   /// theirs later; write-through adds 2 bytes per slot once enabled). Allocates nothing.
   /// Counts no policy for an unknown name; 0 for num_blocks outside [1, 2^31-1].
   static std::uint64_t memory_bytes(std::int64_t num_blocks, std::string_view eviction_policy);
+  /// memory_bytes(num_blocks, eviction_policy) plus the store_threshold tracker's
+  /// (AdmissionTracker::memory_bytes(max_tracker_size)) when store_threshold >= 2 and
+  /// max_tracker_size is in [1, 2^31-1]. Allocates nothing.
+  static std::uint64_t memory_bytes(std::int64_t num_blocks, std::string_view eviction_policy,
+                                    std::int64_t store_threshold, std::int64_t max_tracker_size);
   ~CPUOffloadingManager();
   CPUOffloadingManager(const CPUOffloadingManager&) = delete;
   CPUOffloadingManager& operator=(const CPUOffloadingManager&) = delete;
@@ -201,11 +247,17 @@ class CPUOffloadingManager {
   /// Returns std::nullopt and changes nothing when free slots plus evictable blocks (ready,
   /// unpinned, not keys of this call) are fewer than the new keys.
   /// Throws std::invalid_argument, changing nothing, for an empty key.
-  std::optional<PrepareStoreResult> prepare_store(KeySpan keys);
+  ///
+  /// With store_threshold >= 2 (class notes) the keys not held are first filtered: those
+  /// offered fewer than store_threshold times, this call's offers included, are skipped
+  /// (PrepareStoreResult::skipped_indices) and need no slot; the call's offers are recorded
+  /// only when it succeeds. `apply_threshold` false: the filter neither counts nor skips these
+  /// keys (promotions from a secondary tier: the blocks passed it when first stored).
+  std::optional<PrepareStoreResult> prepare_store(KeySpan keys, bool apply_threshold = true);
   /// prepare_store into `result` (its vectors emptied first, their memory reused: a caller
   /// that stores every step allocates nothing here). Returns false where the other returns
   /// std::nullopt; `result` is then unspecified. Throws as the other.
-  bool prepare_store(KeySpan keys, PrepareStoreResult& result);
+  bool prepare_store(KeySpan keys, PrepareStoreResult& result, bool apply_threshold = true);
 
   /// Finishes the stores of pending keys: with `success` they become ready (lookup hits) and a
   /// BlockStored event lists them; without, they are dropped and their slots freed. A key
@@ -350,6 +402,20 @@ class CPUOffloadingManager {
   std::string_view eviction_policy_name() const noexcept { return policy_->name(); }
   /// Whether events are recorded.
   bool events_enabled() const noexcept { return enable_events_; }
+  /// The store_threshold given to the constructor (offers; < 2: no admission filter).
+  std::int64_t store_threshold() const noexcept { return store_threshold_; }
+  /// The max_tracker_size given to the constructor (keys; used when store_threshold >= 2).
+  std::int64_t max_tracker_size() const noexcept { return max_tracker_size_; }
+  /// Keys that prepare_store skipped because of store_threshold, since construction (each
+  /// skipped key once per call; refused calls count nothing).
+  std::uint64_t stores_skipped() const noexcept { return stores_skipped_; }
+  /// Keys the store_threshold tracker holds now (0 when the filter is off).
+  std::uint32_t tracker_size() const noexcept { return tracker_ ? tracker_->size() : 0; }
+  /// Offers the store_threshold tracker counted for `key` (0 when it is not tracked, or the
+  /// filter is off).
+  std::uint32_t offer_count(std::string_view key) const noexcept {
+    return tracker_ ? tracker_->count_of(key) : 0;
+  }
 
  private:
   // Per-slot state lives in the key index's 8-byte payload (same cache line as the key):
@@ -370,7 +436,12 @@ class CPUOffloadingManager {
   /// no load pin left to take (the write-through pin is not a load's), undoes the call's
   /// unpins and returns that slot's index: nothing changed. Else std::nullopt.
   std::optional<std::size_t> unpin_loads(std::span<const std::uint32_t> slots);
-  bool dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
+  /// Position of the first occurrence of keys[index] among the keys dedupe_insert saw in this
+  /// call, or `index` itself (then inserted) when it is the first.
+  std::size_t dedupe_insert(KeySpan keys, std::size_t index, std::uint64_t hash);
+  /// The store_threshold filter of prepare_store (tracker on): keeps in scratch_new_ the new
+  /// keys whose offers reach the threshold, the others in scratch_skipped_. Changes nothing.
+  void filter_new_keys(KeySpan keys);
   /// Drops a pending slot whose store failed (policy, index and pool).
   void drop_slot(std::uint32_t slot);
   // complete_store's second half: finishes the (validated, pending) slots, each once.
@@ -399,6 +470,10 @@ class CPUOffloadingManager {
   KeyIndex index_;
   std::unique_ptr<EvictionPolicy> policy_;
   bool enable_events_;
+  std::int64_t store_threshold_;
+  std::int64_t max_tracker_size_;
+  std::unique_ptr<AdmissionTracker> tracker_;  // null when store_threshold < 2
+  std::uint64_t stores_skipped_ = 0;
   std::uint32_t num_ready_ = 0;
   std::uint32_t num_pending_ = 0;
   std::uint32_t num_evictable_ = 0;  // ready and unpinned
@@ -426,6 +501,11 @@ class CPUOffloadingManager {
     std::uint32_t position;   // index into the call's keys + 1; 0 = empty
   };
   std::vector<DedupeEntry> scratch_set_;        // open-addressing set for deduplication
+  // store_threshold filter (tracker on): per key of the call, its tracker entry; per key, the
+  // occurrences of a new key (at its first occurrence); the skipped new keys
+  std::vector<std::uint32_t> scratch_tracked_;
+  std::vector<std::uint32_t> scratch_offers_;
+  std::vector<std::uint32_t> scratch_skipped_;
 
   // Write-through (set_write_through). Engine-thread fields first; the rest under wt_mutex_.
   std::uint32_t wt_capacity_ = 0;

@@ -78,6 +78,14 @@ struct SchedulerConfig {
   /// whose prompt length was never given is not limited). Once a request's prompt blocks are
   /// all full, those still waiting for a store batch are stored in that step.
   bool offload_prompt_only = false;
+  /// Store admission (CPUOffloadingManager's store_threshold, vLLM's): an offloaded block not
+  /// held is stored only once build_connector_meta offered it this many times (each request
+  /// storing it is one offer; 0 or 1: every block is stored; at most 2^20). A skipped block is
+  /// not copied, and the request's store position moves past it as past a held block, so a
+  /// later request with the same prefix offers it again.
+  std::int64_t store_threshold = 0;
+  /// Keys the admission filter tracks at most (1 to 2^31-1; used when store_threshold >= 2).
+  std::int64_t max_tracker_size = CPUOffloadingManager::kDefaultMaxTrackerSize;
 };
 
 /// Identifier of a job, unique for the scheduler's lifetime (starts at 1).
@@ -191,6 +199,7 @@ struct SchedulerStats {
   std::uint64_t jobs_flushed = 0;        ///< jobs put in jobs_to_flush
   std::uint64_t failed_jobs = 0;
   std::uint64_t blocks_discarded = 0;    ///< offloaded blocks dropped after a failed load
+  std::uint64_t stores_skipped = 0;  ///< offloaded blocks the store_threshold filter skipped
 };
 
 /// The per-step offloading scheduler of one engine (DESIGN.md "Scheduler hooks").
@@ -244,7 +253,8 @@ class OffloadingScheduler {
 
   /// Throws std::invalid_argument (naming the value) for a config out of range: sizes < 1,
   /// gpu_block_size not a multiple of hash_block_size, no group or more than 256, a sliding
-  /// window < 1, an unknown eviction policy.
+  /// window < 1, an unknown eviction policy, a store_threshold outside [0, 2^20] or a
+  /// max_tracker_size outside [1, 2^31-1] (0 is accepted while store_threshold < 2).
   explicit OffloadingScheduler(SchedulerConfig config);
   ~OffloadingScheduler();
   OffloadingScheduler(const OffloadingScheduler&) = delete;
