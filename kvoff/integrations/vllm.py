@@ -1288,11 +1288,11 @@ def _prefix_order(access: _RequestAccess, req_context: ReqContext) -> list[Offlo
         group = access.groups[g]
         pos = [position(k) for k in group]
         if None not in pos:
-            group = [k for _, _, k in sorted(zip(pos, range(len(group)), group))]
+            group = [k for _, _, k in sorted(zip(pos, range(len(group)), group, strict=True))]
         keys.extend(group)
     pos = [position(k) for k in keys]
     if None not in pos:
-        keys = [k for _, _, k in sorted(zip(pos, range(len(keys)), keys))]
+        keys = [k for _, _, k in sorted(zip(pos, range(len(keys)), keys, strict=True))]
     return keys
 
 
@@ -1412,14 +1412,15 @@ class KvoffOffloadingManager(OffloadingManager):
         self.medium = Medium.CPU
         self.num_blocks = num_blocks
         self.store_threshold = store_threshold
-        self.manager: Any = (
-            CPUOffloadingManager(
-                num_blocks, eviction_policy, enable_events,
-                store_threshold=store_threshold, max_tracker_size=max_tracker_size,
-            )  # fmt: skip
-            if num_blocks > 0
-            else _NoPool()
-        )
+        self.manager: Any = _NoPool()
+        if num_blocks > 0:
+            self.manager = CPUOffloadingManager(
+                num_blocks,
+                eviction_policy,
+                enable_events,
+                store_threshold=store_threshold,
+                max_tracker_size=max_tracker_size,
+            )
         self._generation = 0  # cache resets so far: older request records are dropped
         self._allocation_sizes: list[int] = []  # keys to store per prepare_store, for get_stats
         self._skipped_seen = 0
@@ -1728,9 +1729,8 @@ class KvoffOffloadingManager(OffloadingManager):
             stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
         self._allocation_sizes.clear()
         if self.store_threshold >= 2:
-            skipped = m.stores_skipped
-            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, skipped - self._skipped_seen)
-            self._skipped_seen = skipped
+            skipped, self._skipped_seen = m.stores_skipped - self._skipped_seen, m.stores_skipped
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, skipped)
         tiers = self.tiers
         if tiers is not None and tiers.stats_version() != self._tier_version:
             self._tier_version = tiers.stats_version()
