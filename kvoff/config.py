@@ -241,7 +241,7 @@ class OffloadingConfig(BaseModel):
             reused only where a later prompt repeats the output token for token (a chat turn
             re-sending the answer verbatim); elsewhere they take pool room from prompt blocks
             that are reused. Set it off for chat traffic that re-sends answers verbatim.
-            Measurement: docs/vllm-pool-pressure.md.
+            Measurement: docs/vllm.md.
         pin_memory: whether the CPU pool uses pinned (page-locked) memory; ``None`` (also
             ``"auto"`` in files and the environment) pins when CUDA is available.
         transfer_mechanism: how jobs copy: ``"auto"`` (per job: the fastest mechanism whose

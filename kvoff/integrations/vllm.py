@@ -251,6 +251,8 @@ def _offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadi
             "vLLM's own CPUOffloadingSpec for a Python policy"
         )
     if not data.get("cpu_bytes_to_use") and "num_cpu_blocks" not in data:
+        # an unknown key first (a misspelt cpu_bytes_to_use is named with the fix)
+        OffloadingConfig.from_dict({**data, "cpu_bytes_to_use": 1})
         raise ConfigError(
             "cpu_bytes_to_use must be specified in kv_connector_extra_config: the CPU pool's "
             'bytes over all ranks, e.g. "cpu_bytes_to_use": "40GiB"'
@@ -657,6 +659,7 @@ _COUNTERS: tuple[tuple[str, str], ...] = (
     ("jobs_flushed", "In-flight jobs waited for because their GPU blocks were reused"),
     ("failed_jobs", "Jobs that failed on at least one rank"),
     ("blocks_discarded", "Offloaded blocks dropped because a load of them failed"),
+    ("stores_skipped", "Blocks the store_threshold filter held back (offered too few times)"),
     ("load_bytes", "Bytes loaded CPU to GPU (all ranks)"),
     ("store_bytes", "Bytes stored GPU to CPU (all ranks)"),
 )
@@ -882,6 +885,8 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
                 enable_events=events,
                 store_batch_blocks=self._config.store_batch_blocks,
                 offload_prompt_only=self._config.offload_prompt_only,
+                store_threshold=self._config.store_threshold,
+                max_tracker_size=self._config.max_tracker_size,
             )
             if self._config.has_tiers:
                 self._has_tiers = True

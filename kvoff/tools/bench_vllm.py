@@ -117,6 +117,9 @@ class VsVllmParams:
         store_batch_blocks: KvoffConnector's ``store_batch_blocks``; ``None``: the library's
             default (:class:`kvoff.OffloadingConfig`), as shipped. vLLM's connector stores every
             offloaded block in the step it fills whatever this says.
+        offload_prompt_only: every connector stores the blocks of prompts only (the default of
+            vLLM 0.32 and of kvoff); False: also those decode fills (the same key for all
+            three).
     """
 
     running: tuple[int, ...] = DEFAULT_RUNNING
@@ -131,6 +134,7 @@ class VsVllmParams:
     manager_rounds: int = 3000
     seed: int = 0
     store_batch_blocks: int | None = None
+    offload_prompt_only: bool = True
 
     def __post_init__(self) -> None:
         names = ("block_size", "prompt_tokens", "output_tokens", "prefixes_per_request")
@@ -268,7 +272,7 @@ def _engine(
         transfer = KVTransferConfig(
             kv_connector="KvoffConnector", kv_connector_module_path="kvoff.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config={
-                "cpu_bytes_to_use": cpu_bytes,
+                "cpu_bytes_to_use": cpu_bytes, "offload_prompt_only": p.offload_prompt_only,
                 **({} if p.store_batch_blocks is None
                    else {"store_batch_blocks": p.store_batch_blocks}),
             },
@@ -277,7 +281,9 @@ def _engine(
     elif connector == "vllm_cpu_spec":  # vLLM's default spec: CPUOffloadingSpec, LRU
         transfer = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": cpu_bytes, "offload_prompt_only": p.offload_prompt_only,
+            },
             kv_load_failure_policy="recompute",
         )  # fmt: skip
     elif connector == "vllm_offloading":
@@ -286,6 +292,7 @@ def _engine(
             kv_connector_extra_config={
                 "cpu_bytes_to_use": cpu_bytes, "spec_name": "KvoffOffloadingSpec",
                 "spec_module_path": "kvoff.integrations.vllm",
+                "offload_prompt_only": p.offload_prompt_only,
             },
             kv_load_failure_policy="recompute",
         )  # fmt: skip

@@ -445,6 +445,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "4; 1 stores every block in the step it fills, as vLLM's connector does)",
     )
     sp.add_argument(
+        "--store-decode-blocks",
+        action="store_true",
+        help="with --vs-vllm: every connector also stores the blocks decode fills "
+        "(offload_prompt_only false for all three; default: prompt blocks only, the default "
+        "of vLLM 0.32 and of kvoff)",
+    )
+    sp.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write the results as JSON to FILE"
     )
     _add_bench_transfer_parser(bench_sub)
@@ -703,6 +710,7 @@ def _bench_vs_vllm(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         **({"running": tuple(args.running)} if args.running else {}),
         **({"rounds": args.rounds} if args.rounds else {}),
         store_batch_blocks=args.store_batch_blocks,
+        offload_prompt_only=not args.store_decode_blocks,
     )
     run_vs_vllm(
         params,
@@ -793,8 +801,16 @@ def _bench_tiers(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.vs_vllm:
         return _bench_vs_vllm(args, argv)
-    if args.running is not None or args.rounds is not None or args.store_batch_blocks is not None:
-        raise ValueError("--running, --rounds and --store-batch-blocks apply to --vs-vllm only")
+    if (
+        args.running is not None
+        or args.rounds is not None
+        or args.store_batch_blocks is not None
+        or args.store_decode_blocks
+    ):
+        raise ValueError(
+            "--running, --rounds, --store-batch-blocks and --store-decode-blocks apply to "
+            "--vs-vllm only"
+        )
     from kvoff.tools.bench import (
         DEFAULT_POOL_SIZES,
         DEFAULT_STEP_SHAPES,

@@ -494,10 +494,16 @@ def test_hybrid_sliding_window_and_full_attention(run_engine, tiny_models, conne
 # ------------------------------------------------------------------ S5 and preemption
 
 
+#: KvoffConnector storing the blocks decode fills too (offload_prompt_only off), for the tests
+#: of decode-phase stores: store batching, blocks held for a store due at a finish, fences.
+DECODE_STORES = {"cpu_bytes_to_use": 64 << 20, "offload_prompt_only": False}
+
+
 def test_decode_blocks_are_stored_in_batches_and_the_last_ones_after_the_finish(
     run_engine, tiny_models
 ) -> None:
-    """store_batch_blocks = 4 (the default): three requests of 2 prompt blocks generate 400
+    """With decode blocks stored (offload_prompt_only off) and store_batch_blocks = 4 (the
+    default): three requests of 2 prompt blocks generate 400
     tokens each, so 5 blocks fill. Blocks 0-3 go in one store job once 4 wait, block 4 waits
     and is stored after the request finished: vLLM keeps its blocks for that (the connector
     answers request_finished with delay_free) until the workers report it in finished_sending.
@@ -521,7 +527,7 @@ def test_decode_blocks_are_stored_in_batches_and_the_last_ones_after_the_finish(
         _plan(model, "kvoff", [{"prompts": prompts, "max_tokens": 400, "ignore_eos": True},
                                {"prompts": [], "idle_steps": 1},
                                {"prompts": nexts, "reset": True}],
-              engine={"max_model_len": 1024})
+              engine={"max_model_len": 1024}, extra=DECODE_STORES)
     )  # fmt: skip
     (ref_next,) = _baseline(run_engine, model, nexts, max_model_len=1024)
     assert r["phases"][0]["outputs"] == out
@@ -542,18 +548,19 @@ def test_decode_blocks_are_stored_in_batches_and_the_last_ones_after_the_finish(
 
 
 def test_blocks_a_store_is_due_for_are_kept_until_it_is_submitted(run_engine, tiny_models) -> None:
-    """Twelve GPU blocks, two requests at a time (max_num_seqs), four requests of 2 prompt
-    blocks generating 400 tokens: each ends with 6 blocks, one of them full and waiting for its
-    store. When a request finishes, the next one needs 3 blocks at once, and vLLM hands out the
-    finished request's last blocks first. The connector keeps them (delay_free) until the step
-    that submits their store, so no waiting block is reallocated before it is copied (a stale
-    block would be skipped, and the prefix lost)."""
+    """Decode blocks stored (offload_prompt_only off). Twelve GPU blocks, two requests at a
+    time (max_num_seqs), four requests of 2 prompt blocks generating 400 tokens: each ends
+    with 6 blocks, one of them full and waiting for its store. When a request finishes, the
+    next one needs 3 blocks at once, and vLLM hands out the finished request's last blocks
+    first. The connector keeps them (delay_free) until the step that submits their store, so
+    no waiting block is reallocated before it is copied (a stale block would be skipped, and
+    the prefix lost)."""
     model = str(tiny_models["llama"])
     engine = {"num_gpu_blocks_override": 13, "max_model_len": 1024, "max_num_seqs": 2}
     prompts = [_tokens(800 + i, 2 * BLOCK) for i in range(4)]
     phase = {"prompts": prompts, "max_tokens": 400, "ignore_eos": True}
     r = run_engine(_plan(model, "kvoff", [phase, {"prompts": [[1, 2, 3]], "max_tokens": 1}],
-                         engine=engine))  # fmt: skip
+                         engine=engine, extra=DECODE_STORES))  # fmt: skip
     ref = run_engine(
         _plan(model, "none", [phase], engine={**engine, "enable_prefix_caching": False})
     )
@@ -591,7 +598,8 @@ def test_preempted_requests_with_jobs_in_flight(run_engine, tiny_models, connect
     only, and the first preemption comes about 70 steps after them): vLLM preempts requests
     whose jobs are still in flight, their blocks are fenced before reuse (kvoff flushes the
     jobs), and they resume, loading from kvoff; outputs stay identical to full recompute with
-    plenty of blocks."""
+    plenty of blocks. KvoffConnector also stores decode blocks here (offload_prompt_only off),
+    so that stores are in flight whenever a preemption comes and their fences are exercised."""
     model = str(tiny_models["llama"])
     prompts = [PREFIX[:512] + _tokens(500 + i, 188) for i in range(4)]
     long_out = 300
@@ -600,7 +608,8 @@ def test_preempted_requests_with_jobs_in_flight(run_engine, tiny_models, connect
     ]
     r = run_engine(
         _plan(model, connector, phases,
-              engine={"num_gpu_blocks_override": 12, "max_model_len": 1024})
+              engine={"num_gpu_blocks_override": 12, "max_model_len": 1024},
+              extra=DECODE_STORES if connector == "kvoff" else {"cpu_bytes_to_use": 64 << 20})
     )  # fmt: skip
     ref = run_engine(
         _plan(model, "none", [{"prompts": prompts, "max_tokens": long_out}],
@@ -742,6 +751,28 @@ def test_configuration_errors_name_the_key() -> None:
             _offloading_config({"cpu_bytes_to_use": "1GiB", "store_batch_blocks": bad},
                                spec_path=False)  # fmt: skip
     assert _offloading_config({"cpu_bytes_to_use": "1GiB"}, spec_path=False).store_batch_blocks == 4
+    # vLLM's CPU-spec keys: the pool size's message is vLLM's, the admission filter carries over,
+    # a Python cache policy is refused with the reason and what to use (both ways in)
+    for spec_path in (False, True):
+        with pytest.raises(ConfigError, match="cpu_bytes_to_use must be specified"):
+            _offloading_config({"eviction_policy": "lru"}, spec_path=spec_path)
+        cfg = _offloading_config(
+            {"cpu_bytes_to_use": "1GiB", "store_threshold": 2, "max_tracker_size": 100,
+             "cache_policy_module_path": None},
+            spec_path=spec_path,
+        )  # fmt: skip
+        assert (cfg.store_threshold, cfg.max_tracker_size) == (2, 100)
+        with pytest.raises(ConfigError, match=r"cache_policy_module_path.*C\+\+.*eviction_policy"):
+            _offloading_config(
+                {"cpu_bytes_to_use": "1GiB", "cache_policy_module_path": "my.policies"},
+                spec_path=spec_path,
+            )
+    # offload_prompt_only: kvoff's key on KvoffConnector (default on, as vLLM's), vLLM's own on
+    # the spec path (passed by)
+    assert _offloading_config({"cpu_bytes_to_use": 1}, spec_path=False).offload_prompt_only
+    cfg = _offloading_config({"cpu_bytes_to_use": 1, "offload_prompt_only": False}, spec_path=False)
+    assert not cfg.offload_prompt_only
+    _offloading_config({"cpu_bytes_to_use": 1, "offload_prompt_only": False}, spec_path=True)
 
 
 def test_worker_metadata_sums_ranks_and_stats_reduce() -> None:
@@ -764,20 +795,26 @@ def test_worker_metadata_sums_ranks_and_stats_reduce() -> None:
 
 def test_prometheus_lists_the_counters_of_the_configured_tiers_only() -> None:
     """Both ways in define ``vllm:kvoff_<tier>_*`` counters only for the tiers
-    ``kv_connector_extra_config`` configures (and the coordinator's ``tier_*`` with any)."""
+    ``kv_connector_extra_config`` configures (and the coordinator's ``tier_*`` with any); the
+    spec path defines vLLM's CPU offloading metrics too."""
     from kvoff.integrations.vllm import KvoffOffloadingSpec
 
     def names(extra: dict) -> set[str]:
         return set(KvoffOffloadingSpec.build_metric_definitions(extra))
 
-    assert names({"cpu_bytes_to_use": 1}) == set()
-    remote = names({"remote_url": "redis://127.0.0.1:7000"})
+    cpu = {  # vLLM's CPU offloading metrics, as vLLM's own CPUOffloadingSpec defines them
+        "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_cpu_cache_write_usage_perc",
+        "vllm:kv_offload_cpu_cache_read_usage_perc", "vllm:kv_offload_cpu_allocation_size",
+    }  # fmt: skip
+    assert names({"cpu_bytes_to_use": 1}) == cpu
+    assert names({"store_threshold": 2}) == cpu | {"vllm:kv_offload_stores_skipped"}
+    remote = names({"remote_url": "redis://127.0.0.1:7000"}) - cpu
     assert "vllm:kvoff_remote_promoted_blocks" in remote and "vllm:kvoff_tier_probes" in remote
     assert not any(n.startswith("vllm:kvoff_disk_") for n in remote)
-    disk = names({"disk_path": "/tmp/x", "disk_bytes": "1GiB"})
+    disk = names({"disk_path": "/tmp/x", "disk_bytes": "1GiB"}) - cpu
     assert "vllm:kvoff_disk_corrupted_blocks" in disk
     assert not any(n.startswith("vllm:kvoff_remote_") for n in disk)
-    both = names({"disk_path": "/tmp/x", "remote_url": "redis://127.0.0.1:7000"})
+    both = names({"disk_path": "/tmp/x", "remote_url": "redis://127.0.0.1:7000"}) - cpu
     assert both == disk | remote
 
 

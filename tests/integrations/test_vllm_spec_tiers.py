@@ -122,7 +122,9 @@ def test_a_restarted_manager_promotes_from_disk_and_loads_exact_bytes(tmp_path: 
     assert data["vllm:kvoff_disk_promoted_blocks"] == 4
     assert data["vllm:kvoff_disk_promoted_bytes"] == 4 * SLOT
     assert data["vllm:kvoff_tier_probes"] == 1
-    assert m.get_stats() is None  # nothing moved since
+    moved = m.get_stats().reduce()  # nothing moved since: vLLM's usage gauges only
+    assert not any(k.startswith("vllm:kvoff_") for k in moved), moved
+    assert moved["vllm:kv_offload_cpu_cache_usage_perc"] == 0.0
     # the promoted blocks are CPU pool blocks (events), not written through again
     assert m.tiers.stats()["tiers"]["disk"]["written_blocks"] == 0
     m.shutdown()
@@ -234,7 +236,11 @@ def test_without_tiers_the_manager_answers_from_the_pool_alone() -> None:
 
     m = KvoffOffloadingManager(4, "lru", False)
     assert m.lookup(_key(1), _ctx()).name == "MISS"
-    assert not m.has_pending_work() and m.get_stats() is None
+    assert not m.has_pending_work()
+    assert set(m.get_stats().reduce()) == {  # vLLM's CPU metrics, no tier counter
+        "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_cpu_cache_write_usage_perc",
+        "vllm:kv_offload_cpu_cache_read_usage_perc",
+    }  # fmt: skip
     m.on_schedule_end(None)
     m.shutdown()
 
