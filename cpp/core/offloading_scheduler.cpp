@@ -406,6 +406,7 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
   ++stats_.lookups;
   r.match.reset();
   r.last_computed_tokens = c;
+  r.reuse_end = std::max(r.reuse_end, c / offloaded_block_size_);  // the engine's own hit
   // A no-hit answer settles the request as update_state_after_alloc(.., 0) does (the same
   // function), so that an engine may skip that call (see the header).
   const auto no_hit = [&]() -> MatchResult {
@@ -659,9 +660,6 @@ void OffloadingScheduler::update_state_after_alloc(
   const std::int64_t bs = config_.gpu_block_size;
   std::vector<Segment> segments;
   segments.reserve(config_.groups.size());
-  // (offloaded block, group, position of its key among the segments' keys, in order)
-  std::vector<std::tuple<std::int64_t, std::size_t, std::size_t>> touched;
-  touched.reserve(static_cast<std::size_t>(m.end_block) * config_.groups.size());
   const std::size_t key_bytes = r.hashes.empty() ? 0 : r.hashes[0].size() + 1;  // + group byte
   for (std::size_t g = 0; g < config_.groups.size(); ++g) {
     const std::int64_t needed = needed_tokens(g);
@@ -695,10 +693,7 @@ void OffloadingScheduler::update_state_after_alloc(
         cur->keys.reserve(blocks, blocks * key_bytes);
       }
       const std::int64_t j = l / f;
-      if (cur->gpu_ids.empty() || (l - 1) / f != j) {
-        append_key(cur->keys, r, j, g);
-        touched.emplace_back(j, g, touched.size());
-      }
+      if (cur->gpu_ids.empty() || (l - 1) / f != j) append_key(cur->keys, r, j, g);
       cur->gpu_ids.push_back(id);
     }
   }
@@ -710,7 +705,8 @@ void OffloadingScheduler::update_state_after_alloc(
   std::vector<std::string_view> keys;
   for (const auto& s : segments) keys.insert(keys.end(), s.keys.begin(), s.keys.end());
   // The keys' CPU blocks, in the keys' order (throws, changing nothing, if a key is not ready).
-  // The jobs and the touch below take them by block id: no key is hashed or looked up again.
+  // The jobs take them by block id: no key is hashed or looked up again. Their recency comes
+  // when the request finishes (touch_at_finish).
   const std::vector<std::uint32_t> slots = manager_.prepare_load(keys);
   // -- no exception below this line except std::bad_alloc --
   std::size_t at = 0;
@@ -719,16 +715,10 @@ void OffloadingScheduler::update_state_after_alloc(
                        slots.begin() + static_cast<std::ptrdiff_t>(at + seg.keys.size()));
     at += seg.keys.size();
   }
-  // Touched in (offloaded block, group) order, so the request's first block ends the most
-  // recent (invariant 8), as touch(keys) would order them.
-  std::sort(touched.begin(), touched.end());
-  std::vector<std::uint32_t> touch_slots;
-  touch_slots.reserve(touched.size());
-  for (const auto& t : touched) touch_slots.push_back(slots[std::get<2>(t)]);
-  manager_.touch_blocks(touch_slots);
   emit_load_jobs(r, segments);
   stats_.hit_tokens += static_cast<std::uint64_t>(num_external_tokens);
   r.next_store = std::max(r.next_store, m.end_block);
+  r.reuse_end = std::max(r.reuse_end, m.end_block);
   r.gpu_hit_tokens = m.computed_tokens;
   r.match.reset();
 }
@@ -808,13 +798,11 @@ bool OffloadingScheduler::prepare_stores(std::span<const StoreCandidate> candida
   PrepareStoreResult& result = store_result_;  // scratch: memory reused from call to call
   if (!manager_.prepare_store(key_views, result)) return false;  // nothing changed
   stats_.blocks_evicted += result.evicted_keys.size();
-  if (!result.skipped_indices.empty()) {
-    // store_threshold: skipped keys have no block (their items keep kNoSlot: not copied, like
-    // held ones, and next_store moves past them as vLLM's connector does)
-    stats_.stores_skipped += result.skipped_indices.size();
-    std::erase(result.key_block_ids, PrepareStoreResult::kNoBlock);
-  }
-  manager_.touch_blocks(result.key_block_ids);  // by block id: no key is looked up again
+  // store_threshold: skipped keys have no block (their items keep kNoSlot: not copied, like
+  // held ones, and next_store moves past them as vLLM's connector does). The new blocks enter
+  // the policy as the most recent (the call's first key most recent); the request's held
+  // blocks get their recency when it finishes (touch_at_finish).
+  stats_.stores_skipped += result.skipped_indices.size();
   for (std::size_t k = 0; k < result.store_indices.size(); ++k) {
     store_items_[item_of[result.store_indices[k]]].slot = result.block_ids[k];
   }
@@ -1378,6 +1366,29 @@ void OffloadingScheduler::erase_if_done(std::string_view request_id) {
   }
 }
 
+void OffloadingScheduler::touch_at_finish(const Request& r) {
+  // Every offloaded block the request used (loaded, found in the engine's cache, computed), of
+  // every group, in (block, group) order: its head ends the most recent, and every group's
+  // tail goes before any group's head (invariant 8). Blocks others had computed (below
+  // reuse_end) are a reuse; its own stores are only ordered. Blocks not held are passed by.
+  const std::int64_t used = std::max(known_blocks(r, r.tokens_seen),
+                                     std::min<std::int64_t>(r.reuse_end, r.hashes.size() /
+                                                                              hashes_per_block_));
+  if (used <= 0) return;
+  KeyList& keys = finish_keys_;  // scratch: memory reused from call to call
+  keys.clear();
+  finish_flags_.clear();
+  for (std::int64_t j = 0; j < used; ++j) {
+    for (std::size_t g = 0; g < config_.groups.size(); ++g) {
+      if (first_needed_sub_block(g) >= config_.block_size_factor) continue;  // never stored
+      append_key(keys, r, j, g);
+      finish_flags_.push_back(j < r.reuse_end ? 1 : 0);
+    }
+  }
+  finish_key_views_.assign(keys.begin(), keys.end());
+  manager_.touch(finish_key_views_, finish_flags_);
+}
+
 bool OffloadingScheduler::request_finished(std::string_view request_id) {
   const FinishResult f = finish_request(request_id);
   return f.jobs_in_flight || f.store_due;
@@ -1391,6 +1402,7 @@ FinishResult OffloadingScheduler::finish_request(std::string_view request_id) {
     flush_pending_.reserve(2 * flush_pending_.size() + 8);  // first: nothing throws after it
   }
   set_idle(*r, false);  // tokens_seen then counts the steps it was skipped in
+  if (!r->finished) touch_at_finish(*r);
   // Store batching: blocks full after its last step and not stored yet are stored by the next
   // build_connector_meta (its table is kept until then).
   const bool flush = store_batch_ > 1 && !r->finished && r->scheduled_before &&

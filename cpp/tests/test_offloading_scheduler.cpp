@@ -1469,6 +1469,34 @@ TEST(OffloadingSchedulerEvents, StoredAndRemovedEventsAndLoadTouchesHeadLast) {
   EXPECT_EQ(s.manager().state(key("a0", 0)), BlockState::kReady);
 }
 
+// Recency comes when a request finishes (as vLLM 0.32's managers apply it), not when its load
+// is prepared: a request that loaded a's blocks and still runs leaves them where they were,
+// and its finish makes them the most recent, head first. (Recency at load time evicted the
+// blocks the next requests of a repeated sequence needed: issue 53.)
+TEST(OffloadingSchedulerEvents, ALoadMakesItsBlocksRecentWhenItsRequestFinishes) {
+  for (const bool finish_first : {false, true}) {
+    auto c = make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/4);
+    c.enable_events = true;
+    OffloadingScheduler s(std::move(c));
+    seed(s, "sa", {"a0", "a1"}, {{1, 2}});
+    seed(s, "sb", {"b0", "b1"}, {{3, 4}});  // b more recent than a
+    s.take_events();
+    prepare_load_of_a0_a1(s);
+    auto meta = step(s, {});
+    report(s, {meta.load_jobs[0].job_id});  // loaded: a is no longer pinned
+    if (finish_first) EXPECT_FALSE(s.request_finished("r"));
+    add(s, "w", {"c0", "c1"}, 8);
+    meta = step(s, {sched("w", {{8, 9}}, 0, 8)});
+    ASSERT_EQ(meta.store_jobs.size(), 1u);
+    auto ev = s.take_events();
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_TRUE(ev[0].removed);
+    EXPECT_EQ(ev[0].keys, finish_first ? (Strs{key("b1", 0), key("b0", 0)})
+                                       : (Strs{key("a1", 0), key("a0", 0)}))
+        << "finish first: " << finish_first;
+  }
+}
+
 // Invariant 8 over a hybrid request: its blocks age by token position across KV cache groups,
 // so every group's tail goes before any group's head (vLLM's manager orders them so too). Fails
 // if keys were ordered group by group (group 1's head would go before group 0's tail).

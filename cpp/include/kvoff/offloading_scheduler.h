@@ -310,7 +310,8 @@ class OffloadingScheduler {
   /// After the engine allocated the request's blocks: builds its load job(s) (emitted by the
   /// next build_connector_meta) for `num_external_tokens`, which must be 0 or the value the
   /// last get_num_new_matched_tokens returned. block_ids_per_group: the request's whole block
-  /// table per group (may be empty, no group at all, when num_external_tokens is 0). Pins the loaded CPU blocks (prepare_load) and touches their keys.
+  /// table per group (may be empty, no group at all, when num_external_tokens is 0). Pins the
+  /// loaded CPU blocks (prepare_load); their recency comes when the request finishes.
   /// Throws std::invalid_argument (changing nothing) for an unknown request, a token count
   /// that does not match, a table too short or with out-of-range ids, a wrong group count.
   void update_state_after_alloc(std::string_view request_id,
@@ -354,7 +355,11 @@ class OffloadingScheduler {
   /// reported more than world_size times.
   ConnectorOutput update_connector_output(std::span<const JobReport> reports);
 
-  /// The request is finished (or aborted): a pending, unemitted load is cancelled (its blocks
+  /// The request is finished (or aborted): its offloaded blocks that the pool holds become the
+  /// most recent, head first by position across groups (invariant 8; those it loaded or found
+  /// in the engine's cache count as a reuse, its own stores are only ordered: the recency
+  /// vLLM 0.32's managers apply when a request finishes, which keeps a repeated prefix longer
+  /// than recency at load time does), a pending, unemitted load is cancelled (its blocks
   /// unpinned), the request is forgotten once its in-flight jobs complete. With store batching
   /// (store_batch_blocks > 1), its full blocks not stored yet (as far as its hashes are known
   /// and up to the tokens of its last scheduled step) are stored by the next
@@ -433,6 +438,9 @@ class OffloadingScheduler {
     std::vector<std::vector<TableEntry>> table;  // per group
     std::int64_t next_store = 0;                 // offloaded block index
     std::int64_t store_limit = std::numeric_limits<std::int64_t>::max();  // tokens (prompt)
+    // offloaded blocks from its start that others computed: its engine-cache hit and its loads
+    // (a reuse at touch_at_finish)
+    std::int64_t reuse_end = 0;
     std::optional<Match> match;                  // from get_num_new_matched_tokens
     std::int64_t last_computed_tokens = 0;       // its num_computed_tokens
     std::int64_t gpu_hit_tokens = 0;  // engine-cached prefix of the table set this step
@@ -537,6 +545,9 @@ class OffloadingScheduler {
   void emit_store_jobs(const StoreCandidate& c, std::vector<const TransferJob*>& out);
   void set_idle_after_stores(Request& r, std::int64_t tokens_after);
   void cancel_unemitted_loads(Request& r);
+  /// The request's recency, when it finishes (as vLLM 0.32's managers apply it at
+  /// on_request_finished): its blocks become the most recent, head first across groups.
+  void touch_at_finish(const Request& r);
   /// Marks it finished; its block table is dropped unless `keep_table` (a flush pending).
   void release(Request& r, bool keep_table = false);
   void erase_if_done(std::string_view request_id);
@@ -641,6 +652,10 @@ class OffloadingScheduler {
   std::vector<std::pair<BlockState, std::uint32_t>> lookup_states_;
   KeyList store_keys_;
   PrepareStoreResult store_result_;
+  // touch_at_finish's scratch: the request's keys, their views and reuse flags
+  KeyList finish_keys_;
+  std::vector<std::string_view> finish_key_views_;
+  std::vector<std::uint8_t> finish_flags_;
   std::vector<std::string_view> store_key_views_;
   // update_connector_output's scratch: one load job's keys; every successful store's CPU
   // slots; the jobs completed (retired once the stores are)
