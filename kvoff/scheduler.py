@@ -372,6 +372,13 @@ def _report(item: Any) -> tuple[int, bool]:
     return operator.index(job_id), bool(success)
 
 
+def _check_count(name: str, value: object, low: int, high: int, shown: str, what: str) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is an int (not a bool) in
+    ``[low, high]``; ``shown`` is the range as the message gives it, ``what`` its unit."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be an int in {shown} ({what})")
+
+
 class OffloadingScheduler:
     """The per-step offloading scheduler of one engine (one instance, on the scheduler side).
 
@@ -436,33 +443,25 @@ class OffloadingScheduler:
         store_threshold: int = 0,
         max_tracker_size: int = 64000,
     ) -> None:
-        if (
-            isinstance(store_batch_blocks, bool)
-            or not isinstance(store_batch_blocks, int)
-            or not 1 <= store_batch_blocks <= 1 << 20
-        ):
-            raise ValueError(
-                f"store_batch_blocks={store_batch_blocks!r} must be an int in [1, 2**20] "
-                "(offloaded blocks; 1 stores every block as it fills)"
-            )
-        if (
-            isinstance(store_threshold, bool)
-            or not isinstance(store_threshold, int)
-            or not 0 <= store_threshold <= 1 << 20
-        ):
-            raise ValueError(
-                f"store_threshold={store_threshold!r} must be an int in [0, 2**20] (offers; 0 "
-                "or 1 stores every block, n >= 2 stores a block once it was offered n times)"
-            )
-        if (
-            isinstance(max_tracker_size, bool)
-            or not isinstance(max_tracker_size, int)
-            or not (1 if store_threshold >= 2 else 0) <= max_tracker_size <= 2**31 - 1
-        ):
-            raise ValueError(
-                f"max_tracker_size={max_tracker_size!r} must be an int in [1, 2**31 - 1] "
-                "(keys whose offers store_threshold counts; default 64000)"
-            )
+        _check_count(
+            "store_batch_blocks",
+            store_batch_blocks,
+            1,
+            1 << 20,
+            "[1, 2**20]",
+            "offloaded blocks; 1 stores every block as it fills",
+        )
+        _check_count(
+            "store_threshold",
+            store_threshold,
+            0,
+            1 << 20,
+            "[0, 2**20]",
+            "offers; 0 or 1 stores every block, n >= 2 stores a block once it was offered n times",
+        )
+        _check_count("max_tracker_size", max_tracker_size, 1 if store_threshold >= 2 else 0,
+                     2**31 - 1, "[1, 2**31 - 1]",
+                     "keys whose offers store_threshold counts; default 64000")  # fmt: skip
         if spec.num_blocks > 2**31 - 1:
             raise ValueError(
                 f"the CPU pool has {spec.num_blocks} blocks; at most 2**31 - 1 are supported: "

@@ -1551,9 +1551,9 @@ class KvoffOffloadingManager(OffloadingManager):
         """Whether keys wait for the tiers (vLLM then keeps stepping)."""
         return bool(self._asks or self._asked)
 
-    def _access(self, req_context: ReqContext) -> _RequestAccess:
-        """The request's access record (a new one after a cache reset, for another manager, or
-        once the request's last one was applied)."""
+    def _open_access(self, req_context: ReqContext) -> _RequestAccess | None:
+        """The request's access record while it applies: made by this manager since its last
+        cache reset and not applied yet; else None."""
         access = req_context.get_state(_RequestAccess)
         if (
             access is None
@@ -1561,6 +1561,14 @@ class KvoffOffloadingManager(OffloadingManager):
             or access.generation != self._generation
             or access.finished
         ):
+            return None
+        return access
+
+    def _access(self, req_context: ReqContext) -> _RequestAccess:
+        """The request's access record (a new one after a cache reset, for another manager, or
+        once the request's last one was applied)."""
+        access = self._open_access(req_context)
+        if access is None:
             access = _RequestAccess(owner=self, generation=self._generation)
             req_context.set_state(access)
         return access
@@ -1677,13 +1685,8 @@ class KvoffOffloadingManager(OffloadingManager):
         count as a reuse, those it stored only as ordered
         (:meth:`kvoff.CPUOffloadingManager.touch` with ``reused``). Keys no longer held are
         passed by. Once per record: a second call does nothing."""
-        access = req_context.get_state(_RequestAccess)
-        if (
-            access is None
-            or access.owner is not self
-            or access.generation != self._generation
-            or access.finished
-        ):
+        access = self._open_access(req_context)
+        if access is None:
             return
         access.finished = True
         if access.seen:
