@@ -277,7 +277,7 @@ class OffloadingConfig(BaseModel):
             finishes (:class:`kvoff.OffloadingScheduler`; the engine keeps those blocks until
             that store is submitted). Decode fills one block every ``offloaded_block_size``
             tokens, so 4 makes about a quarter as many store jobs as 1, which stores every
-            block in the step it fills (DESIGN.md step 2). While a request runs its blocks stay
+            block in the step it fills (docs/design.md step 2). While a request runs its blocks stay
             in the engine's own prefix cache, so the wait loses no hit. A model with a
             sliding-window or Mamba group always uses 1. The default's measurement: README,
             "Benchmarks against vLLM".

@@ -2,7 +2,7 @@
 
 :func:`get_kv_cache_config` turns one spec per layer and a memory budget into a
 :class:`kvoff.specs.KVCacheConfig`; :func:`pool_bytes_per_block` is the divisor that turns
-memory into ``num_blocks``. DESIGN.md invariants 2 (``num_blocks`` is authoritative) and 5
+memory into ``num_blocks``. docs/design.md invariants 2 (``num_blocks`` is authoritative) and 5
 (``num_gpu_blocks_override`` sets capacity before anything else looks at it).
 
 Grouping (the idea follows vLLM's ``kv_cache_utils``; the code is kvoff's own):

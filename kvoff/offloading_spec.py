@@ -1,6 +1,6 @@
 """The CPU plan: offloaded block size and CPU pool slots for one :class:`KVCacheConfig`.
 
-DESIGN.md invariant 3: the CPU slot count is computed only by
+docs/design.md invariant 3: the CPU slot count is computed only by
 :func:`kvoff.sizing.compute_num_cpu_blocks`, from ``kv_bytes_per_block`` = total bytes of the
 config's tensors // its ``num_blocks`` (bytes per GPU block over all layers of one rank).
 """
@@ -214,7 +214,7 @@ class CPUOffloadingSpec:
 
         Raises:
             ValueError: when the config sizes the pool by ``num_cpu_blocks`` instead of
-                ``cpu_bytes_to_use`` (a plan derives the slot count from bytes, DESIGN.md
+                ``cpu_bytes_to_use`` (a plan derives the slot count from bytes, docs/design.md
                 invariant 3), and everything the constructor raises.
         """
         if config.cpu_bytes_to_use is None:

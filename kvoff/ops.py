@@ -103,7 +103,7 @@ def copy_blocks(
               with measured thresholds (the worker) resolve it themselves and pass a name.
             - ``"memcpy"``: one ``cudaMemcpyAsync`` (``cudaMemcpy2DAsync`` for strided rows)
               per run of blocks adjacent on both sides, per tensor pair. Each call costs
-              ~2 us (DESIGN.md, "Moving bytes"), which caps a 32 KiB block near 14 GB/s
+              ~2 us (docs/design.md, "Moving bytes"), which caps a 32 KiB block near 14 GB/s
               against ~50-55 GB/s of PCIe Gen5.
             - ``"batch"``: the same runs in ONE ``cudaMemcpyBatchAsync`` call per op call
               (CUDA >= 12.8 build and driver). Falls back to ``"memcpy"`` where
@@ -112,7 +112,7 @@ def copy_blocks(
               writing pinned host memory through its device pointer, on at most
               ``kernel_blocks`` thread blocks of 512 threads (one warp per row at a time,
               16-byte accesses when aligned). SM kernels read host memory slower than they
-              write it (~35 vs ~53 GB/s on H100, DESIGN.md).
+              write it (~35 vs ~53 GB/s on H100, docs/design.md).
             - ``"per_block"``: the naive baseline for benchmarks: one ``cudaMemcpyAsync`` per
               block per pair, no coalescing.
 

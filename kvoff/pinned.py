@@ -2,7 +2,7 @@
 
 ``torch.empty(..., pin_memory=True)`` goes through torch's pinned caching allocator, which
 rounds every request up to a power of two: a 300 GiB pool would lock 512 GiB, or fail
-(DESIGN.md "Moving bytes"). kvoff instead allocates exactly the bytes the pool needs (ordinary
+(docs/design.md "Moving bytes"). kvoff instead allocates exactly the bytes the pool needs (ordinary
 host memory from torch's CPU allocator) and page-locks them with one ``cudaHostRegister``
 call; a failure names the pool size and what to lower. The memory is registered portable and
 mapped, so copy calls and the SM kernel (through the device pointer; with unified addressing
@@ -13,7 +13,7 @@ On an H200 (CUDA 13.0, driver 580.159.04, 2026-11-24) a copy of one row straddli
 boundary of two ``cudaHostRegister`` ranges failed with ``cudaErrorInvalidValue`` through
 ``cudaMemcpyAsync`` and ``cudaMemcpyBatchAsync`` (only the SM kernel, through mapped addresses,
 copied it), and so did the ``memcpy`` mechanism's copy of a run of adjacent rows across the
-boundary (``.ci/results/h200-2026-11-24``). A pool pinned in 1 GiB chunks therefore failed every
+boundary (``bench/results/h200-2026-11-24``). A pool pinned in 1 GiB chunks therefore failed every
 job whose block, or run of adjacent blocks, crossed a cut (``kvoff bench transfer``:
 DeepSeek-V3 MLA's 4.3 MiB blocks).
 

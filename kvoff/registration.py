@@ -3,7 +3,7 @@
 The copy op moves *block rows*: a ``(num_blocks, row_bytes)`` uint8 view whose row stride may
 exceed the row. This module finds those views for the layouts engines use, always with the
 engine's ``num_blocks`` (``KVCacheConfig.num_blocks``), never a tensor's leading dimension
-(DESIGN.md invariant 2):
+(docs/design.md invariant 2):
 
 * blocks first, ``(num_blocks, 2, block_size, heads, dim)`` or any contiguous
   ``(num_blocks, ...)``: one row of ``page_size_bytes`` per block;

@@ -1,4 +1,4 @@
-"""The offloading scheduler: the engine-facing hooks of DESIGN.md "One engine step".
+"""The offloading scheduler: the engine-facing hooks of docs/design.md "One engine step".
 
 :class:`OffloadingScheduler` wraps the C++ scheduler core (``kvoff._scheduler``). Per engine
 step:
@@ -217,7 +217,7 @@ class TransferJob:
         request_id: the request the job belongs to.
         direction: ``"load"`` or ``"store"``.
         gpu: the GPU side (block ids of all groups in group order, ``group_sizes``,
-            ``block_indices``; DESIGN.md invariant 1).
+            ``block_indices``; docs/design.md invariant 1).
         cpu: the CPU side (CPU block ids, group by group).
         keys: the offload key of each CPU block, same order as ``cpu.block_ids``.
     """
@@ -248,7 +248,7 @@ class ConnectorMetadata:
         load_jobs: loads to submit before the forward pass.
         store_jobs: stores to submit after it (they wait on the compute stream).
         jobs_to_flush: in-flight job ids whose GPU blocks were reallocated this step: wait for
-            them (``OffloadingWorker.wait``) before the forward pass writes (DESIGN.md
+            them (``OffloadingWorker.wait``) before the forward pass writes (docs/design.md
             invariant 4). Their results must still be reported.
     """
 
@@ -847,7 +847,7 @@ class OffloadingScheduler:
         # _build_step's body, inline: this is the engine's per-step call, and a Python frame
         # costs a few microseconds with the caches as the engine's own work leaves them (a
         # lockstep A/B at 256 running: calling _build_step instead is 1.04x the connector's time
-        # per step; .ci/results/ab-inline-build-and-deferred-finish-2026-11-27.json)
+        # per step; bench/results/ab-inline-build-and-deferred-finish-2026-11-27.json)
         if finished_request_ids.__class__ not in _ID_COLLECTIONS and not isinstance(
             finished_request_ids, _ID_COLLECTION_TYPES
         ):

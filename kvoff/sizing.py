@@ -1,6 +1,6 @@
 """CPU pool sizing: the one function that turns CPU bytes into CPU block slots.
 
-DESIGN.md invariant 3: CPU block count = ``cpu_bytes_to_use // (bytes per GPU block over all
+docs/design.md invariant 3: CPU block count = ``cpu_bytes_to_use // (bytes per GPU block over all
 layers of one rank × world_size × block_size_factor)``. The scheduler and every worker call this
 same function so that their pools always agree.
 """

@@ -1,6 +1,6 @@
 """KV cache specs: how many bytes one GPU block of one layer occupies, and the GPU cache plan.
 
-Names follow DESIGN.md's vocabulary. Every spec is a frozen, validated dataclass with a
+Names follow docs/design.md's vocabulary. Every spec is a frozen, validated dataclass with a
 ``block_size`` (tokens per GPU block), ``page_size_bytes`` (bytes of one block of the layer, or
 of all layers of a :class:`UniformTypeKVCacheSpecs`) and ``max_num_blocks(max_model_len)`` (GPU
 blocks ONE request of that many tokens needs in this layer's group). :class:`KVCacheTensor`,
@@ -109,7 +109,7 @@ class _AttentionSpec:
     """Shared fields and page arithmetic of the attention specs (not public).
 
     page_size_bytes = ``_KV_FACTOR`` × block_size × num_kv_heads × head_size × dtype size
-    (DESIGN.md, "page_size_bytes": 2 for K and V, 1 for MLA's single latent).
+    (docs/design.md, "page_size_bytes": 2 for K and V, 1 for MLA's single latent).
     """
 
     _KV_FACTOR: ClassVar[int] = 2
@@ -534,7 +534,7 @@ def _layer_page(group: KVCacheGroupSpec, layer: str) -> int:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The engine's GPU cache plan (DESIGN.md): blocks, raw tensors and groups.
+    """The engine's GPU cache plan (docs/design.md): blocks, raw tensors and groups.
 
     Attributes:
         num_blocks: GPU blocks (block ids ``0 .. num_blocks - 1``; 0 is the null block).

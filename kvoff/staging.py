@@ -1,4 +1,4 @@
-"""Staged transfers for layer-major GPU caches (DESIGN.md "Moving bytes").
+"""Staged transfers for layer-major GPU caches (docs/design.md "Moving bytes").
 
 A layer-major GPU cache keeps one tensor per layer, so one GPU block is scattered over as many
 small chunks as there are layers (64 chunks of 32 KiB for Llama-3-8B). Copy engines move small

@@ -1,5 +1,5 @@
 """Choosing how a transfer job moves its bytes: the fastest way whose cost to the forward pass
-stays within a budget (DESIGN.md "Moving bytes").
+stays within a budget (docs/design.md "Moving bytes").
 
 An engine offloads to save GPU time, so a copy is judged by two numbers: its bandwidth, and how
 much it slows the compute that runs beside it (``gemm_slowdown``: the time of a bf16 GEMM while

@@ -4,9 +4,9 @@ One worker runs per tensor-parallel rank. It registers the engine's KV cache ten
 rows, allocates the CPU pool (pinned when CUDA is available), and runs load (CPU→GPU) and store
 (GPU→CPU) jobs through ``torch.ops.kvoff.copy_blocks``.
 
-**GPU rows** (DESIGN.md "Moving bytes"): each registered tensor is viewed as
+**GPU rows** (docs/design.md "Moving bytes"): each registered tensor is viewed as
 ``(num_gpu_blocks, row_bytes)`` uint8 rows, using the engine's ``num_gpu_blocks`` (never the
-tensor's leading dimension: DESIGN.md invariant 2). Views over the same bytes (a tensor shared
+tensor's leading dimension: docs/design.md invariant 2). Views over the same bytes (a tensor shared
 by layers of several groups) form one *canonical* tensor.
 
 **The CPU pool is slot-major.** One CPU block (slot) is one contiguous region of
@@ -159,7 +159,7 @@ class GPUBlockSpec:
     Attributes:
         block_ids: GPU block ids of all KV cache groups, concatenated in group order.
         group_sizes: how many of ``block_ids`` belong to each group (one entry per group,
-            0 allowed); ``sum(group_sizes) == len(block_ids)`` (DESIGN.md invariant 1).
+            0 allowed); ``sum(group_sizes) == len(block_ids)`` (docs/design.md invariant 1).
         block_indices: per group, the logical index (position in the request, in GPU blocks)
             of the group's first block; ``block_indices[g] % block_size_factor`` is the offset
             of that block inside its offloaded block (a partial first offloaded block).
@@ -587,7 +587,7 @@ class OffloadingWorker:
         (see :func:`kvoff.registration.block_row_views` for the layouts: blocks first, K/V
         first, kernel blocks, tensors shared across groups, padded Mamba pages), always using
         ``num_gpu_blocks`` (``KVCacheConfig.num_blocks``), never the tensor's leading dimension
-        (DESIGN.md invariant 2). The CPU pool is ``num_cpu_blocks`` slots of
+        (docs/design.md invariant 2). The CPU pool is ``num_cpu_blocks`` slots of
         :attr:`slot_bytes` (see the module docstring). Views that are adjacent in the GPU block
         and in the slot are copied as one region; a group with one region per block is
         ``block_contiguous`` (:attr:`gpu_layouts`).

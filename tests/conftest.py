@@ -7,6 +7,7 @@ Both skip (with the reason) only when redis-server / redis-cli are not installed
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -35,7 +36,21 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"kvoff {kvoff.__version__} from {kvoff.__file__.rsplit('/', 1)[0]}"
 
 
+#: Folders whose every test gets a marker, so the inner loop can leave them out by marker
+#: (``-m "not build and not vllm ..."``) without naming paths.
+_FOLDER_MARKERS = {"build": "build", "integrations": "vllm"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            folder = Path(str(item.path)).resolve().relative_to(tests_dir).parts[0]
+        except ValueError:
+            continue
+        marker = _FOLDER_MARKERS.get(folder)
+        if marker is not None and marker not in item.keywords:
+            item.add_marker(getattr(pytest.mark, marker))
     reason = cuda_skip_reason()
     if reason is None:
         return

@@ -1,6 +1,6 @@
 """An engine simulator that drives :class:`kvoff.scheduler.OffloadingScheduler` step by step.
 
-The simulator plays the engine of DESIGN.md "One engine step" and moves real bytes through a
+The simulator plays the engine of docs/design.md "One engine step" and moves real bytes through a
 :class:`kvoff.OffloadingWorker` (CPU tensors), so tests can assert both the scheduler's decisions
 (which ``(group, logical block position)`` pairs are stored or loaded, which jobs are flushed)
 and that every byte that comes back from the CPU pool is the byte that was computed.

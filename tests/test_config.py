@@ -1,4 +1,4 @@
-"""Specs, the offloading configuration and CPU pool sizing (DESIGN.md invariant 3)."""
+"""Specs, the offloading configuration and CPU pool sizing (docs/design.md invariant 3)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The GPU plan: grouping, tensors, num_blocks, the override and max_model_len fitting
-(DESIGN.md invariants 2 and 5)."""
+(docs/design.md invariants 2 and 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CPUOffloadingManager from Python: DESIGN.md invariants 6, 7 and 8 (under the LRU, ARC and
+"""CPUOffloadingManager from Python: docs/design.md invariants 6, 7 and 8 (under the LRU, ARC and
 probation eviction policies), keys, events, and hypothesis state machines, one per registered
 policy, that compare the manager with a small pure-Python model of the manager and of the
 policy."""

@@ -1,4 +1,4 @@
-"""The CPU plan: offloaded block size, bytes per GPU block and CPU slots (DESIGN.md
+"""The CPU plan: offloaded block size, bytes per GPU block and CPU slots (docs/design.md
 invariant 3), and its errors."""
 
 from __future__ import annotations

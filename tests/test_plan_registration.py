@@ -1,5 +1,5 @@
 """Property: plan → registration → CPU sizing agree for random hybrid layouts and world sizes
-(DESIGN.md invariants 2 and 3): the worker built from a CPUOffloadingSpec registers tensors
+(docs/design.md invariants 2 and 3): the worker built from a CPUOffloadingSpec registers tensors
 allocated exactly as the KVCacheConfig says, sees the same bytes per GPU block as the spec,
 allocates the spec's CPU block count, and moves every group's blocks correctly."""
 

@@ -1,4 +1,4 @@
-"""Layout-agnostic registration (DESIGN.md invariant 2): every layout becomes num_blocks rows
+"""Layout-agnostic registration (docs/design.md invariant 2): every layout becomes num_blocks rows
 from KVCacheConfig.num_blocks, and a store/load round trip moves exactly the right bytes."""
 
 from __future__ import annotations

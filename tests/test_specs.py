@@ -1,4 +1,4 @@
-"""KV cache specs: page sizes, blocks per request and validation (DESIGN.md vocabulary)."""
+"""KV cache specs: page sizes, blocks per request and validation (docs/design.md vocabulary)."""
 
 from __future__ import annotations
 

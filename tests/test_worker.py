@@ -1,4 +1,4 @@
-"""The worker: registration (DESIGN.md invariant 2), store/load round trips, job bookkeeping."""
+"""The worker: registration (docs/design.md invariant 2), store/load round trips, job bookkeeping."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_registration_errors() -> None:
 
 
 def test_cpu_pool_is_one_exact_size_allocation() -> None:
-    """No power-of-two rounding (DESIGN.md "Moving bytes"): the pool is the block bytes plus
+    """No power-of-two rounding (docs/design.md "Moving bytes"): the pool is the block bytes plus
     page alignment between tensors."""
     w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=3, block_size_factor=2)
     w.register_kv_caches({"a": _kv(8), "b": _kv(8, heads=3)})

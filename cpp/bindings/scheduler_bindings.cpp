@@ -1395,7 +1395,7 @@ void bind(py::module_& m) {
 // The engine calls a few scheduler hooks every step, each after its own work has evicted the
 // caches. pybind11's dispatcher then costs more than the hook: with cold caches a no-op
 // pybind11 method takes ~20 us where a CPython builtin takes ~4 us (kvoff bench, 2-core EPYC,
-// .ci/results/pybind-dispatch-cold-2026-11-27.json). These hooks are also plain CPython
+// bench/results/pybind-dispatch-cold-2026-11-27.json). These hooks are also plain CPython
 // methods of a small object that holds the scheduler (FastHooks), with the same code and
 // errors as the pybind11 methods of the same names.
 namespace fast {

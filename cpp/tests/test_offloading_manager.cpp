@@ -1,4 +1,4 @@
-// CPUOffloadingManager: DESIGN.md invariants 6 (stores), 7 (bad input changes nothing) and 8
+// CPUOffloadingManager: docs/design.md invariants 6 (stores), 7 (bad input changes nothing) and 8
 // (prefix order), events, and the policy factory by name.
 #include <gtest/gtest.h>
 

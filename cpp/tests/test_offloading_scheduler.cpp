@@ -1,4 +1,4 @@
-// OffloadingScheduler: the engine-facing hooks, independent of Python. DESIGN.md "One engine
+// OffloadingScheduler: the engine-facing hooks, independent of Python. docs/design.md "One engine
 // step" and invariants 1 (group sizes), 4 (stale blocks, fences), 6 (stores), 7 (correctness)
 // and 8 (prefix order). Every job is checked field by field.
 #include <gtest/gtest.h>
@@ -1404,7 +1404,7 @@ TEST(OffloadingSchedulerInvariant7, StoresWaitUntilTheLoadCompletes) {
 }
 
 // A preempted request whose store is still in flight must not get a load before the store
-// completes (DESIGN.md invariant 7: never a load and a store in flight at once). With a
+// completes (docs/design.md invariant 7: never a load and a store in flight at once). With a
 // sliding-window group the last token is recomputed, so the block being stored (block 1) lies
 // outside the lookup and nothing makes it "retry later".
 TEST(OffloadingSchedulerInvariant7, NoLoadWhileOwnStoreIsInFlight) {

@@ -212,7 +212,7 @@ TEST(ProbationEvictionPolicy, SelectVictimsSkipsNonEvictableAndChangesNothing) {
 }
 
 TEST(ProbationEvictionPolicy, PrefixTailLeavesFirst) {
-  // DESIGN.md invariant 8: keys inserted (or touched) last to first leave tail first, in either
+  // docs/design.md invariant 8: keys inserted (or touched) last to first leave tail first, in either
   // list and across them.
   P p(6);
   for (const std::uint32_t s : {2u, 1u, 0u}) {  // a request's blocks 0 1 2, entered 2 1 0

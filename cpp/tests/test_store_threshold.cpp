@@ -1,6 +1,6 @@
 // Store admission: the store_threshold filter of CPUOffloadingManager (its AdmissionTracker)
 // and of the OffloadingScheduler that owns one. vLLM 0.32's CPUOffloadingManager semantics,
-// except where DESIGN.md invariants 6 (a refused prepare_store changes nothing, the tracker
+// except where docs/design.md invariants 6 (a refused prepare_store changes nothing, the tracker
 // included) and 8 (a prefix's tail leaves before its head) say otherwise.
 #include <gtest/gtest.h>
 

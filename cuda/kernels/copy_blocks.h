@@ -14,7 +14,7 @@
 //              one entry per row: the batch API copies 1-D ranges only). Needs CUDA >= 12.8 at
 //              build time and a driver >= 12.8 at run time, and a stream other than the legacy
 //              NULL stream; when any of these is missing the call falls back to kMemcpy (see
-//              batch_copy_supported()). Saves the ~2 us per copy call (DESIGN.md) of kMemcpy.
+//              batch_copy_supported()). Saves the ~2 us per copy call (docs/design.md) of kMemcpy.
 //   kKernel    one gather/scatter kernel launch for all pairs and blocks, on a bounded grid of
 //              at most `kernel_blocks` thread blocks (default: 10% of the SMs), so that the
 //              copy leaves the other SMs to compute. Work is split at warp granularity: each

@@ -201,10 +201,10 @@ def _kvoff_spec(spec: object, layer: str | None = None) -> kspecs.KVCacheSpec:
 def kvoff_kv_cache_config(config: VllmKVCacheConfig) -> kspecs.KVCacheConfig:
     """kvoff's :class:`kvoff.KVCacheConfig` for vLLM's.
 
-    ``num_blocks`` is vLLM's (authoritative, DESIGN.md invariant 2). In vLLM 0.32 every
+    ``num_blocks`` is vLLM's (authoritative, docs/design.md invariant 2). In vLLM 0.32 every
     ``KVCacheTensor`` places its layers in ONE backing allocation of ``size`` bytes (groups
     overlay each other), so the translation has one tensor of that size shared by every layer:
-    bytes per GPU block = ``size // num_blocks`` (DESIGN.md invariant 3), not the sum over the
+    bytes per GPU block = ``size // num_blocks`` (docs/design.md invariant 3), not the sum over the
     entries, each of which states the whole allocation's size.
 
     Raises:
@@ -577,7 +577,7 @@ class KvoffConnectorMetadata(KVConnectorMetadata):
             (without keys: the scheduler role keeps them), made on the workers.
         request_ids: the request of each packed job, same order.
         jobs_to_flush: in-flight job ids whose GPU blocks are rewritten this step: wait for
-            them before the forward pass (DESIGN.md invariant 4).
+            them before the forward pass (docs/design.md invariant 4).
         finished_flushes: finished requests whose GPU blocks vLLM kept for a store due at
             their finish (store batching, ``store_batch_blocks``): this step's jobs include
             that store, so every worker reports them in ``finished_sending`` and vLLM frees
@@ -1873,7 +1873,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
     "cpu_bytes_to_use": ..., ...}`` (the other keys as for :class:`KvoffConnector`, plus vLLM's
     own :data:`VLLM_SPEC_KEYS`, e.g. ``block_size`` for the offloaded block size).
 
-    The CPU slot count is DESIGN.md invariant 3 on vLLM's ``worker_kv_bytes_per_block`` (the
+    The CPU slot count is docs/design.md invariant 3 on vLLM's ``worker_kv_bytes_per_block`` (the
     shared allocation's size over ``num_blocks``): ``cpu_bytes_to_use // (bytes per block ×
     world_size × blocks_per_chunk)``.
 

@@ -5,7 +5,7 @@ point for the conversation trace on a 2-core CPU box). The hit rate depends only
 manager's decisions, so :func:`run_manager_replay` makes the same manager calls as
 :func:`kvoff.tools.replay.run_replay` (same offload keys, lookup, ``touch``, one all-or-nothing
 ``prepare_store``, ``touch``, then ``complete_store`` before the next request, as the CPU
-replay's stores finish) on the C++ ``CPUOffloadingManager`` alone; ``tests/test_policy_sim.py``
+replay's stores finish) on the C++ ``CPUOffloadingManager`` alone; ``tests/tools/test_policy_sim.py``
 checks that its counts equal the replay's. The GPU prefix cache is not modelled
 (``gpu_prefix_blocks`` must be 0, the replay's default).
 

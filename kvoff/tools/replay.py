@@ -22,9 +22,9 @@ Each request of a Mooncake-format trace is served like an engine serves a prefil
    offers it; ``stores_filtered`` counts them). The store runs in the background (on a GPU it
    overlaps the next request); ``complete_store`` runs when the worker reports it finished. A
    GPU block that is the source of a store in flight is not reused before that store finishes
-   (a fence, DESIGN.md invariant 4).
+   (a fence, docs/design.md invariant 4).
 5. **Recency.** The request's stored keys are touched last-to-first so that its head is the most
-   recent (DESIGN.md invariant 8), and its full GPU blocks enter the GPU prefix cache the same way.
+   recent (docs/design.md invariant 8), and its full GPU blocks enter the GPU prefix cache the same way.
 
 Only full blocks are ever cached. Block hashes: a GPU block at position ``p`` whose last token lies
 in trace block ``t`` has the identity ``(hash_ids[t], p)`` — a Mooncake hash id already identifies

@@ -1,6 +1,6 @@
 // The store-admission tracker of CPUOffloadingManager's store_threshold filter: how many times
 // each recently offered key was offered to prepare_store (vLLM's store_threshold /
-// max_tracker_size, DESIGN.md invariants 6 and 8).
+// max_tracker_size, docs/design.md invariants 6 and 8).
 #pragma once
 
 #include <cstddef>

@@ -173,7 +173,7 @@ class LRUEvictionPolicy final : public EvictionPolicy {
 ///    order would evict, since eviction changes |T1| but not p. (Unlike the paper, the incoming
 ///    key is not known here, so its "x in B2 and |T1| == p" tie rule is not applied.)
 ///
-/// Prefix order (DESIGN.md invariant 8): within T1 and within T2 the order is recency, so keys
+/// Prefix order (docs/design.md invariant 8): within T1 and within T2 the order is recency, so keys
 /// inserted or touched last to first are evicted tail first among blocks of the same list.
 ///
 /// Memory: 9 bytes per slot for the resident lists (two 4-byte links, 1-byte list tag), plus a
@@ -319,7 +319,7 @@ class ARCEvictionPolicy final : public EvictionPolicy {
 ///    calls in that order evict (erase changes n_p, not b or stamps).
 ///
 /// With b = c the victims are those of LRU over the same operations (every slot is stamped when
-/// LRU would make it most recent). Prefix order (DESIGN.md invariant 8): within a list the order
+/// LRU would make it most recent). Prefix order (docs/design.md invariant 8): within a list the order
 /// is the stamp order, so keys touched or inserted last to first are evicted tail first.
 ///
 /// Constants: W = c/4 and D = c/W (the budget's learning window and step) and the 2c ghost

@@ -1,4 +1,4 @@
-// Block keys: the byte strings that name offloaded blocks (DESIGN.md "offload key").
+// Block keys: the byte strings that name offloaded blocks (docs/design.md "offload key").
 //
 // A key is an arbitrary non-empty byte string (typically an 8-byte integer hash or a 32-byte
 // digest plus a group index). The core never interprets key bytes; it hashes them for its index

@@ -1,5 +1,5 @@
 // The CPU offloading manager: which offloaded blocks the CPU pool holds, in which slots, and
-// which to evict (DESIGN.md "manager operations" and invariants 6, 7, 8).
+// which to evict (docs/design.md "manager operations" and invariants 6, 7, 8).
 #pragma once
 
 #include <atomic>
@@ -117,7 +117,7 @@ struct WriteThroughBatch {
 /// complete_load unpins them. When prepare_store needs more slots than are free, it evicts
 /// ready, unpinned blocks that are not keys of the same call, in eviction-policy order.
 ///
-/// Guarantees (DESIGN.md invariants 6-8):
+/// Guarantees (docs/design.md invariants 6-8):
 ///  * prepare_store is all-or-nothing: when it cannot get a slot for every new key it returns
 ///    std::nullopt and changes nothing (no eviction, no event, no recency change).
 ///  * keys of one prepare_store call are never evicted to make room for each other.

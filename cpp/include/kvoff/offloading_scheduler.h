@@ -1,5 +1,5 @@
 // The offloading scheduler: per engine step, which blocks of which request are loaded from and
-// stored to the CPU pool, for every KV cache group (DESIGN.md "One engine step", invariants 1,
+// stored to the CPU pool, for every KV cache group (docs/design.md "One engine step", invariants 1,
 // 4, 6, 7 and 8).
 //
 // The scheduler owns a CPUOffloadingManager and the engine-facing hooks:
@@ -69,7 +69,7 @@ struct SchedulerConfig {
   /// many at once; decode completes one block every block size tokens), and those still
   /// waiting when it finishes are stored by the next build_connector_meta, unless the engine
   /// reallocated their GPU blocks by then (stale, invariant 4). 1 stores every block in the
-  /// step it fills (DESIGN.md "One engine step", step 2). Models with a sliding-window or Mamba
+  /// step it fills (docs/design.md "One engine step", step 2). Models with a sliding-window or Mamba
   /// group always use 1: their blocks can leave the window, and be freed, while waiting.
   std::int64_t store_batch_blocks = 1;
   /// Store only offloaded blocks that lie wholly inside each request's prompt (vLLM 0.32's
@@ -93,7 +93,7 @@ using JobId = std::uint64_t;
 
 /// One load (CPU -> GPU) or store (GPU -> CPU) job.
 ///
-/// GPU side (DESIGN.md "job", invariant 1): gpu_block_ids holds the GPU block ids of all
+/// GPU side (docs/design.md "job", invariant 1): gpu_block_ids holds the GPU block ids of all
 /// groups concatenated in group order, group_sizes[g] how many belong to group g (0 allowed),
 /// block_indices[g] the logical index (position in the request, in GPU blocks) of group g's
 /// first block; within a group the logical indices are consecutive. CPU side: cpu_block_ids
@@ -202,7 +202,7 @@ struct SchedulerStats {
   std::uint64_t stores_skipped = 0;  ///< offloaded blocks the store_threshold filter skipped
 };
 
-/// The per-step offloading scheduler of one engine (DESIGN.md "Scheduler hooks").
+/// The per-step offloading scheduler of one engine (docs/design.md "Scheduler hooks").
 ///
 /// Offload keys: offloaded block j of group g has the key block_hashes[(j + 1) * H - 1] + one
 /// byte g, H = offloaded block size / hash_block_size (the hash of the last hash block inside

@@ -1,0 +1,146 @@
+"""One C++ runtime per process (issue 12).
+
+A CUDA build of kvoff._C crashed with SIGSEGV on the first bad input on an H100 machine: the
+module carried a static copy of libstdc++ (it did not need libstdc++.so.6 and the crash was in
+``std::ostream::_M_insert<unsigned long>`` inside _C.so), whose locale state does not match the
+shared libstdc++ torch loads, so formatting the number in a TORCH_CHECK message broke. Here the
+same cause is reproduced with ``LDFLAGS=-static-libstdc++`` (the message comes out truncated at
+the first number), and these tests keep it from coming back:
+
+* the installed extensions need libstdc++.so.6 and define none of libstdc++'s own symbols;
+* the checks (the build's cmake/check_cxx_runtime.cmake and .ci/cxx_runtime.py) reject a module
+  that carries a static copy and accept one that does not;
+* a kvoff build under ``LDFLAGS=-static-libstdc++`` still links the shared runtime (the build
+  links ``-l:libstdc++.so.6`` first, with --no-as-needed) and its error messages are whole.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoff import _C, _scheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK_SCRIPT = ROOT / "cmake" / "check_cxx_runtime.cmake"
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or not all(shutil.which(t) for t in ("readelf", "nm", "g++")),
+    reason="needs Linux with binutils (readelf, nm) and g++",
+)
+
+
+def _cxx_runtime():
+    spec = importlib.util.spec_from_file_location("cxx_runtime", ROOT / ".ci" / "cxx_runtime.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("module", [_C, _scheduler], ids=["_C", "_scheduler"])
+def test_installed_extensions_use_the_shared_cxx_runtime(module) -> None:
+    assert _cxx_runtime().runtime_problems(Path(module.__file__)) == []
+
+
+_TOY = r"""
+#include <sstream>
+#include <string>
+extern "C" const char* toy_format(unsigned long n) {
+  static std::string out;
+  std::ostringstream s;
+  s << "value " << n;
+  out = s.str();
+  return out.c_str();
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def toys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same C++ source as a shared module linked normally and with -static-libstdc++."""
+    tmp = tmp_path_factory.mktemp("toys")
+    src = tmp / "toy.cpp"
+    src.write_text(_TOY)
+    out = {}
+    for name, flags in (("shared", []), ("static", ["-static-libstdc++"])):
+        so = tmp / f"toy_{name}.so"
+        subprocess.run(
+            ["g++", "-shared", "-fPIC", "-O2", *flags, "-o", str(so), str(src)], check=True
+        )
+        out[name] = so
+    return out
+
+
+def _cmake_check(module: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["cmake", f"-DMODULE={module}", f"-DNM={shutil.which('nm')}",
+         f"-DREADELF={shutil.which('readelf')}", "-P", str(CHECK_SCRIPT)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake on PATH")
+def test_the_build_check_rejects_a_static_copy_and_accepts_the_shared_runtime(toys) -> None:
+    ok = _cmake_check(toys["shared"])
+    assert ok.returncode == 0, ok.stderr
+    bad = _cmake_check(toys["static"])
+    assert bad.returncode != 0
+    msg = " ".join(bad.stderr.split())
+    assert "carries its own copy of the C++ runtime" in msg
+    assert "_ZNSo9_M_insertImEERSoT_" in msg and "needs libstdc++.so: OFF" in msg
+    assert "-static-libstdc++" in msg  # names what to look for
+
+
+def test_the_python_check_agrees(toys) -> None:
+    check = _cxx_runtime()
+    assert check.runtime_problems(toys["shared"]) == []
+    problems = check.runtime_problems(toys["static"])
+    assert len(problems) == 2
+    assert "does not need libstdc++.so" in problems[0]
+    assert "_ZNSt6locale7classicEv" in problems[1]
+
+
+_BAD_CALL = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+src = [torch.zeros(4, 8, dtype=torch.uint8)]
+dst = [torch.zeros(4, 8, dtype=torch.uint8)]
+try:
+    torch.ops.kvoff.copy_blocks(src, dst, torch.tensor([0]), torch.tensor([7]), "auto", 0)
+except IndexError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake on PATH")
+def test_a_build_under_static_libstdcxx_ldflags_keeps_the_shared_runtime() -> None:
+    """The reproduction: before the fix this build linked libstdc++ into _C and the message
+    below came out as "kvoff.copy_blocks: dst_block_ids[" (a SIGSEGV on the H100 machine)."""
+    build = ROOT / "build" / "test-static-ldflags"
+    env = {**os.environ, "LDFLAGS": "-static-libstdc++", "KVOFF_ENABLE_CUDA": "OFF"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+         "--disable-pip-version-check", "-w", str(build / "dist"),
+         f"--config-settings=build-dir={build}",
+         "--config-settings=cmake.define.KVOFF_BUILD_TESTS=OFF", str(ROOT)],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    c_module = next((build / "cpp" / "ops").glob("_C.*.so"))
+    check = _cxx_runtime()
+    for module in (c_module, next((build / "cpp").glob("_scheduler.*.so"))):
+        assert check.runtime_problems(module) == []
+    run = subprocess.run(
+        [sys.executable, "-c", _BAD_CALL, str(c_module)],
+        capture_output=True, text=True, check=False, cwd=build,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "dst_block_ids[0] = 7 is out of range for dst[0] with 4 blocks" in run.stdout
