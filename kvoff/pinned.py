@@ -13,8 +13,8 @@ On an H200 (CUDA 13.0, driver 580.159.04, 2026-11-24) a copy of one row straddli
 boundary of two ``cudaHostRegister`` ranges failed with ``cudaErrorInvalidValue`` through
 ``cudaMemcpyAsync`` and ``cudaMemcpyBatchAsync`` (only the SM kernel, through mapped addresses,
 copied it), and so did the ``memcpy`` mechanism's copy of a run of adjacent rows across the
-boundary (``bench/results/h200-2026-11-24``). A pool pinned in 1 GiB chunks therefore failed every
-job whose block, or run of adjacent blocks, crossed a cut (``kvoff bench transfer``:
+boundary (``bench/results/gpu/h200-2026-11-24``). A pool pinned in 1 GiB chunks therefore
+failed every job whose block, or run of adjacent blocks, crossed a cut (``kvoff bench transfer``:
 DeepSeek-V3 MLA's 4.3 MiB blocks).
 
 **Shared pools.** With ``shared_name`` the pool lives in a POSIX shared-memory file

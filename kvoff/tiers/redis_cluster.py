@@ -138,7 +138,7 @@ class RedisClusterTier(SecondaryTier):
         max_batch: keys per pipeline round trip to one node for lookups and deletes.
         max_batch_values: keys per round trip of gets and puts, whose replies or commands carry
             whole blocks. 64 is the default from an A/B on a 16-core Xeon (the H200 machine,
-            bench/results/h200-2026-11-27b/redis_variants.json): with 64 KiB blocks, 64 keys per
+            bench/results/gpu/h200-2026-11-27b/redis_variants.json): with 64 KiB blocks, 64 keys per
             round trip gave 1.10x the gets and 1.08x the puts of 256 (medians of 6 per-round
             ratios; 32 keys: 1.01x / 1.07x). Redis builds a pipeline's replies before it sends
             them, so a shorter round trip lets the client read one while the server builds the
@@ -154,9 +154,9 @@ class RedisClusterTier(SecondaryTier):
             it returns, moves the unread rest of that buffer to its front, so a read of R bytes
             holding replies of S < R bytes moves about R^2 / (2 S) bytes: 8 times the payload
             for 64 KiB blocks read 1 MiB at a time. 256 KiB is the default from an A/B on the
-            2-core box (bench/results/ab-redis-read-size-2026-11-27.json, README "Beyond RAM"):
-            against 1 MiB reads, gets 1.15x / 1.09x / 1.06x faster at 64 KiB / 512 KiB / 2 MiB
-            blocks (medians of 6 per-round ratios).
+            2-core box (bench/results/tiers/ab-redis-read-size-2026-11-27.json, README
+            "Beyond RAM"): against 1 MiB reads, gets 1.15x / 1.09x / 1.06x faster at 64 KiB /
+            512 KiB / 2 MiB blocks (medians of 6 per-round ratios).
 
     Raises:
         TypeError: ``ttl_s``, ``timeout_s`` or ``cooldown_s`` not a number, or ``max_batch``,
