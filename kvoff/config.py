@@ -279,13 +279,14 @@ class OffloadingConfig(BaseModel):
             tokens, so 4 makes about a quarter as many store jobs as 1, which stores every
             block in the step it fills (docs/design.md step 2). While a request runs its blocks stay
             in the engine's own prefix cache, so the wait loses no hit. A model with a
-            sliding-window or Mamba group always uses 1. The default's measurement: README,
-            "Benchmarks against vLLM".
+            sliding-window or Mamba group always uses 1. The default's measurement:
+            docs/scheduler.md#store-batching.
         store_threshold: store admission, in offers (0 to 2**20; default 0, off; vLLM's key of
             the same name): with n >= 2 an offloaded block is stored in the CPU pool only once
             requests offered it n times (a request that computed the block and reached it is
             one offer), so blocks used once never take a slot. 0 or 1 stores every block.
-            Skipped blocks are counted (``stores_skipped``). README "Store admission".
+            Skipped blocks are counted (``stores_skipped``).
+            docs/eviction-policies.md#store-admission-store_threshold.
         max_tracker_size: keys whose offers ``store_threshold`` counts at most, the least
             recently offered forgotten first (1 to 2**31 - 1; default 64000, vLLM's; about 104
             bytes of host memory each; unused while ``store_threshold`` < 2).

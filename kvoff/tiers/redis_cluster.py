@@ -154,8 +154,8 @@ class RedisClusterTier(SecondaryTier):
             it returns, moves the unread rest of that buffer to its front, so a read of R bytes
             holding replies of S < R bytes moves about R^2 / (2 S) bytes: 8 times the payload
             for 64 KiB blocks read 1 MiB at a time. 256 KiB is the default from an A/B on the
-            2-core box (bench/results/tiers/ab-redis-read-size-2026-11-27.json, README
-            "Beyond RAM"): against 1 MiB reads, gets 1.15x / 1.09x / 1.06x faster at 64 KiB /
+            2-core box (bench/results/tiers/ab-redis-read-size-2026-11-27.json,
+            docs/tiers.md): against 1 MiB reads, gets 1.15x / 1.09x / 1.06x faster at 64 KiB /
             512 KiB / 2 MiB blocks (medians of 6 per-round ratios).
 
     Raises:
@@ -456,7 +456,7 @@ class RedisClusterTier(SecondaryTier):
         does without its per-command Python (command objects, response callbacks), and each
         reply is checked (``on_value``) and let go as it is read instead of after the whole
         round trip: in one A/B on the 2-core box, puts 1.28x faster at 64 KiB and gets 1.32x at
-        2 MiB (README, "Beyond RAM"). An error reply (ResponseError) fails its own key only; a
+        2 MiB (docs/tiers.md). An error reply (ResponseError) fails its own key only; a
         redirection (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) also reloads the slot map. A node that
         fails mid-round-trip fails the keys whose replies were not read yet (and the later
         round trips); the replies read before stand. A connection that fails or raises

@@ -74,7 +74,7 @@ def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
     # store_batch_blocks=1: kvoff stores every block as it fills, as vLLM's connector does.
     # With the default (4) vLLM keeps a finished request's last blocks one step longer for
     # their store (delay_free), and at this small scale that moves the engine's own prefix hits
-    # and so the schedule; the runs at 256 running (README) report same_schedule for it.
+    # and so the schedule; the runs at 256 running report same_schedule for it (docs/benchmarks.md).
     p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=64, rounds=2,
                      manager_blocks=2048, manager_rounds=20, store_batch_blocks=1)  # fmt: skip
     (entry,) = bench_steps_vs_vllm(p)
