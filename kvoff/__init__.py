@@ -9,67 +9,61 @@ Parts:
   * ``kvoff._scheduler`` (pybind11 over the C++ core): the CPU block pool, the
     offloading manager (``CPUOffloadingManager``) and the per-step scheduler behind
     ``OffloadingScheduler`` (the engine-facing hooks).
-  * Python: KV cache specs, the offloading configuration, the worker and the CLI.
+  * Python: KV cache specs, the offloading configuration, the job records (``kvoff.jobs``), the
+    worker, and the build report (:func:`build_info`). The command line (``kvoff.tools``) is
+    apart: importing the package loads none of it.
+
+``import kvoff`` under a torch the build does not fit raises :class:`ImportError`
+(``kvoff._version_check.TorchVersionMismatchError``, naming the fix); it never exits the process.
 """
 
 from __future__ import annotations
 
-from kvoff._version_check import TorchVersionMismatchError as _TorchVersionMismatchError
-from kvoff._version_check import check_torch_version as _check_torch_version
+from kvoff._version_check import extensions_wanted as _extensions_wanted
+from kvoff.install_info import BuildInfo, build_info
 
-try:
-    _check_torch_version()
-except _TorchVersionMismatchError:
-    from kvoff.tools.info import invoked_as_kvoff_info as _invoked_as_kvoff_info
+# A torch the build does not fit is an ImportError naming the fix (TorchVersionMismatchError),
+# raised before any compiled part loads. Only `kvoff info`, which exists to diagnose it, imports
+# on without the extensions (they would not load under this torch) and reports.
+_WITH_EXTENSIONS = _extensions_wanted()
 
-    if not _invoked_as_kvoff_info():
-        raise
-    # `kvoff info` exists to diagnose this mismatch: report it (without loading the compiled
-    # extensions, which would not load under this torch) instead of dying of it.
-    from kvoff.tools.info import report_without_extensions as _report
+from kvoff._build_info import VERSION as _VERSION  # noqa: E402  (after the check: it names the fix)
 
-    raise SystemExit(_report()) from None
-
-# Order matters: the torch ops library must be loaded before the fake kernels register.
-from kvoff import _C  # noqa: F401  (registers torch.ops.kvoff.*)
-from kvoff._build_info import VERSION as _VERSION
-from kvoff._scheduler import (
-    CPUOffloadingManager,
-    OffloadingEvent,
-    PrepareStoreOutput,
-)
-from kvoff.config import OffloadingConfig
-from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block
-from kvoff.offloading_spec import CPUOffloadingSpec
-from kvoff.ops import copy_blocks
-from kvoff.scheduler import (
-    ConnectorMetadata,
-    ConnectorOutput,
-    FinishState,
-    JobReport,
-    OffloadingScheduler,
-    Request,
-    ScheduledRequest,
-    SchedulerStep,
-    TransferJob,
-)
-from kvoff.specs import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
-from kvoff.tools.info import BuildInfo, build_info
-from kvoff.worker import (
-    CPUBlockSpec,
-    GPUBlockSpec,
-    OffloadingWorker,
-    TransferResult,
-)
+if _WITH_EXTENSIONS:
+    # Order matters: the torch ops library must be loaded before the fake kernels register.
+    from kvoff import _C  # noqa: F401  (registers torch.ops.kvoff.*)
+    from kvoff._scheduler import (
+        CPUOffloadingManager,
+        OffloadingEvent,
+        PrepareStoreOutput,
+    )
+    from kvoff.config import OffloadingConfig
+    from kvoff.jobs import CPUBlockSpec, GPUBlockSpec, TransferResult
+    from kvoff.kv_cache_config import get_kv_cache_config, pool_bytes_per_block
+    from kvoff.offloading_spec import CPUOffloadingSpec
+    from kvoff.ops import copy_blocks
+    from kvoff.scheduler import (
+        ConnectorMetadata,
+        ConnectorOutput,
+        FinishState,
+        JobReport,
+        OffloadingScheduler,
+        Request,
+        ScheduledRequest,
+        SchedulerStep,
+        TransferJob,
+    )
+    from kvoff.specs import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+    from kvoff.worker import OffloadingWorker
 
 #: kvoff's version with its wheel's local label: "0.1.0+cpu", "0.1.0+cu130" (see build_info()).
 __version__: str = _VERSION

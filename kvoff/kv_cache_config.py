@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvoff.sizing import bytes_per_gpu_block
 from kvoff.specs import (
     INT64_LIMIT,
     FullAttentionSpec,
@@ -59,7 +60,8 @@ def pool_bytes_per_block(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> int:
       ``group_size`` the most layers of any group (= the number of shared tensors).
 
     For every plan :func:`get_kv_cache_config` produces this equals
-    ``sum(tensor sizes) // num_blocks``.
+    ``sum(tensor sizes) // num_blocks`` (:func:`kvoff.sizing.bytes_per_gpu_block`, which computes
+    it here from one block of each tensor).
 
     Raises:
         ValueError: for no groups, or several groups whose page sizes differ (they cannot share
@@ -72,15 +74,16 @@ def pool_bytes_per_block(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> int:
         group = groups[0]
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
-            return spec.page_size_bytes
-        return spec.page_size_bytes * len(group.layer_names)
+            return bytes_per_gpu_block([spec.page_size_bytes], 1)  # the page sums its layers
+        return bytes_per_gpu_block([spec.page_size_bytes] * len(group.layer_names), 1)
     pages = {g.kv_cache_spec.page_size_bytes for g in groups}
     if len(pages) != 1 or any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in groups):
         raise ValueError(
             "groups that share tensors need one page size per layer, got page sizes "
             f"{[g.kv_cache_spec.page_size_bytes for g in groups]} bytes"
         )
-    return pages.pop() * max(len(g.layer_names) for g in groups)
+    # one tensor per position, shared by the groups: as many as the largest group has layers
+    return bytes_per_gpu_block([pages.pop()] * max(len(g.layer_names) for g in groups), 1)
 
 
 def _blocks_needed(groups: Sequence[KVCacheGroupSpec], max_model_len: int) -> int:

@@ -2,7 +2,8 @@
 
 docs/design.md invariant 3: the CPU slot count is computed only by
 :func:`kvoff.sizing.compute_num_cpu_blocks`, from ``kv_bytes_per_block`` = total bytes of the
-config's tensors // its ``num_blocks`` (bytes per GPU block over all layers of one rank).
+config's tensors // its ``num_blocks`` (bytes per GPU block over all layers of one rank:
+:func:`kvoff.sizing.bytes_per_gpu_block`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from kvoff.config import EVICTION_POLICIES, OffloadingConfig
-from kvoff.sizing import compute_num_cpu_blocks
+from kvoff.sizing import bytes_per_gpu_block, compute_num_cpu_blocks
 from kvoff.specs import KVCacheConfig
 
 __all__ = ["CPUOffloadingSpec"]
@@ -140,7 +141,7 @@ class CPUOffloadingSpec:
                 f"size {gpu_bs} tokens; use a multiple such as {lower} or {lower + gpu_bs}"
             )
         factor = offloaded // gpu_bs
-        kv_bytes = config.total_bytes // config.num_blocks if config.num_blocks else 0
+        kv_bytes = bytes_per_gpu_block((t.size for t in config.kv_cache_tensors), config.num_blocks)
         num_blocks = compute_num_cpu_blocks(
             self.cpu_bytes_to_use, kv_bytes, factor, self.world_size
         )

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
+from kvoff.jobs import CPUBlockSpec, GPUBlockSpec, _trusted
 from kvoff.specs import (
     FullAttentionSpec,
     MambaSpec,
@@ -41,7 +42,6 @@ from kvoff.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvoff.worker import CPUBlockSpec, GPUBlockSpec, _trusted
 
 if TYPE_CHECKING:
     import numpy as np
@@ -847,7 +847,7 @@ class OffloadingScheduler:
         # _build_step's body, inline: this is the engine's per-step call, and a Python frame
         # costs a few microseconds with the caches as the engine's own work leaves them (a
         # lockstep A/B at 256 running: calling _build_step instead is 1.04x the connector's time
-        # per step; bench/results/ab-inline-build-and-deferred-finish-2026-11-27.json)
+        # per step; bench/results/scheduler/ab-inline-build-and-deferred-finish-2026-11-27.json)
         if finished_request_ids.__class__ not in _ID_COLLECTIONS and not isinstance(
             finished_request_ids, _ID_COLLECTION_TYPES
         ):
@@ -1043,8 +1043,14 @@ class OffloadingScheduler:
         Raises:
             TypeError, RuntimeError: as :meth:`request_finished`.
         """
-        code = self._finish(request)
-        return FinishState(jobs_in_flight=bool(code & 1), store_due=bool(code & 2))
+        # made once per finish code (an engine asks for every finished request)
+        return self._FINISH_STATES[self._finish(request)]
+
+    #: :meth:`request_finished_state`'s answer per finish code of the core (bit 0: jobs in
+    #: flight, bit 1: a store is due).
+    _FINISH_STATES: tuple[FinishState, ...] = tuple(
+        FinishState(jobs_in_flight=bool(code & 1), store_due=bool(code & 2)) for code in range(4)
+    )
 
     @property
     def store_batch_blocks(self) -> int:

@@ -1,15 +1,51 @@
-"""CPU pool sizing: the one function that turns CPU bytes into CPU block slots.
+"""CPU pool sizing: the one function that turns CPU bytes into CPU block slots, and the one
+that gives the bytes per GPU block it divides by.
 
 docs/design.md invariant 3: CPU block count = ``cpu_bytes_to_use // (bytes per GPU block over all
-layers of one rank × world_size × block_size_factor)``. The scheduler and every worker call this
-same function so that their pools always agree.
+layers of one rank × world_size × block_size_factor)``, with bytes per GPU block = total bytes of
+the KV cache tensors // ``num_blocks``. The scheduler and every worker call these same functions
+so that their pools always agree.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
-__all__ = ["compute_num_cpu_blocks"]
+__all__ = ["bytes_per_gpu_block", "compute_num_cpu_blocks"]
+
+
+def bytes_per_gpu_block(tensor_bytes: Iterable[int], num_blocks: int) -> int:
+    """Bytes one GPU block id costs over the KV cache tensors of one rank, in bytes.
+
+    docs/design.md invariant 3: the total bytes of the tensors // the number of GPU blocks they
+    hold; not page size × number of tensors (a ``UniformTypeKVCacheSpecs`` page already sums its
+    layers, and a tensor shared by several layers or groups holds each block once). Every place
+    that needs the figure (the plan, the worker's slot, the tools' byte counts) computes it here.
+
+    Args:
+        tensor_bytes: the size in bytes of each distinct KV cache tensor (one shared by several
+            layers or groups counted once). Sizes of one block of each tensor, with
+            ``num_blocks=1``, give the same figure.
+        num_blocks: GPU blocks the tensors hold (``KVCacheConfig.num_blocks``, never a tensor's
+            leading dimension: invariant 2).
+
+    Returns:
+        ``sum(tensor_bytes) // num_blocks``; 0 when ``num_blocks`` is 0 (no GPU blocks: nothing
+        to offload, not a division error).
+
+    Raises:
+        TypeError: a size or count that is not an int (a bool is not; numpy integers are taken).
+        ValueError: a negative size or count.
+    """
+    num_blocks = _count("num_blocks", num_blocks)
+    sizes = [_count("tensor_bytes", size) for size in tensor_bytes]
+    if num_blocks < 0 or any(size < 0 for size in sizes):
+        raise ValueError(
+            f"bytes_per_gpu_block needs num_blocks >= 0 and tensor sizes >= 0 bytes, got "
+            f"num_blocks={num_blocks} and sizes {sizes[:8]}{'...' if len(sizes) > 8 else ''}"
+        )
+    return sum(sizes) // num_blocks if num_blocks else 0
 
 
 def compute_num_cpu_blocks(

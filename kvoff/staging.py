@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvoff.ops import copy_blocks_fast
+from kvoff.transfer import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -43,14 +44,6 @@ __all__ = [
     "staged_load",
     "staged_store",
 ]
-
-DEFAULT_STAGING_BYTES = 64 << 20
-"""Default ``staging_bytes``: the staging buffer of the worker, both directions together."""
-
-DEFAULT_STAGING_PIECE_BYTES = 8 << 20
-"""Default bytes of one piece of a staged job (rounded down to whole sub-blocks, at least one).
-Smaller pieces start the first DMA sooner; larger ones mean fewer launches. Chosen, not yet
-measured: ``kvoff bench transfer --staging-piece-mib`` compares sizes on a GPU."""
 
 
 class Lane:

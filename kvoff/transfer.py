@@ -5,7 +5,7 @@ An engine offloads to save GPU time, so a copy is judged by two numbers: its ban
 much it slows the compute that runs beside it (``gemm_slowdown``: the time of a bf16 GEMM while
 the transfer streams, over its time alone, minus one). On an H100 the SM gather/scatter kernel
 moves 32 KiB chunks at 0.92 of the PCIe ceiling but slows a concurrent GEMM by 79 %; copy
-engines slow it by about 1 % (``../shared/measurements/h100-2026-11-23``).
+engines slow it by about 1 % (``bench/results/gpu/h100-2026-11-23``).
 
 The ways a job of one KV cache group can move (the worker's ``mechanism``):
 
@@ -50,6 +50,8 @@ __all__ = [
     "ALL_MECHANISMS",
     "COPY_MECHANISMS",
     "DEFAULT_COMPUTE_SLOWDOWN_BUDGET",
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_STAGING_PIECE_BYTES",
     "OP_MECHANISMS",
     "DirectionThresholds",
     "TransferChoice",
@@ -77,6 +79,15 @@ MEASURED_MECHANISMS: tuple[str, ...] = ("memcpy", "batch", "kernel")
 
 DEFAULT_COMPUTE_SLOWDOWN_BUDGET = 0.03
 """Default ``compute_slowdown_budget``: the largest ``gemm_slowdown`` ``"auto"`` accepts (3 %)."""
+
+DEFAULT_STAGING_BYTES = 64 << 20
+"""Default ``staging_bytes``: the staging buffer of the worker, both directions together
+(:mod:`kvoff.staging`)."""
+
+DEFAULT_STAGING_PIECE_BYTES = 8 << 20
+"""Default bytes of one piece of a staged job (rounded down to whole sub-blocks, at least one).
+Smaller pieces start the first DMA sooner; larger ones mean fewer launches. Chosen, not yet
+measured: ``kvoff bench transfer --staging-piece-mib`` compares sizes on a GPU."""
 
 THRESHOLDS_ENV = "KVOFF_TRANSFER_THRESHOLDS"
 """Environment variable naming a thresholds JSON file that replaces the packaged one."""

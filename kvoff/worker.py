@@ -4,29 +4,11 @@ One worker runs per tensor-parallel rank. It registers the engine's KV cache ten
 rows, allocates the CPU pool (pinned when CUDA is available), and runs load (CPU→GPU) and store
 (GPU→CPU) jobs through ``torch.ops.kvoff.copy_blocks``.
 
-**GPU rows** (docs/design.md "Moving bytes"): each registered tensor is viewed as
-``(num_gpu_blocks, row_bytes)`` uint8 rows, using the engine's ``num_gpu_blocks`` (never the
-tensor's leading dimension: docs/design.md invariant 2). Views over the same bytes (a tensor shared
-by layers of several groups) form one *canonical* tensor.
-
-**The CPU pool is slot-major.** One CPU block (slot) is one contiguous region of
-``slot_bytes = block_size_factor × bytes_per_gpu_block``: ``block_size_factor`` sub-blocks, each
-holding one GPU block of every canonical tensor, in registration order. GPU block ``i`` of
-offloaded block ``j`` lands in sub-block ``cpu_block_id × block_size_factor + i %
-block_size_factor``. So one GPU block of all layers is one contiguous chunk on the CPU side, and
-one offloaded block is one contiguous object (:meth:`OffloadingWorker.cpu_slot`), the unit a
-disk or a shared store keeps.
-
-**GPU layouts.** Per KV cache group, adjacent copy regions are merged when they are adjacent on
-both sides (same GPU storage and block stride, consecutive bytes in a block and in a sub-block):
-
-* ``block_contiguous``: one region per block (all layers of a block in one contiguous region:
-  vLLM's cross-layer layout, TRT-LLM's; or a single-tensor model). Whole blocks move by copy
-  engines: one chunk per run of adjacent blocks.
-* ``layer_major``: several regions per block (one tensor per layer, the common case). Jobs move
-  either directly (copy calls, one batched call, or the SM kernel over the small chunks) or
-  ``staged`` (:mod:`kvoff.staging`: an SM gather into a GPU staging buffer laid out like the
-  slot, then copy-engine DMA of whole sub-blocks; loads in reverse).
+Each registered tensor is viewed as ``(num_gpu_blocks, row_bytes)`` uint8 block rows (never its
+leading dimension: docs/design.md invariant 2); the CPU pool is slot-major (one CPU block, or
+slot, is one contiguous ``block_size_factor × bytes_per_gpu_block`` region: the unit a disk or a
+shared store keeps), and each KV cache group is ``block_contiguous`` or ``layer_major``
+(:data:`GPU_LAYOUTS`). :mod:`kvoff.slot_layout` holds that arithmetic and describes it.
 
 ``mechanism="auto"`` picks, per job and group, the fastest way whose slowdown of concurrent
 compute stays within ``compute_slowdown_budget`` (:func:`kvoff.transfer.choose_mechanism`).
@@ -44,22 +26,44 @@ when pinned (:class:`kvoff.pinned.HostPool`).
 
 from __future__ import annotations
 
-import itertools
 import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvoff.jobs import (
+    CPUBlockSpec,
+    GPUBlockSpec,
+    TransferResult,
+    _is_index,
+    _job_id,
+    _sides,
+    _trusted,
+)
 from kvoff.ops import batch_copy_supported, copy_blocks_fast
 from kvoff.pinned import HostPool
 from kvoff.registration import KVLayout, block_row_views
+from kvoff.slot_layout import (
+    GPU_LAYOUTS,
+    CPUBlockOutOfRange,
+    Group,
+    IdsPerGroup,
+    attach_pool,
+    check_ids,
+    expand,
+    expand_many,
+    job_bytes,
+    layer_plan,
+    num_runs,
+    plan_slot,
+    repeated_destination,
+    sub_block_bytes,
+)
 from kvoff.staging import (
-    DEFAULT_STAGING_BYTES,
-    DEFAULT_STAGING_PIECE_BYTES,
     Lane,
     StagedGroup,
     StagingRing,
@@ -69,6 +73,9 @@ from kvoff.staging import (
 from kvoff.transfer import (
     ALL_MECHANISMS,
     DEFAULT_COMPUTE_SLOWDOWN_BUDGET,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_PIECE_BYTES,
+    Direction,
     TransferThresholds,
     choose_mechanism,
     default_thresholds,
@@ -81,274 +88,11 @@ if TYPE_CHECKING:
 
 __all__ = ["GPU_LAYOUTS", "CPUBlockSpec", "GPUBlockSpec", "OffloadingWorker", "TransferResult"]
 
-Direction = Literal["store", "load"]
-
-GPU_LAYOUTS: tuple[str, ...] = ("block_contiguous", "layer_major")
-"""The GPU layouts a KV cache group can have (see the module docstring)."""
-
-
-_MAX_ID = 2**63 - 1
-"""The largest id or count a job may hold: ids travel as int64 (numpy, the copy ops, the core)."""
-
-
-def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
-    """``values`` as a tuple of ints in ``[0, 2**63)`` (numpy integers accepted).
-
-    Raises:
-        TypeError: a str, bytes, set or dict (ids must come in a fixed order), or an item that
-            is not an integer (1.9, "3", True or a tensor of floats are not ids).
-        ValueError: a negative value, or one of 2**63 or more (ids are int64 everywhere).
-    """
-    if isinstance(values, (str, bytes, set, frozenset, dict)):
-        raise TypeError(
-            f"{name} must be an ordered sequence of ints (a tuple, a list or a 1-D integer "
-            f"array), got {type(values).__name__} {values!r}"
-        )
-    try:
-        items = list(values)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a sequence of ints, got {type(values).__name__} {values!r}"
-        ) from None
-    if _is_bool(values):
-        raise TypeError(
-            f"{name} must hold ints, got a tensor or array of bools ({values!r}); pass the "
-            "integer ids, not a mask (e.g. mask.nonzero())"
-        )
-    try:
-        out = tuple(map(operator.index, items))
-        bad = next((v for v in items if v.__class__ is not int and _is_bool(v)), None)
-    except TypeError:
-        bad = next((v for v in items if not _is_index(v)), values)
-    if bad is not None:
-        raise TypeError(
-            f"{name} must hold ints, got {bad!r} ({type(bad).__name__}); pass a flat sequence "
-            "of integers"
-        )
-    if out and (min(out) < 0 or max(out) > _MAX_ID):
-        first = next(v for v in out if v < 0 or v > _MAX_ID)
-        shown = f"{list(out[:16])}{'...' if len(out) > 16 else ''}"
-        raise ValueError(f"{name} must be in [0, 2**63), got {first} (in {shown})")
-    return out
-
-
-def _is_bool(value: object) -> bool:
-    """Whether ``value`` is a bool: Python's, numpy's, or a tensor or array of dtype bool
-    (``operator.index`` takes a 0-d bool tensor as 0 or 1, which is never meant as an id)."""
-    if isinstance(value, (bool, np.bool_)):
-        return True
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and (dtype is torch.bool or dtype == np.bool_)
-
-
-def _is_index(value: object) -> bool:
-    """Whether ``value`` is an integer that ``operator.index`` takes (a bool is not)."""
-    if _is_bool(value):
-        return False
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-@dataclass(frozen=True)
-class GPUBlockSpec:
-    """The GPU side of a job.
-
-    Attributes:
-        block_ids: GPU block ids of all KV cache groups, concatenated in group order.
-        group_sizes: how many of ``block_ids`` belong to each group (one entry per group,
-            0 allowed); ``sum(group_sizes) == len(block_ids)`` (docs/design.md invariant 1).
-        block_indices: per group, the logical index (position in the request, in GPU blocks)
-            of the group's first block; ``block_indices[g] % block_size_factor`` is the offset
-            of that block inside its offloaded block (a partial first offloaded block).
-
-    Raises:
-        ValueError: when the sizes disagree, a value is negative, or a group's blocks would end
-            past logical index 2**63 - 2 (``block_indices[g] + group_sizes[g]`` must fit int64).
-        TypeError: a value that is not an int.
-    """
-
-    block_ids: tuple[int, ...]
-    group_sizes: tuple[int, ...]
-    block_indices: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", _int_tuple("block_ids", self.block_ids))
-        object.__setattr__(self, "group_sizes", _int_tuple("group_sizes", self.group_sizes))
-        object.__setattr__(self, "block_indices", _int_tuple("block_indices", self.block_indices))
-        if sum(self.group_sizes) != len(self.block_ids):
-            raise ValueError(
-                f"sum(group_sizes)={sum(self.group_sizes)} != len(block_ids)="
-                f"{len(self.block_ids)}: group_sizes must count every block id once, per group"
-            )
-        if len(self.block_indices) != len(self.group_sizes):
-            raise ValueError(
-                f"block_indices has {len(self.block_indices)} entries but group_sizes has "
-                f"{len(self.group_sizes)}: give one entry per KV cache group"
-            )
-        for g, (start, n) in enumerate(zip(self.block_indices, self.group_sizes, strict=True)):
-            if start + n > _MAX_ID:
-                raise ValueError(
-                    f"group {g}: block_indices[{g}]={start} with {n} blocks ends at logical "
-                    f"index {start + n - 1}, past the largest one (2**63 - 2): logical indices "
-                    "count GPU blocks from the request's start and travel as int64"
-                )
-
-    @classmethod
-    def single_group(cls, block_ids: Sequence[int], block_index: int = 0) -> GPUBlockSpec:
-        """A spec for a model with one KV cache group starting at logical ``block_index``.
-
-        Raises:
-            ValueError, TypeError: as the constructor (negative or non-int ids; a set, a dict
-                or a str; bools).
-        """
-        ids = _int_tuple("block_ids", block_ids)
-        return cls(ids, (len(ids),), (block_index,))
-
-
-@dataclass(frozen=True)
-class CPUBlockSpec:
-    """The CPU side of a job: CPU block ids (slots), for all groups in group order.
-
-    For group ``g`` with ``n`` GPU blocks starting at logical index ``s``, the job uses
-    ``(s + n - 1) // block_size_factor - s // block_size_factor + 1`` CPU blocks (0 if n == 0).
-
-    Raises:
-        ValueError: a negative block id.
-        TypeError: block ids that are not a sequence of ints.
-    """
-
-    block_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", _int_tuple("block_ids", self.block_ids))
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """What became of one job.
-
-    Attributes:
-        job_id: the id given to :meth:`OffloadingWorker.transfer_async`.
-        direction: ``"store"`` (GPU→CPU) or ``"load"`` (CPU→GPU).
-        success: False when the copy raised (nothing of a failed job may be used as a hit).
-        num_bytes: bytes the job moved (0 when it failed).
-        seconds: wall time of the copy (CPU), or GPU time between the job's events (CUDA).
-        error: the error message when ``success`` is False.
-        mechanism: how the bytes moved: ``"memcpy"``, ``"batch"``, ``"kernel"``,
-            ``"per_block"`` or ``"staged"`` (``"batch"`` may have fallen back to copy calls
-            where ``cudaMemcpyBatchAsync`` is unsupported; several groups that moved
-            differently give the names joined by ``+``); ``"cpu"`` for CPU-only copies, and
-            ``"staged"`` when staging was forced on the CPU.
-    """
-
-    job_id: int
-    direction: Direction
-    success: bool
-    num_bytes: int
-    seconds: float
-    error: str | None = None
-    mechanism: str = "cpu"
-
-
-_EMPTY_IDS = np.empty(0, dtype=np.int64)
-
-
-class _CPUBlockOutOfRange(ValueError):
-    """A job's CPU block id is not in ``[0, num_cpu_blocks)``: the job fails (a failed
-    :class:`TransferResult`), as for any out-of-range id, and nothing of it is copied."""
-
-
-def _cpu_range_error(cpu_ids: np.ndarray, num_cpu_blocks: int) -> _CPUBlockOutOfRange | None:
-    """The error for the first CPU block id of ``cpu_ids`` at or above ``num_cpu_blocks``, or
-    None when every id is in range (ids are already known to be >= 0)."""
-    if len(cpu_ids) == 0 or cpu_ids.max() < num_cpu_blocks:
-        return None
-    first = int(cpu_ids[cpu_ids >= num_cpu_blocks][0])
-    return _CPUBlockOutOfRange(
-        f"CPU block id {first} is out of range; CPU block ids must be in [0, {num_cpu_blocks}). "
-        "The job was not run."
-    )
-
-
-@dataclass
-class _Region:
-    """One copied byte region of a block: GPU rows and their place in the slot."""
-
-    gpu_rows: torch.Tensor  # (num_gpu_blocks, row_bytes) uint8 view of the GPU cache
-    cpu_offset: int  # byte offset inside a sub-block
-    row_bytes: int
-    cpu_rows: torch.Tensor | None = None  # (num_cpu_blocks × f, row_bytes) view of the pool
-
-
-@dataclass
-class _Group:
-    views: list[_Region] = field(default_factory=list)  # one per registered row view
-    regions: list[_Region] = field(default_factory=list)  # views merged where adjacent
-    row_bytes: int = 0  # bytes per GPU block of this group (sum of its views' rows)
-    cpu_runs: list[tuple[int, int]] = field(default_factory=list)  # used slot byte ranges
-    cpu_run_rows: list[torch.Tensor] = field(default_factory=list)
-    gpu_side: list[torch.Tensor] = field(default_factory=list)  # regions' GPU rows
-    cpu_side: list[torch.Tensor] = field(default_factory=list)  # regions' CPU rows
-
-    @property
-    def layout(self) -> str:
-        return "block_contiguous" if len(self.regions) == 1 else "layer_major"
-
-    staged: StagedGroup | None = None  # what a staged copy of this group needs (made once)
-
-
-_T = TypeVar("_T")
-
-
-def _job_id(job_id: object, where: str = "job_id") -> int:
-    """``job_id`` as an int (numpy integers accepted).
-
-    Raises:
-        TypeError: ``job_id`` is not an integer (a bool, a float, a str or None).
-    """
-    if isinstance(job_id, bool) or not _is_index(job_id):
-        raise TypeError(
-            f"{where}: job_id must be an int, got {job_id!r} ({type(job_id).__name__}); "
-            "nothing was submitted"
-        )
-    return operator.index(job_id)  # type: ignore[arg-type]
-
-
-def _trusted(cls: type[_T], **fields: Any) -> _T:
-    """A frozen dataclass instance (without ``__slots__``) from fields known to be valid: every
-    field given, ``__init__`` and ``__post_init__`` skipped, the values put straight into the
-    instance's ``__dict__`` (a few times cheaper than the frozen ``__init__``; for objects made
-    per job on the engine's step path)."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
-
 
 def _shares(byte_counts: Sequence[int]) -> list[float]:
     """Each job's share of a submission's time, by its bytes (equal shares when none moved)."""
     total = sum(byte_counts)
     return [nb / total if total else 1 / len(byte_counts) for nb in byte_counts]
-
-
-def _sides(
-    src: GPUBlockSpec | CPUBlockSpec, dst: GPUBlockSpec | CPUBlockSpec
-) -> tuple[Direction, GPUBlockSpec, CPUBlockSpec]:
-    """``(direction, gpu side, cpu side)`` of a job.
-
-    Raises:
-        ValueError: both sides of the same type (or neither a block spec).
-    """
-    if isinstance(src, GPUBlockSpec) and isinstance(dst, CPUBlockSpec):
-        return "store", src, dst
-    if isinstance(src, CPUBlockSpec) and isinstance(dst, GPUBlockSpec):
-        return "load", dst, src
-    raise ValueError(
-        f"a job copies GPUBlockSpec→CPUBlockSpec (store) or CPUBlockSpec→GPUBlockSpec "
-        f"(load), got {type(src).__name__}→{type(dst).__name__}"
-    )
 
 
 @dataclass
@@ -360,38 +104,6 @@ class _InFlight:
     start: torch.cuda.Event
     end: torch.cuda.Event
     share: float = 1.0  # this job's part of its submission's bytes (transfer_many_async)
-
-
-def _adjacent(a: _Region, b: _Region) -> bool:
-    """Whether region ``b`` continues region ``a`` in both the GPU cache and the slot."""
-    ga, gb = a.gpu_rows, b.gpu_rows
-    return (
-        ga.untyped_storage().data_ptr() == gb.untyped_storage().data_ptr()
-        and ga.stride(0) == gb.stride(0)
-        and gb.storage_offset() == ga.storage_offset() + a.row_bytes
-        and (ga.shape[0] == 1 or a.row_bytes + b.row_bytes <= ga.stride(0))
-        and b.cpu_offset == a.cpu_offset + a.row_bytes
-    )
-
-
-def _merge(a: _Region, b: _Region) -> _Region:
-    rows = a.gpu_rows.as_strided(
-        (a.gpu_rows.shape[0], a.row_bytes + b.row_bytes),
-        (a.gpu_rows.stride(0), 1),
-        a.gpu_rows.storage_offset(),
-    )
-    return _Region(rows, a.cpu_offset, a.row_bytes + b.row_bytes)
-
-
-def _num_runs(*ids: np.ndarray) -> int:
-    """Runs of positions where every id list goes up by one (1 for one id, 0 for none)."""
-    n = len(ids[0])
-    if n == 0:
-        return 0
-    breaks = np.zeros(n - 1, dtype=bool)
-    for t in ids:
-        breaks |= np.diff(t) != 1
-    return int(breaks.sum()) + 1
 
 
 class OffloadingWorker:
@@ -504,7 +216,7 @@ class OffloadingWorker:
         self._pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._batch_supported: bool | None = None
-        self._groups: list[_Group] = []
+        self._groups: list[Group] = []
         # pairs of groups with a canonical tensor in common (hybrid models): a destination id
         # in both writes the same bytes
         self._shared_pairs: list[tuple[int, int]] = []
@@ -550,29 +262,6 @@ class OffloadingWorker:
         )
 
     # ------------------------------------------------------------------ registration
-    def _layer_plan(
-        self, kv_caches: Mapping[str, object], layer_to_group: Mapping[str, int] | None
-    ) -> tuple[dict[str, int], dict[str, object | None]]:
-        """Layer → group and layer → spec, from the KVCacheConfig when there is one."""
-        config = self.kv_cache_config
-        if config is None:
-            mapping = dict(layer_to_group or dict.fromkeys(kv_caches, 0))
-            return mapping, dict.fromkeys(mapping)
-        mapping: dict[str, int] = {}
-        specs: dict[str, object | None] = {}
-        for g, group in enumerate(config.kv_cache_groups):
-            group_spec = group.kv_cache_spec
-            per_layer = getattr(group_spec, "kv_cache_specs", None)
-            for name in group.layer_names:
-                mapping[name] = g
-                specs[name] = dict(per_layer)[name] if per_layer is not None else group_spec
-        if layer_to_group is not None and dict(layer_to_group) != mapping:
-            raise ValueError(
-                "layer_to_group disagrees with the KVCacheConfig's groups; leave it out when "
-                "the worker has a kv_cache_config"
-            )
-        return mapping, specs
-
     def register_kv_caches(
         self,
         kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
@@ -626,7 +315,7 @@ class OffloadingWorker:
                 "the KV cache tensors are on the meta device (shapes only, no memory); "
                 "register the engine's allocated tensors (cuda or cpu)"
             )
-        mapping, specs = self._layer_plan(kv_caches, layer_to_group)
+        mapping, specs = layer_plan(self.kv_cache_config, kv_caches, layer_to_group)
         if set(mapping) != set(kv_caches):
             raise ValueError(
                 "the registered layers must be exactly the planned ones; missing "
@@ -639,45 +328,15 @@ class OffloadingWorker:
                 f"KV cache group indices must be 0..{num_groups - 1} without gaps, got "
                 f"{sorted(set(mapping.values()))}"
             )
-        # Block rows over the same bytes (one tensor shared by layers of several groups, or
-        # by several layers of one group) form ONE canonical tensor with ONE place in the slot:
-        # a slot holds one offloaded block of one group, so a slot's bytes are the bytes one GPU
-        # block id costs in the shared pool (invariant 3), not page × number of layers.
-        canon: dict[tuple[int, int], int] = {}  # (address of row 0, row stride) -> index
-        canon_rows: list[int] = []  # widest row any layer copies from that canonical tensor
-        per_group: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(num_groups)]
-        seen: set[tuple[int, int, int]] = set()  # (group, canonical, row bytes)
-        for name, kv in kv_caches.items():
-            g = mapping[name]
-            for rows in block_row_views(name, kv, self.num_gpu_blocks, specs[name], kv_layout):
-                key = (rows.data_ptr(), rows.stride(0))
-                c = canon.setdefault(key, len(canon))
-                if c == len(canon_rows):
-                    canon_rows.append(0)
-                canon_rows[c] = max(canon_rows[c], rows.shape[1])
-                if (g, c, rows.shape[1]) not in seen:
-                    seen.add((g, c, rows.shape[1]))
-                    per_group[g].append((c, rows))
-        offsets = [sum(canon_rows[:c]) for c in range(len(canon_rows))]
-        sub_block = sum(canon_rows)
-        groups = [_Group() for _ in range(num_groups)]
-        for g, views in enumerate(per_group):
-            group = groups[g]
-            for c, rows in views:
-                region = _Region(rows, offsets[c], rows.shape[1])
-                group.views.append(region)
-                group.row_bytes += region.row_bytes
-                if group.regions and _adjacent(group.regions[-1], region):
-                    group.regions[-1] = _merge(group.regions[-1], region)
-                else:
-                    group.regions.append(_Region(rows, offsets[c], rows.shape[1]))
-            spans = sorted((r.cpu_offset, r.row_bytes) for r in group.views)
-            for off, length in spans:
-                if group.cpu_runs and group.cpu_runs[-1][0] + group.cpu_runs[-1][1] >= off:
-                    last_off, last_len = group.cpu_runs[-1]
-                    group.cpu_runs[-1] = (last_off, max(last_len, off + length - last_off))
-                else:
-                    group.cpu_runs.append((off, length))
+        plan = plan_slot(
+            (
+                (mapping[name], rows)
+                for name, kv in kv_caches.items()
+                for rows in block_row_views(name, kv, self.num_gpu_blocks, specs[name], kv_layout)
+            ),
+            num_groups,
+        )
+        groups, canon_rows, sub_block = plan.groups, plan.canonical_row_bytes, plan.sub_block
         device = next(iter(devices))
         layer_major = any(g.layout == "layer_major" for g in groups)
         if device.type == "cuda" and layer_major and self.staging_bytes:
@@ -694,19 +353,8 @@ class OffloadingWorker:
             ),
         )
         (pool_tensor,) = pool.tensors
-        rows_total = self.num_cpu_blocks * f
-
-        def pool_rows(offset: int, length: int) -> torch.Tensor:
-            return pool_tensor.as_strided(
-                (rows_total, length), (sub_block, 1), pool_tensor.storage_offset() + offset
-            )
-
+        attach_pool(groups, pool_tensor, self.num_cpu_blocks * f, sub_block)
         for group in groups:
-            for r in (*group.views, *group.regions):
-                r.cpu_rows = pool_rows(r.cpu_offset, r.row_bytes)
-            group.cpu_run_rows = [pool_rows(o, n) for o, n in group.cpu_runs]
-            group.gpu_side = [r.gpu_rows for r in group.regions]
-            group.cpu_side = [r.cpu_rows for r in group.regions]  # type: ignore[misc]
             group.staged = StagedGroup(
                 group.gpu_side, [r.cpu_offset for r in group.regions], group.cpu_runs,
                 group.cpu_run_rows,
@@ -715,13 +363,7 @@ class OffloadingWorker:
         self._pool_tensor = pool_tensor
         self._canonical_row_bytes = canon_rows
         self._groups = groups
-        canons = [{c for c, _ in views} for views in per_group]
-        self._shared_pairs = [
-            (g, h)
-            for g in range(num_groups)
-            for h in range(g + 1, num_groups)
-            if canons[g] & canons[h]
-        ]
+        self._shared_pairs = plan.shared_pairs
         self._layer_names = list(kv_caches)
         self._device = device
         self._dma = {"store": Lane(device), "load": Lane(device)}
@@ -775,8 +417,9 @@ class OffloadingWorker:
         """Bytes one GPU block id costs over the registered tensors of this rank (each
         canonical tensor counted once, however many layers or groups share it; Mamba padding
         not counted): the size of a sub-block of a slot. Equals
-        ``CPUOffloadingSpec.kv_bytes_per_block`` without padding."""
-        return sum(self._canonical_row_bytes)
+        ``CPUOffloadingSpec.kv_bytes_per_block`` without padding (both are
+        :func:`kvoff.sizing.bytes_per_gpu_block`)."""
+        return sub_block_bytes(self._canonical_row_bytes)
 
     @property
     def slot_bytes(self) -> int:
@@ -874,51 +517,10 @@ class OffloadingWorker:
         return [v.gpu_rows for g in self._groups for v in g.views]
 
     # ------------------------------------------------------------------ jobs
-    def _expand(self, gpu: GPUBlockSpec, cpu: CPUBlockSpec) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per group: (GPU block ids, CPU sub-block rows) as int64 arrays."""
-        if len(gpu.group_sizes) != len(self._groups):
-            raise ValueError(
-                f"the job has {len(gpu.group_sizes)} group_sizes entries but "
-                f"{len(self._groups)} KV cache groups are registered; give one per group"
-            )
-        f = self.block_size_factor
-        out: list[tuple[np.ndarray, np.ndarray]] = []
-        gpu_ids = np.asarray(gpu.block_ids, dtype=np.int64)
-        cpu_ids = np.asarray(cpu.block_ids, dtype=np.int64)
-        # Rows are id × f + offset: an id past the pool is clamped first so that the product
-        # cannot wrap around int64 into a valid row; the job then fails below, naming the id.
-        safe = cpu_ids if f == 1 else np.minimum(cpu_ids, self.num_cpu_blocks)
-        gpu_off = 0
-        cpu_off = 0
-        for n, start in zip(gpu.group_sizes, gpu.block_indices, strict=True):
-            if n == 0:
-                out.append((_EMPTY_IDS, _EMPTY_IDS))
-                continue
-            first = start // f
-            count = (start + n - 1) // f - first + 1
-            if cpu_off + count > len(cpu_ids):
-                raise ValueError(
-                    f"the CPU side has {len(cpu_ids)} block ids, but the GPU side needs at least "
-                    f"{cpu_off + count} (group sizes {list(gpu.group_sizes)}, block indices "
-                    f"{list(gpu.block_indices)}, block_size_factor {f})"
-                )
-            if f == 1:
-                rows = cpu_ids[cpu_off : cpu_off + n]
-            else:
-                logical = np.arange(start, start + n, dtype=np.int64)
-                rows = safe[cpu_off + logical // f - first] * f + logical % f
-            out.append((gpu_ids[gpu_off : gpu_off + n], rows))
-            gpu_off += n
-            cpu_off += count
-        if cpu_off != len(cpu_ids):
-            raise ValueError(
-                f"the CPU side has {len(cpu_ids)} block ids but the GPU side covers {cpu_off} "
-                f"offloaded blocks (group sizes {list(gpu.group_sizes)}, block indices "
-                f"{list(gpu.block_indices)}, block_size_factor {f})"
-            )
-        if f > 1 and (error := _cpu_range_error(cpu_ids, self.num_cpu_blocks)) is not None:
-            raise error
-        return out
+    def _expand(self, gpu: GPUBlockSpec, cpu: CPUBlockSpec) -> IdsPerGroup:
+        """Per group: (GPU block ids, CPU sub-block rows) as int64 arrays
+        (:func:`kvoff.slot_layout.expand`)."""
+        return expand(gpu, cpu, len(self._groups), self.block_size_factor, self.num_cpu_blocks)
 
     def transfer_async(
         self, job_id: int, src: GPUBlockSpec | CPUBlockSpec, dst: GPUBlockSpec | CPUBlockSpec
@@ -962,12 +564,12 @@ class OffloadingWorker:
         t0 = time.perf_counter()
         try:
             per_group = self._expand(gpu, cpu)
-        except _CPUBlockOutOfRange as exc:
+        except CPUBlockOutOfRange as exc:
             self._finished.append(
                 TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
             )
             return False
-        num_bytes = self._job_bytes(per_group)
+        num_bytes = job_bytes(per_group, self._groups)
         cuda = self._device is not None and self._device.type == "cuda"
         try:
             # Every group's ids are checked, and every mechanism resolved (which may allocate
@@ -1079,10 +681,12 @@ class OffloadingWorker:
             return [self.transfer_async(*entries[0])]
         t0 = time.perf_counter()
         ok = [False] * len(specs)
-        combined: list[tuple[np.ndarray, np.ndarray]] | None
+        combined: IdsPerGroup | None
         try:  # a plain ValueError (sides that do not match) goes to the caller: nothing done
-            combined, job_bytes = self._expand_many(specs)
-        except _CPUBlockOutOfRange:  # raised once every job's sides are known to match
+            combined, bytes_each = expand_many(
+                specs, self._groups, self.block_size_factor, self.num_cpu_blocks
+            )
+        except CPUBlockOutOfRange:  # raised once every job's sides are known to match
             combined = None
         if combined is not None:
             try:  # every id in range and no destination twice, over all the jobs at once
@@ -1096,7 +700,7 @@ class OffloadingWorker:
             members, combined = picked
         else:
             members = [
-                (k, spec[0], nb) for k, (spec, nb) in enumerate(zip(specs, job_bytes, strict=True))
+                (k, spec[0], nb) for k, (spec, nb) in enumerate(zip(specs, bytes_each, strict=True))
             ]
         cuda = self._device is not None and self._device.type == "cuda"
         try:
@@ -1131,83 +735,6 @@ class OffloadingWorker:
             ok[k] = True
         return ok
 
-    def _expand_many(
-        self, specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]]
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
-        """:meth:`_expand` of several jobs at once, concatenated per group (GPU block ids, CPU
-        sub-block rows), and each job's bytes: a few list operations per job, the arithmetic
-        once over all of them.
-
-        Raises:
-            ValueError: a job whose sides do not describe the same blocks (:meth:`_expand`'s
-                message, prefixed with the job).
-            _CPUBlockOutOfRange: a CPU block id past the pool (``block_size_factor`` > 1),
-                once every job's sides are known to match.
-        """
-        f = self.block_size_factor
-        num_groups = len(self._groups)
-        gpu_parts: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
-        cpu_parts: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
-        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(num_groups)]
-        cpu_base = [0] * num_groups  # CPU ids of each group so far, over the jobs
-        job_bytes = []
-        if num_groups == 1 and f == 1:  # the usual case: a job's ids are the rows
-            row_bytes = self._groups[0].row_bytes
-            for k, (job_id, gpu, cpu) in enumerate(specs):
-                n = len(gpu.block_ids)
-                if len(cpu.block_ids) != n or len(gpu.group_sizes) != 1:
-                    self._expand_error(k, job_id, gpu, cpu)
-                gpu_parts[0].append(gpu.block_ids)
-                cpu_parts[0].append(cpu.block_ids)
-                job_bytes.append(n * row_bytes)
-        else:
-            for k, (job_id, gpu, cpu) in enumerate(specs):
-                gpu_off = cpu_off = num_bytes = 0
-                fits = len(gpu.group_sizes) == num_groups
-                pairs = zip(gpu.group_sizes, gpu.block_indices, strict=True)
-                for g, (n, start) in enumerate(pairs):
-                    if not fits or n == 0:
-                        continue
-                    first = start // f
-                    count = (start + n - 1) // f - first + 1
-                    if cpu_off + count > len(cpu.block_ids):
-                        fits = False
-                        break
-                    gpu_parts[g].append(gpu.block_ids[gpu_off : gpu_off + n])
-                    cpu_parts[g].append(cpu.block_ids[cpu_off : cpu_off + count])
-                    runs[g].append((n, start, cpu_base[g] - first))
-                    cpu_base[g] += count
-                    num_bytes += n * self._groups[g].row_bytes
-                    gpu_off += n
-                    cpu_off += count
-                if not fits or cpu_off != len(cpu.block_ids):
-                    self._expand_error(k, job_id, gpu, cpu)
-                job_bytes.append(num_bytes)
-        combined = []
-        for g in range(num_groups):
-            gpu_ids = np.fromiter(itertools.chain.from_iterable(gpu_parts[g]), dtype=np.int64)
-            cpu_ids = np.fromiter(itertools.chain.from_iterable(cpu_parts[g]), dtype=np.int64)
-            if f == 1 or len(gpu_ids) == 0:
-                combined.append((gpu_ids, cpu_ids if f == 1 else _EMPTY_IDS))
-                continue
-            # every job's sides match (checked above); an id past the pool would wrap around
-            # int64 in id × f below, so it fails the call here and each job is checked alone
-            if (error := _cpu_range_error(cpu_ids, self.num_cpu_blocks)) is not None:
-                raise error
-            n, start, base = (np.array(c, dtype=np.int64) for c in zip(*runs[g], strict=True))
-            offsets = np.arange(len(gpu_ids), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
-            logical = np.repeat(start, n) + offsets
-            rows = cpu_ids[np.repeat(base, n) + logical // f] * f + logical % f
-            combined.append((gpu_ids, rows))
-        return combined, job_bytes
-
-    def _job_bytes(self, per_group: list[tuple[np.ndarray, np.ndarray]]) -> int:
-        """Bytes a job of :meth:`_expand`'s ``per_group`` moves (its GPU blocks' rows)."""
-        return sum(
-            len(gpu_ids) * g.row_bytes
-            for (gpu_ids, _), g in zip(per_group, self._groups, strict=True)
-        )
-
     def _fail(
         self, job_ids: Sequence[int], direction: Direction, error: str, mechanism: str = "cpu"
     ) -> None:
@@ -1217,19 +744,6 @@ class OffloadingWorker:
                 TransferResult(job_id, direction, False, 0, 0.0, error, mechanism)
             )
 
-    def _expand_error(self, k: int, job_id: int, gpu: GPUBlockSpec, cpu: CPUBlockSpec) -> None:
-        """Raises :meth:`_expand`'s error for job ``k`` of a :meth:`transfer_many_async` call,
-        prefixed with the job.
-
-        Raises:
-            ValueError: always (the sides do not describe the same blocks).
-        """
-        try:
-            self._expand(gpu, cpu)  # the same checks: raises, naming the mismatch
-        except ValueError as exc:
-            raise ValueError(f"job {job_id} (jobs[{k}]): {exc}") from None
-        raise AssertionError("_expand_many and _expand disagree")  # pragma: no cover
-
     def _isolate(
         self,
         direction: Direction,
@@ -1237,7 +751,7 @@ class OffloadingWorker:
         entries: list,
         ok: list[bool],
         t0: float,
-    ) -> tuple[list[tuple[int, int, int]], list[tuple[np.ndarray, np.ndarray]]] | None:
+    ) -> tuple[list[tuple[int, int, int]], IdsPerGroup] | None:
         """:meth:`transfer_many_async` when the jobs' ids together fail the checks: each job
         is checked alone, a bad one fails alone (a failed ``TransferResult``); if the good ones
         still write one block twice they are submitted one by one, in order. Returns the good
@@ -1255,7 +769,7 @@ class OffloadingWorker:
                                    str(exc))
                 )  # fmt: skip
                 continue
-            members.append((k, job_id, self._job_bytes(per_group)))
+            members.append((k, job_id, job_bytes(per_group, self._groups)))
             parts.append(per_group)
         if not members:
             return None
@@ -1263,7 +777,7 @@ class OffloadingWorker:
             (np.concatenate([p[g][0] for p in parts]), np.concatenate([p[g][1] for p in parts]))
             for g in range(len(self._groups))
         ]
-        if self._repeated_destination(direction, combined) is not None:
+        if repeated_destination(direction, combined, self._shared_pairs) is not None:
             # two jobs write one block: one by one, in order (the later write wins)
             for k, _, _ in members:
                 ok[k] = self.transfer_async(*entries[k])
@@ -1273,7 +787,7 @@ class OffloadingWorker:
     def _run(
         self,
         direction: Direction,
-        per_group: list[tuple[np.ndarray, np.ndarray]],
+        per_group: IdsPerGroup,
         mechanisms: list[str],
     ) -> None:
         """Enqueue (CUDA) or run (CPU) every group's copies; the lanes already wait for what
@@ -1303,68 +817,26 @@ class OffloadingWorker:
                 else:
                     copy_blocks_fast(g.cpu_side, g.gpu_side, cpu_rows, gpu_ids, mechanism)
 
-    def _check_ids(
-        self, direction: Direction, per_group: list[tuple[np.ndarray, np.ndarray]]
-    ) -> None:
-        """Validate every group's ids before any copy, so a bad job writes nothing.
+    def _check_ids(self, direction: Direction, per_group: IdsPerGroup) -> None:
+        """:func:`kvoff.slot_layout.check_ids` against this worker's pool and groups.
 
         Raises:
             ValueError: naming the group, the first bad id and the valid range, or a repeated
                 destination id.
         """
-        cpu_rows = self.num_cpu_blocks * self.block_size_factor
-        for g, (gpu_ids, cpu_ids) in enumerate(per_group):
-            if len(gpu_ids) == 0:
-                continue
-            for name, ids, limit, what in (
-                ("GPU", gpu_ids, self.num_gpu_blocks, "GPU block ids"),
-                (
-                    "CPU block" if self.block_size_factor == 1 else "CPU row",
-                    cpu_ids,
-                    cpu_rows,
-                    "CPU block ids"
-                    if self.block_size_factor == 1
-                    else "CPU rows (CPU block id × block_size_factor + offset)",
-                ),
-            ):
-                if ids.min() < 0 or ids.max() >= limit:
-                    first = int(ids[(ids < 0) | (ids >= limit)][0])
-                    raise ValueError(
-                        f"group {g}: {name} id {first} is out of range; {what} must be in "
-                        f"[0, {limit}). The job was not run."
-                    )
-        if (repeat := self._repeated_destination(direction, per_group)) is not None:
-            raise ValueError(f"{repeat}; two writes to one block would race. The job was not run.")
+        check_ids(
+            direction, per_group, self.num_gpu_blocks, self.num_cpu_blocks,
+            self.block_size_factor, self._shared_pairs,
+        )  # fmt: skip
 
-    def _repeated_destination(
-        self, direction: Direction, per_group: list[tuple[np.ndarray, np.ndarray]]
-    ) -> str | None:
-        """Where a destination id (CPU row of a store, GPU block of a load) repeats: within a
-        group, or in two groups that share a tensor (the same bytes written twice); None when
-        none does."""
-        dst_index = 1 if direction == "store" else 0
-        for g, ids in enumerate(per_group):
-            dst = ids[dst_index]
-            unique = len(set(dst.tolist())) if len(dst) <= 256 else len(np.unique(dst))
-            if unique != len(dst):
-                return f"group {g}: a destination id repeats in {dst.tolist()}"
-        for g, h in self._shared_pairs:
-            both = np.intersect1d(per_group[g][dst_index], per_group[h][dst_index])
-            if len(both):
-                return (
-                    f"groups {g} and {h} share a KV cache tensor and both write destination id "
-                    f"{int(both[0])} (the same bytes)"
-                )
-        return None
-
-    def job_chunks(self, per_group: list[tuple[np.ndarray, np.ndarray]]) -> tuple[int, int]:
+    def job_chunks(self, per_group: IdsPerGroup) -> tuple[int, int]:
         """``(num_chunks, num_bytes)`` of a job copied directly: a chunk is one run of blocks
         whose GPU and CPU row ids both go up by one, in one copied region (what one copy call
         moves)."""
         chunks = 0
         num_bytes = 0
         for (gpu_ids, cpu_ids), g in zip(per_group, self._groups, strict=True):
-            chunks += _num_runs(gpu_ids, cpu_ids) * len(g.regions)
+            chunks += num_runs(gpu_ids, cpu_ids) * len(g.regions)
             num_bytes += len(gpu_ids) * g.row_bytes
         return chunks, num_bytes
 
@@ -1374,7 +846,7 @@ class OffloadingWorker:
         return "batch" if self._batch_supported else "memcpy"
 
     def _resolve_mechanism(
-        self, direction: Direction, group: _Group, ids: tuple[np.ndarray, np.ndarray]
+        self, direction: Direction, group: Group, ids: tuple[np.ndarray, np.ndarray]
     ) -> str:
         """The mechanism of one group of a job (``self.mechanism`` unless it is ``"auto"``).
 
@@ -1391,11 +863,11 @@ class OffloadingWorker:
             return "memcpy"  # the CPU op's parallel memcpy; staging would only add a pass
         gpu_ids, cpu_rows = ids
         n = len(gpu_ids)
-        chunks = _num_runs(gpu_ids, cpu_rows) * len(group.regions)
+        chunks = num_runs(gpu_ids, cpu_rows) * len(group.regions)
         staged_chunk = None
         if group.layout == "layer_major" and self.staging_bytes:
             used = sum(length for _, length in group.cpu_runs)
-            staged_chunk = n * used / (_num_runs(cpu_rows) * len(group.cpu_runs))
+            staged_chunk = n * used / (num_runs(cpu_rows) * len(group.cpu_runs))
         if self._batch_supported is None:
             self._batch_supported = batch_copy_supported()
         choice = choose_mechanism(
@@ -1415,7 +887,7 @@ class OffloadingWorker:
         self,
         members: list[tuple[int, int]],
         direction: Direction,
-        per_group: list[tuple[np.ndarray, np.ndarray]],
+        per_group: IdsPerGroup,
         mechanisms: list[str],
         used: str,
     ) -> bool:

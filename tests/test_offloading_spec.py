@@ -3,13 +3,19 @@ invariant 3), and its errors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 import kvoff
 from kvoff import offloading_spec
 from kvoff.config import EVICTION_POLICIES
+from kvoff.kv_cache_config import pool_bytes_per_block
 from kvoff.offloading_spec import CPUOffloadingSpec
+from kvoff.sizing import bytes_per_gpu_block
 from kvoff.specs import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -17,6 +23,8 @@ from kvoff.specs import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from kvoff.tools.bench_transfer import TRANSFER_PRESETS
+from kvoff.tools.manager_calls_record import _kv_bytes_per_block
 
 BF16 = torch.bfloat16
 FULL = FullAttentionSpec(16, 8, 128, BF16)  # page 65,536 bytes
@@ -93,6 +101,66 @@ def test_count_comes_from_the_one_sizing_function(monkeypatch: pytest.MonkeyPatc
     spec = CPUOffloadingSpec(_llama_like(), cpu_bytes_to_use=10**9, block_size=32, world_size=3)
     assert spec.num_blocks == 7
     assert calls == [(10**9, 131_072, 2, 3)]
+
+
+def test_bytes_per_block_comes_from_the_one_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """invariant 3: the plan's bytes per GPU block is sizing.bytes_per_gpu_block of its tensors."""
+    calls = []
+
+    def spy(tensor_bytes: Iterable[int], num_blocks: int) -> int:
+        calls.append((list(tensor_bytes), num_blocks))
+        return 4096
+
+    monkeypatch.setattr(offloading_spec, "bytes_per_gpu_block", spy)
+    config = _llama_like()
+    spec = CPUOffloadingSpec(config, cpu_bytes_to_use=4096 * 5)
+    assert spec.kv_bytes_per_block == 4096 and spec.num_blocks == 5
+    assert calls == [([t.size for t in config.kv_cache_tensors], 100)]
+
+
+def test_bytes_per_gpu_block() -> None:
+    assert bytes_per_gpu_block([1000, 600], 4) == 400  # total bytes // num_blocks
+    assert bytes_per_gpu_block([1001], 2) == 500
+    assert bytes_per_gpu_block([65_536] * 3, 1) == 196_608  # one block of each tensor
+    assert bytes_per_gpu_block([np.int64(4096)], np.int64(2)) == 2048
+    assert bytes_per_gpu_block([123], 0) == 0  # no GPU blocks: nothing to offload
+    assert bytes_per_gpu_block([], 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("tensor_bytes", "num_blocks", "error", "needle"),
+    [
+        ([100], -1, ValueError, "num_blocks=-1"),
+        ([100, -5], 1, ValueError, r"sizes \[100, -5\]"),
+        ([100], 1.5, TypeError, "num_blocks must be an int, got 1.5"),
+        ([True], 1, TypeError, "tensor_bytes must be an int, got True"),
+        (["64"], 1, TypeError, "tensor_bytes must be an int"),
+    ],
+)
+def test_bytes_per_gpu_block_errors(
+    tensor_bytes: list, num_blocks: object, error: type[Exception], needle: str
+) -> None:
+    with pytest.raises(error, match=needle):
+        bytes_per_gpu_block(tensor_bytes, num_blocks)  # type: ignore[arg-type]
+
+
+def test_every_bytes_per_block_figure_is_the_one_function(tmp_path: Path) -> None:
+    """The plan, the pool sizing of get_kv_cache_config, the transfer benchmark's presets and the
+    recorded engine's pool all give the figure of one formula (invariant 3)."""
+    config = _llama_like(num_blocks=100, layers=3)
+    sizes = [t.size for t in config.kv_cache_tensors]
+    expected = bytes_per_gpu_block(sizes, config.num_blocks)
+    assert expected == 3 * 65_536
+    assert CPUOffloadingSpec(config, cpu_bytes_to_use=2**30).kv_bytes_per_block == expected
+    assert pool_bytes_per_block(config.kv_cache_groups) == expected
+    llama = TRANSFER_PRESETS["llama-3-8b"]
+    assert llama.bytes_per_block == 32 * 2 * 32_768 == 2 * 2**20
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 8, '
+        '"hidden_size": 2048, "head_dim": 128}'
+    )
+    # K and V of 3 layers, 16 tokens × 8 heads × 128 × 2 bytes each: the same 3 × 65,536
+    assert _kv_bytes_per_block(tmp_path, "bfloat16", 16) == expected
 
 
 def _mixed_block_sizes() -> KVCacheConfig:

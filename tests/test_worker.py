@@ -1,4 +1,4 @@
-"""The worker: registration (docs/design.md invariant 2), store/load round trips, job bookkeeping."""
+"""The worker: registration (docs/design.md invariant 2), store/load round trips, job records."""
 
 from __future__ import annotations
 
@@ -377,6 +377,37 @@ def test_a_cpu_block_id_whose_rows_would_wrap_int64_fails_the_job_and_copies_not
 def test_block_specs_refuse_ids_that_are_not_int64_block_ids(build, error, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match):
         build()
+
+
+def test_job_records_live_in_kvoff_jobs_without_torch() -> None:
+    """The block specs and results are kvoff.jobs' (the worker and the package re-export them);
+    that module and what it imports from kvoff load neither torch nor the compiled ops, so the
+    scheduler, which builds jobs, needs no worker."""
+    import ast
+    from pathlib import Path
+
+    import kvoff.jobs
+    import kvoff.worker
+
+    for name in ("CPUBlockSpec", "GPUBlockSpec", "TransferResult"):
+        assert getattr(kvoff.worker, name) is getattr(kvoff.jobs, name) is getattr(kvoff, name)
+    seen: set[str] = set()
+    todo = ["kvoff.jobs"]
+    while todo:
+        module = todo.pop()
+        seen.add(module)
+        path = Path(kvoff.__file__).parent / (module.removeprefix("kvoff.") + ".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )  # fmt: skip
+            for imported in names:
+                assert imported.split(".")[0] != "torch", f"{module} imports {imported}"
+                assert imported not in {"kvoff.ops", "kvoff._C", "kvoff.worker"}, module
+                if imported.startswith("kvoff.") and imported not in seen:
+                    todo.append(imported)
+    assert seen == {"kvoff.jobs", "kvoff.transfer"}
 
 
 def test_a_job_id_is_refused_while_its_result_is_pending() -> None:

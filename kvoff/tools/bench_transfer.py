@@ -1,7 +1,7 @@
 """``kvoff bench transfer``: how fast KV blocks move, and what that costs the forward pass.
 
 Workload: a KV shape preset (:data:`TRANSFER_PRESETS`: layers × tensors per layer × bytes per
-chunk) in each GPU layout (:data:`kvoff.worker.GPU_LAYOUTS`):
+chunk) in each GPU layout (:data:`kvoff.slot_layout.GPU_LAYOUTS`):
 
 * ``layer_major``: one tensor per layer (or per K/V half), the common case;
 * ``block_contiguous``: all layers of a block in one contiguous region (vLLM's cross-layer
@@ -49,17 +49,21 @@ from typing import Any
 
 import torch
 
+from kvoff.jobs import CPUBlockSpec, GPUBlockSpec
 from kvoff.ops import batch_copy_supported, copy_blocks
-from kvoff.staging import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES
+from kvoff.sizing import bytes_per_gpu_block
+from kvoff.slot_layout import GPU_LAYOUTS
 from kvoff.tools.bench import run_info
 from kvoff.transfer import (
     COPY_MECHANISMS,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_PIECE_BYTES,
     MEASURED_MECHANISMS,
     DirectionThresholds,
     TransferThresholds,
     default_thresholds,
 )
-from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
+from kvoff.worker import OffloadingWorker
 
 __all__ = [
     "JOB_SIZES",
@@ -129,8 +133,9 @@ class TransferPreset:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block moves over all tensors (one slot sub-block)."""
-        return self.num_tensors * self.chunk_bytes
+        """Bytes one block moves over all tensors (one slot sub-block):
+        :func:`kvoff.sizing.bytes_per_gpu_block` of one ``chunk_bytes`` block per tensor."""
+        return bytes_per_gpu_block([self.chunk_bytes] * self.num_tensors, 1)
 
 
 TRANSFER_PRESETS: dict[str, TransferPreset] = {
@@ -168,7 +173,7 @@ class TransferBenchParams:
 
     Attributes:
         presets: preset names (:data:`TRANSFER_PRESETS`).
-        layouts: GPU layouts (:data:`kvoff.worker.GPU_LAYOUTS`).
+        layouts: GPU layouts (:data:`kvoff.slot_layout.GPU_LAYOUTS`).
         num_blocks: blocks per job (``None``: chosen per preset so that a job moves about
             ``target_bytes``).
         target_bytes: bytes per job when ``num_blocks`` is None.

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoff.sizing import bytes_per_gpu_block
+
 __all__ = ["LOG_VERSION", "RecordConfig", "record_manager_calls"]
 
 LOG_VERSION = 1
@@ -84,15 +86,17 @@ def _kv_bytes_per_block(model_dir: Path, dtype: str, block_size: int) -> int:
     itemsize = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}.get(dtype)
     if itemsize is None:
         raise ValueError(f"dtype {dtype!r}: use float32, bfloat16 or float16")
-    return 2 * int(cfg["num_hidden_layers"]) * int(heads) * int(head_dim) * itemsize * block_size
+    # K and V per layer, each block_size tokens × heads × head_dim
+    chunk = int(heads) * int(head_dim) * itemsize * block_size
+    return bytes_per_gpu_block([chunk] * (2 * int(cfg["num_hidden_layers"])), 1)
 
 
 def _plan(config: RecordConfig) -> dict[str, Any]:
     """The child's plan: prompts and engine settings as ``kvoff replay --engine vllm`` makes
     them, with the spec connector and a pool of ``cpu_blocks`` slots."""
-    from kvoff.tools.replay_vllm import VllmReplayConfig, _plans
+    from kvoff.tools.replay_vllm import VllmReplayConfig, replay_plans
 
-    prompts, base = _plans(
+    prompts, base = replay_plans(
         VllmReplayConfig(
             trace=config.trace, limit=config.limit, trace_block_size=config.trace_block_size,
             tokens_per_hash=config.tokens_per_hash, max_tokens=config.max_tokens,

@@ -54,6 +54,7 @@ __all__ = [
     "VllmReplayConfig",
     "format_vllm_replay",
     "prompt_tokens",
+    "replay_plans",
     "run_vllm_replay",
 ]
 
@@ -277,7 +278,15 @@ def _run_child(plan: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the parent
 
 
-def _plans(config: VllmReplayConfig) -> tuple[list[list[int]], dict[str, Any]]:
+def replay_plans(config: VllmReplayConfig) -> tuple[list[list[int]], dict[str, Any]]:
+    """The prompts (token ids, one list per trace request) and the engine settings every child
+    of :func:`run_vllm_replay` starts from (model, dtype, block size, GPU blocks, ...), as
+    ``kvoff replay --engine vllm`` makes them from ``config``.
+
+    Raises:
+        FileNotFoundError, ValueError: from reading the trace
+            (:func:`kvoff.tools.traces.load_trace`).
+    """
     from kvoff.tools.tiny_models import TINY_MODELS, TINY_VOCAB_SIZE, tiny_model
     from kvoff.tools.traces import load_trace
 
@@ -340,7 +349,7 @@ def run_vllm_replay(
     """
     import vllm  # noqa: F401  (fail early, in this process, when vLLM is missing)
 
-    prompts, base = _plans(config)
+    prompts, base = replay_plans(config)
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvoff-replay-vllm-") as tmp:
         for name in config.engines:

@@ -1,4 +1,5 @@
-"""Build metadata (wheel label, torch pin), kvoff.build_info() and `kvoff info`."""
+"""Build metadata (wheel label, torch pin), kvoff.build_info() (kvoff/install_info.py) and
+`kvoff info` (kvoff/tools/info.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import torch
 import kvoff
 import kvoff.ops
 from kvoff import _build_metadata as meta
-from kvoff.tools import info as info_mod
+from kvoff import _version_check
+from kvoff import install_info as info_mod
+from kvoff.install_info import GPUInfo, arch_covers, build_info
 from kvoff.tools.cli import main
-from kvoff.tools.info import GPUInfo, arch_covers, build_info
+from kvoff.tools.info import info_report
 
 
 # ---- wheel label and torch pin -------------------------------------------------------------
@@ -102,6 +105,7 @@ def test_arch_covers_rejects_bad_entries() -> None:
 
 # ---- build_info ------------------------------------------------------------------------------
 def test_build_info_of_this_install() -> None:
+    assert kvoff.build_info is build_info and kvoff.BuildInfo is info_mod.BuildInfo
     info = build_info()
     assert info.runtime_matches and info.problems == ()
     assert info.version == kvoff.__version__
@@ -187,13 +191,25 @@ def test_kvoff_info_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "runtime matches: yes" in out
 
 
+def test_info_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the command prints and its exit status, from the library's report."""
+    text, status = info_report()
+    assert status == 0 and text == build_info().format() and "runtime matches: yes" in text
+    text, status = info_report(as_json=True)
+    assert status == 0 and json.loads(text)["runtime_matches"] is True
+    monkeypatch.setattr(b, "TORCH_VERSION", "2.0.1")
+    text, status = info_report()
+    assert status == 1 and "runtime matches: NO" in text
+    assert "extensions were not loaded" not in text  # they are, in this process
+
+
 def test_kvoff_info_json_and_exit_code_on_mismatch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["info", "--json"]) == 0
+    assert main(["info", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["runtime_matches"] is True
     monkeypatch.setattr(b, "TORCH_VERSION", "2.0.1")
-    assert main(["info", "--json"]) == 1
+    assert main(["info", "--format", "json"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["runtime_matches"] is False and len(d["problems"]) == 1
 
@@ -202,7 +218,7 @@ def test_kvoff_info_console_script(tmp_path) -> None:
     """`python -m kvoff info` runs in a fresh process (from a directory that is not the source
     root: `-m` puts the working directory first on sys.path)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoff", "info", "--json"],
+        [sys.executable, "-m", "kvoff", "info", "--format", "json"],
         capture_output=True, text=True, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -222,7 +238,7 @@ def test_kvoff_info_console_script(tmp_path) -> None:
     ],
 )
 def test_invoked_as_kvoff_info(argv: list[str], expected: bool) -> None:
-    assert info_mod.invoked_as_kvoff_info(argv) is expected
+    assert _version_check.invoked_as_kvoff_info(argv) is expected
 
 
 _FAKE_BUILD = (
@@ -232,30 +248,35 @@ _FAKE_BUILD = (
     "fake.__dict__.update({k: v for k, v in vars(real).items() if k.isupper()})\n"
     "fake.TORCH_VERSION = '1.13.1'\n"
     "for name in [m for m in sys.modules if m == 'kvoff' or m.startswith('kvoff.')]:\n"
-    "    if name != 'kvoff._C':\n"
-    "        del sys.modules[name]\n"  # ...so forget it all and import again with the fake
+    "    del sys.modules[name]\n"  # ...so forget it all and import again with the fake
     "sys.modules['kvoff._build_info'] = fake\n"
+    # under a torch of another series kvoff._C would not load (undefined symbols): here too,
+    # any attempt to import it fails
+    "sys.modules['kvoff._C'] = None\n"
 )
 
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_kvoff_info_reports_a_torch_mismatch_instead_of_dying(tmp_path, as_json: bool) -> None:
-    """`import kvoff` refuses a torch of another series; run as `kvoff info`, the import prints
-    the report (without the compiled extensions) and exits 1 instead of raising."""
-    argv = ["/venv/bin/kvoff", "info", *(["--json"] if as_json else [])]
+    """`import kvoff` refuses a torch of another series; run as `kvoff info`, the import neither
+    raises nor exits the process: it leaves a package without the compiled extensions (and
+    without any kvoff.tools module), and the command prints the report and returns 1."""
+    argv = ["/venv/bin/kvoff", "info", *(["--format", "json"] if as_json else [])]
     code = (
         _FAKE_BUILD + f"sys.argv = {argv!r}\n"
-        "try:\n"
-        "    import kvoff\n"
-        "except SystemExit as e:\n"
-        "    print('EXIT', e.code)\n"
+        "import kvoff\n"
+        "print('IMPORTED', sorted(m for m in sys.modules if m.startswith('kvoff.tools')))\n"
+        "from kvoff.tools.cli import main\n"
+        "status = main(sys.argv[1:])\n"
+        "print('EXIT', status)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     out = proc.stdout
+    assert out.startswith("IMPORTED []\n"), out + proc.stderr
     assert out.rstrip().endswith("EXIT 1"), out + proc.stderr
-    report = out.rsplit("EXIT", 1)[0]
+    report = out.removeprefix("IMPORTED []\n").rsplit("EXIT", 1)[0]
     if as_json:
         d = json.loads(report)
         assert d["runtime_matches"] is False and d["copy_mechanisms"] == {}

@@ -9,7 +9,13 @@ import kvoff._build_info as info
 import pytest
 import torch
 
-from kvoff._version_check import TorchVersionMismatchError, check_torch_version
+from kvoff import _version_check
+from kvoff._version_check import (
+    TorchVersionMismatchError,
+    check_torch_version,
+    extensions_skipped,
+    extensions_wanted,
+)
 
 
 def test_build_recorded_the_running_torch() -> None:
@@ -72,3 +78,26 @@ def test_import_fails_before_loading_extensions(tmp_path) -> None:
     assert "TorchVersionMismatchError" in out.stdout
     assert "1.13.1" in out.stdout
     assert "C loaded: False" in out.stdout
+
+
+def test_extensions_are_wanted_under_the_build_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_version_check, "_skipped", False)
+    assert extensions_wanted(["/venv/bin/kvoff", "info"]) is True
+    assert extensions_wanted(["-c"]) is True
+    assert not extensions_skipped()
+
+
+def test_only_kvoff_info_imports_on_without_extensions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mismatch is an ImportError for every process but `kvoff info`, which goes on without
+    the compiled extensions (and says so: extensions_skipped) instead of exiting."""
+    monkeypatch.setattr(info, "TORCH_VERSION", "2.0.1")
+    monkeypatch.setattr(_version_check, "_skipped", False)
+    for argv in (["/venv/bin/kvoff", "replay"], ["-c"], ["/venv/bin/python", "info"]):
+        with pytest.raises(TorchVersionMismatchError, match=r"2\.0\.1"):
+            extensions_wanted(argv)
+        assert not extensions_skipped()
+    assert extensions_wanted(["/venv/bin/kvoff", "info"]) is False
+    assert extensions_skipped()
+    monkeypatch.setattr(_version_check, "_skipped", False)
+    assert extensions_wanted(["-m", "info", "--json"]) is False  # python -m kvoff info
+    assert extensions_skipped()
