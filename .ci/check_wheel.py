@@ -141,7 +141,7 @@ def check(wheel: Path) -> dict[str, object]:
                 failures.append(f"missing {need}")
         exts = {
             key: [n for n in names if re.match(rf"kvoff/{key}\..*\.so$", n)]
-            for key in ("_C", "_scheduler")
+            for key in ("_C", "_scheduler", "_bench")
         }
         for key, found in exts.items():
             if len(found) != 1:
@@ -164,7 +164,7 @@ def check(wheel: Path) -> dict[str, object]:
         runpath: list[str] = []
         gpu_code: dict[str, list[str]] | str = "not a CUDA wheel"
         cxx_runtime = _cxx_runtime_module()
-        for key in ("_C", "_scheduler"):
+        for key in ("_C", "_scheduler", "_bench"):
             if exts[key]:
                 with tempfile.TemporaryDirectory() as tmp:
                     failures += [

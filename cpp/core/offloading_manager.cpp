@@ -1,19 +1,11 @@
 #include "kvoff/offloading_manager.h"
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <condition_variable>
 #include <cstdio>
-#include <fstream>
-#include <limits>
-#include <mutex>
 #include <stdexcept>
 #include <utility>
 
-#if defined(__unix__) || defined(__APPLE__)
-#include <unistd.h>
-#endif
+#include "kvoff/host_memory.h"
 
 namespace kvoff {
 
@@ -37,28 +29,6 @@ constexpr const char* kMedium = "CPU";
 constexpr std::size_t kCommitAhead = 12;
 // How many recency-log entries ahead of the victim walk prepare_store prefetches.
 constexpr std::size_t kVictimAhead = 64;
-
-// Waits longer than this (about 11.6 days, inf included) wait until woken: converting a huge
-// double to the condition variable's clock ticks would overflow (undefined behaviour).
-constexpr double kWaitForeverSeconds = 1e6;
-
-void check_timeout(const char* op, double timeout_seconds) {
-  if (std::isnan(timeout_seconds)) {
-    throw std::invalid_argument(std::string(op) +
-                                ": timeout_seconds is NaN; pass seconds >= 0 (0: do not wait, "
-                                "inf: until woken)");
-  }
-}
-
-template <class Predicate>
-void wait_up_to(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-                double timeout_seconds, Predicate done) {
-  if (timeout_seconds >= kWaitForeverSeconds) {
-    cv.wait(lock, done);
-  } else {
-    cv.wait_for(lock, std::chrono::duration<double>(timeout_seconds), done);
-  }
-}
 
 inline void prefetch_byte(const void* p) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
@@ -174,45 +144,6 @@ std::string format_bytes(std::uint64_t bytes) {
   return buf;
 }
 
-#if defined(__linux__)
-/// The first number in file `path`, or UINT64_MAX (no such file, "max", unreadable).
-std::uint64_t read_limit_file(const std::string& path) {
-  std::ifstream in(path);
-  std::uint64_t value = 0;
-  if (in >> value) {
-    return value;
-  }
-  return std::numeric_limits<std::uint64_t>::max();
-}
-
-/// The lowest memory limit of this process's cgroup (v2 memory.max or v1
-/// memory.limit_in_bytes, at the cgroup's path and at the mount's root, which is the cgroup
-/// itself inside a container), or UINT64_MAX.
-std::uint64_t cgroup_memory_limit() {
-  std::uint64_t limit = read_limit_file("/sys/fs/cgroup/memory.max");
-  limit = std::min(limit, read_limit_file("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
-  std::ifstream in("/proc/self/cgroup");
-  std::string line;
-  while (std::getline(in, line)) {  // "0::/path" (v2) or "4:memory:/path" (v1)
-    if (line.rfind("0::", 0) == 0) {
-      limit = std::min(limit, read_limit_file("/sys/fs/cgroup" + line.substr(3) + "/memory.max"));
-      continue;
-    }
-    const auto first = line.find(':');
-    const auto second = first == std::string::npos ? first : line.find(':', first + 1);
-    if (second == std::string::npos) {
-      continue;
-    }
-    const std::string controllers = "," + line.substr(first + 1, second - first - 1) + ",";
-    if (controllers.find(",memory,") != std::string::npos) {
-      limit = std::min(limit, read_limit_file("/sys/fs/cgroup/memory" + line.substr(second + 1) +
-                                              "/memory.limit_in_bytes"));
-    }
-  }
-  return limit;
-}
-#endif
-
 }  // namespace
 
 HostMemoryError::HostMemoryError(std::int64_t num_blocks, std::string_view eviction_policy,
@@ -241,24 +172,6 @@ HostMemoryError::HostMemoryError(std::int64_t num_blocks, std::string_view evict
   }
   m += ". Nothing is left allocated.";
   message_ = std::make_shared<const std::string>(std::move(m));
-}
-
-std::uint64_t host_memory_limit_bytes() noexcept {
-  std::uint64_t limit = std::numeric_limits<std::uint64_t>::max();
-#if defined(__unix__) || defined(__APPLE__)
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page_size = ::sysconf(_SC_PAGESIZE);
-  if (pages > 0 && page_size > 0) {
-    limit = static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size);
-  }
-#endif
-#if defined(__linux__)
-  try {
-    limit = std::min(limit, cgroup_memory_limit());
-  } catch (...) {  // std::bad_alloc reading a file: physical memory is the answer
-  }
-#endif
-  return limit;
 }
 
 std::uint64_t CPUOffloadingManager::memory_bytes(std::int64_t num_blocks,
@@ -949,12 +862,13 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
 }
 
 // ------------------------------------------------------------------------------ write-through
+// The engine thread's half: pins, counts and slots. The hand-off to the tier writers (the
+// threads that take batches and hand blocks back) is wt_queue_, a WriteThroughQueue.
 
 void CPUOffloadingManager::set_write_through(std::uint32_t capacity_blocks) {
-  if (capacity_blocks > 0 && wt_outstanding_.empty()) {
+  if (capacity_blocks > 0 && wt_pinned_.empty()) {
     wt_pinned_.assign(index_.num_slots(), 0);
-    const std::lock_guard lock(wt_mutex_);
-    wt_outstanding_.assign(index_.num_slots(), 0);
+    wt_queue_.enable(index_.num_slots());
   }
   wt_capacity_ = capacity_blocks;
 }
@@ -977,64 +891,19 @@ void CPUOffloadingManager::queue_write_through(std::span<const std::uint32_t> sl
   num_evictable_ -= n;
   wt_in_flight_ += n;
   wt_queued_total_ += n;
-  {
-    const std::lock_guard lock(wt_mutex_);
-    for (const std::uint32_t slot : batch.block_ids) {
-      wt_outstanding_[slot] = 1;
-    }
-    wt_batches_.push_back(std::move(batch));
-  }
-  wt_queued_cv_.notify_one();
+  wt_queue_.push(std::move(batch));
 }
 
 std::vector<WriteThroughBatch> CPUOffloadingManager::take_write_through(double timeout_seconds) {
-  check_timeout("take_write_through", timeout_seconds);
-  std::unique_lock lock(wt_mutex_);
-  if (wt_batches_.empty() && !wt_closed_ && timeout_seconds > 0) {
-    wait_up_to(wt_queued_cv_, lock, timeout_seconds,
-               [&] { return !wt_batches_.empty() || wt_closed_; });
-  }
-  return std::exchange(wt_batches_, {});
+  return wt_queue_.take(timeout_seconds);
 }
 
 void CPUOffloadingManager::write_through_done(std::span<const std::uint32_t> block_ids) {
-  {
-    const std::lock_guard lock(wt_mutex_);
-    for (std::size_t i = 0; i < block_ids.size(); ++i) {
-      const std::uint32_t slot = block_ids[i];
-      if (slot < wt_outstanding_.size() && wt_outstanding_[slot] == 1) {
-        wt_outstanding_[slot] = 2;  // seen in this call
-        continue;
-      }
-      for (std::size_t j = 0; j < i; ++j) {
-        wt_outstanding_[block_ids[j]] = 1;
-      }
-      const std::string what =
-          slot >= wt_outstanding_.size() ? "not a block of write-through (outside the pool, or "
-                                           "write-through was never enabled)"
-          : wt_outstanding_[slot] == 2   ? "repeated in this call"
-                                         : "not being written through (never queued, or "
-                                           "handed back already)";
-      throw std::invalid_argument("write_through_done: block_ids[" + std::to_string(i) +
-                                  "] = " + std::to_string(slot) + " is " + what +
-                                  "; pass each block of a take_write_through batch once. "
-                                  "Nothing was changed.");
-    }
-    for (const std::uint32_t slot : block_ids) {
-      wt_outstanding_[slot] = 0;
-      wt_done_.push_back(slot);
-    }
-    wt_done_ready_.store(!wt_done_.empty(), std::memory_order_release);
-  }
-  wt_done_cv_.notify_all();
+  wt_queue_.hand_back(block_ids);
 }
 
 std::size_t CPUOffloadingManager::drain_write_through() {
-  {
-    const std::lock_guard lock(wt_mutex_);
-    wt_drained_.swap(wt_done_);
-    wt_done_ready_.store(false, std::memory_order_release);
-  }
+  wt_queue_.take_handed_back(wt_drained_);
   std::uint32_t unpinned = 0;
   for (const std::uint32_t slot : wt_drained_) {
     if (wt_pinned_[slot] == kWtRetired) {  // dropped from the index while written (clear)
@@ -1060,23 +929,11 @@ std::size_t CPUOffloadingManager::drain_write_through() {
 std::size_t CPUOffloadingManager::poll_write_through() { return drain_write_through(); }
 
 std::size_t CPUOffloadingManager::wait_write_through(double timeout_seconds) {
-  check_timeout("wait_write_through", timeout_seconds);
-  {
-    std::unique_lock lock(wt_mutex_);
-    if (wt_done_.empty() && timeout_seconds > 0) {
-      wait_up_to(wt_done_cv_, lock, timeout_seconds, [&] { return !wt_done_.empty(); });
-    }
-  }
+  wt_queue_.wait_handed_back(timeout_seconds);
   return drain_write_through();
 }
 
-void CPUOffloadingManager::close_write_through() {
-  {
-    const std::lock_guard lock(wt_mutex_);
-    wt_closed_ = true;
-  }
-  wt_queued_cv_.notify_all();
-}
+void CPUOffloadingManager::close_write_through() { wt_queue_.close(); }
 
 std::vector<OffloadingEvent> CPUOffloadingManager::take_events() {
   return std::exchange(events_, {});
@@ -1183,20 +1040,7 @@ void CPUOffloadingManager::retire_written_through(std::uint32_t slot) {
 }
 
 std::size_t CPUOffloadingManager::cancel_write_through() {
-  std::size_t n = 0;
-  {
-    const std::lock_guard lock(wt_mutex_);
-    for (const WriteThroughBatch& batch : wt_batches_) {
-      for (const std::uint32_t slot : batch.block_ids) {
-        wt_outstanding_[slot] = 0;
-        wt_done_.push_back(slot);  // handed back unwritten: unpinned by the next drain
-      }
-      n += batch.block_ids.size();
-    }
-    wt_batches_.clear();
-    wt_done_ready_.store(!wt_done_.empty(), std::memory_order_release);
-  }
-  wt_done_cv_.notify_all();
+  const std::size_t n = wt_queue_.cancel();  // handed back unwritten: unpinned by the next drain
   wt_cancelled_total_ += n;
   return n;
 }

@@ -1,6 +1,6 @@
 // ProbationEvictionPolicy: LRU with an adaptive probation for blocks not reused since they were
-// stored (eviction_policy.h documents the rules; README "Eviction policies against Belady's
-// MIN" the measurements that chose them).
+// stored (eviction_policy.h documents the rules; docs/eviction-policies.md the measurements that
+// chose them).
 #include <algorithm>
 #include <bit>
 #include <stdexcept>

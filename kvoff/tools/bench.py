@@ -3,12 +3,12 @@
 For each pool size the same workload (same keys, same calls, same order) runs on:
 
 * ``in_core``: the C++ manager called from C++ with keys generated in C++ (the path of the C++
-  scheduler), timed in C++ (``kvoff._scheduler._bench_manager``, ``cpp/core/manager_bench.cpp``);
+  scheduler), timed in C++ (``kvoff._bench.bench_manager``, ``cpp/bench/manager_bench.cpp``);
 * ``binding``: the C++ manager through the Python binding, keys as lists of ``bytes``;
 * ``python_baseline``: :class:`PyLRUManager`, a straightforward pure-Python implementation of
   the same manager semantics on an ``OrderedDict`` (LRU only).
 
-Workload (``cpp/include/kvoff/manager_bench.h`` is the reference; :func:`workload_keys` and
+Workload (``cpp/bench/manager_bench.h`` is the reference; :func:`workload_keys` and
 :func:`lookup_ids` reproduce it with numpy): fill a pool of N slots with keys 0..N-1, touch
 them in a random order, then time ``lookup`` calls of ``batch`` random held keys (one call in
 eight hits a never-stored key at a random position and stops there) and, on the full pool,
@@ -319,7 +319,7 @@ def _timing(rounds: list[float], keys: int, calls: int) -> dict[str, float | int
 
 def _run_python_path(manager: Any, n: int, p: ManagerBenchParams) -> dict[str, Any]:
     """Runs the workload on ``manager`` (the binding's CPUOffloadingManager or PyLRUManager)
-    from Python; the same numbers as ``_bench_manager``."""
+    from Python; the same numbers as ``kvoff._bench.bench_manager``."""
     batch, calls = p.batch, p.batches_per_round
     start = time.perf_counter()
     for first in range(0, n, batch):
@@ -418,7 +418,7 @@ def run_manager_bench(
             pool size below ``batch``, or ``key_bytes`` too short for distinct keys.
         RuntimeError: the paths disagree on the workload totals (they must run the same one).
     """
-    from kvoff import _scheduler
+    from kvoff import _bench, _scheduler
 
     policies = list(_scheduler.eviction_policies())
     if params.eviction_policy not in policies:
@@ -442,7 +442,7 @@ def run_manager_bench(
             log(f"pool {n:,}: C++ in-core")
         try:
             core = dict(
-                _scheduler._bench_manager(
+                _bench.bench_manager(
                     n,
                     params.eviction_policy,
                     params.key_bytes,

@@ -2,7 +2,7 @@
 
 ``python -m kvoff.tools.bench_policies [--policies lru,probation] [--pool-sizes N ...]
 [--rounds R] [--json FILE]`` runs the in-core workload of ``kvoff bench scheduler``
-(:func:`kvoff._scheduler._bench_manager`, ``cpp/core/manager_bench.cpp``: lookup, then
+(:func:`kvoff._bench.bench_manager`, ``cpp/bench/manager_bench.cpp``: lookup, then
 ``prepare_store`` of new keys into a full pool, each evicting, then ``complete_store``) once per
 policy per round, alternating the order of the policies from round to round so that drift on a
 shared machine hits both. Per pool size and operation it reports the median over rounds of each
@@ -43,13 +43,13 @@ def bench_policies(
 ) -> list[dict[str, Any]]:
     """Per pool size: ``{"pool_size", "ns_per_key": {policy: {op: median}}, "samples":
     {policy: {op: [...]}}, "ratio_to_<first>": {policy: {op: ratio}}}`` (see the module
-    docstring). Each sample is the median round of one ``_bench_manager`` call.
+    docstring). Each sample is the median round of one ``bench_manager`` call.
 
     Raises:
         ValueError: an unknown policy, fewer than one round, or the policies disagreeing on
             the workload's lookup hits (they must run the same workload).
     """
-    from kvoff import _scheduler
+    from kvoff import _bench, _scheduler
 
     known = _scheduler.eviction_policies()
     for p in policies:
@@ -69,7 +69,7 @@ def bench_policies(
                 if log is not None:
                     log(f"pool {n:,} round {r + 1}/{rounds}: {p}")
                 res = dict(
-                    _scheduler._bench_manager(
+                    _bench.bench_manager(
                         n,
                         p,
                         params.key_bytes,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoff import _C, _scheduler
+from kvoff import _C, _bench, _scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_SCRIPT = ROOT / "cmake" / "check_cxx_runtime.cmake"
@@ -44,7 +44,7 @@ def _cxx_runtime():
     return mod
 
 
-@pytest.mark.parametrize("module", [_C, _scheduler], ids=["_C", "_scheduler"])
+@pytest.mark.parametrize("module", [_C, _scheduler, _bench], ids=["_C", "_scheduler", "_bench"])
 def test_installed_extensions_use_the_shared_cxx_runtime(module) -> None:
     assert _cxx_runtime().runtime_problems(Path(module.__file__)) == []
 
@@ -136,7 +136,8 @@ def test_a_build_under_static_libstdcxx_ldflags_keeps_the_shared_runtime() -> No
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     c_module = next((build / "cpp" / "ops").glob("_C.*.so"))
     check = _cxx_runtime()
-    for module in (c_module, next((build / "cpp").glob("_scheduler.*.so"))):
+    modules = [next((build / "cpp").glob(f"{name}.*.so")) for name in ("_scheduler", "_bench")]
+    for module in (c_module, *modules):
         assert check.runtime_problems(module) == []
     run = subprocess.run(
         [sys.executable, "-c", _BAD_CALL, str(c_module)],

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kvoff import _scheduler
+from kvoff import _bench, _scheduler
 from kvoff.tools.bench import PyLRUManager, lookup_ids, shuffle_order, workload_keys
 from kvoff.tools.cli import main
 
@@ -88,11 +88,16 @@ def test_unknown_policy_is_rejected_by_the_cli(capsys):
 
 def test_bench_driver_rejects_bad_parameters():
     with pytest.raises(ValueError, match="key_bytes"):
-        _scheduler._bench_manager(64, key_bytes=1)
+        _bench.bench_manager(64, key_bytes=1)
     with pytest.raises(ValueError, match="batch"):
-        _scheduler._bench_manager(64, batch=0)
+        _bench.bench_manager(64, batch=0)
     with pytest.raises(ValueError, match="eviction_policy"):
-        _scheduler._bench_manager(64, eviction_policy="nope")
+        _bench.bench_manager(64, eviction_policy="nope")
+
+
+def test_bench_driver_is_not_in_the_production_module():
+    # benchmark code lives in kvoff._bench (cpp/bench/), not in kvoff._scheduler or kvoff_core
+    assert not hasattr(_scheduler, "_bench_manager")
 
 
 def test_python_workload_matches_the_cpp_driver():
@@ -104,7 +109,7 @@ def test_python_workload_matches_the_cpp_driver():
     for row in ids:
         missing = np.nonzero(row >= np.uint64(1 << 40))[0]
         expected += int(missing[0]) if len(missing) else batch
-    res = _scheduler._bench_manager(
+    res = _bench.bench_manager(
         n, key_bytes=33, batch=batch, batches_per_round=calls, repeat=1, seed=7
     )
     assert res["lookup_hits"] == expected

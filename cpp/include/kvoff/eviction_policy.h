@@ -274,7 +274,7 @@ class ARCEvictionPolicy final : public EvictionPolicy {
 /// reused since they were stored are on probation and leave first while they hold more than an
 /// adaptive budget of the pool. Over slots [0, capacity), c = capacity.
 ///
-/// Why (measured with `kvoff replay`, README "Eviction policies against Belady's MIN"): in
+/// Why (measured with `kvoff replay`, docs/eviction-policies.md): in
 /// multi-turn traffic most stored blocks are never read again, and a conversation's next turn
 /// comes hundreds of requests later. When the pool holds fewer blocks than arrive between two
 /// turns, LRU keeps exactly the newest blocks, whose next turn is still far away, and loses

@@ -2,12 +2,9 @@
 // which to evict (docs/design.md "manager operations" and invariants 6, 7, 8).
 #pragma once
 
-#include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <optional>
 #include <span>
@@ -19,8 +16,10 @@
 #include "kvoff/admission_tracker.h"
 #include "kvoff/block_pool.h"
 #include "kvoff/eviction_policy.h"
+#include "kvoff/host_memory.h"  // host_memory_limit_bytes, which the constructor checks
 #include "kvoff/key_index.h"
 #include "kvoff/large_page_allocator.h"
+#include "kvoff/write_through_queue.h"
 
 namespace kvoff {
 
@@ -94,20 +93,8 @@ class HostMemoryError : public std::bad_alloc {
   std::shared_ptr<const std::string> message_;  // shared: copying an exception cannot throw
 };
 
-/// Bytes of memory this process can use at most: physical memory, or its cgroup's memory
-/// limit when lower; UINT64_MAX when neither is known. Reads /proc and /sys on Linux (a few
-/// microseconds); allocates nothing that outlives the call.
-std::uint64_t host_memory_limit_bytes() noexcept;
-
 /// Keys passed to the manager: views of non-empty byte strings, valid during the call.
 using KeySpan = std::span<const std::string_view>;
-
-/// Blocks whose stores completed, pinned in the pool until every secondary tier wrote them:
-/// `keys[i]` lives in CPU block `block_ids[i]`. See CPUOffloadingManager::set_write_through.
-struct WriteThroughBatch {
-  std::vector<std::string> keys;
-  std::vector<std::uint32_t> block_ids;
-};
 
 /// The offloading manager of one CPU pool of `num_blocks` slots.
 ///
@@ -152,7 +139,9 @@ struct WriteThroughBatch {
 /// 5 bytes of free list and flags; 4..8 bytes of recency log), plus the bytes of keys longer
 /// than 40; memory_bytes() gives the exact figure for a pool size and policy. The store_threshold
 /// tracker adds about 104 bytes per max_tracker_size entry (64,000: about 6.6 MB).
-/// Not thread-safe: call it from one thread (the scheduler's).
+/// Not thread-safe: call it from one thread (the scheduler's), except the write-through calls
+/// documented as "any thread" (take_write_through, write_through_done, close_write_through),
+/// which go to its WriteThroughQueue, the one part that is thread-safe.
 ///
 /// Speed on large pools (the per-slot arrays are far larger than the CPU caches, so a key costs
 /// cache misses, not instructions): each batch operation hashes its keys and probes the index
@@ -163,7 +152,7 @@ struct WriteThroughBatch {
 /// needs of a slot in that one record, prefetches the victims' buckets before erasing them, and
 /// hands evicted slots straight to the new keys. No allocation per key: the result holds
 /// indices and views of the call's keys, and the evicted keys in one buffer. `kvoff bench
-/// scheduler` measures it (manager_bench.h).
+/// scheduler` measures it (cpp/bench/manager_bench.h).
 class CPUOffloadingManager {
  public:
   /// Largest store_threshold (offers): a larger one would store almost nothing.
@@ -316,7 +305,7 @@ class CPUOffloadingManager {
   /// that must not drop, e.g. trace replays). Throws std::invalid_argument for a NaN timeout.
   std::size_t wait_write_through(double timeout_seconds);
 
-  /// Wakes every take_write_through; later ones return at once. Idempotent.
+  /// Any thread: wakes every take_write_through; later ones return at once. Idempotent.
   void close_write_through();
 
   /// Blocks queued or being written through (pinned for it) now.
@@ -455,7 +444,7 @@ class CPUOffloadingManager {
   // stays allocated (wt_pinned_ = kWtRetired) until drain_write_through sees it handed back.
   void retire_written_through(std::uint32_t slot);
   void maybe_drain() {
-    if (wt_done_ready_.load(std::memory_order_acquire)) drain_write_through();
+    if (wt_queue_.has_handed_back()) drain_write_through();
   }
   void record(std::vector<std::string> keys, bool removed);
   /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
@@ -507,7 +496,7 @@ class CPUOffloadingManager {
   std::vector<std::uint32_t> scratch_offers_;
   std::vector<std::uint32_t> scratch_skipped_;
 
-  // Write-through (set_write_through). Engine-thread fields first; the rest under wt_mutex_.
+  // Write-through (set_write_through): engine-thread fields, then the thread-safe hand-off.
   std::uint32_t wt_capacity_ = 0;
   std::uint32_t wt_in_flight_ = 0;
   std::uint64_t wt_queued_total_ = 0;
@@ -519,14 +508,7 @@ class CPUOffloadingManager {
   static constexpr std::uint8_t kWtRetired = 2;
   std::uint64_t wt_cancelled_total_ = 0;
   std::vector<std::uint8_t> wt_pinned_;
-  std::atomic<bool> wt_done_ready_{false};          // wt_done_ is not empty
-  std::mutex wt_mutex_;
-  std::condition_variable wt_queued_cv_;            // a batch was queued, or closed
-  std::condition_variable wt_done_cv_;              // blocks were handed back
-  std::vector<WriteThroughBatch> wt_batches_;       // queued, not taken
-  std::vector<std::uint32_t> wt_done_;              // handed back, not unpinned
-  std::vector<std::uint8_t> wt_outstanding_;        // per slot: queued and not handed back
-  bool wt_closed_ = false;
+  WriteThroughQueue wt_queue_;  // thread-safe: batches to write, blocks handed back
 };
 
 }  // namespace kvoff

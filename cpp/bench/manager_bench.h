@@ -1,7 +1,8 @@
 // A benchmark driver for CPUOffloadingManager on the in-core path: keys generated in C++ and
 // passed as views, as the C++ scheduler does (no Python types). `kvoff bench scheduler` runs it
-// through kvoff._scheduler._bench_manager and puts it beside the Python binding and a
-// pure-Python baseline that replay exactly the same workload (kvoff/bench.py).
+// through kvoff._bench.bench_manager and puts it beside the Python binding and a
+// pure-Python baseline that replay exactly the same workload (kvoff/tools/bench.py). Benchmark
+// code only: it is built into the module kvoff._bench (cpp/bench/), not into kvoff_core.
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-#include "kvoff/manager_bench.h"
+#include "manager_bench.h"
 
 #include <algorithm>
 #include <chrono>

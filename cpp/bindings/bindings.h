@@ -1,0 +1,51 @@
+// The parts of the kvoff._scheduler module (an internal header of cpp/bindings/): each adds its
+// names to the module, and module.cpp calls them in order. Also the two Python records that
+// both the manager and the scheduler bindings return.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <vector>
+
+#include "kvoff/offloading_manager.h"
+
+namespace kvoff::bindings {
+
+namespace py = pybind11;
+
+/// What CPUOffloadingManager.prepare_store decided (the Python record PrepareStoreOutput).
+struct PrepareStoreOutput {
+  py::list keys_to_store;
+  py::list block_ids;
+  py::list evicted_keys;
+  py::list skipped_keys;
+};
+
+/// A change of the pool for routers (the Python record OffloadingEvent).
+struct OffloadingEvent {
+  py::list keys;
+  std::string medium;
+  bool removed = false;
+  const char* kind() const { return removed ? "BlockRemoved" : "BlockStored"; }
+};
+
+/// The core's events as Python OffloadingEvent records (keys as bytes). Needs bind_manager's
+/// OffloadingEvent class.
+py::list events_to_py(std::vector<kvoff::OffloadingEvent> events);
+
+/// manager_bindings.cpp: eviction_policies(), PrepareStoreOutput, OffloadingEvent,
+/// CPUOffloadingManager and the test hook _probation_ghost_set.
+void bind_manager(py::module_& m);
+
+/// scheduler_bindings.cpp: COUNTER_NAMES and _OffloadingScheduler (whose manager property
+/// returns a CPUOffloadingManager: bind_manager first).
+void bind_scheduler(py::module_& m);
+
+/// fast_hooks.cpp: the _FastHooks type (before bind_scheduler, whose fast_hooks() makes one).
+void bind_fast_hooks(py::module_& m);
+
+/// A _FastHooks object over `owner`, an _OffloadingScheduler (kept alive by the hooks).
+py::object make_fast_hooks(py::object owner);
+
+}  // namespace kvoff::bindings
