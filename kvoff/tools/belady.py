@@ -1,8 +1,9 @@
 """Belady's MIN for ``kvoff replay``: the offline optimum of the CPU pool's eviction order.
 
-``kvoff replay --policy min`` replays a trace with the engine-style loop of
-:mod:`kvoff.tools.replay` (the engine's GPU prefix cache, kvoff lookups of the blocks after its
-hits, stores of the new full offloaded blocks in one all-or-nothing ``prepare_store``), but the
+``kvoff replay --policy min`` replays a trace with the replay's request loop
+(:func:`kvoff.tools.request_loop.run_request_loop`: the engine's GPU prefix cache, kvoff lookups
+of the blocks after its hits, stores of the new full offloaded blocks in one all-or-nothing
+``prepare_store``), but the
 CPU pool evicts with knowledge of the future, so no engine can run it. It is the reference that
 an eviction policy is measured against: the hit rate that the best eviction order reaches with
 the same pool, the same stores and the same lookups.
@@ -37,15 +38,20 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 from kvoff.models import get_model_preset
-from kvoff.tools.traces import TraceRequest, load_trace
-
-if TYPE_CHECKING:
-    from kvoff.tools.replay import ReplayConfig, ReplayResult
+from kvoff.tools.request_loop import (
+    ReplayConfig,
+    ReplayResult,
+    RequestBlocks,
+    StoreOutcome,
+    check_pool_settings,
+    pool_config,
+    replay_requests,
+    request_blocks,
+    run_request_loop,
+)
+from kvoff.tools.traces import TraceRequest
 
 __all__ = ["MIN_POLICY", "NEVER", "BeladyPool", "min_block_misses", "run_min_replay"]
 
@@ -191,20 +197,56 @@ def min_block_misses(requests: Sequence[Sequence[Hashable]], capacity: int) -> i
     return misses
 
 
-def _request_keys(
-    req: TraceRequest, block_size: int, factor: int, trace_block_size: int
-) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """The replay's block identities of one request: the trace hash id of every GPU block's
-    last token, and the offload identity ``(hash id, GPU position)`` of every full offloaded
-    block (what :func:`kvoff.tools.replay.offload_key` hashes)."""
-    length = req.input_length
-    hash_ids = np.asarray(req.hash_ids, dtype=np.int64)
-    positions = np.arange(math.ceil(length / block_size), dtype=np.int64)
-    last_tok = np.minimum((positions + 1) * block_size, length) - 1
-    block_hids = hash_ids[last_tok // trace_block_size]
-    num_full_off = length // (block_size * factor)
-    off_pos = (np.arange(num_full_off, dtype=np.int64) + 1) * factor - 1
-    return block_hids, [(int(block_hids[p]), int(p)) for p in off_pos]
+class _MinPool:
+    """Belady's side of :func:`kvoff.tools.request_loop.run_request_loop`: the engine's GPU
+    prefix cache (LRU over full GPU blocks) and a :class:`BeladyPool`, told each key's next use
+    (precomputed from the whole trace). Stores complete at once."""
+
+    def __init__(self, capacity: int, gpu_prefix_blocks: int, uses: list[list[int]]) -> None:
+        self.pool = BeladyPool(capacity)
+        self.gpu_prefix_blocks = gpu_prefix_blocks
+        self.gpu: OrderedDict[tuple[int, int], None] = OrderedDict()  # last = most recent
+        self.uses = uses
+        self.nxt: list[int] = []
+        self.idents: list[tuple[int, int]] = []
+
+    def begin(self, index: int, blocks: RequestBlocks, keys: list[tuple[int, int]]) -> int:
+        self.nxt = self.uses[index]
+        hids = blocks.block_hids
+        self.idents = [(int(hids[p]), p) for p in range(blocks.num_full)]
+        g = 0
+        if self.gpu_prefix_blocks:
+            while g < blocks.num_full and self.idents[g] in self.gpu:
+                g += 1
+        return g
+
+    def lookup(self, keys: list[tuple[int, int]]) -> int:
+        return self.pool.leading_hits(keys)
+
+    def load(self, keys: list[tuple[int, int]], first: int, end: int) -> bool:
+        return True  # nothing moves
+
+    def touch(self, keys: list[tuple[int, int]]) -> None:
+        for d, key in enumerate(keys):
+            self.pool.reference(key, self.nxt[d], d)
+
+    def compute(self, gpu_hits: int, hit_end: int) -> None:
+        pass
+
+    def store(self, keys: list[tuple[int, int]], first: int) -> StoreOutcome | None:
+        out = self.pool.store(keys, self.nxt[first:], range(first, first + len(keys)))
+        if out is None:
+            return None
+        stored, evicted = out
+        return StoreOutcome(stored=len(stored), evicted=len(evicted))
+
+    def end(self, keys: list[tuple[int, int]]) -> None:
+        if self.gpu_prefix_blocks:  # head most recent
+            for ident in reversed(self.idents):
+                self.gpu[ident] = None
+                self.gpu.move_to_end(ident)
+            while len(self.gpu) > self.gpu_prefix_blocks:
+                self.gpu.popitem(last=False)
 
 
 def run_min_replay(
@@ -225,14 +267,8 @@ def run_min_replay(
     Raises:
         ValueError: for bad sizes (block sizes, pool size, model), as the replay.
     """
-    from kvoff.tools.replay import ReplayResult, pool_config
-
     t_start = time.perf_counter()
-    if config.gpu_prefix_blocks < 0:
-        raise ValueError(f"gpu_prefix_blocks must be >= 0, got {config.gpu_prefix_blocks}")
-    if config.cpu_blocks is not None and config.cpu_bytes is not None:
-        raise ValueError("give cpu_blocks or cpu_bytes, not both")
-
+    check_pool_settings(config)
     preset = get_model_preset(config.model)
     bs = config.block_size
     pool_cfg = pool_config(config)
@@ -240,12 +276,10 @@ def run_min_replay(
     bytes_per_gpu_block = preset.layer_spec(bs).page_size_bytes * preset.num_layers
     num_cpu_blocks = pool_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)
     tbs = config.trace_block_size
-    reqs = requests if requests is not None else load_trace(config.trace, config.limit, tbs)
-    if requests is not None and config.limit is not None:
-        reqs = reqs[: config.limit]
+    reqs = replay_requests(config, requests)
 
-    identities = [_request_keys(r, bs, factor, tbs) for r in reqs]
-    uses = _next_uses([keys for _, keys in identities])
+    blocks = [request_blocks(r, bs, factor, tbs) for r in reqs]
+    uses = _next_uses([b.identities for b in blocks])
     max_blocks = max((math.ceil(r.input_length / bs) for r in reqs), default=0)
     res = ReplayResult(
         trace=config.trace,
@@ -260,66 +294,16 @@ def run_min_replay(
         gpu_blocks=1 + config.gpu_prefix_blocks + max_blocks,
         cpu_pool_bytes=num_cpu_blocks * bytes_per_gpu_block * factor,
     )
-    pool = BeladyPool(num_cpu_blocks)
-    gpu: OrderedDict[tuple[int, int], None] = OrderedDict()  # the engine's cache, LRU
-    seen: set[tuple[int, int]] = set()
-    max_hit_tokens = 0
-    for n_done, (req, (block_hids, keys), nxt) in enumerate(
-        zip(reqs, identities, uses, strict=True), 1
-    ):
-        length = req.input_length
-        num_full = length // bs
-        lead = 0
-        while lead < len(keys) and keys[lead] in seen:
-            lead += 1
-        max_hit_tokens += lead * factor * bs
-        seen.update(keys)
-
-        idents = [(int(block_hids[p]), p) for p in range(num_full)]
-        g = 0
-        if config.gpu_prefix_blocks:
-            while g < num_full and idents[g] in gpu:
-                g += 1
-        g_off = g // factor
-        h = pool.leading_hits(keys[g_off:])
-        load_end = (g_off + h) * factor
-        hit_end = load_end if load_end > g else g
-        if load_end > g:
-            res.blocks_loaded += load_end - g
-        for d, key in enumerate(keys):
-            pool.reference(key, nxt[d], d)
-        first_new = hit_end // factor
-        if first_new < len(keys):
-            out = pool.store(keys[first_new:], nxt[first_new:], range(first_new, len(keys)))
-            if out is None:
-                res.stores_skipped += len(keys) - first_new
-            else:
-                stored, evicted = out
-                res.blocks_stored += len(stored)
-                res.evictions += len(evicted)
-        if config.gpu_prefix_blocks:
-            for ident in reversed(idents):
-                gpu[ident] = None
-                gpu.move_to_end(ident)
-            while len(gpu) > config.gpu_prefix_blocks:
-                gpu.popitem(last=False)
-
-        gpu_hit = g * bs
-        cpu_hit = (hit_end - g) * bs
-        res.requests += 1
-        res.input_tokens += length
-        res.gpu_hit_tokens += gpu_hit
-        res.cpu_hit_tokens += cpu_hit
-        res.computed_tokens += length - hit_end * bs
-        res.per_request_gpu_hit_tokens.append(gpu_hit)
-        res.per_request_cpu_hit_tokens.append(cpu_hit)
-        if progress is not None:
-            progress(n_done)
-
-    res.hit_tokens = res.gpu_hit_tokens + res.cpu_hit_tokens
-    res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
-    res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
+    pool = _MinPool(num_cpu_blocks, config.gpu_prefix_blocks, uses)
+    run_request_loop(
+        reqs, pool, res, _identity, trace_block_size=tbs, progress=progress, blocks=blocks
+    )
     res.bytes_stored = res.blocks_stored * factor * bytes_per_gpu_block
     res.bytes_loaded = res.blocks_loaded * bytes_per_gpu_block
     res.wall_s = time.perf_counter() - t_start
     return res
+
+
+def _identity(hash_id: int, position: int) -> tuple[int, int]:
+    """MIN's key of an offloaded block: its identity itself (no hashing needed offline)."""
+    return (hash_id, position)

@@ -3,11 +3,12 @@
 ``kvoff replay --sweep-capacity`` replays every point with real stores and loads (about 6 min per
 point for the conversation trace on a 2-core CPU box). The hit rate depends only on the
 manager's decisions, so :func:`run_manager_replay` makes the same manager calls as
-:func:`kvoff.tools.replay.run_replay` (same offload keys, lookup, ``touch``, one all-or-nothing
-``prepare_store``, ``touch``, then ``complete_store`` before the next request, as the CPU
-replay's stores finish) on the C++ ``CPUOffloadingManager`` alone; ``tests/tools/test_policy_sim.py``
-checks that its counts equal the replay's. The GPU prefix cache is not modelled
-(``gpu_prefix_blocks`` must be 0, the replay's default).
+:func:`kvoff.tools.replay.run_replay` (the same request loop,
+:func:`kvoff.tools.request_loop.run_request_loop`: same offload keys, lookup, ``touch``, one
+all-or-nothing ``prepare_store``, ``touch``, then ``complete_store`` before the next request, as
+the CPU replay's stores finish) on the C++ ``CPUOffloadingManager`` alone;
+``tests/tools/test_policy_sim.py`` checks that its counts equal the replay's. The GPU prefix
+cache is not modelled (``gpu_prefix_blocks`` must be 0, the replay's default).
 
 ``python -m kvoff.tools.policy_sim --trace T --sweep-capacity 1000,3000 --policies lru,min
 [--store-threshold N] [--max-tracker-size N] [--json F.json] [--plot F.png]`` prints the table
@@ -25,6 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvoff.tools.belady import MIN_POLICY, run_min_replay
 from kvoff.tools.policy_sweep import (
@@ -36,7 +38,15 @@ from kvoff.tools.policy_sweep import (
     plot_sweep,
     resolve_policies,
 )
-from kvoff.tools.replay import ReplayConfig, ReplayResult, offload_key
+from kvoff.tools.request_loop import (
+    ReplayConfig,
+    ReplayResult,
+    RequestBlocks,
+    StoreOutcome,
+    offload_key,
+    replay_requests,
+    run_request_loop,
+)
 from kvoff.tools.traces import TraceRequest, load_trace
 
 __all__ = ["main", "run_manager_replay", "run_manager_sweep"]
@@ -63,14 +73,11 @@ def run_manager_replay(
         return run_min_replay(config, requests=requests)
     if config.gpu_prefix_blocks or not config.cpu_blocks:
         raise ValueError("run_manager_replay needs gpu_prefix_blocks=0 and cpu_blocks")
-    bs, obs, tbs = config.block_size, config.offloaded_block_size, config.trace_block_size
+    bs, obs = config.block_size, config.offloaded_block_size
     if obs % bs:
         raise ValueError(f"offloaded_block_size {obs} is not a multiple of block_size {bs}")
-    factor = obs // bs
     t0 = time.perf_counter()
-    reqs = requests if requests is not None else load_trace(config.trace, config.limit, tbs)
-    if config.limit is not None:
-        reqs = reqs[: config.limit]
+    reqs = replay_requests(config, requests)
     policy = config.policy or "lru"
     manager = _scheduler.CPUOffloadingManager(
         config.cpu_blocks,
@@ -93,49 +100,52 @@ def run_manager_replay(
         gpu_blocks=0,
         cpu_pool_bytes=0,
     )
-    seen: set[bytes] = set()
-    max_hit_tokens = 0
-    for req in reqs:
-        n = req.input_length // obs
-        # the offloaded block j ends with GPU block (j + 1) * factor - 1, whose last token lies
-        # in trace block ((j + 1) * obs - 1) // tbs
-        keys = [
-            offload_key(req.hash_ids[((j + 1) * obs - 1) // tbs], (j + 1) * factor - 1)
-            for j in range(n)
-        ]
-        lead = 0
-        while lead < n and keys[lead] in seen:
-            lead += 1
-        max_hit_tokens += lead * obs
-        seen.update(keys)
-        h = manager.lookup(keys) if n else 0
-        if h:
-            manager.prepare_load(keys[:h])
-            manager.complete_load(keys[:h])
-        manager.touch(keys)
-        stored: list[bytes] = []
-        if h < n:
-            out = manager.prepare_store(keys[h:])
-            if out is None:
-                res.stores_skipped += n - h
-            else:
-                res.evictions += len(out.evicted_keys)
-                res.blocks_stored += len(out.keys_to_store)
-                stored = list(out.keys_to_store)
-        manager.touch(keys)
-        if stored:
-            manager.complete_store(stored, True)
-        res.requests += 1
-        res.input_tokens += req.input_length
-        res.cpu_hit_tokens += h * obs
-        res.blocks_loaded += h * factor
-        res.computed_tokens += req.input_length - h * obs
+    run_request_loop(
+        reqs, _ManagerPool(manager), res, offload_key, trace_block_size=config.trace_block_size
+    )
     res.stores_filtered = manager.stores_skipped
-    res.hit_tokens = res.cpu_hit_tokens
-    res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
-    res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+class _ManagerPool:
+    """The manager-only side of :func:`kvoff.tools.request_loop.run_request_loop`: the replay's
+    manager calls, no GPU cache, loads that cannot fail, stores that complete before the next
+    request (as the CPU replay's do)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.stored: list[bytes] = []
+
+    def begin(self, index: int, blocks: RequestBlocks, keys: list[bytes]) -> int:
+        self.stored = []
+        return 0
+
+    def lookup(self, keys: list[bytes]) -> int:
+        return self.manager.lookup(keys)
+
+    def load(self, keys: list[bytes], first: int, end: int) -> bool:
+        self.manager.prepare_load(keys)
+        self.manager.complete_load(keys)
+        return True
+
+    def touch(self, keys: list[bytes]) -> None:
+        self.manager.touch(keys)
+
+    def compute(self, gpu_hits: int, hit_end: int) -> None:
+        pass
+
+    def store(self, keys: list[bytes], first: int) -> StoreOutcome | None:
+        out = self.manager.prepare_store(keys)
+        if out is None:
+            return None
+        self.stored = list(out.keys_to_store)
+        return StoreOutcome(stored=len(self.stored), evicted=len(out.evicted_keys))
+
+    def end(self, keys: list[bytes]) -> None:
+        self.manager.touch(keys)
+        if self.stored:
+            self.manager.complete_store(self.stored, True)
 
 
 def run_manager_sweep(

@@ -1,6 +1,7 @@
 """``kvoff replay``: an engine-style loop that replays a real request trace through kvoff.
 
-Each request of a Mooncake-format trace is served like an engine serves a prefill:
+Each request of a Mooncake-format trace is served like an engine serves a prefill, by the request
+loop that Belady's MIN and the policy simulator share (:mod:`kvoff.tools.request_loop`):
 
 1. **GPU prefix cache.** The engine's own cache (LRU over full GPU blocks, at most
    ``gpu_prefix_blocks`` kept between requests; 0 disables it) gives the leading run of full GPU
@@ -24,7 +25,8 @@ Each request of a Mooncake-format trace is served like an engine serves a prefil
    GPU block that is the source of a store in flight is not reused before that store finishes
    (a fence, docs/design.md invariant 4).
 5. **Recency.** The request's stored keys are touched last-to-first so that its head is the most
-   recent (docs/design.md invariant 8), and its full GPU blocks enter the GPU prefix cache the same way.
+   recent (docs/design.md invariant 8), and its full GPU blocks enter the GPU prefix cache the
+   same way.
 
 Only full blocks are ever cached. Block hashes: a GPU block at position ``p`` whose last token lies
 in trace block ``t`` has the identity ``(hash_ids[t], p)`` — a Mooncake hash id already identifies
@@ -51,45 +53,49 @@ transfers running beside it.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvoff import _scheduler
-from kvoff.config import OffloadingConfig
 from kvoff.models import ModelPreset, get_model_preset
 from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
 from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks, make_tiers
-from kvoff.tools.traces import MOONCAKE_BLOCK_SIZE, TraceRequest, load_trace
+from kvoff.tools.belady import MIN_POLICY, run_min_replay
+from kvoff.tools.request_loop import (
+    DEFAULT_COMPUTE_CHUNK_TOKENS,
+    DEFAULT_CPU_BYTES,
+    ReplayConfig,
+    ReplayResult,
+    RequestBlocks,
+    StoreOutcome,
+    check_pool_settings,
+    offload_key,
+    pool_config,
+    replay_requests,
+    run_request_loop,
+)
+from kvoff.tools.traces import TraceRequest
 from kvoff.transfer import ALL_MECHANISMS
 from kvoff.worker import GPU_LAYOUTS, CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
 __all__ = [
+    "DEFAULT_COMPUTE_CHUNK_TOKENS",
+    "DEFAULT_CPU_BYTES",
     "ReplayConfig",
     "ReplayResult",
     "block_pattern",
     "offload_key",
+    "pool_config",
     "run_replay",
 ]
-
-DEFAULT_CPU_BYTES = 2 * 1024**3
-DEFAULT_COMPUTE_CHUNK_TOKENS = 2048
-
-
-def offload_key(hash_id: int, position: int, group: int = 0) -> bytes:
-    """Offload key of the GPU block at ``position`` whose last token is in the trace block
-    ``hash_id`` (for an offloaded block: the key of its last GPU block), KV cache group
-    ``group``: 16 bytes of BLAKE2b over the little-endian (hash_id, position, group)."""
-    return hashlib.blake2b(struct.pack("<qqi", hash_id, position, group), digest_size=16).digest()
 
 
 def _signed(value: int) -> int:
@@ -151,162 +157,8 @@ def block_pattern(
     return (seed[:, None] ^ words[None, :]).view(torch.uint8)
 
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Parameters of one replay.
-
-    Attributes:
-        trace: bundled trace name (``conversation``, ``synthetic``) or a JSONL path.
-        model: KV shape preset (see :mod:`kvoff.models`).
-        block_size: GPU tokens per block.
-        offloaded_block_size: tokens per offloaded block; a multiple of ``block_size``.
-        gpu_prefix_blocks: GPU blocks the engine's own prefix cache keeps between requests
-            (0 disables it).
-        cpu_blocks: kvoff pool size in offloaded blocks (exclusive with ``cpu_bytes``).
-        cpu_bytes: kvoff pool size in bytes; when neither is given, 2 GiB.
-        policy: eviction policy name, or ``"min"``: Belady's offline optimum, simulated by
-            :func:`kvoff.tools.belady.run_min_replay` (no bytes move).
-        store_threshold: the manager's store admission (offers before a block is stored;
-            0 or 1: off; not with ``"min"``).
-        max_tracker_size: keys whose offers the admission filter counts at most.
-        limit: replay only the first ``limit`` requests.
-        trace_block_size: tokens per trace hash id (512 for Mooncake).
-        device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``): where the "GPU" cache lives.
-        gpu_layout: ``"layer_major"`` or ``"block_contiguous"``.
-        mechanism: the worker's transfer mechanism (``"auto"``: within the default slowdown
-            budget).
-        compute: also run the prefill's GEMMs and report the time against recomputing.
-        compute_chunk_tokens: tokens per GEMM chunk of the prefill cost (a chunked prefill).
-        disk_path: a folder for a disk tier below the CPU pool (with ``disk_bytes``; one
-            sub-folder per engine when ``engines > 1``).
-        disk_bytes: bytes of the disk tier (per engine).
-        remote_url: ``redis://host:port`` of a Redis Cluster shared by the engines.
-        remote_namespace: key prefix in the remote tier (runs with the same namespace, model
-            and layout share blocks).
-        remote_timeout_s: seconds after which a remote operation is a miss (or a dropped
-            write).
-        engines: engines the trace is split across (each with its own GPU cache, CPU pool and
-            disk tier; all share the remote tier), served one request at a time in trace order.
-        assign: ``"round_robin"`` (request ``i`` to engine ``i mod N``) or ``"session"`` (by
-            the request's first hash id: requests that share a first block, a conversation or
-            a system prompt, go to the same engine).
-        tier_write_queue_blocks: blocks in write-through at most (default: a quarter of the CPU
-            pool, at most 1024); the replay waits for room rather than dropping (it has no
-            compute between requests to hide the writes behind).
-    """
-
-    trace: str = "conversation"
-    model: str = "tiny"
-    block_size: int = 16
-    offloaded_block_size: int = 512
-    gpu_prefix_blocks: int = 0
-    cpu_blocks: int | None = None
-    cpu_bytes: int | None = None
-    policy: str = "lru"
-    store_threshold: int = 0
-    max_tracker_size: int = 64000
-    limit: int | None = None
-    trace_block_size: int = MOONCAKE_BLOCK_SIZE
-    device: str = "cpu"
-    gpu_layout: str = "layer_major"
-    mechanism: str = "auto"
-    compute: bool = False
-    compute_chunk_tokens: int = DEFAULT_COMPUTE_CHUNK_TOKENS
-    disk_path: str | None = None
-    disk_bytes: int | None = None
-    remote_url: str | None = None
-    remote_namespace: str = "kvoff-replay"
-    remote_timeout_s: float = 0.25
-    engines: int = 1
-    assign: str = "round_robin"
-    tier_write_queue_blocks: int | None = None
-
-
 ASSIGNMENTS = ("round_robin", "session")
 """How ``--engines N`` splits the trace."""
-
-
-@dataclass
-class ReplayResult:
-    """Totals of a replay (tokens, blocks, bytes, seconds) plus per-request hit tokens.
-
-    The ``time_*``, ``speedup*`` and ``gemm_*`` fields are set with ``compute`` (seconds; see
-    the module docstring), ``None`` otherwise.
-
-    ``stores_skipped`` counts offloaded blocks not stored because ``prepare_store`` found no
-    room; ``stores_filtered`` those the ``store_threshold`` admission filter skipped (the
-    manager's ``stores_skipped``).
-
-    Host seconds the request loop spent blocked, where a request waits before its compute:
-    ``fence_wait_s`` on stores still reading GPU blocks it was given (``fence_waits`` times),
-    ``retry_wait_s`` on jobs in flight before a lookup answered "retry later"
-    (``lookup_retries`` times), ``load_wait_s`` from submitting its load to the load's end.
-    """
-
-    trace: str
-    model: str
-    block_size: int
-    offloaded_block_size: int
-    gpu_prefix_blocks: int
-    cpu_blocks: int
-    policy: str
-    device: str = "cpu"
-    gpu_layout: str = "layer_major"
-    store_threshold: int = 0
-    max_tracker_size: int = 64000
-    mechanisms: dict[str, int] = field(default_factory=dict)
-    requests: int = 0
-    input_tokens: int = 0
-    gpu_hit_tokens: int = 0
-    cpu_hit_tokens: int = 0
-    hit_tokens: int = 0
-    hit_rate: float = 0.0
-    max_hit_rate: float = 0.0
-    blocks_stored: int = 0
-    blocks_loaded: int = 0
-    stores_skipped: int = 0
-    stores_filtered: int = 0
-    failed_transfers: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    store_seconds: float = 0.0
-    load_seconds: float = 0.0
-    store_gbps: float = 0.0
-    load_gbps: float = 0.0
-    blocks_verified: int = 0
-    corrupted_blocks: int = 0
-    evictions: int = 0
-    lookup_retries: int = 0
-    fence_waits: int = 0
-    fence_wait_s: float = 0.0
-    retry_wait_s: float = 0.0
-    load_wait_s: float = 0.0
-    gpu_blocks: int = 0
-    cpu_pool_bytes: int = 0
-    computed_tokens: int = 0
-    time_kvoff_s: float | None = None
-    time_recompute_s: float | None = None
-    speedup: float | None = None
-    ideal_speedup: float | None = None
-    speedup_vs_ideal: float | None = None
-    gemm_s: float | None = None
-    gemm_alone_s: float | None = None
-    gemm_lost_s: float | None = None
-    compute_flops_per_token: float | None = None
-    engines: int = 1
-    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
-    tiers: dict[str, Any] = field(default_factory=dict)
-    tier_corrupted_blocks: int = 0
-    wall_s: float = 0.0
-    per_request_gpu_hit_tokens: list[int] = field(default_factory=list, repr=False)
-    per_request_cpu_hit_tokens: list[int] = field(default_factory=list, repr=False)
-
-    def summary(self) -> dict[str, Any]:
-        """All totals (no per-request lists), as a JSON-ready dict."""
-        d = asdict(self)
-        d.pop("per_request_gpu_hit_tokens")
-        d.pop("per_request_cpu_hit_tokens")
-        return d
 
 
 @dataclass
@@ -552,29 +404,6 @@ class _Marks:
     computed_tokens: int
 
 
-def pool_config(config: ReplayConfig, policy: str | None = None) -> OffloadingConfig:
-    """The CPU pool of a replay: ``cpu_blocks`` or ``cpu_bytes`` (2 GiB when neither is given),
-    ``offloaded_block_size``, ``store_threshold``, ``max_tracker_size`` and, when given, the
-    eviction ``policy``.
-
-    Raises:
-        pydantic.ValidationError: a bad size, policy, store_threshold or max_tracker_size (the
-            message names the field).
-    """
-    cpu_bytes = config.cpu_bytes
-    if cpu_bytes is None and config.cpu_blocks is None:
-        cpu_bytes = DEFAULT_CPU_BYTES
-    extra = {} if policy is None else {"eviction_policy": policy}
-    return OffloadingConfig(
-        num_cpu_blocks=config.cpu_blocks,
-        cpu_bytes_to_use=cpu_bytes,
-        offloaded_block_size=config.offloaded_block_size,
-        store_threshold=config.store_threshold,
-        max_tracker_size=config.max_tracker_size,
-        **extra,
-    )
-
-
 def run_replay(
     config: ReplayConfig,
     progress: Callable[[int], None] | None = None,
@@ -597,29 +426,23 @@ def run_replay(
             fit in this machine's (or GPU's) memory (the message says what to lower).
     """
     tiered = config.disk_path is not None or config.remote_url is not None
-    if config.policy == "min" and (tiered or config.engines > 1):
+    if config.policy == MIN_POLICY and (tiered or config.engines > 1):
         raise ValueError(
             "policy 'min' simulates one CPU pool offline; drop the tiers and --engines"
         )
-    if config.policy == "min" and config.store_threshold >= 2:
+    if config.policy == MIN_POLICY and config.store_threshold >= 2:
         raise ValueError(
             f"policy 'min' is the offline optimum without an admission filter; drop "
             f"store_threshold={config.store_threshold} (--store-threshold) or pick an engine "
             "policy"
         )
-    if config.policy == "min":  # Belady's MIN: an offline simulation of the same loop
-        from kvoff.tools.belady import run_min_replay
-
+    if config.policy == MIN_POLICY:  # Belady's MIN: an offline simulation of the same loop
         return run_min_replay(config, progress=progress, requests=requests)
     t_start = time.perf_counter()
     preset: ModelPreset = get_model_preset(config.model)
     bs = config.block_size
     obs = config.offloaded_block_size
-    tbs = config.trace_block_size
-    if config.gpu_prefix_blocks < 0:
-        raise ValueError(f"gpu_prefix_blocks must be >= 0, got {config.gpu_prefix_blocks}")
-    if config.cpu_blocks is not None and config.cpu_bytes is not None:
-        raise ValueError("give cpu_blocks or cpu_bytes, not both")
+    check_pool_settings(config)
     if config.gpu_layout not in GPU_LAYOUTS:
         raise ValueError(f"gpu_layout={config.gpu_layout!r} is not one of {list(GPU_LAYOUTS)}")
     if config.mechanism not in ALL_MECHANISMS:
@@ -646,9 +469,7 @@ def run_replay(
     num_cpu_blocks = offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)
     prefill = _Prefill(preset, device, config.compute_chunk_tokens) if config.compute else None
 
-    reqs = requests if requests is not None else load_trace(config.trace, config.limit, tbs)
-    if requests is not None and config.limit is not None:
-        reqs = reqs[: config.limit]
+    reqs = replay_requests(config, requests)
     max_blocks = max((math.ceil(r.input_length / bs) for r in reqs), default=0)
     num_gpu_blocks = 1 + config.gpu_prefix_blocks + max_blocks  # block 0 is the null block
     gpu_bytes = num_gpu_blocks * bytes_per_gpu_block
@@ -698,17 +519,52 @@ def run_replay(
         cpu_pool_bytes=engines[0].worker.cpu_pool_bytes,
         engines=config.engines,
     )
-    seen_keys: set[bytes] = set()
-    max_hit_tokens = 0
-    job_id = 0
-    timer = _Timer(device)
-    marks: list[_Marks] = []
+    pool = _EnginePool(config, reqs, engines, res, device, page, factor, prefill)
+    run_request_loop(
+        reqs, pool, res, offload_key, trace_block_size=config.trace_block_size, progress=progress
+    )
+    for e in engines:
+        pool.finish(e, e.worker.wait(list(e.pending)))
+        if e.pool is not None:
+            e.pool.wait()
+    res.stores_filtered = sum(e.manager.stores_skipped for e in engines)
+    res.store_gbps = res.bytes_stored / res.store_seconds / 1e9 if res.store_seconds else 0.0
+    res.load_gbps = res.bytes_loaded / res.load_seconds / 1e9 if res.load_seconds else 0.0
+    if prefill is not None:
+        _compute_totals(res, prefill, pool.marks, pool.timer)
+    _tier_totals(res, engines)
+    for e in engines:
+        e.close()
+    res.wall_s = time.perf_counter() - t_start
+    return res
 
-    def finish(e: _Engine, results: Sequence[Any]) -> None:
+
+class _EnginePool:
+    """The replay's side of :func:`kvoff.tools.request_loop.run_request_loop`: steps 1-5 of the
+    module docstring on the engine that serves each request, with real transfers."""
+
+    def __init__(
+        self, config: ReplayConfig, requests: Sequence[TraceRequest], engines: list[_Engine],
+        res: ReplayResult, device: torch.device, page: int, factor: int,
+        prefill: _Prefill | None,
+    ) -> None:  # fmt: skip
+        self.config, self.requests, self.engines, self.res = config, requests, engines, res
+        self.device, self.page, self.factor, self.prefill = device, page, factor, prefill
+        self.timer = _Timer(device)
+        self.marks: list[_Marks] = []
+        self.job_id = 0
+        # the request being served
+        self.e = engines[0]
+        self.blocks: RequestBlocks | None = None
+        self.idents: list[tuple[int, int]] = []
+        self.table: list[int] = []
+        self.start_mark: object = None
+
+    def finish(self, e: _Engine, results: Sequence[Any]) -> None:
         """complete_store for finished stores (the manager queues their write-through to the
         tiers; the replay first waits for room, having no compute to hide the tiers behind);
         their GPU blocks may be reused again."""
-        pending, fences = e.pending, e.fences
+        res, pending, fences = self.res, e.pending, e.fences
         for r in results:
             res.mechanisms[r.mechanism] = res.mechanisms.get(r.mechanism, 0) + 1
             job = pending.pop(r.job_id, None)
@@ -727,177 +583,143 @@ def run_replay(
             else:
                 res.failed_transfers += 1
 
-    def serve(e: _Engine, req: TraceRequest) -> None:
-        """One request on engine ``e`` (steps 1-5 of the module docstring)."""
-        nonlocal job_id, max_hit_tokens
-        worker, manager, pending, fences = e.worker, e.manager, e.pending, e.fences
-        free, gpu_cache, gpu_rows = e.free, e.gpu_cache, e.gpu_rows
-        finish(e, worker.get_finished())
-        length = req.input_length
-        hash_ids = np.asarray(req.hash_ids, dtype=np.int64)
-        num_req_blocks = math.ceil(length / bs)  # GPU blocks, the last may be partial
-        num_full = length // bs  # full GPU blocks
-        num_full_off = length // obs  # full offloaded blocks
-        positions = np.arange(num_req_blocks, dtype=np.int64)
-        # trace block of each GPU block's last token (clamped for the partial last block)
-        last_tok = np.minimum((positions + 1) * bs, length) - 1
-        block_hids = hash_ids[last_tok // tbs]
-        off_pos = (np.arange(num_full_off, dtype=np.int64) + 1) * factor - 1
-        keys = [offload_key(int(block_hids[p]), int(p)) for p in off_pos]
-
-        lead = 0
-        while lead < num_full_off and keys[lead] in seen_keys:
-            lead += 1
-        max_hit_tokens += lead * obs
-        seen_keys.update(keys)
-        start_mark = timer.mark() if prefill is not None else None
-
-        # 1. engine's GPU prefix cache; fresh blocks wait for stores that still read them
-        idents: list[tuple[int, int]] = []
+    def begin(self, index: int, blocks: RequestBlocks, keys: list[bytes]) -> int:
+        """1. the engine's GPU prefix cache; fresh blocks wait for stores that still read them."""
+        e = self.e = self.engines[_engine_of(self.requests[index], index, self.config)]
+        self.finish(e, e.worker.get_finished())
+        self.blocks = blocks
+        self.start_mark = self.timer.mark() if self.prefill is not None else None
+        num_full = blocks.num_full
+        num_req_blocks = len(blocks.block_hids)  # the last may be partial
+        self.idents = []
         g = 0
-        if config.gpu_prefix_blocks:
-            idents = list(zip(block_hids[:num_full].tolist(), range(num_full), strict=True))
-            g = gpu_cache.leading_hits(idents)
-        table = [gpu_cache.blocks[idents[p]] for p in range(g)]
-        table += [free.pop() for _ in range(num_req_blocks - g)]
-        fenced = sorted({fences[b] for b in table[g:] if b in fences})
+        if self.config.gpu_prefix_blocks:
+            hids = blocks.block_hids[:num_full].tolist()
+            self.idents = list(zip(hids, range(num_full), strict=True))
+            g = e.gpu_cache.leading_hits(self.idents)
+        table = [e.gpu_cache.blocks[self.idents[p]] for p in range(g)]
+        table += [e.free.pop() for _ in range(num_req_blocks - g)]
+        self.table = table
+        fenced = sorted({e.fences[b] for b in table[g:] if b in e.fences})
         if fenced:
-            res.fence_waits += 1
+            self.res.fence_waits += 1
             t0 = time.perf_counter()
-            finish(e, worker.wait(fenced))
-            res.fence_wait_s += time.perf_counter() - t0
+            self.finish(e, e.worker.wait(fenced))
+            self.res.fence_wait_s += time.perf_counter() - t0
+        return g
 
-        # 2. kvoff lookup + load of the blocks after the GPU hits
-        g_off = g // factor
-        lookup = manager.lookup if e.pool is None else e.pool.lookup
-        h = lookup(keys[g_off:]) if g_off < num_full_off else 0
+    def lookup(self, keys: list[bytes]) -> int:
+        """2. kvoff lookup; a block being stored or promoted from a tier: wait, retry."""
+        e, res = self.e, self.res
+        lookup = e.manager.lookup if e.pool is None else e.pool.lookup
+        h = lookup(keys)
         tries = 0
-        while h is None:  # a block is being stored or promoted from a tier: wait, retry
+        while h is None:
             res.lookup_retries += 1
             tries += 1
             t0 = time.perf_counter()
-            finish(e, worker.wait(list(pending)))
+            self.finish(e, e.worker.wait(list(e.pending)))
             if e.pool is not None:
                 e.pool.wait_reads()
             res.retry_wait_s += time.perf_counter() - t0
-            h = (lookup if tries < 4 else manager.lookup)(keys[g_off:])
+            h = (lookup if tries < 4 else e.manager.lookup)(keys)
             if h is None and tries >= 4:  # pragma: no cover - nothing is in flight any more
                 raise RuntimeError("lookup still returns 'retry later' with nothing in flight")
-        load_end = (g_off + h) * factor
-        hit_end = g
-        loaded_ok = False
-        if load_end > g:
-            load_keys = keys[g_off : g_off + h]
-            cpu_ids = manager.prepare_load(load_keys)
-            job_id += 1
-            t0 = time.perf_counter()
-            ok = worker.transfer_async(
-                job_id,
-                CPUBlockSpec(tuple(cpu_ids)),
-                GPUBlockSpec.single_group(table[g:load_end], block_index=g),
-            )
-            (result,) = worker.wait([job_id])
-            res.load_wait_s += time.perf_counter() - t0
-            manager.complete_load(load_keys)
-            res.mechanisms[result.mechanism] = res.mechanisms.get(result.mechanism, 0) + 1
-            if ok and result.success:
-                loaded_ok = True
-                hit_end = load_end
-                if e.pool is not None:  # hit tokens by where each offloaded block came from
-                    for j, key in enumerate(load_keys, g_off):
-                        blocks = min((j + 1) * factor, load_end) - max(j * factor, g)
-                        src = e.pool.take_source(key)
-                        res.tier_hit_tokens[src] = res.tier_hit_tokens.get(src, 0) + blocks * bs
-                res.blocks_loaded += load_end - g
-                res.bytes_loaded += result.num_bytes
-                res.load_seconds += result.seconds
-            else:
-                res.failed_transfers += 1
-        manager.touch(keys)
+        return h
 
-        # 3. compute: the prefill's cost (GEMMs for the computed tokens), then the KV it writes
-        computed = length - hit_end * bs
-        if prefill is not None:
-            gemm_start = timer.mark()
-            prefill.run(computed)
-            marks.append(_Marks(start_mark, gemm_start, timer.mark(), length, computed))
-        if loaded_ok:
-            ids = torch.tensor(table[g:load_end], dtype=torch.int64, device=device)
-            bad = torch.zeros(load_end - g, dtype=torch.bool, device=device)
-            for layer, rows in enumerate(gpu_rows):
-                want = block_pattern(block_hids[g:load_end], positions[g:load_end], layer, page,
+    def load(self, keys: list[bytes], first: int, end: int) -> bool:
+        """2. the load of the GPU blocks after the GPU hits, waited for."""
+        e, res, factor = self.e, self.res, self.factor
+        cpu_ids = e.manager.prepare_load(keys)
+        self.job_id += 1
+        t0 = time.perf_counter()
+        ok = e.worker.transfer_async(
+            self.job_id,
+            CPUBlockSpec(tuple(cpu_ids)),
+            GPUBlockSpec.single_group(self.table[first:end], block_index=first),
+        )
+        (result,) = e.worker.wait([self.job_id])
+        res.load_wait_s += time.perf_counter() - t0
+        e.manager.complete_load(keys)
+        res.mechanisms[result.mechanism] = res.mechanisms.get(result.mechanism, 0) + 1
+        if not (ok and result.success):
+            res.failed_transfers += 1
+            return False
+        if e.pool is not None:  # hit tokens by where each offloaded block came from
+            for j, key in enumerate(keys, first // factor):
+                blocks = min((j + 1) * factor, end) - max(j * factor, first)
+                src = e.pool.take_source(key)
+                res.tier_hit_tokens[src] = res.tier_hit_tokens.get(src, 0) + blocks * res.block_size
+        res.bytes_loaded += result.num_bytes
+        res.load_seconds += result.seconds
+        return True
+
+    def touch(self, keys: list[bytes]) -> None:
+        self.e.manager.touch(keys)
+
+    def compute(self, gpu_hits: int, hit_end: int) -> None:
+        """3. the prefill's cost (GEMMs for the computed tokens), the loaded blocks checked byte
+        for byte, then the KV the prefill writes."""
+        assert self.blocks is not None
+        g, device, page, table = gpu_hits, self.device, self.page, self.table
+        block_hids, length = self.blocks.block_hids, self.blocks.input_length
+        positions = np.arange(len(block_hids), dtype=np.int64)
+        computed = length - hit_end * self.res.block_size
+        if self.prefill is not None:
+            gemm_start = self.timer.mark()
+            self.prefill.run(computed)
+            self.marks.append(
+                _Marks(self.start_mark, gemm_start, self.timer.mark(), length, computed)
+            )
+        rows_of = self.e.gpu_rows
+        if hit_end > g:  # loaded
+            ids = torch.tensor(table[g:hit_end], dtype=torch.int64, device=device)
+            bad = torch.zeros(hit_end - g, dtype=torch.bool, device=device)
+            for layer, rows in enumerate(rows_of):
+                want = block_pattern(block_hids[g:hit_end], positions[g:hit_end], layer, page,
                                      device)  # fmt: skip
                 bad |= (rows[ids] != want).any(dim=1)
-            res.blocks_verified += load_end - g
-            res.corrupted_blocks += int(bad.sum())
-        if hit_end < num_req_blocks:
+            self.res.blocks_verified += hit_end - g
+            self.res.corrupted_blocks += int(bad.sum())
+        if hit_end < len(block_hids):
             ids = torch.tensor(table[hit_end:], dtype=torch.int64, device=device)
-            for layer, rows in enumerate(gpu_rows):
+            for layer, rows in enumerate(rows_of):
                 rows[ids] = block_pattern(block_hids[hit_end:], positions[hit_end:], layer, page,
                                           device)  # fmt: skip
-        res.computed_tokens += computed
 
-        # 4. store full offloaded blocks that hold computed tokens, in the background
-        first_new = hit_end // factor
-        if first_new < num_full_off:
-            out = manager.prepare_store(keys[first_new:])
-            if out is None:
-                res.stores_skipped += num_full_off - first_new
-            else:
-                res.evictions += len(out.evicted_keys)
-                if out.keys_to_store:
-                    index = {k: j for j, k in enumerate(keys)}
-                    js = [index[k] for k in out.keys_to_store]
-                    gpu_ids = [table[j * factor + i] for j in js for i in range(factor)]
-                    job_id += 1
-                    pending[job_id] = _Pending(list(out.keys_to_store), len(js), gpu_ids)
-                    for b in gpu_ids:
-                        fences[b] = job_id
-                    worker.transfer_async(
-                        job_id,
-                        GPUBlockSpec.single_group(gpu_ids, block_index=js[0] * factor),
-                        CPUBlockSpec(tuple(out.block_ids)),
-                    )
-        manager.touch(keys)
+    def store(self, keys: list[bytes], first: int) -> StoreOutcome | None:
+        """4. full offloaded blocks that hold computed tokens, stored in the background (the
+        stored blocks are counted when the store finishes)."""
+        e, factor = self.e, self.factor
+        out = e.manager.prepare_store(keys)
+        if out is None:
+            return None
+        if out.keys_to_store:
+            index = {k: j for j, k in enumerate(keys, first)}
+            js = [index[k] for k in out.keys_to_store]
+            gpu_ids = [self.table[j * factor + i] for j in js for i in range(factor)]
+            self.job_id += 1
+            e.pending[self.job_id] = _Pending(list(out.keys_to_store), len(js), gpu_ids)
+            for b in gpu_ids:
+                e.fences[b] = self.job_id
+            e.worker.transfer_async(
+                self.job_id,
+                GPUBlockSpec.single_group(gpu_ids, block_index=js[0] * factor),
+                CPUBlockSpec(tuple(out.block_ids)),
+            )
+        return StoreOutcome(stored=0, evicted=len(out.evicted_keys))
 
-        # 5. the engine keeps the full GPU blocks in its prefix cache; the rest is freed (a
-        #    freed block under a store in flight is fenced when it is allocated again)
-        if config.gpu_prefix_blocks:
-            owned = gpu_cache.admit(idents, table[:num_full], set(table))
-            free.extend(bid for bid in table if bid not in owned)
+    def end(self, keys: list[bytes]) -> None:
+        """5. recency; the engine keeps the full GPU blocks in its prefix cache, the rest is
+        freed (a freed block under a store in flight is fenced when it is allocated again)."""
+        e, table = self.e, self.table
+        e.manager.touch(keys)
+        if self.config.gpu_prefix_blocks:
+            num_full = len(self.idents)
+            owned = e.gpu_cache.admit(self.idents, table[:num_full], set(table))
+            e.free.extend(bid for bid in table if bid not in owned)
         else:
-            free.extend(table)
-
-        gpu_hit = g * bs
-        cpu_hit = (hit_end - g) * bs
-        res.requests += 1
-        res.input_tokens += length
-        res.gpu_hit_tokens += gpu_hit
-        res.cpu_hit_tokens += cpu_hit
-        res.per_request_gpu_hit_tokens.append(gpu_hit)
-        res.per_request_cpu_hit_tokens.append(cpu_hit)
-
-    for n_done, req in enumerate(reqs, 1):
-        serve(engines[_engine_of(req, n_done - 1, config)], req)
-        if progress is not None:
-            progress(n_done)
-    for e in engines:
-        finish(e, e.worker.wait(list(e.pending)))
-        if e.pool is not None:
-            e.pool.wait()
-    res.stores_filtered = sum(e.manager.stores_skipped for e in engines)
-    res.hit_tokens = res.gpu_hit_tokens + res.cpu_hit_tokens
-    res.hit_rate = res.hit_tokens / res.input_tokens if res.input_tokens else 0.0
-    res.max_hit_rate = max_hit_tokens / res.input_tokens if res.input_tokens else 0.0
-    res.store_gbps = res.bytes_stored / res.store_seconds / 1e9 if res.store_seconds else 0.0
-    res.load_gbps = res.bytes_loaded / res.load_seconds / 1e9 if res.load_seconds else 0.0
-    if prefill is not None:
-        _compute_totals(res, prefill, marks, timer)
-    _tier_totals(res, engines)
-    for e in engines:
-        e.close()
-    res.wall_s = time.perf_counter() - t_start
-    return res
+            e.free.extend(table)
 
 
 def _compute_totals(

@@ -110,7 +110,7 @@ def test_jamba_by_hand() -> None:
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "llama-3-8b", "--gpu-memory", "16GiB", "--cpu-bytes", "64GiB"]
-    assert main([*argv, "--json", "--block-size", "64", "--world-size", "2"]) == 0
+    assert main([*argv, "--format", "json", "--block-size", "64", "--world-size", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gpu"]["num_blocks"] == 8192
     assert data["gpu"]["tokens"] == 8192 * 16
@@ -139,7 +139,7 @@ def test_cli_specs_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         )
     )
     argv = ["plan", "--specs", str(path), "--gpu-memory", "2MiB", "--cpu-bytes", "1MiB"]
-    assert main([*argv, "--num-gpu-blocks-override", "32", "--json"]) == 0
+    assert main([*argv, "--num-gpu-blocks-override", "32", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     # hybrid: 2 full + 1 SW, group_size 1 → 3 groups, 1 tensor; 32 blocks (override);
     # need = 2 × cdiv(L,16) + min(cdiv(L,16), 9) ≤ 31 → cdiv ≤ 11 → 176 tokens.
