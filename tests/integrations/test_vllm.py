@@ -387,14 +387,14 @@ def test_tier_topology_and_registry_errors() -> None:
     from types import SimpleNamespace
 
     from kvoff.config import OffloadingConfig
-    from kvoff.integrations.vllm import (
-        _attach_tiers,
-        _check_tier_topology,
-        _pool_shm_name,
-        _tier_config,
-        _worker_in_engine_core,
+    from kvoff.integrations.vllm.tier_wiring import (
+        attach_tiers,
+        check_tier_topology,
+        tier_config,
+        worker_in_engine_core,
     )
     from kvoff.pinned import SharedMemoryError
+    from kvoff.tiers.engine_tiers import pool_shm_name
 
     tiers = OffloadingConfig(num_cpu_blocks=8, remote_url="redis://127.0.0.1:7000")
 
@@ -404,18 +404,18 @@ def test_tier_topology_and_registry_errors() -> None:
 
     for cfg in (par(4, "ray"), par(2, "external_launcher"), par(2, "mp", nnodes=2)):
         with pytest.raises(ValueError, match=r"distributed_executor_backend=.*nnodes="):
-            _check_tier_topology(cfg, tiers)
-        _check_tier_topology(cfg, OffloadingConfig(num_cpu_blocks=8))  # no tiers: fine
+            check_tier_topology(cfg, tiers)
+        check_tier_topology(cfg, OffloadingConfig(num_cpu_blocks=8))  # no tiers: fine
     for cfg in (par(1, "uni"), par(1, None), par(1, "mp"), par(8, "mp")):
-        _check_tier_topology(cfg, tiers)
-    assert _worker_in_engine_core(par(1, "uni")) and _worker_in_engine_core(par(1, None))
-    assert not _worker_in_engine_core(par(1, "mp")) and not _worker_in_engine_core(par(2, "mp"))
+        check_tier_topology(cfg, tiers)
+    assert worker_in_engine_core(par(1, "uni")) and worker_in_engine_core(par(1, None))
+    assert not worker_in_engine_core(par(1, "mp")) and not worker_in_engine_core(par(2, "mp"))
     with pytest.raises(RuntimeError, match="no kvoff worker of engine 'nobody'"):
-        _attach_tiers("nobody", None, tiers, par(1, "uni"), None)  # type: ignore[arg-type]
+        attach_tiers("nobody", None, tiers, par(1, "uni"), None)  # type: ignore[arg-type]
     # workers in processes of their own: the scheduler maps their pools, which must exist
     with pytest.raises(SharedMemoryError, match="no shared pool /dev/shm/kvoff-pool-nobody-r0"):
-        _attach_tiers("nobody", None, tiers, par(1, "mp"), SimpleNamespace(num_blocks=8))  # type: ignore[arg-type]
-    names = {_pool_shm_name("e/1 x", r) for r in range(2)} | {_pool_shm_name("e" * 500, 0)}
+        attach_tiers("nobody", None, tiers, par(1, "mp"), SimpleNamespace(num_blocks=8))  # type: ignore[arg-type]
+    names = {pool_shm_name("e/1 x", r) for r in range(2)} | {pool_shm_name("e" * 500, 0)}
     assert all(len(n) < 160 and "/" not in n and " " not in n for n in names) and len(names) == 3
     # each data-parallel engine gets a disk tier of its own (a tier's file serves one process)
     disk = OffloadingConfig(num_cpu_blocks=8, disk_path="/data/kv", disk_bytes="1GiB")
@@ -425,8 +425,8 @@ def test_tier_topology_and_registry_errors() -> None:
             parallel_config=SimpleNamespace(data_parallel_size=size, data_parallel_rank=rank)
         )
 
-    assert str(_tier_config(dp(2, 1), disk).disk_path) == "/data/kv/dp1"
-    assert _tier_config(dp(1, 0), disk) is disk and _tier_config(dp(2, 1), tiers) is tiers
+    assert str(tier_config(dp(2, 1), disk).disk_path) == "/data/kv/dp1"
+    assert tier_config(dp(1, 0), disk) is disk and tier_config(dp(2, 1), tiers) is tiers
 
 
 # ----------------------------------------------------------------- sliding window (S1, S4)
@@ -723,56 +723,56 @@ def test_a_connector_reset_clears_the_disk_tier_too(
 
 def test_configuration_errors_name_the_key() -> None:
     from kvoff.config import ConfigError
-    from kvoff.integrations.vllm import _offloading_config
+    from kvoff.integrations.vllm.translate import offloading_config
 
     with pytest.raises(ConfigError, match=r"cpu_byte_to_use.*cpu_bytes_to_use"):
-        _offloading_config({"cpu_byte_to_use": "1GiB"}, spec_path=False)
+        offloading_config({"cpu_byte_to_use": "1GiB"}, spec_path=False)
     with pytest.raises(ValueError, match="eviction_policy"):
-        _offloading_config({"cpu_bytes_to_use": "1GiB", "eviction_policy": "fifo"},
-                           spec_path=False)  # fmt: skip
+        offloading_config({"cpu_bytes_to_use": "1GiB", "eviction_policy": "fifo"},
+                          spec_path=False)  # fmt: skip
     # the spec path passes vLLM's own keys by and maps block_size to the offloaded block size
-    cfg = _offloading_config(
+    cfg = offloading_config(
         {"cpu_bytes_to_use": "1GiB", "spec_name": "KvoffOffloadingSpec", "block_size": 256},
         spec_path=True,
     )
     assert cfg.offloaded_block_size == 256 and cfg.cpu_bytes_to_use == 1 << 30
     with pytest.raises(ConfigError, match="spec_name"):
-        _offloading_config({"cpu_bytes_to_use": 1, "spec_name": "x"}, spec_path=False)
+        offloading_config({"cpu_bytes_to_use": 1, "spec_name": "x"}, spec_path=False)
     # kvoff keys that vLLM's OffloadingConnector decides itself are refused there, not ignored
     for key, use in (("offloaded_block_size", "block_size"), ("hash_block_size", "nothing"),
                      ("world_size", "nothing"),
                      ("store_batch_blocks", "KvoffConnector")):  # fmt: skip
         with pytest.raises(ConfigError, match=rf"{key}.*not used by KvoffOffloadingSpec.*{use}"):
-            _offloading_config({"cpu_bytes_to_use": "1GiB", key: 4}, spec_path=True)
-        _offloading_config({"cpu_bytes_to_use": "1GiB", key: 256}, spec_path=False)
+            offloading_config({"cpu_bytes_to_use": "1GiB", key: 4}, spec_path=True)
+        offloading_config({"cpu_bytes_to_use": "1GiB", key: 256}, spec_path=False)
     # store batching: a count of offloaded blocks in [1, 2**20], named when out of range
     for bad in (0, -1, (1 << 20) + 1, True, 2.5):
         with pytest.raises(ValueError, match="store_batch_blocks"):
-            _offloading_config({"cpu_bytes_to_use": "1GiB", "store_batch_blocks": bad},
-                               spec_path=False)  # fmt: skip
-    assert _offloading_config({"cpu_bytes_to_use": "1GiB"}, spec_path=False).store_batch_blocks == 4
+            offloading_config({"cpu_bytes_to_use": "1GiB", "store_batch_blocks": bad},
+                              spec_path=False)  # fmt: skip
+    assert offloading_config({"cpu_bytes_to_use": "1GiB"}, spec_path=False).store_batch_blocks == 4
     # vLLM's CPU-spec keys: the pool size's message is vLLM's, the admission filter carries over,
     # a Python cache policy is refused with the reason and what to use (both ways in)
     for spec_path in (False, True):
         with pytest.raises(ConfigError, match="cpu_bytes_to_use must be specified"):
-            _offloading_config({"eviction_policy": "lru"}, spec_path=spec_path)
-        cfg = _offloading_config(
+            offloading_config({"eviction_policy": "lru"}, spec_path=spec_path)
+        cfg = offloading_config(
             {"cpu_bytes_to_use": "1GiB", "store_threshold": 2, "max_tracker_size": 100,
              "cache_policy_module_path": None},
             spec_path=spec_path,
         )  # fmt: skip
         assert (cfg.store_threshold, cfg.max_tracker_size) == (2, 100)
         with pytest.raises(ConfigError, match=r"cache_policy_module_path.*C\+\+.*eviction_policy"):
-            _offloading_config(
+            offloading_config(
                 {"cpu_bytes_to_use": "1GiB", "cache_policy_module_path": "my.policies"},
                 spec_path=spec_path,
             )
     # offload_prompt_only: kvoff's key on KvoffConnector (default on, as vLLM's), vLLM's own on
     # the spec path (passed by)
-    assert _offloading_config({"cpu_bytes_to_use": 1}, spec_path=False).offload_prompt_only
-    cfg = _offloading_config({"cpu_bytes_to_use": 1, "offload_prompt_only": False}, spec_path=False)
+    assert offloading_config({"cpu_bytes_to_use": 1}, spec_path=False).offload_prompt_only
+    cfg = offloading_config({"cpu_bytes_to_use": 1, "offload_prompt_only": False}, spec_path=False)
     assert not cfg.offload_prompt_only
-    _offloading_config({"cpu_bytes_to_use": 1, "offload_prompt_only": False}, spec_path=True)
+    offloading_config({"cpu_bytes_to_use": 1, "offload_prompt_only": False}, spec_path=True)
 
 
 def test_worker_metadata_sums_ranks_and_stats_reduce() -> None:

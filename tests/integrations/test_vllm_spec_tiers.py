@@ -211,7 +211,7 @@ def test_the_fingerprint_tells_the_ways_in_ranks_and_models_apart() -> None:
 
     from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
-    from kvoff.integrations.vllm import _spec_fingerprint
+    from kvoff.integrations.vllm.tier_wiring import spec_fingerprint
 
     def config(model: str = "m", world: int = 1) -> SimpleNamespace:
         return SimpleNamespace(
@@ -224,11 +224,11 @@ def test_the_fingerprint_tells_the_ways_in_ranks_and_models_apart() -> None:
             parallel=SimpleNamespace(world_size=world, tp_size=world, pp_size=1),
         )
 
-    base = _spec_fingerprint(config(), 0)
-    assert len(base) == 16 and base == _spec_fingerprint(config(), 0)
-    assert base != _spec_fingerprint(config(), 1)
-    assert base != _spec_fingerprint(config(model="other"), 0)
-    assert base != _spec_fingerprint(config(world=2), 0)
+    base = spec_fingerprint(config(), 0)
+    assert len(base) == 16 and base == spec_fingerprint(config(), 0)
+    assert base != spec_fingerprint(config(), 1)
+    assert base != spec_fingerprint(config(model="other"), 0)
+    assert base != spec_fingerprint(config(world=2), 0)
 
 
 def test_without_tiers_the_manager_answers_from_the_pool_alone() -> None:
@@ -280,17 +280,17 @@ def test_a_disk_too_small_for_every_rank_names_the_configured_size(tmp_path: Pat
     """With two ranks each rank's disk tier gets half of disk_bytes: the error names the
     configured value and the size that would work, and leaves no tier open."""
     from kvoff.config import OffloadingConfig
-    from kvoff.integrations.vllm import _tiers_on_pools
     from kvoff.tiers.block_format import BlockFormat
     from kvoff.tiers.disk import SUPERBLOCK_BYTES, slot_bytes_for
+    from kvoff.tiers.engine_tiers import tiers_on_pools
 
     views = [np.zeros((POOL, SLOT), dtype=np.uint8) for _ in range(2)]
     need = SUPERBLOCK_BYTES + slot_bytes_for(BlockFormat(b"f" * 16, SLOT))
     config = OffloadingConfig(num_cpu_blocks=POOL, disk_path=tmp_path, disk_bytes=need)
     with pytest.raises(ValueError, match=rf"disk_bytes={need} is split over 2 ranks.*{2 * need}"):
-        _tiers_on_pools(config, views, lambda r: bytes([r]) * 16)
+        tiers_on_pools(config, views, lambda r: bytes([r]) * 16)
     ok = OffloadingConfig(num_cpu_blocks=POOL, disk_path=tmp_path, disk_bytes=2 * need)
-    tiers, _ = _tiers_on_pools(ok, views, lambda r: bytes([r]) * 16)  # no file left locked
+    tiers, _ = tiers_on_pools(ok, views, lambda r: bytes([r]) * 16)  # no file left locked
     assert [t.name for t in tiers] == ["disk"]
     for t in tiers:
         t.close()

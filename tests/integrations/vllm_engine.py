@@ -169,7 +169,7 @@ def _watch_kvoff(connector: Any, jobs: list, result: dict[str, Any]) -> None:
         return real_update(self, connector_output)
 
     cls.build_connector_meta, cls.update_connector_output = build, update
-    spec = connector._spec
+    spec = connector.spec
     result["cpu_blocks"] = spec.num_blocks
     result["bytes_per_gpu_block"] = spec.kv_bytes_per_block
     result["block_size_factor"] = spec.block_size_factor

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvoff.tools.cli.common import add_json_option, parse_bytes, positive_int, write_json
+from kvoff.tools.cli.common import (
+    add_json_option,
+    parse_bytes,
+    positive_int,
+    run_info,
+    write_json,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -129,6 +135,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             repeat=args.disk_repeat,
             disk_path=tmp,
         )
+    result["run"] = run_info(argv)  # the command as parsed, not the process's sys.argv
     result["engine_thread"] = engine
     result["scheduler_steps"] = steps
     result["promotion"] = promotion
