@@ -1,5 +1,5 @@
-"""Bad calls into the scheduler, the manager and the worker (docs/design.md invariant 7: bad input is
-rejected with an error that names the value, and changes nothing). Each case here came out of
+"""Bad calls into the scheduler, the manager and the worker (docs/design.md invariant 7: bad input
+is rejected with an error that names the value, and changes nothing). Each case here came out of
 an audit of the public API (2026-11-25) and failed before its fix: a process crash, a lost job
 result, a request left registered by a refused call, a string read as a success or as a list
 of ids, a huge count allocating gigabytes, an infinite timeout returning at once."""

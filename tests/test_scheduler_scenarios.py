@@ -1,6 +1,7 @@
 """Scenarios for the offloading scheduler, driven by the engine simulator of
 ``scheduler_harness``: exact ``(group, logical block position)`` sets per step, with real bytes
-moved through an OffloadingWorker and checked after every load (docs/design.md invariants 1, 4, 6-8).
+moved through an OffloadingWorker and checked after every load (docs/design.md invariants 1, 4,
+6-8).
 """
 
 from __future__ import annotations

@@ -277,6 +277,7 @@ def test_scheduler_state_machine(policy: str) -> None:
     _machine(policy).TestCase().runTest()
 
 
+@pytest.mark.slow
 def test_scheduler_state_machine_with_a_disk_tier() -> None:
     """Random engine runs with a disk tier under a tiny CPU pool (LRU): promotions on L1
     misses, write-through with a 2-block queue (drops), cache resets; every load's bytes are

@@ -242,6 +242,7 @@ def _replay(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> di
     return json.loads(out.read_text())["result"]
 
 
+@pytest.mark.slow
 def test_cli_config_file_env_and_flags(tmp_path: Path) -> None:
     f = _yaml(tmp_path / "f.yaml", "num_cpu_blocks: 123\neviction_policy: lru\n")
     assert _replay(tmp_path, "--config", str(f))["cpu_blocks"] == 123

@@ -5,6 +5,7 @@ lines."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -56,14 +57,58 @@ def test_import_kvoff_loads_no_tool() -> None:
     assert out.strip() == "[]"
 
 
-def test_import_kvoff_never_raises_system_exit() -> None:
-    """No ``raise SystemExit``/``sys.exit`` runs at import time anywhere in the package."""
-    offenders = []
+def _exits_at_import(tree: ast.Module) -> list[int]:
+    """Lines of ``raise SystemExit`` / ``sys.exit(...)`` / ``exit(...)`` that run when the module
+    is imported: outside function bodies and outside ``if __name__ == "__main__":``."""
+
+    def is_main_guard(node: ast.stmt) -> bool:
+        return (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__"
+        )
+
+    found: list[int] = []
+    todo: list[ast.AST] = [n for n in tree.body if not is_main_guard(n)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id == "SystemExit":
+                found.append(node.lineno)
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in ("sys.exit", "exit", "quit", "os._exit"):
+                found.append(node.lineno)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_importing_any_kvoff_module_never_exits_the_process() -> None:
+    """No module exits while it is imported (a mismatched build raises ImportError instead).
+    ``__main__.py`` is the exception by definition: ``python -m kvoff`` runs it to exit."""
+    offenders = {}
     for path in sorted((ROOT / "kvoff").rglob("*.py")):
-        text = path.read_text()
-        if path.name == "__init__.py" and ("SystemExit" in text or "sys.exit" in text):
-            offenders.append(str(path.relative_to(ROOT)))
-    assert offenders == []
+        if path.name == "__main__.py":
+            continue
+        lines = _exits_at_import(ast.parse(path.read_text()))
+        if lines:
+            offenders[str(path.relative_to(ROOT))] = lines
+    assert offenders == {}
+
+
+def test_the_exit_check_sees_an_exit_at_import() -> None:
+    tree = ast.parse(
+        "import sys\n"
+        "try:\n    import x\nexcept ImportError:\n    raise SystemExit(1)\n"
+        "if True:\n    sys.exit(2)\n"
+        "def main():\n    sys.exit(3)\n"
+        "if __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    assert sorted(_exits_at_import(tree)) == [5, 7]
 
 
 def test_no_source_file_over_the_limit() -> None:

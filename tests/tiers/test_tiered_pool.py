@@ -374,6 +374,7 @@ def test_a_slot_callback_that_raises_releases_the_promoted_slots(tmp_path: Path)
     pool.close()
 
 
+@pytest.mark.slow
 def test_replay_small_l1_plus_disk_matches_a_huge_l1(tmp_path: Path) -> None:
     """Issue 14: L1 = 2,000 blocks plus disk reaches the hit rate of L1 = 200,000 (within
     0.1 %) on the conversation trace (its first 1,500 requests here; the full trace is the

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -152,5 +153,5 @@ class TieredPoolMachine(RuleBasedStateMachine):
         self.dir.cleanup()
 
 
-TestTieredPoolMachine = TieredPoolMachine.TestCase
+TestTieredPoolMachine = pytest.mark.slow(TieredPoolMachine.TestCase)
 TestTieredPoolMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

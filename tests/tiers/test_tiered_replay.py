@@ -34,6 +34,7 @@ def _flush(cluster: LocalRedisCluster) -> str:
     return cluster.url
 
 
+@pytest.mark.slow
 def test_small_l1_plus_redis_matches_a_huge_l1(big_cluster: LocalRedisCluster) -> None:
     url = _flush(big_cluster)
     big = run_replay(ReplayConfig(limit=LIMIT, cpu_blocks=200_000))
@@ -48,6 +49,7 @@ def test_small_l1_plus_redis_matches_a_huge_l1(big_cluster: LocalRedisCluster) -
     assert remote["promoted_blocks"] > 0 and remote["written_blocks"] > 0
 
 
+@pytest.mark.slow
 def test_engines_share_the_remote_tier(big_cluster: LocalRedisCluster) -> None:
     """Two engines, requests round-robin: with a shared tier each finds what the other
     computed; without it each sees only its own half of the reuse."""
@@ -63,6 +65,7 @@ def test_engines_share_the_remote_tier(big_cluster: LocalRedisCluster) -> None:
     assert shared.corrupted_blocks == 0 and shared.tier_corrupted_blocks == 0
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_first_ones_blocks(
     big_cluster: LocalRedisCluster, tmp_path: Path
 ) -> None:
@@ -89,6 +92,7 @@ def test_a_second_process_loads_the_first_ones_blocks(
     assert second["blocks_verified"] > first["blocks_verified"]
 
 
+@pytest.mark.slow
 def test_a_master_killed_mid_replay_gives_misses_not_errors() -> None:
     reason = redis_server_skip_reason()
     if reason:

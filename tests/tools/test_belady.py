@@ -207,9 +207,10 @@ def model_min_replay(reqs: list[dict], bs: int, obs: int, gpu_cap: int, cpu_cap:
     [
         ("conversation", 16, 512, 0, 150),
         ("synthetic", 16, 512, 0, 150),
-        ("conversation", 16, 512, 20, 300),  # partial first offloaded blocks after GPU hits
-        ("conversation", 64, 256, 3, 400),  # factor 4
-        ("synthetic", 32, 128, 0, 1500),
+        # partial first offloaded blocks after GPU hits
+        pytest.param("conversation", 16, 512, 20, 300, marks=pytest.mark.slow),
+        pytest.param("conversation", 64, 256, 3, 400, marks=pytest.mark.slow),  # factor 4
+        pytest.param("synthetic", 32, 128, 0, 1500, marks=pytest.mark.slow),
     ],
 )
 def test_min_replay_matches_independent_model(trace, bs, obs, gpu_cap, cpu_cap) -> None:
