@@ -9,6 +9,8 @@ Parts:
   * ``kvoff._scheduler`` (pybind11 over the C++ core): the CPU block pool, the
     offloading manager (``CPUOffloadingManager``) and the per-step scheduler behind
     ``OffloadingScheduler`` (the engine-facing hooks).
+  * ``kvoff._bench``: the C++ manager benchmark behind ``kvoff bench scheduler``, a module of its
+    own so that no benchmark code is in the production modules.
   * Python: KV cache specs, the offloading configuration, the job records (``kvoff.jobs``), the
     worker, and the build report (:func:`build_info`). The command line (``kvoff.tools``) is
     apart: importing the package loads none of it.

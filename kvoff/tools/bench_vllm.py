@@ -491,7 +491,9 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
     manager = None  # the offloading manager behind the connector's scheduler role
     if connector == "kvoff":
         stats = dict(conn.scheduler.stats())
-        manager = type(conn.scheduler._core.manager)  # kvoff._scheduler.CPUOffloadingManager
+        from kvoff import CPUOffloadingManager
+
+        manager = CPUOffloadingManager  # what KvoffConnector's scheduler always runs
     elif conn is not None:
         manager = type(conn.connector_scheduler.manager)
     result = {
