@@ -41,6 +41,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 _FOLDER_MARKERS = {"build": "build", "integrations": "vllm"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_dir = Path(__file__).resolve().parent
     for item in items:
@@ -49,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except ValueError:
             continue
         marker = _FOLDER_MARKERS.get(folder)
-        if marker is not None and marker not in item.keywords:
+        if marker is not None and item.get_closest_marker(marker) is None:
             item.add_marker(getattr(pytest.mark, marker))
     reason = cuda_skip_reason()
     if reason is None:
