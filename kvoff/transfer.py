@@ -28,7 +28,9 @@ file ``kvoff/data/transfer_thresholds.json`` is the H100 measurement of 2026-11-
 ``source`` says which numbers came from where); ``kvoff bench transfer --sweep
 --write-thresholds FILE`` measures the device at hand. Override with
 ``$KVOFF_TRANSFER_THRESHOLDS`` (a path), the ``transfer_thresholds`` option, or the worker's
-``thresholds=``.
+``thresholds=``. Without an override the worker calibrates ``auto`` on the GPU it runs on at
+first use and caches the result per GPU and layout (:mod:`kvoff.calibration`); the packaged
+file is then only the fallback.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "choose_mechanism",
     "default_thresholds",
     "load_thresholds",
+    "thresholds_from_json",
 ]
 
 Direction = Literal["store", "load"]
@@ -94,6 +97,10 @@ THRESHOLDS_ENV = "KVOFF_TRANSFER_THRESHOLDS"
 
 FORMAT_VERSION = 2
 """Version of the thresholds file format (1: crossover chunk sizes only, no slowdowns)."""
+
+CALIBRATED_FOR = "calibrated_for"
+"""Key of a calibration cache file (:mod:`kvoff.calibration`) naming the device, driver and GPU
+layout its thresholds were measured for; ignored by :func:`load_thresholds`."""
 
 _CONFIG = pydantic.ConfigDict(extra="forbid")
 
@@ -246,6 +253,23 @@ def load_thresholds(path: str | os.PathLike[str] | None = None) -> TransferThres
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"transfer thresholds file {where} is not valid JSON: {exc}") from None
+    return thresholds_from_json(data, where)
+
+
+def thresholds_from_json(data: object, where: str) -> TransferThresholds:
+    """Validate a parsed thresholds JSON object (a calibration cache file's
+    :data:`CALIBRATED_FOR` entry, which names the device it was measured on, is left aside).
+
+    Args:
+        data: the parsed JSON document.
+        where: the file it came from, for error messages.
+
+    Raises:
+        ValueError: when ``data`` does not match :class:`TransferThresholds` (an old format-1
+            document says to measure again).
+    """
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k != CALIBRATED_FOR}
     if isinstance(data, dict) and "format" not in data:
         raise ValueError(
             f"transfer thresholds file {where} is in the old format (crossover sizes without "
@@ -261,7 +285,9 @@ def load_thresholds(path: str | os.PathLike[str] | None = None) -> TransferThres
 @functools.cache
 def default_thresholds() -> TransferThresholds:
     """:func:`load_thresholds` with no path, read once per process (clear with
-    ``default_thresholds.cache_clear()`` after changing ``$KVOFF_TRANSFER_THRESHOLDS``)."""
+    ``default_thresholds.cache_clear()`` after changing ``$KVOFF_TRANSFER_THRESHOLDS``). On a
+    GPU the worker's ``auto`` prefers a calibration of that GPU to the packaged file
+    (:func:`kvoff.calibration.worker_thresholds`); this is its fallback."""
     return load_thresholds()
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvoff.calibration import AutoThresholds, worker_thresholds
 from kvoff.jobs import (
     CPUBlockSpec,
     GPUBlockSpec,
@@ -122,8 +123,10 @@ class OffloadingWorker:
             ``"batch"``, ``"kernel"``, ``"per_block"``, ``"staged"`` for every job
             (``kvoff.transfer.ALL_MECHANISMS``). On the CPU, ``"staged"`` runs the staging
             logic with a CPU buffer and every other name the parallel memcpy.
-        thresholds: what ``"auto"`` decides from (default: :func:`kvoff.transfer.load_thresholds`:
-            ``$KVOFF_TRANSFER_THRESHOLDS`` or the packaged H100 measurement).
+        thresholds: what ``"auto"`` decides from (default: ``$KVOFF_TRANSFER_THRESHOLDS``, else
+            a calibration of this GPU and layout, cached or measured in the background from
+            registration on with the packaged H100 measurement until it is done:
+            :mod:`kvoff.calibration`).
         compute_slowdown_budget: the largest slowdown of concurrent compute ``"auto"`` accepts,
             as a fraction (default 0.03: 3 %).
         staging_bytes: bytes of GPU staging buffer for ``"staged"`` jobs, both directions
@@ -228,6 +231,7 @@ class OffloadingWorker:
         self._dma: dict[Direction, Lane] = {}
         self._sm: dict[Direction, Lane] = {}
         self._rings: dict[Direction, StagingRing] = {}
+        self._auto: AutoThresholds | None = None  # auto's thresholds when none were given
         self._closed = False
 
     @classmethod
@@ -371,6 +375,11 @@ class OffloadingWorker:
         if device.type == "cuda" and layer_major and self.staging_bytes:
             for direction in ("store", "load"):
                 self._ring(direction)
+        if device.type == "cuda" and self.mechanism == "auto" and self.thresholds is None:
+            # cached, or a probe in a background thread: never on the engine's path
+            self._auto = worker_thresholds(
+                device, "layer_major" if layer_major else "block_contiguous"
+            )
 
     def _check_staging_size(self, sub_block: int) -> None:
         if self.staging_bytes // 2 < sub_block:
@@ -492,6 +501,8 @@ class OffloadingWorker:
             self._finished.extend(results)  # still reported, as if they had finished alone
         if self._pool is not None:
             self._pool.close()
+        if self._auto is not None:
+            self._auto.wait(2 * self._auto.budget_s)  # a probe still on the GPU: bounded
         self._rings.clear()
         self._closed = True
 
@@ -874,7 +885,8 @@ class OffloadingWorker:
             n * group.row_bytes / max(chunks, 1),
             chunks,
             direction,
-            self.thresholds or default_thresholds(),
+            self.thresholds
+            or (default_thresholds() if self._auto is None else self._auto.current()),
             batch_supported=self._batch_supported,
             budget=self.compute_slowdown_budget,
             staged_chunk_bytes=staged_chunk,

@@ -27,6 +27,8 @@ bytes.
 and mechanism; with the slowdowns and the staged efficiency measured above they make the
 thresholds ``mechanism="auto"`` decides from (:func:`derive_thresholds`;
 ``--write-thresholds FILE``, then ``KVOFF_TRANSFER_THRESHOLDS=FILE``; see :mod:`kvoff.transfer`).
+The sweep and the derivation live in :mod:`kvoff.chunk_sweep`, which the first-use calibration
+of ``auto`` (:mod:`kvoff.calibration`) calls too.
 
 Without a GPU the same layouts and mechanisms run with CPU tensors (``staged`` included, through
 a CPU staging buffer) against one contiguous ``memcpy`` (one thread) and torch's ``copy_`` of the
@@ -49,8 +51,9 @@ from typing import Any
 
 import torch
 
+from kvoff.chunk_sweep import derive_thresholds, measure_chunk_sweep
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec
-from kvoff.ops import batch_copy_supported, copy_blocks
+from kvoff.ops import batch_copy_supported
 from kvoff.sizing import bytes_per_gpu_block
 from kvoff.slot_layout import GPU_LAYOUTS
 from kvoff.tools.bench import run_info
@@ -58,9 +61,6 @@ from kvoff.transfer import (
     COPY_MECHANISMS,
     DEFAULT_STAGING_BYTES,
     DEFAULT_STAGING_PIECE_BYTES,
-    MEASURED_MECHANISMS,
-    DirectionThresholds,
-    TransferThresholds,
     default_thresholds,
 )
 from kvoff.worker import OffloadingWorker
@@ -677,72 +677,11 @@ def _bench_job_sizes(
 
 def _gpu_sweep(p: TransferBenchParams, device: torch.device) -> list[dict[str, Any]]:
     """Single-tensor jobs of scattered chunks, per chunk size, direction and mechanism, moved
-    by the op directly (256 MiB per job)."""
-    rows = []
-    total = 256 << 20
-    stream = torch.cuda.Stream(device)
-    for chunk in SWEEP_CHUNK_BYTES:
-        n = max(8, total // chunk)
-        gen = torch.Generator().manual_seed(p.seed)
-        g = torch.randint(0, 256, (2 * n, chunk), dtype=torch.uint8, generator=gen).to(device)
-        c = torch.zeros((2 * n, chunk), dtype=torch.uint8, pin_memory=True)
-        gi = torch.randperm(2 * n, generator=gen)[:n]
-        ci = torch.randperm(2 * n, generator=gen)[:n]
-        entry: dict[str, Any] = {"chunk_bytes": chunk, "num_chunks": n}
-        for direction in ("store", "load"):
-            for m in MEASURED_MECHANISMS:
-                args = ([g], [c], gi, ci) if direction == "store" else ([c], [g], ci, gi)
-
-                def run(args: tuple = args, m: str = m) -> None:
-                    with torch.cuda.stream(stream):
-                        copy_blocks(*args, mechanism=m, kernel_blocks=p.kernel_blocks)
-                    stream.synchronize()
-
-                entry[f"{direction}_{m}_gbps"] = _gbps(
-                    n * chunk, _median_seconds(run, device, p.repeat, p.warmup)
-                )
-        rows.append(entry)
-    return rows
-
-
-def derive_thresholds(
-    sweep: Sequence[dict[str, Any]],
-    slowdowns: dict[str, dict[str, float]],
-    staged_efficiency: dict[str, float],
-    source: str,
-) -> TransferThresholds:
-    """Thresholds from a chunk sweep and the measured costs.
-
-    Args:
-        sweep: rows of ``chunk_bytes`` and ``{direction}_{mechanism}_gbps`` (mechanism in
-            ``memcpy``, ``batch``, ``kernel``), any order.
-        slowdowns: per direction, per mechanism (``memcpy``, ``batch``, ``kernel``, ``staged``)
-            the measured ``gemm_slowdown``.
-        staged_efficiency: per direction, staged GB/s over the copy-engine GB/s of whole
-            sub-blocks (clamped into ``(0, 1]``).
-        source: where the numbers come from.
-
-    Raises:
-        ValueError: for an empty sweep, or missing mechanisms or directions.
-    """
-    if not sweep:
-        raise ValueError("the sweep is empty: run kvoff bench transfer --sweep on a GPU")
-    rows = sorted(sweep, key=lambda r: r["chunk_bytes"])
-    per: dict[str, DirectionThresholds] = {}
-    for d in ("store", "load"):
-        missing = [m for m in COPY_MECHANISMS if m not in slowdowns.get(d, {})]
-        if missing or d not in staged_efficiency:
-            raise ValueError(
-                f"{d}: slowdowns of {missing} or the staged efficiency are missing; measure "
-                "every mechanism (run the presets with --gemm)"
-            )
-        per[d] = DirectionThresholds(
-            chunk_bytes=tuple(int(r["chunk_bytes"]) for r in rows),
-            gbps={m: tuple(float(r[f"{d}_{m}_gbps"]) for r in rows) for m in MEASURED_MECHANISMS},
-            gemm_slowdown={m: max(0.0, float(slowdowns[d][m])) for m in COPY_MECHANISMS},
-            staged_efficiency=min(1.0, max(1e-3, float(staged_efficiency[d]))),
-        )
-    return TransferThresholds(store=per["store"], load=per["load"], source=source)
+    by the op directly (256 MiB per job): :func:`kvoff.chunk_sweep.measure_chunk_sweep`."""
+    return measure_chunk_sweep(
+        device, SWEEP_CHUNK_BYTES, total_bytes=256 << 20, repeat=p.repeat, warmup=p.warmup,
+        seed=p.seed, kernel_blocks=p.kernel_blocks,
+    )  # fmt: skip
 
 
 def _costs_from_presets(doc: dict[str, Any]) -> tuple[dict, dict]:

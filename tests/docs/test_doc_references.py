@@ -42,6 +42,7 @@ VLLM_SPEC_KEYS = frozenset(
 OTHER_ENV = {
     "KVOFF_CONFIG_FILE": "kvoff/config.py",
     "KVOFF_TRANSFER_THRESHOLDS": "kvoff/transfer.py",
+    "KVOFF_CACHE_DIR": "kvoff/calibration.py",
     "KVOFF_TORCH": ".ci/setup",
     "KVOFF_ENABLE_CUDA": "CMakeLists.txt",
     "KVOFF_CUDA_TORCH_PYTHON": "tests/build/test_cuda_build.py",
