@@ -1,4 +1,5 @@
 """The offloading scheduler: the engine-facing hooks of docs/design.md "One engine step".
+(One job, the Python face of the scheduler: its hooks, their argument checks and records.)
 
 :class:`OffloadingScheduler` wraps the C++ scheduler core (``kvoff._scheduler``). Per engine
 step:

@@ -1,4 +1,5 @@
-"""The worker: owns the CPU pool and moves blocks between it and the engine's GPU KV cache.
+"""The worker: owns the CPU pool and moves blocks between it and the engine's GPU KV cache
+(one job; the pool and layout arithmetic is in :mod:`kvoff.slot_layout`).
 
 One worker runs per tensor-parallel rank. It registers the engine's KV cache tensors as block
 rows, allocates the CPU pool (pinned when CUDA is available), and runs load (CPU→GPU) and store

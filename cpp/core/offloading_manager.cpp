@@ -1,3 +1,6 @@
+// One job: CPUOffloadingManager (kvoff/offloading_manager.h), the CPU pool's index, slots,
+// pins and eviction calls. Host-memory probing and the write-through queue have files of their
+// own (host_memory.cpp, write_through_queue.cpp).
 #include "kvoff/offloading_manager.h"
 
 #include <algorithm>

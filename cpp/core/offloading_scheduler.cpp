@@ -1,3 +1,4 @@
+// One job: the per-step scheduler's planning side.
 // OffloadingScheduler (kvoff/offloading_scheduler.h): its configuration, requests and their
 // block hashes, lookups, load and store jobs, and the step (build_connector_meta). Job
 // completion and the end of requests are in offloading_scheduler_completion.cpp.

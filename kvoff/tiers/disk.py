@@ -1,4 +1,5 @@
-"""The local disk tier: whole blocks in fixed-size slots of one preallocated file.
+"""The local disk tier: whole blocks in fixed-size slots of one preallocated file (one job:
+this tier, its file format, index, I/O threads and recovery).
 
 File layout (one file per tier, ``<path>/<file_name>``, default ``kvoff-blocks.slots``)::
 
