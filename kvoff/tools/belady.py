@@ -40,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 from kvoff.models import get_model_preset
+from kvoff.sizing import bytes_per_gpu_block as bytes_per_gpu_block_of
 from kvoff.tools.request_loop import (
     ReplayConfig,
     ReplayResult,
@@ -273,7 +274,8 @@ def run_min_replay(
     bs = config.block_size
     pool_cfg = pool_config(config)
     factor = pool_cfg.block_size_factor(bs)
-    bytes_per_gpu_block = preset.layer_spec(bs).page_size_bytes * preset.num_layers
+    page = preset.layer_spec(bs).page_size_bytes  # one tensor per layer, a page per block
+    bytes_per_gpu_block = bytes_per_gpu_block_of([page] * preset.num_layers, 1)
     num_cpu_blocks = pool_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)
     tbs = config.trace_block_size
     reqs = replay_requests(config, requests)

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoff import _scheduler
+from kvoff import _scheduler, sizing
 from kvoff.models import ModelPreset, get_model_preset
 from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
 from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks, make_tiers
@@ -465,7 +465,8 @@ def run_replay(
     page = spec.page_size_bytes
     if page % 8:
         raise ValueError(f"page_size_bytes={page} of model {preset.name!r} is not a multiple of 8")
-    bytes_per_gpu_block = page * preset.num_layers
+    # one tensor per layer, each block one page of it
+    bytes_per_gpu_block = sizing.bytes_per_gpu_block([page] * preset.num_layers, 1)
     num_cpu_blocks = offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)
     prefill = _Prefill(preset, device, config.compute_chunk_tokens) if config.compute else None
 
