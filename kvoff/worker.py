@@ -962,6 +962,48 @@ class OffloadingWorker:
                 done.append(self._complete(job))
         return done
 
+    def fence(self, job_ids: Iterable[int], stream: torch.cuda.Stream | None = None) -> int:
+        """Orders the work queued next on ``stream`` after the given jobs, without blocking the
+        host (docs/design.md invariant 4: a GPU block is not rewritten while a job still reads
+        or writes it).
+
+        On CUDA, ``stream`` (default: the current stream of the worker's device, the engine's
+        compute stream) waits on each job's end event: the host goes on launching work, and the
+        forward pass that rewrites the jobs' GPU blocks starts when they are done. Jobs queued
+        later on the worker's own streams are ordered too, since they wait on the compute
+        stream when submitted. On CPU a job is done when :meth:`transfer_async` returns, so
+        there is nothing to wait for. Either way the results are not taken: they come from
+        :meth:`get_finished` (or :meth:`wait`) as usual.
+
+        Args:
+            job_ids: ids of submitted jobs whose results were not taken yet; a job given twice
+                is waited on once.
+            stream: the CUDA stream to order; ignored on CPU.
+
+        Returns:
+            The number of jobs still in flight that ``stream`` now waits on (0 on CPU).
+
+        Raises:
+            KeyError: for a job id that was never submitted or whose result was already taken
+                (checked before any wait is queued: then nothing is ordered).
+        """
+        wanted = dict.fromkeys(job_ids)
+        finished = {r.job_id for r in self._finished}
+        missing = [j for j in wanted if j not in self._in_flight and j not in finished]
+        if missing:
+            raise KeyError(
+                f"unknown job ids {missing}: never submitted, or their results were already "
+                "taken; nothing was ordered"
+            )
+        jobs = [self._in_flight[j] for j in wanted if j in self._in_flight]
+        if not jobs:
+            return 0
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)
+        for job in jobs:
+            stream.wait_event(job.end)
+        return len(jobs)
+
     def wait(self, job_ids: Iterable[int]) -> list[TransferResult]:
         """Block until the given jobs are finished and return their results.
 

@@ -457,6 +457,23 @@ def test_wait_refuses_a_job_id_given_twice_and_takes_nothing() -> None:
     assert w.get_finished() == []
 
 
+def test_fence_on_cpu_orders_nothing_and_leaves_results_to_get_finished() -> None:
+    """On CPU a job is done when submitted: a fence has nothing to wait on and takes no result
+    (invariant 4 holds trivially); unknown or taken ids raise and order nothing."""
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l": _kv(8)})
+    assert w.transfer_async(7, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+    assert w.transfer_async(8, GPUBlockSpec.single_group([2]), CPUBlockSpec((1,)))
+    assert w.fence([7, 8, 7]) == 0
+    for bad in ([9], [7, 9]):
+        with pytest.raises(KeyError, match=r"unknown job ids \[9\].*nothing was ordered"):
+            w.fence(bad)
+    assert w.pending_jobs() == {7, 8}  # the fences took no result
+    assert sorted(r.job_id for r in w.get_finished()) == [7, 8]
+    with pytest.raises(KeyError, match=r"unknown job ids \[7\]"):
+        w.fence([7])  # taken
+
+
 def _shared_tensor_worker() -> tuple[OffloadingWorker, torch.Tensor]:
     """Two KV cache groups whose layers share one tensor (a hybrid model's allocation)."""
     kv = _kv(8, seed=3)
@@ -621,6 +638,28 @@ def test_cuda_store_sees_the_compute_streams_writes() -> None:
     w.wait([1])
     row = w.cpu_tensors()[0][5]
     assert torch.equal(row, layer[3].cpu().view(torch.uint8).flatten())
+
+
+@requires_cuda
+@pytest.mark.parametrize("mechanism", ["auto", "batch", "staged"])
+def test_cuda_fence_orders_the_compute_stream_without_blocking_the_host(mechanism: str) -> None:
+    """Invariant 4 as a stream-ordered wait: the forward pass that rewrites a block a store
+    still reads runs after the store, while the host returns from the fence at once. The
+    store is held back behind a busy compute stream, so without the fence the rewrite queued
+    next on the compute stream would race it."""
+    w, kv = _cuda_worker(mechanism, staging_bytes=4 * 1024, staging_piece_bytes=1024)
+    want = [t[3].clone() for t in kv.values()]
+    torch.cuda._sleep(200_000_000)  # the store waits for this before it reads block 3
+    assert w.transfer_async(1, GPUBlockSpec.single_group([3]), CPUBlockSpec((5,)))
+    assert w.fence([1]) == 1
+    assert w.get_finished() == []  # the host was not held: the store has not even begun
+    for t in kv.values():
+        t[3].fill_(-5.0)  # the next forward pass rewrites the block
+    assert w.transfer_async(2, CPUBlockSpec((5,)), GPUBlockSpec.single_group([9]))
+    assert [r.success for r in w.wait([1, 2])] == [True, True]
+    for t, before in zip(kv.values(), want, strict=True):
+        assert torch.equal(t[9], before)  # the CPU slot holds the bytes before the rewrite
+    w.close()
 
 
 @requires_cuda

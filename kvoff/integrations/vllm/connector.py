@@ -264,8 +264,9 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Waits for the jobs whose GPU blocks this step rewrites (fences) before the forward
-        pass; their results are reported as usual."""
+        """Orders the forward pass after the jobs whose GPU blocks this step rewrites (fences):
+        on a GPU the compute stream waits on their end events and the host is not blocked; on
+        the CPU they are already done. Their results are reported as usual."""
         self._worker_side.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -39,7 +39,7 @@ _COUNTERS: tuple[tuple[str, str], ...] = (
     ("blocks_evicted", "Offloaded blocks evicted from the CPU pool to make room"),
     ("store_refusals", "Stores refused for lack of room (retried next step)"),
     ("stale_blocks_skipped", "Remembered GPU blocks found reallocated and never stored"),
-    ("jobs_flushed", "In-flight jobs waited for because their GPU blocks were reused"),
+    ("jobs_flushed", "In-flight jobs the forward pass waited on: their GPU blocks were reused"),
     ("failed_jobs", "Jobs that failed on at least one rank"),
     ("blocks_discarded", "Offloaded blocks dropped because a load of them failed"),
     ("stores_skipped", "Blocks the store_threshold filter held back (offered too few times)"),

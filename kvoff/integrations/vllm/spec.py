@@ -108,11 +108,14 @@ class KvoffOffloadingWorker(VllmOffloadingWorker):
         return done + [self._result(r) for r in self.worker.get_finished()]
 
     def wait(self, job_ids: set[int]) -> None:
-        """Blocks until the jobs finished; their results still come from :meth:`get_finished`."""
+        """Orders the compute stream after the jobs (vLLM calls this for the stores whose GPU
+        blocks the next forward pass rewrites): on a GPU a stream-ordered wait, the host is not
+        blocked (:meth:`kvoff.OffloadingWorker.fence`); on the CPU the jobs are already done.
+        Their results still come from :meth:`get_finished`."""
         pending = self.worker.pending_jobs()
         ids = [j for j in job_ids if j in pending]
         if ids:
-            self._done.extend(self._result(r) for r in self.worker.wait(ids))
+            self.worker.fence(ids)
 
     def shutdown(self) -> None:
         """Waits for the jobs in flight and releases the pinned pool."""

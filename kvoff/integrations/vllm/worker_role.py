@@ -7,7 +7,7 @@ job reports).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -65,7 +65,7 @@ class KvoffConnectorWorker:
         self._job_requests: dict[int, str] = {}  # load job -> request
         self._job_gpu_blocks: dict[int, tuple[int, ...]] = {}  # load job -> blocks
         self._pending_meta = KvoffWorkerMetadata()
-        self._flushed: list[Any] = []  # results taken by fences, reported with the next ones
+        self.fences = 0  # in-flight jobs the compute stream was ordered after (stream waits)
         self._load_errors: set[int] = set()
 
     @property
@@ -104,8 +104,8 @@ class KvoffConnectorWorker:
             return
         pending = self.worker.pending_jobs()
         flush = [j for j in kv_connector_metadata.jobs_to_flush if j in pending]
-        if flush:
-            self._flushed.extend(self.worker.wait(flush))
+        if flush:  # a stream-ordered wait: the host goes on launching the forward pass
+            self.fences += self.worker.fence(flush)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Submits the loads of ``meta`` (this step's metadata), as
@@ -133,7 +133,7 @@ class KvoffConnectorWorker:
         if isinstance(step, KvoffConnectorMetadata) and step.finished_flushes:
             # their stores are this step's jobs: vLLM may free their blocks now
             results.finished_sending.update(step.finished_flushes)
-        finished, self._flushed = [*self._flushed, *self.worker.get_finished()], []
+        finished = self.worker.get_finished()
         meta = self._pending_meta
         for r in finished:
             counts = meta.reports.setdefault(r.job_id, [0, 0])
