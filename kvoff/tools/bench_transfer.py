@@ -19,9 +19,13 @@ bytes of block data per second.
 
 On a GPU it also measures ``gemm_slowdown``: an 8192³ bf16 GEMM loop on its own stream, timed
 alone and while the mechanism's jobs stream (time with / time alone − 1), which is what the
-engine's forward pass pays for the transfer; and **engine-step job sizes** (1, 4, 16, 64, 256
-blocks, as an engine issues them, launch overhead included) next to a contiguous copy of the same
-bytes.
+engine's forward pass pays for the transfer. One such pair is noise (±8 % on an H200), so it runs
+``gemm_rounds`` rounds of one "alone" and one "with transfers" timing back to back, alternating
+which comes first so that slow drift cancels (:func:`interleaved_slowdowns`), and reports the
+median of the rounds with their interquartile range, the 95 % confidence half-width of the median
+and the rounds that half-width needed to fall below 1 % (:func:`summarize_slowdowns`); and
+**engine-step job sizes** (1, 4, 16, 64, 256 blocks, as an engine issues them, launch overhead
+included) next to a contiguous copy of the same bytes.
 
 ``--sweep`` (GPU) adds single-tensor jobs of scattered chunks from 4 KiB to 2 MiB per direction
 and mechanism; with the slowdowns and the staged efficiency measured above they make the
@@ -40,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -66,14 +71,21 @@ from kvoff.transfer import (
 from kvoff.worker import OffloadingWorker
 
 __all__ = [
+    "GEMM_ROUNDS",
     "JOB_SIZES",
+    "SLOWDOWN_HALF_WIDTH_TARGET",
     "SWEEP_CHUNK_BYTES",
     "TRANSFER_PRESETS",
+    "SlowdownSummary",
     "TransferBenchParams",
     "TransferPreset",
     "derive_thresholds",
     "format_transfer_table",
+    "interleaved_slowdowns",
+    "median_half_width",
+    "rounds_needed",
     "run_transfer_bench",
+    "summarize_slowdowns",
 ]
 
 MECHANISMS_BY_LAYOUT: dict[str, tuple[str, ...]] = {
@@ -90,6 +102,16 @@ JOB_SIZES: tuple[int, ...] = (1, 4, 16, 64, 256)
 
 GEMM_SIZE = 8192
 """M = N = K of the bf16 GEMM whose slowdown is measured."""
+
+GEMM_ROUNDS = 9
+"""Default rounds of the GEMM-slowdown measurement (``TransferBenchParams.gemm_rounds``): odd,
+so the median is one measured round, and at least 6, the fewest for which a 95 % distribution-free
+interval of the median exists (:func:`median_half_width`)."""
+
+SLOWDOWN_HALF_WIDTH_TARGET = 0.01
+"""The 95 % confidence half-width of the median slowdown (a fraction: 0.01 = 1 percentage point)
+below which a slowdown can be told apart from the 3 % budget (``compute_slowdown_budget``,
+:data:`kvoff.transfer.DEFAULT_COMPUTE_SLOWDOWN_BUDGET`)."""
 
 TARGETS = {
     "layer_major_auto_vs_contiguous": 0.95,
@@ -184,6 +206,9 @@ class TransferBenchParams:
         kernel_blocks: thread blocks of the SM kernel (0: 10 % of the SMs); applies to the
             ``kernel`` rows only.
         gemm: measure the concurrent GEMM slowdown (GPU only).
+        gemm_rounds: rounds of the GEMM-slowdown measurement, each one "alone" and one "with
+            transfers" timing of the GEMM loop in alternating order (>= 1; at least 6 for a 95 %
+            interval of the median, see :func:`summarize_slowdowns`).
         job_sizes: blocks per job of the engine-step section (empty: skip it).
         step_jobs: one-block jobs per engine step in the step-submission section (a decode
             step stores one block for each of many requests): submitted one by one
@@ -206,6 +231,7 @@ class TransferBenchParams:
     sweep: bool = False
     kernel_blocks: int = 0
     gemm: bool = True
+    gemm_rounds: int = GEMM_ROUNDS
     job_sizes: tuple[int, ...] = JOB_SIZES
     step_jobs: int = 16
     staging_bytes: int = DEFAULT_STAGING_BYTES
@@ -450,6 +476,174 @@ def _contiguous_job_seconds(num_bytes: int, device: torch.device, p: TransferBen
     return {"store": t, "load": t}
 
 
+# ----------------------------------------------------------------------------- GEMM rounds
+
+
+def interleaved_slowdowns(
+    alone: Callable[[], float], with_transfers: Callable[[], float], rounds: int
+) -> list[float]:
+    """Per-round slowdowns of ``rounds`` interleaved rounds: ``with / alone − 1`` (a fraction;
+    0.05 = 5 % slower with the transfers).
+
+    Round ``k`` calls ``alone()`` then ``with_transfers()`` when ``k`` is even, and the other way
+    round when ``k`` is odd, so a slow drift of the machine (clocks, temperature) that adds to the
+    second timing of a round adds to ``with`` and to ``alone`` equally often and cancels in the
+    median instead of biasing every round the same way.
+
+    Args:
+        alone: times the work alone; returns seconds (> 0, finite).
+        with_transfers: times the same work while transfers run; returns seconds (> 0, finite).
+        rounds: rounds to run (>= 1).
+
+    Returns:
+        ``rounds`` slowdowns (fractions), in round order.
+
+    Raises:
+        ValueError: ``rounds`` < 1 (or not an integer), or a callable returned a time that is not
+            a positive finite number of seconds.
+    """
+    _check_rounds(rounds, "rounds")
+    out = []
+    for k in range(rounds):
+        if k % 2 == 0:
+            a = alone()
+            w = with_transfers()
+        else:
+            w = with_transfers()
+            a = alone()
+        for name, t in (("alone", a), ("with_transfers", w)):
+            if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
+                raise ValueError(
+                    f"round {k}: {name}() returned {t!r}; it must return the seconds the work "
+                    "took, a finite number > 0"
+                )
+        out.append(w / a - 1)
+    return out
+
+
+def _check_rounds(rounds: object, name: str) -> None:
+    """Raises ValueError naming ``name`` unless ``rounds`` is an integer >= 1."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(
+            f"{name}={rounds!r}: the GEMM slowdown needs at least one round of one 'alone' and "
+            "one 'with transfers' timing; pass an integer >= 1 (TransferBenchParams.gemm_rounds, "
+            f"--gemm-rounds; default {GEMM_ROUNDS})"
+        )
+
+
+def _median_interval_rank(n: int, confidence: float) -> int | None:
+    """The rank ``j`` (1-based) of the distribution-free interval ``[x_(j), x_(n+1-j)]`` of the
+    median of ``n`` samples with coverage >= ``confidence``: the largest ``j`` with
+    ``2 · P(B <= j − 1) <= 1 − confidence``, ``B ~ Binomial(n, 1/2)``; None when even
+    ``[x_(1), x_(n)]`` covers less (W. J. Conover, *Practical Nonparametric Statistics*, 3rd ed.,
+    1999, §3.2, confidence interval for a quantile)."""
+    alpha = 1.0 - confidence
+    rank = None
+    below = 0  # sum of C(n, i) for i < j
+    for j in range(1, (n + 1) // 2 + 1):
+        below += math.comb(n, j - 1)
+        if 2 * below / 2**n > alpha:
+            break
+        rank = j
+    return rank
+
+
+def median_half_width(values: Sequence[float], confidence: float = 0.95) -> float | None:
+    """Half the width of a distribution-free ``confidence`` interval of the median of ``values``
+    (in the values' unit), or None when there are too few values for one (fewer than 6 at 95 %).
+
+    The interval is ``[x_(j), x_(n+1-j)]`` of the sorted values with the largest ``j`` such that
+    ``1 − 2 · P(B <= j − 1) >= confidence``, ``B ~ Binomial(n, 1/2)`` (the order-statistic
+    interval: W. J. Conover, *Practical Nonparametric Statistics*, 3rd ed., 1999, §3.2); it
+    assumes only independent rounds of one continuous distribution, no normality. The half-width
+    is ``(x_(n+1-j) − x_(j)) / 2`` (the interval need not be symmetric about the median).
+
+    Raises:
+        ValueError: ``confidence`` not strictly between 0 and 1.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r}: give a fraction between 0 and 1, e.g. 0.95")
+    j = _median_interval_rank(len(values), confidence)
+    if j is None:
+        return None
+    xs = sorted(values)
+    return (xs[len(xs) - j] - xs[j - 1]) / 2
+
+
+def rounds_needed(
+    values: Sequence[float],
+    target: float = SLOWDOWN_HALF_WIDTH_TARGET,
+    confidence: float = 0.95,
+) -> int | None:
+    """The fewest first rounds ``n`` of ``values`` (in round order) whose median has a
+    :func:`median_half_width` below ``target``, or None when no prefix up to ``len(values)``
+    gets there.
+
+    Raises:
+        ValueError: ``target`` <= 0, or ``confidence`` not strictly between 0 and 1.
+    """
+    if not target > 0:
+        raise ValueError(f"target={target!r}: give a half-width > 0, e.g. 0.01 (1 %)")
+    for n in range(1, len(values) + 1):
+        hw = median_half_width(values[:n], confidence)
+        if hw is not None and hw < target:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class SlowdownSummary:
+    """The rounds of one GEMM-slowdown measurement and what they say (all fractions: 0.05 = 5 %).
+
+    Attributes:
+        rounds: per-round slowdowns, ``with / alone − 1``, in round order.
+        median: their median (what ``gemm_slowdown`` reports).
+        spread: their interquartile range, Q3 − Q1 (quartiles by linear interpolation between
+            order statistics: :func:`statistics.quantiles` ``method="inclusive"``, numpy's
+            default percentile); 0 for one round.
+        half_width: the 95 % confidence half-width of the median (:func:`median_half_width`),
+            None for fewer than 6 rounds.
+        rounds_needed: :func:`rounds_needed` for :data:`SLOWDOWN_HALF_WIDTH_TARGET` at 95 %.
+    """
+
+    rounds: tuple[float, ...]
+    median: float
+    spread: float
+    half_width: float | None
+    rounds_needed: int | None
+
+
+def summarize_slowdowns(
+    values: Sequence[float],
+    target: float = SLOWDOWN_HALF_WIDTH_TARGET,
+    confidence: float = 0.95,
+) -> SlowdownSummary:
+    """Median, interquartile range, median's confidence half-width and rounds needed of the
+    per-round slowdowns ``values`` (fractions, from :func:`interleaved_slowdowns`).
+
+    Raises:
+        ValueError: no values, a value that is not finite, ``target`` <= 0 or ``confidence``
+            not strictly between 0 and 1.
+    """
+    if len(values) == 0:
+        raise ValueError("no rounds to summarize: run at least one round (gemm_rounds >= 1)")
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"slowdown rounds must be finite numbers; got {bad[0]!r} in {values!r}")
+    if len(values) >= 2:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        spread = q3 - q1
+    else:
+        spread = 0.0
+    return SlowdownSummary(
+        rounds=tuple(float(v) for v in values),
+        median=float(statistics.median(values)),
+        spread=spread,
+        half_width=median_half_width(values, confidence),
+        rounds_needed=rounds_needed(values, target, confidence),
+    )
+
+
 # ----------------------------------------------------------------------------- GEMM
 
 
@@ -465,8 +659,8 @@ class _Gemm:
         self.device = device
 
     def run(self, count: int) -> float:
-        """Enqueue ``count`` GEMMs; returns a callable-free measurement: milliseconds per GEMM
-        (blocks until they are done)."""
+        """Enqueue ``count`` GEMMs; returns milliseconds per GEMM (CUDA events on the GEMM's
+        stream; blocks until they are done)."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
@@ -479,23 +673,38 @@ class _Gemm:
 
 
 def _gemm_slowdown(gemm: _Gemm, s: _Setup, jobs: _Jobs, directions: Sequence[str],
-                   job_seconds: float, count: int = 20) -> float:  # fmt: skip
-    """GEMM time while jobs of ``directions`` stream, over its time alone, minus one. Enough
-    jobs are queued first to outlast the GEMM loop, so every GEMM runs beside a transfer."""
+                   job_seconds: float, rounds: int = GEMM_ROUNDS,
+                   count: int = 20) -> SlowdownSummary:  # fmt: skip
+    """The GEMM loop's slowdown while jobs of ``directions`` stream, over ``rounds`` interleaved
+    rounds (:func:`interleaved_slowdowns`, :func:`summarize_slowdowns`). Each timing is one loop
+    of ``count`` GEMMs (seconds per GEMM); for "with transfers" enough jobs are queued first to
+    outlast the loop, so every GEMM runs beside a transfer, and all of them finish before the
+    next timing.
+
+    Raises:
+        ValueError: ``rounds`` < 1.
+        RuntimeError: a job failed.
+    """
     gemm.run(3)  # warm
-    alone = statistics.median(gemm.run(count) for _ in range(3))
-    window = alone * count / 1e3
+    window = gemm.run(count) * count / 1e3  # seconds of one loop alone (untimed: sizes the queue)
     copies = max(2, min(256, int(2 * window / max(job_seconds, 1e-6)) + 1))
-    ids = []
-    for _ in range(copies):
-        for d in directions:
-            jid = jobs()
-            src, dst = s.store if d == "store" else s.load
-            s.worker.transfer_async(jid, src, dst)
-            ids.append(jid)
-    with_transfers = gemm.run(count)
-    s.worker.wait(ids)
-    return with_transfers / alone - 1
+
+    def alone() -> float:
+        return gemm.run(count) / 1e3
+
+    def with_transfers() -> float:
+        ids = []
+        for _ in range(copies):
+            for d in directions:
+                jid = jobs()
+                src, dst = s.store if d == "store" else s.load
+                s.worker.transfer_async(jid, src, dst)
+                ids.append(jid)
+        secs = gemm.run(count) / 1e3
+        _check(s.worker.wait(ids))
+        return secs
+
+    return summarize_slowdowns(interleaved_slowdowns(alone, with_transfers, rounds))
 
 
 # ----------------------------------------------------------------------------- presets
@@ -536,11 +745,16 @@ def _bench_layout(
         if m == "auto":
             row["resolved"] = resolved
         if gemm is not None:
-            row["gemm_slowdown"] = {
+            slow = {
                 d: _gemm_slowdown(gemm, s, jobs, ["store", "load"] if d == "both" else [d],
-                                  row[f"{d}_seconds"])
+                                  row[f"{d}_seconds"], p.gemm_rounds)
                 for d in directions
             }  # fmt: skip
+            row["gemm_slowdown"] = {d: r.median for d, r in slow.items()}
+            row["gemm_slowdown_rounds"] = {d: list(r.rounds) for d, r in slow.items()}
+            row["gemm_slowdown_spread"] = {d: r.spread for d, r in slow.items()}
+            row["gemm_slowdown_half_width"] = {d: r.half_width for d, r in slow.items()}
+            row["gemm_slowdown_rounds_needed"] = {d: r.rounds_needed for d, r in slow.items()}
         s.worker.close()
         mechanisms[m] = row
         _sync(device)
@@ -763,8 +977,8 @@ def run_transfer_bench(
         device: the device of the GPU side (default: ``cuda`` when available, else the CPU).
 
     Raises:
-        ValueError: for an unknown preset or layout, or ``write_thresholds`` without what it
-            needs.
+        ValueError: for an unknown preset or layout, ``params.gemm_rounds`` < 1, or
+            ``write_thresholds`` without what it needs.
         RuntimeError: when a timed copy is not byte-exact or a job fails.
     """
     for name in params.presets:
@@ -775,6 +989,7 @@ def run_transfer_bench(
     for layout in params.layouts:
         if layout not in GPU_LAYOUTS:
             raise ValueError(f"unknown GPU layout {layout!r}; choose from {list(GPU_LAYOUTS)}")
+    _check_rounds(params.gemm_rounds, "gemm_rounds")
     if device is None:
         device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -796,7 +1011,11 @@ def run_transfer_bench(
         "parameters": asdict(params),
         "units": (
             "GB/s = 10^9 bytes of block data per second, median wall time of `repeat` jobs "
-            "(submit to completion); gemm_slowdown = GEMM time with transfers / alone - 1"
+            "(submit to completion); gemm_slowdown = median over gemm_rounds interleaved rounds "
+            "of GEMM time with transfers / alone - 1 (fractions; gemm_slowdown_spread: their "
+            "interquartile range; gemm_slowdown_half_width: 95 % order-statistic confidence "
+            "half-width of the median; gemm_slowdown_rounds_needed: rounds until it fell below "
+            f"{SLOWDOWN_HALF_WIDTH_TARGET}, null if it did not)"
         ),
         "targets": TARGETS,
         "thresholds_used": default_thresholds().source,
@@ -859,7 +1078,10 @@ def format_transfer_table(doc: dict[str, Any]) -> str:
         if gpu
         else f"CPU ({doc['device']['torch_threads']} threads)"
     )
-    lines.append(f"kvoff bench transfer on {where}; GB/s (median of {doc['parameters']['repeat']})")
+    header = f"kvoff bench transfer on {where}; GB/s (median of {doc['parameters']['repeat']})"
+    if gpu and "gemm_rounds" in doc["parameters"]:
+        header += f"; GEMM slowdown: median of {doc['parameters']['gemm_rounds']} rounds"
+    lines.append(header)
     for entry in doc["presets"]:
         pr = entry["preset"]
         lines.append("")

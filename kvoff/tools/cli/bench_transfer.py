@@ -22,7 +22,12 @@ __all__ = ["add_parser", "run"]
 def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     """Registers ``kvoff bench transfer`` on the ``bench`` subparsers."""
     from kvoff.slot_layout import GPU_LAYOUTS
-    from kvoff.tools.bench_transfer import DEFAULT_PRESETS, JOB_SIZES, TRANSFER_PRESETS
+    from kvoff.tools.bench_transfer import (
+        DEFAULT_PRESETS,
+        GEMM_ROUNDS,
+        JOB_SIZES,
+        TRANSFER_PRESETS,
+    )
     from kvoff.transfer import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES
 
     tp = bench_sub.add_parser(
@@ -79,6 +84,13 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--no-gemm",
         action="store_true",
         help="GPU: skip the concurrent-GEMM slowdown measurement",
+    )
+    tp.add_argument(
+        "--gemm-rounds",
+        type=positive_int,
+        default=GEMM_ROUNDS,
+        help="GPU: interleaved alone / with-transfers rounds of the GEMM slowdown, median "
+        "reported (default: %(default)s)",
     )
     tp.add_argument(
         "--job-sizes",
@@ -159,6 +171,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         kernel_blocks=args.kernel_blocks,
         layouts=tuple(args.layouts),
         gemm=not args.no_gemm,
+        gemm_rounds=args.gemm_rounds,
         job_sizes=tuple(args.job_sizes),
         step_jobs=args.step_jobs,
         staging_bytes=args.staging_mib << 20,
