@@ -56,13 +56,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import redis
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import Connection, Encoder, PythonRespSerializer
-from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, TryAgainError
-from redis.retry import Retry
+
+from kvoff._optional import extra_imports
+
+with extra_imports("redis", "the Redis Cluster tier (remote_url, --remote-url)"):
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.connection import Connection, Encoder, PythonRespSerializer
+    from redis.crc import key_slot
+    from redis.exceptions import AskError, ClusterDownError, TryAgainError
+    from redis.retry import Retry
 
 from kvoff.tiers.base import (
     CallGate,

@@ -72,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvoff._optional import require
 from kvoff.tools.manager_calls_record import RecordConfig, record_manager_calls
 
 __all__ = [
@@ -189,6 +190,7 @@ def make_manager(kind: str, policy: str, num_blocks: int) -> Any:
     if kind == "vllm":
         if policy not in _VLLM_POLICIES:
             raise ValueError(f"vLLM's manager has policies {list(_VLLM_POLICIES)}, not {policy!r}")
+        require("vllm", "replaying manager calls on vLLM's manager (kvoff bench manager-calls)")
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
         return CPUOffloadingManager(num_chunks=num_blocks, cache_policy=policy, enable_events=False)
@@ -334,6 +336,7 @@ def replay_log(
             manager raises on a call the log makes impossible (a load of a block it does not
             hold cannot happen: loads follow this manager's own lookups).
     """
+    require("vllm", "replaying manager calls (kvoff bench manager-calls)")
     from vllm.v1.kv_offload.base import ReqContext
 
     s = stream or _stream(log)

@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoff._optional import require
+
 __all__ = [
     "CONNECTORS",
     "DEFAULT_RUNNING",
@@ -65,6 +67,9 @@ __all__ = [
     "format_vs_vllm",
     "run_vs_vllm",
 ]
+
+VS_VLLM_FEATURE = "kvoff bench scheduler --vs-vllm"
+"""What needs vLLM here, as :class:`kvoff._optional.MissingExtraError` names it."""
 
 DEFAULT_RUNNING = (64, 256, 1024)
 """Running requests (``max_num_seqs``) measured by default (issue 13)."""
@@ -532,8 +537,9 @@ def bench_steps_vs_vllm(
 
     Raises:
         RuntimeError: the request stream ran dry (a parameter mix that never fills the batch).
-        ImportError: vLLM is not installed.
+        kvoff._optional.MissingExtraError: vLLM is not installed (an ``ImportError``).
     """
+    require("vllm", VS_VLLM_FEATURE)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     entries = []
     for running in p.running:
@@ -592,9 +598,11 @@ def bench_manager_vs_vllm(p: VsVllmParams) -> dict[str, Any]:
 
     Raises:
         RuntimeError: the two managers disagree on lookup hits or evictions.
-        ImportError: vLLM is not installed.
+        kvoff._optional.MissingExtraError: vLLM is not installed (an ``ImportError``).
     """
     import numpy as np
+
+    require("vllm", VS_VLLM_FEATURE)
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
 
@@ -755,13 +763,14 @@ def run_vs_vllm(
     ``targets``) to ``json_path`` and returns it.
 
     Raises:
-        ImportError: vLLM is not installed (install the ``vllm`` extra).
+        kvoff._optional.MissingExtraError: vLLM is not installed (an ``ImportError`` naming
+            the ``vllm`` extra).
         RuntimeError: as :func:`bench_steps_vs_vllm` and :func:`bench_manager_vs_vllm`.
         OSError: the JSON file cannot be written.
     """
     import json
 
-    import vllm
+    vllm = require("vllm", VS_VLLM_FEATURE)
 
     from kvoff.tools.bench import run_info
 

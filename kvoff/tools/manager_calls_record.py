@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoff._optional import require
 from kvoff.sizing import bytes_per_gpu_block
 
 __all__ = ["LOG_VERSION", "RecordConfig", "record_manager_calls"]
@@ -280,9 +281,10 @@ def record_manager_calls(
     Raises:
         ValueError: a bad trace or configuration.
         RuntimeError: the engine run failed (its output's tail is in the message).
-        ImportError: vLLM is not installed.
+        kvoff._optional.MissingExtraError: vLLM is not installed (an ``ImportError``).
     """
-    import vllm  # noqa: F401  (fail early, in this process, when vLLM is missing)
+    # fail early, in this process, when vLLM is missing
+    require("vllm", "recording vLLM's manager calls (kvoff bench manager-calls)")
 
     plan = _plan(config)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoff._optional import extra_imports
 from kvoff.tools.belady import MIN_POLICY, run_min_replay
 from kvoff.tools.replay import ReplayConfig, ReplayResult, run_replay
 from kvoff.tools.traces import TraceRequest, load_trace
@@ -46,6 +47,9 @@ __all__ = [
 
 MAX_STORE_THRESHOLD = 1 << 20
 """Largest ``+tN`` (the manager's ``store_threshold`` bound)."""
+
+PLOT_FEATURE = "drawing hit-rate curves (--plot, plot_sweep)"
+"""What needs matplotlib, as :class:`kvoff._optional.MissingExtraError` names it."""
 
 DEFAULT_SWEEP_POLICIES = ("lru", "arc", "probation", MIN_POLICY)
 """Policies of a sweep when ``--policies`` is not given: every engine policy, then MIN."""
@@ -409,18 +413,15 @@ def plot_sweep(sweep: PolicySweep, path: str | Path) -> None:
     by its suffix) with matplotlib's non-interactive Agg backend.
 
     Raises:
-        ImportError: when matplotlib is not installed (``pip install "kvoff[plot]"``).
+        kvoff._optional.MissingExtraError: when matplotlib is not installed (an ``ImportError`` that
+            names ``pip install "kvoff[plot]"``).
         ValueError: when matplotlib cannot write that file type.
     """
-    try:
+    with extra_imports("matplotlib", PLOT_FEATURE):
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(
-            'kvoff replay --plot needs matplotlib: pip install "kvoff[plot]" (or matplotlib)'
-        ) from exc
 
     fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=120)
     try:

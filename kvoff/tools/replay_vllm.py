@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoff._optional import require
+
 __all__ = [
     "VllmReplayConfig",
     "format_vllm_replay",
@@ -345,9 +347,10 @@ def run_vllm_replay(
     Raises:
         ValueError: a bad trace or configuration.
         RuntimeError: an engine run failed (its output's tail is in the message).
-        ImportError: vLLM is not installed.
+        kvoff._optional.MissingExtraError: vLLM is not installed (an ``ImportError``).
     """
-    import vllm  # noqa: F401  (fail early, in this process, when vLLM is missing)
+    # fail early, in this process, when vLLM is missing
+    require("vllm", "kvoff replay --engine vllm")
 
     prompts, base = replay_plans(config)
     runs: dict[str, dict[str, Any]] = {}

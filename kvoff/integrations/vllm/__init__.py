@@ -67,22 +67,26 @@ paths vLLM loads stay ``kvoff.integrations.vllm``):
 
 from __future__ import annotations
 
-from kvoff.integrations.vllm.connector import KvoffConnector
-from kvoff.integrations.vllm.metadata import KvoffConnectorMetadata, KvoffWorkerMetadata
-from kvoff.integrations.vllm.metrics import KvoffConnectorStats, KvoffPromMetrics
-from kvoff.integrations.vllm.scheduler_role import KvoffConnectorScheduler
-from kvoff.integrations.vllm.spec import KvoffOffloadingSpec, KvoffOffloadingWorker
-from kvoff.integrations.vllm.spec_manager import (
-    SETTLED_STEPS,
-    KvoffCPUBlocks,
-    KvoffOffloadingManager,
-)
-from kvoff.integrations.vllm.translate import (
-    VLLM_SPEC_KEYS,
-    VLLM_TESTED_VERSIONS,
-    kvoff_kv_cache_config,
-)
-from kvoff.integrations.vllm.worker_role import KvoffConnectorWorker
+from kvoff._optional import extra_imports
+
+# without vLLM: one line naming the extra to install, not a traceback
+with extra_imports("vllm", "kvoff.integrations.vllm"):
+    from kvoff.integrations.vllm.connector import KvoffConnector
+    from kvoff.integrations.vllm.metadata import KvoffConnectorMetadata, KvoffWorkerMetadata
+    from kvoff.integrations.vllm.metrics import KvoffConnectorStats, KvoffPromMetrics
+    from kvoff.integrations.vllm.scheduler_role import KvoffConnectorScheduler
+    from kvoff.integrations.vllm.spec import KvoffOffloadingSpec, KvoffOffloadingWorker
+    from kvoff.integrations.vllm.spec_manager import (
+        SETTLED_STEPS,
+        KvoffCPUBlocks,
+        KvoffOffloadingManager,
+    )
+    from kvoff.integrations.vllm.translate import (
+        VLLM_SPEC_KEYS,
+        VLLM_TESTED_VERSIONS,
+        kvoff_kv_cache_config,
+    )
+    from kvoff.integrations.vllm.worker_role import KvoffConnectorWorker
 
 __all__ = [
     "SETTLED_STEPS",

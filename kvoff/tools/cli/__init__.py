@@ -14,8 +14,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvoff._optional import MissingExtraError
 from kvoff.tools.cli import bench, info, plan, replay
-from kvoff.tools.cli.common import parse_bytes, run_command
+from kvoff.tools.cli.common import EXIT_USAGE, parse_bytes, run_command
 
 __all__ = ["build_parser", "main", "parse_bytes"]
 
@@ -44,12 +45,16 @@ _build_parser = build_parser  # the name tests and tools used before the split
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvoff`` console script. Returns the process exit code (0: success;
-    1: corrupted blocks or failed transfers, or `kvoff info` found a mismatch; 2: bad arguments,
-    by ``SystemExit``)."""
+    1: corrupted blocks or failed transfers, or `kvoff info` found a mismatch; 2: bad arguments
+    or a missing optional dependency, one line on stderr naming the fix, by ``SystemExit``)."""
     words = sys.argv[1:] if argv is None else list(argv)
-    # `kvoff info` diagnoses a build that does not load: it must not need the compiled parts
-    # that the other commands' parsers import (policies, layouts)
-    parser = build_parser(["info"] if words[:1] == ["info"] else None)
+    try:
+        # `kvoff info` diagnoses a build that does not load: it must not need the compiled
+        # parts that the other commands' parsers import (policies, layouts)
+        parser = build_parser(["info"] if words[:1] == ["info"] else None)
+    except MissingExtraError as exc:  # a command's parser needs an optional package
+        print(f"kvoff: error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
     args = parser.parse_args(argv)
     return run_command(parser, args, argv)
 

@@ -1,6 +1,7 @@
 """What the ``kvoff`` commands share: argparse types, the ``--json FILE`` output (``-``: stdout),
 the run record of a result, and the exit codes (0 ok; 1 corrupted, failed or mismatched; 2 bad
-arguments, a one-line message naming the value and the fix, no traceback)."""
+arguments or a missing optional dependency, a one-line message naming the value or the extra
+and the fix, no traceback)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvoff._optional import MissingExtraError
+
 __all__ = [
+    "EXIT_USAGE",
     "JSON_HELP",
     "STDOUT",
     "add_format_option",
@@ -28,6 +32,9 @@ __all__ = [
     "run_info",
     "write_json",
 ]
+
+EXIT_USAGE = 2
+"""Exit code of a user error: a bad argument, or an optional dependency that is not installed."""
 
 STDOUT = "-"
 """``--json -``: the JSON document goes to stdout, the command's text to stderr."""
@@ -178,7 +185,9 @@ def run_command(
 ) -> int:
     """Runs the command ``args.run(args, argv)`` that ``parser`` parsed: checks ``--json``
     first, sends the text to stderr with ``--json -``, and turns a user error into exit code 2
-    with a one-line message (``SystemExit``). Returns the command's exit code."""
+    with a one-line message (``SystemExit``); so is a missing optional dependency
+    (:class:`kvoff._optional.MissingExtraError`: the message names ``pip install "kvoff[...]"``).
+    Returns the command's exit code."""
     name = args.command
     target = getattr(args, "json", None)
     try:
@@ -186,6 +195,8 @@ def run_command(
             check_output(target, "--json")
         with _text_to_stderr(is_stdout(target)):
             return args.run(args, argv)
+    except MissingExtraError as exc:
+        parser.exit(EXIT_USAGE, f"kvoff {name}: error: {exc}\n")
     except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"kvoff {name}: error: {exc}\n")
     except OSError as exc:  # a path the user gave: a folder for a file, a file for a folder, ...

@@ -1,0 +1,139 @@
+"""Optional dependencies: one clear line, naming the extra to install, when one is missing.
+
+kvoff's optional features import their packages lazily (``redis`` when the Redis Cluster tier
+is made, ``matplotlib`` when curves are drawn, ``vllm`` when the engine integration or a vLLM
+benchmark runs). Where such a package is not installed, :func:`require` (or
+:func:`extra_imports` around a block of imports) raises :class:`MissingExtraError`, an
+``ImportError`` whose message is one line: what needs the package, the package, and the
+command that installs it (``pip install "kvoff[redis]"``). The ``kvoff`` command prints that
+line as ``kvoff <command>: error: ...`` and exits 2, without a traceback.
+
+Only a missing package becomes a :class:`MissingExtraError`: an installed package that fails
+to import (a broken install, a version without a module kvoff needs) raises its own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["EXTRAS", "Extra", "MissingExtraError", "extra_imports", "require"]
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An optional package and how to install it.
+
+    Attributes:
+        package: the package as users know it (``"redis-py"``).
+        extra: kvoff's extra that installs it (``"redis"``: ``pip install "kvoff[redis]"``).
+        note: a short alternative appended to the command (``""``: none).
+    """
+
+    package: str
+    extra: str
+    note: str = ""
+
+    @property
+    def install(self) -> str:
+        """The install command, ``pip install "kvoff[<extra>]"`` and the note, if any."""
+        command = f'pip install "kvoff[{self.extra}]"'
+        return f"{command} ({self.note})" if self.note else command
+
+
+EXTRAS: dict[str, Extra] = {
+    "redis": Extra("redis-py", "redis"),
+    "matplotlib": Extra("matplotlib", "plot"),
+    "vllm": Extra(
+        "vLLM",
+        "vllm",
+        "vLLM's CPU build; on a GPU machine install vllm==0.32.0 itself instead",
+    ),
+}
+"""The optional top-level modules kvoff imports, by module name (``pyproject.toml``'s
+``[project.optional-dependencies]``)."""
+
+
+class MissingExtraError(ImportError):
+    """An optional package that a feature needs is not installed.
+
+    The message is one line: ``"{feature} needs {package}, which is not installed: pip install
+    "kvoff[{extra}]""``.
+
+    Attributes:
+        feature: what needs the package (``"the Redis Cluster tier (remote_url)"``).
+        package: the package (``"redis-py"``).
+        extra: kvoff's extra that installs it (``"redis"``).
+        install: the command that installs it.
+    """
+
+    def __init__(self, feature: str, module: str) -> None:
+        """Args:
+        feature: what needs the package.
+        module: the missing top-level module, a key of :data:`EXTRAS`.
+
+        Raises:
+            KeyError: ``module`` is not one of :data:`EXTRAS`.
+        """
+        spec = EXTRAS[module]
+        self.feature = feature
+        self.package = spec.package
+        self.extra = spec.extra
+        self.install = spec.install
+        super().__init__(
+            f"{feature} needs {spec.package}, which is not installed: {spec.install}",
+            name=module,
+        )
+
+    def __reduce__(self) -> tuple[type[MissingExtraError], tuple[str, str]]:
+        """Pickles as its arguments (the error may cross to a parent process)."""
+        return (type(self), (self.feature, self.name or ""))
+
+
+def _is_missing(exc: ImportError, module: str) -> bool:
+    """Whether ``exc`` says the top-level package of ``module`` is absent (not a broken or
+    different install of it)."""
+    top = module.split(".", 1)[0]
+    if not isinstance(exc, ModuleNotFoundError) or exc.name is None:
+        return False
+    if exc.name == top:
+        return True
+    # a submodule of a package blocked by ``sys.modules[top] = None`` ("'top' is not a package")
+    return exc.name.startswith(f"{top}.") and top in sys.modules and sys.modules[top] is None
+
+
+@contextlib.contextmanager
+def extra_imports(module: str, feature: str) -> Iterator[None]:
+    """Around imports from the optional package ``module``: a missing package raises
+    :class:`MissingExtraError`.
+
+    Raises:
+        MissingExtraError: the package ``module`` is not installed.
+        KeyError: ``module`` is not one of :data:`EXTRAS`.
+    """
+    if module not in EXTRAS:
+        raise KeyError(f"{module!r} is not an optional package of kvoff; known: {sorted(EXTRAS)}")
+    try:
+        yield
+    except ImportError as exc:
+        if not _is_missing(exc, module):
+            raise
+        raise MissingExtraError(feature, module) from exc
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Imports and returns the optional module ``module`` (``"redis"``, ``"matplotlib.pyplot"``,
+    ``"vllm"``) for ``feature``.
+
+    Raises:
+        MissingExtraError: its top-level package is not installed.
+        KeyError: its top-level package is not one of :data:`EXTRAS`.
+        ImportError: the package is installed but fails to import (its own error).
+    """
+    top = module.split(".", 1)[0]
+    with extra_imports(top, feature):
+        return importlib.import_module(module)
