@@ -5,7 +5,8 @@ loop that Belady's MIN and the policy simulator share (:mod:`kvoff.tools.request
 
 1. **GPU prefix cache.** The engine's own cache (LRU over full GPU blocks, at most
    ``gpu_prefix_blocks`` kept between requests; 0 disables it) gives the leading run of full GPU
-   blocks it already holds: ``g`` blocks, ``gpu_hit_tokens = g × block_size``.
+   blocks it already holds: ``g`` blocks, ``gpu_hit_tokens = g × block_size``. Fresh GPU
+   blocks come from a free queue, least recently freed first (as vLLM's free block queue).
 2. **kvoff lookup and load.** The offload keys of the request's full offloaded blocks from
    ``g // block_size_factor`` on are looked up; the ``h`` leading hits are pinned
    (``prepare_load``), loaded CPU→GPU into freshly allocated GPU blocks (a partial first offloaded
@@ -22,8 +23,10 @@ loop that Belady's MIN and the policy simulator share (:mod:`kvoff.tools.request
    filter first skips blocks offered fewer times than that (a request that computed a block
    offers it; ``stores_filtered`` counts them). The store runs in the background (on a GPU it
    overlaps the next request); ``complete_store`` runs when the worker reports it finished. A
-   GPU block that is the source of a store in flight is not reused before that store finishes
-   (a fence, docs/design.md invariant 4).
+   GPU block that is the source of a store in flight is not rewritten before that store
+   finishes (a fence, docs/design.md invariant 4): the next request that gets the block orders
+   its compute after the store (:meth:`kvoff.OffloadingWorker.fence`, a stream-ordered wait on
+   a GPU: the host is never blocked on it).
 5. **Recency.** The request's stored keys are touched last-to-first so that its head is the most
    recent (docs/design.md invariant 8), and its full GPU blocks enter the GPU prefix cache the
    same way.
@@ -39,16 +42,11 @@ cache group index (0 here).
 ``layer_major`` (one tensor per layer) or ``block_contiguous`` (one buffer, all layers of a block
 together).
 
-**Compute** (``compute=True``). A prefill of ``T`` tokens costs ``2 × num_params × T`` FLOPs
-(Kaplan et al. 2020): the replay runs that many GEMM FLOPs, as ``(c × hidden) @ (hidden ×
-intermediate)`` GEMMs over chunks of ``c ≤ compute_chunk_tokens`` tokens, on the compute stream,
-for the tokens each request computes. Per request it records (CUDA events; ``perf_counter`` on
-the CPU) the time from the request's start to the end of its GEMMs, which includes waiting for
-its loads, while earlier requests' stores stream beside it. A second pass then times the GEMMs
-alone: for every input token (recomputing everything, the baseline) and for the tokens computed.
-Reported: ``time_kvoff_s`` and ``time_recompute_s``, ``speedup`` (their ratio) against the ideal
-``1 / (1 - hit_rate)`` (``speedup_vs_ideal``), and ``gemm_lost_s``: GEMM time lost to the
-transfers running beside it.
+**Compute** (``compute=True``). Each request also runs its prefill's cost, GEMMs for the
+tokens it computes, and the run is timed against the engine's own prefix cache alone, interleaved
+per chunk of ``interleave_requests`` requests (:mod:`kvoff.tools.replay_compute`). On a GPU the
+loads, like the fences, are stream-ordered waits: the request's GEMMs start when its load is done
+while the host goes on.
 """
 
 from __future__ import annotations
@@ -56,9 +54,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -69,6 +67,7 @@ from kvoff.models import ModelPreset, get_model_preset
 from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
 from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks, make_tiers
 from kvoff.tools.belady import MIN_POLICY, run_min_replay
+from kvoff.tools.replay_compute import Interleaved, Marks, Prefill, Timer
 from kvoff.tools.request_loop import (
     DEFAULT_COMPUTE_CHUNK_TOKENS,
     DEFAULT_CPU_BYTES,
@@ -94,6 +93,7 @@ __all__ = [
     "block_pattern",
     "offload_key",
     "pool_config",
+    "replay_cpu_blocks",
     "run_replay",
 ]
 
@@ -170,9 +170,10 @@ class _Engine:
     gpu_rows: list[torch.Tensor]
     manager: Any
     pool: TieredPool | None
-    free: list[int]
+    free: deque[int]  # least recently freed first, as vLLM's free block queue
     gpu_cache: _GPUPrefixCache
     pending: dict[int, _Pending] = field(default_factory=dict)  # stores in flight
+    loading: dict[int, list[bytes]] = field(default_factory=dict)  # loads in flight -> keys
     fences: dict[int, int] = field(default_factory=dict)  # GPU block -> store reading it
 
     def close(self) -> None:
@@ -226,7 +227,7 @@ def _make_engine(
         queue = config.tier_write_queue_blocks or default_write_queue_blocks(num_cpu_blocks)
         pool = TieredPool(manager, slots.__getitem__, tiers, write_queue_blocks=queue,
                           wait_when_full=True)  # fmt: skip
-    free = list(range(num_gpu_blocks - 1, 0, -1))
+    free = deque(range(1, num_gpu_blocks))
     return _Engine(worker, worker.gpu_tensors(), manager, pool, free,
                    _GPUPrefixCache(config.gpu_prefix_blocks, free))  # fmt: skip
 
@@ -274,59 +275,10 @@ def _tier_totals(res: ReplayResult, engines: Sequence[_Engine]) -> None:
     res.tier_hit_tokens.setdefault("L1", 0)
 
 
-class _Timer:
-    """Marks on the compute stream (CUDA events) or host timestamps (CPU)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> object:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, a: object, b: object) -> float:
-        if self.cuda:
-            b.synchronize()  # type: ignore[attr-defined]
-            return a.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
-        return float(b) - float(a)  # type: ignore[arg-type]
-
-
-class _Prefill:
-    """The prefill's cost: ``2 × num_params`` FLOPs per token as GEMMs on the current stream.
-
-    A chunk of ``c`` tokens runs ``reps = round(num_params / (hidden × intermediate))`` GEMMs
-    ``(c × hidden) @ (hidden × intermediate)`` (bf16 on a GPU, float32 on the CPU)."""
-
-    def __init__(self, preset: ModelPreset, device: torch.device, chunk_tokens: int) -> None:
-        if not (preset.hidden_size and preset.intermediate_size and preset.num_params):
-            raise ValueError(
-                f"model {preset.name!r} has no compute shape (hidden_size, intermediate_size, "
-                "num_params); use a preset that has one for --compute"
-            )
-        h, i = preset.hidden_size, preset.intermediate_size
-        self.reps = max(1, round(preset.num_params / (h * i)))
-        self.flops_per_token = 2.0 * h * i * self.reps
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        gen = torch.Generator(device=device).manual_seed(0)
-        self.x = torch.randn(chunk_tokens, h, dtype=dtype, device=device, generator=gen)
-        self.w = torch.randn(h, i, dtype=dtype, device=device, generator=gen) / h**0.5
-        self.out = torch.empty(chunk_tokens, i, dtype=dtype, device=device)
-        self.chunk = chunk_tokens
-
-    def run(self, tokens: int) -> None:
-        for start in range(0, tokens, self.chunk):
-            c = min(self.chunk, tokens - start)
-            for _ in range(self.reps):
-                torch.matmul(self.x[:c], self.w, out=self.out[:c])
-
-
 class _GPUPrefixCache:
     """The engine's own prefix cache: full GPU blocks kept between requests, LRU."""
 
-    def __init__(self, capacity: int, free: list[int]) -> None:
+    def __init__(self, capacity: int, free: deque[int]) -> None:
         self.capacity = capacity
         self.free = free
         self.blocks: OrderedDict[tuple[int, int], int] = OrderedDict()  # last = most recent
@@ -395,13 +347,19 @@ class _Pending:
     gpu_ids: list[int]
 
 
-@dataclass
-class _Marks:
-    start: object
-    gemm_start: object
-    gemm_end: object
-    input_tokens: int
-    computed_tokens: int
+def replay_cpu_blocks(config: ReplayConfig) -> int:
+    """Offloaded blocks in ``config``'s CPU pool: ``cpu_blocks``, or ``cpu_bytes`` (2 GiB when
+    neither is given) over the bytes of one offloaded block of ``config.model`` (one tensor per
+    layer, :func:`kvoff.sizing.bytes_per_gpu_block`).
+
+    Raises:
+        ValueError / pydantic.ValidationError: an unknown model or a bad pool setting.
+    """
+    preset = get_model_preset(config.model)
+    offload_cfg = pool_config(config, None if config.policy == MIN_POLICY else config.policy)
+    page = preset.layer_spec(config.block_size).page_size_bytes
+    bytes_per_gpu_block = sizing.bytes_per_gpu_block([page] * preset.num_layers, 1)
+    return offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, config.block_size)
 
 
 def run_replay(
@@ -451,6 +409,11 @@ def run_replay(
         raise ValueError(f"compute_chunk_tokens must be >= 1, got {config.compute_chunk_tokens}")
     if config.engines < 1:
         raise ValueError(f"engines must be >= 1, got {config.engines}")
+    if config.interleave_requests < 1:
+        raise ValueError(
+            f"interleave_requests must be >= 1, got {config.interleave_requests}; give the "
+            "requests served with kvoff before the same ones are served without it"
+        )
     if config.assign not in ASSIGNMENTS:
         raise ValueError(f"assign={config.assign!r} is not one of {list(ASSIGNMENTS)}")
     if (config.disk_path is None) != (config.disk_bytes is None):
@@ -468,12 +431,20 @@ def run_replay(
     # one tensor per layer, each block one page of it
     bytes_per_gpu_block = sizing.bytes_per_gpu_block([page] * preset.num_layers, 1)
     num_cpu_blocks = offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, bs)
-    prefill = _Prefill(preset, device, config.compute_chunk_tokens) if config.compute else None
+    prefill = Prefill(preset, device, config.compute_chunk_tokens) if config.compute else None
 
+    if config.warmup_requests < 0:
+        raise ValueError(f"warmup_requests must be >= 0, got {config.warmup_requests}")
     reqs = replay_requests(config, requests)
+    if config.warmup_requests >= len(reqs) > 0:
+        raise ValueError(
+            f"warmup_requests={config.warmup_requests} leaves none of the {len(reqs)} requests "
+            "to replay; warm up with fewer or replay more (--limit)"
+        )
     max_blocks = max((math.ceil(r.input_length / bs) for r in reqs), default=0)
     num_gpu_blocks = 1 + config.gpu_prefix_blocks + max_blocks  # block 0 is the null block
-    gpu_bytes = num_gpu_blocks * bytes_per_gpu_block
+    # with compute, arm B (the engine's prefix cache alone) has a GPU cache of its own
+    gpu_bytes = num_gpu_blocks * bytes_per_gpu_block * (2 if config.compute else 1)
     cpu_bytes = num_cpu_blocks * bytes_per_gpu_block * factor
     mem = _available_memory_bytes()
     host_bytes = config.engines * (cpu_bytes + (0 if cuda else gpu_bytes))
@@ -520,24 +491,96 @@ def run_replay(
         cpu_pool_bytes=engines[0].worker.cpu_pool_bytes,
         engines=config.engines,
     )
+    warm, reqs = reqs[: config.warmup_requests], reqs[config.warmup_requests :]
     pool = _EnginePool(config, reqs, engines, res, device, page, factor, prefill)
+    arms = None
+    if prefill is not None:
+        arms, without = _interleaved(config, reqs, pool, num_gpu_blocks, factor, page,
+                                     preset.num_layers, fingerprint)  # fmt: skip
+    if warm:
+        _warm_up(config, warm, pool)
+        if arms is not None:
+            _warm_up(config, warm, without)
+        if arms is not None:
+            arms.restart()
+
+    def after(done: int) -> None:
+        if arms is not None:
+            arms.after(done)
+        if progress is not None:
+            progress(done)
+
     run_request_loop(
-        reqs, pool, res, offload_key, trace_block_size=config.trace_block_size, progress=progress
+        reqs, pool, res, offload_key, trace_block_size=config.trace_block_size, progress=after
     )
     for e in engines:
-        pool.finish(e, e.worker.wait(list(e.pending)))
+        pool.finish(e, e.worker.wait([*e.pending, *e.loading]))
         if e.pool is not None:
             e.pool.wait()
+    res.corrupted_blocks += int(pool.corrupted)
     res.stores_filtered = sum(e.manager.stores_skipped for e in engines)
     res.store_gbps = res.bytes_stored / res.store_seconds / 1e9 if res.store_seconds else 0.0
     res.load_gbps = res.bytes_loaded / res.load_seconds / 1e9 if res.load_seconds else 0.0
-    if prefill is not None:
-        _compute_totals(res, prefill, pool.marks, pool.timer)
+    if arms is not None:
+        arms.totals(res, without.res)
+        for e in without.engines:
+            e.close()
     _tier_totals(res, engines)
     for e in engines:
         e.close()
     res.wall_s = time.perf_counter() - t_start
     return res
+
+
+def _warm_up(config: ReplayConfig, warm: list[TraceRequest], pool: _EnginePool) -> None:
+    """Serves ``warm`` through ``pool``'s engines to fill their caches, untimed and uncounted
+    (nothing computed; bytes still move and are checked), then waits for its jobs. A broken
+    block is still reported in ``pool.res``."""
+    res = replace(pool.res, mechanisms={}, tier_hit_tokens={}, tiers={},
+                  per_request_gpu_hit_tokens=[], per_request_cpu_hit_tokens=[])  # fmt: skip
+    warmer = _EnginePool(config, warm, pool.engines, res, pool.device, pool.page, pool.factor,
+                         None, offload=pool.offload)  # fmt: skip
+    run_request_loop(warm, warmer, res, offload_key, trace_block_size=config.trace_block_size)
+    for e in warmer.engines:
+        warmer.finish(e, e.worker.wait([*e.pending, *e.loading]))
+        if e.pool is not None:
+            e.pool.wait()
+    pool.job_id = warmer.job_id  # job ids stay unique per worker
+    pool.res.corrupted_blocks += int(warmer.corrupted)
+    pool.res.failed_transfers += res.failed_transfers
+    pool.res.warmup_requests = len(warm)
+
+
+def _interleaved(
+    config: ReplayConfig, reqs: list[TraceRequest], pool: _EnginePool, num_gpu_blocks: int,
+    factor: int, page: int, num_layers: int, fingerprint: bytes,
+) -> tuple[Interleaved, _EnginePool]:  # fmt: skip
+    """With ``compute``: arm B (the same engines with their own GPU cache and prefix cache,
+    without kvoff: a one-slot pool that is never used, no tiers) and the interleaving."""
+    assert pool.prefill is not None
+    bare = replace(config, disk_path=None, disk_bytes=None, remote_url=None)
+    engines = [
+        _make_engine(bare, e, pool.device, num_gpu_blocks, 1, factor, page, num_layers, "lru",
+                     fingerprint)
+        for e in range(config.engines)
+    ]  # fmt: skip
+    res = ReplayResult(
+        trace=config.trace, model=pool.res.model, block_size=config.block_size,
+        offloaded_block_size=config.offloaded_block_size,
+        gpu_prefix_blocks=config.gpu_prefix_blocks, cpu_blocks=0, policy="none",
+    )  # fmt: skip
+    without = _EnginePool(config, reqs, engines, res, pool.device, page, factor, pool.prefill,
+                          offload=False)  # fmt: skip
+
+    def serve(lo: int, hi: int) -> list[Marks]:
+        without.offset, first = lo, len(without.marks)
+        run_request_loop(reqs[lo:hi], without, res, offload_key,
+                         trace_block_size=config.trace_block_size)  # fmt: skip
+        return without.marks[first:]
+
+    arms = Interleaved(config.interleave_requests, len(reqs), pool.timer, pool.prefill,
+                       pool.marks, serve)  # fmt: skip
+    return arms, without
 
 
 class _EnginePool:
@@ -547,13 +590,18 @@ class _EnginePool:
     def __init__(
         self, config: ReplayConfig, requests: Sequence[TraceRequest], engines: list[_Engine],
         res: ReplayResult, device: torch.device, page: int, factor: int,
-        prefill: _Prefill | None,
+        prefill: Prefill | None, offload: bool = True,
     ) -> None:  # fmt: skip
         self.config, self.requests, self.engines, self.res = config, requests, engines, res
         self.device, self.page, self.factor, self.prefill = device, page, factor, prefill
-        self.timer = _Timer(device)
-        self.marks: list[_Marks] = []
+        self.offload = offload  # False: the engine's own prefix cache alone (no kvoff)
+        self.timer = Timer(device)
+        self.marks: list[Marks] = []
+        self.offset = 0  # index in ``requests`` of the loop's request 0 (a chunk's first)
         self.job_id = 0
+        # loaded blocks that differ from their pattern, counted where they are checked (on a
+        # GPU a device tensor: reading it back per request would stall the host)
+        self.corrupted = torch.zeros((), dtype=torch.int64, device=device)
         # the request being served
         self.e = engines[0]
         self.blocks: RequestBlocks | None = None
@@ -568,6 +616,10 @@ class _EnginePool:
         res, pending, fences = self.res, e.pending, e.fences
         for r in results:
             res.mechanisms[r.mechanism] = res.mechanisms.get(r.mechanism, 0) + 1
+            loaded = e.loading.pop(r.job_id, None)
+            if loaded is not None:
+                self._loaded(e, loaded, r)
+                continue
             job = pending.pop(r.job_id, None)
             if job is None:
                 continue
@@ -584,8 +636,20 @@ class _EnginePool:
             else:
                 res.failed_transfers += 1
 
+    def _loaded(self, e: _Engine, keys: list[bytes], r: Any) -> None:
+        """A load's result: its slots are unpinned, its bytes and seconds counted."""
+        e.manager.complete_load(keys)
+        if not r.success:
+            self.res.failed_transfers += 1
+            return
+        self.res.bytes_loaded += r.num_bytes
+        self.res.load_seconds += r.seconds
+
     def begin(self, index: int, blocks: RequestBlocks, keys: list[bytes]) -> int:
-        """1. the engine's GPU prefix cache; fresh blocks wait for stores that still read them."""
+        """1. the engine's GPU prefix cache; the request's compute is ordered after the stores
+        that still read its fresh blocks (fences: a stream-ordered wait on a GPU, the host is
+        not held)."""
+        index += self.offset
         e = self.e = self.engines[_engine_of(self.requests[index], index, self.config)]
         self.finish(e, e.worker.get_finished())
         self.blocks = blocks
@@ -599,18 +663,21 @@ class _EnginePool:
             self.idents = list(zip(hids, range(num_full), strict=True))
             g = e.gpu_cache.leading_hits(self.idents)
         table = [e.gpu_cache.blocks[self.idents[p]] for p in range(g)]
-        table += [e.free.pop() for _ in range(num_req_blocks - g)]
+        table += [e.free.popleft() for _ in range(num_req_blocks - g)]
         self.table = table
         fenced = sorted({e.fences[b] for b in table[g:] if b in e.fences})
         if fenced:
             self.res.fence_waits += 1
             t0 = time.perf_counter()
-            self.finish(e, e.worker.wait(fenced))
+            e.worker.fence(fenced)
             self.res.fence_wait_s += time.perf_counter() - t0
         return g
 
     def lookup(self, keys: list[bytes]) -> int:
-        """2. kvoff lookup; a block being stored or promoted from a tier: wait, retry."""
+        """2. kvoff lookup; a block being stored or promoted from a tier: wait, retry (an
+        engine would schedule other requests meanwhile; a serial replay has none)."""
+        if not self.offload:
+            return 0
         e, res = self.e, self.res
         lookup = e.manager.lookup if e.pool is None else e.pool.lookup
         h = lookup(keys)
@@ -619,7 +686,7 @@ class _EnginePool:
             res.lookup_retries += 1
             tries += 1
             t0 = time.perf_counter()
-            self.finish(e, e.worker.wait(list(e.pending)))
+            self.finish(e, e.worker.wait([*e.pending, *e.loading]))
             if e.pool is not None:
                 e.pool.wait_reads()
             res.retry_wait_s += time.perf_counter() - t0
@@ -629,7 +696,9 @@ class _EnginePool:
         return h
 
     def load(self, keys: list[bytes], first: int, end: int) -> bool:
-        """2. the load of the GPU blocks after the GPU hits, waited for."""
+        """2. the load of the GPU blocks after the GPU hits. On a GPU the request's compute is
+        ordered after it on the stream (the host goes on; the slots stay pinned until its
+        result is taken); on the CPU it is done on return."""
         e, res, factor = self.e, self.res, self.factor
         cpu_ids = e.manager.prepare_load(keys)
         self.job_id += 1
@@ -639,24 +708,27 @@ class _EnginePool:
             CPUBlockSpec(tuple(cpu_ids)),
             GPUBlockSpec.single_group(self.table[first:end], block_index=first),
         )
-        (result,) = e.worker.wait([self.job_id])
-        res.load_wait_s += time.perf_counter() - t0
-        e.manager.complete_load(keys)
-        res.mechanisms[result.mechanism] = res.mechanisms.get(result.mechanism, 0) + 1
-        if not (ok and result.success):
-            res.failed_transfers += 1
-            return False
+        if self.device.type == "cuda" and ok:
+            e.loading[self.job_id] = keys
+            e.worker.fence([self.job_id])
+            res.load_wait_s += time.perf_counter() - t0
+        else:
+            (result,) = e.worker.wait([self.job_id])
+            res.load_wait_s += time.perf_counter() - t0
+            res.mechanisms[result.mechanism] = res.mechanisms.get(result.mechanism, 0) + 1
+            self._loaded(e, keys, result)  # a failed load is counted there
+            if not (ok and result.success):
+                return False
         if e.pool is not None:  # hit tokens by where each offloaded block came from
             for j, key in enumerate(keys, first // factor):
                 blocks = min((j + 1) * factor, end) - max(j * factor, first)
                 src = e.pool.take_source(key)
                 res.tier_hit_tokens[src] = res.tier_hit_tokens.get(src, 0) + blocks * res.block_size
-        res.bytes_loaded += result.num_bytes
-        res.load_seconds += result.seconds
         return True
 
     def touch(self, keys: list[bytes]) -> None:
-        self.e.manager.touch(keys)
+        if self.offload:
+            self.e.manager.touch(keys)
 
     def compute(self, gpu_hits: int, hit_end: int) -> None:
         """3. the prefill's cost (GEMMs for the computed tokens), the loaded blocks checked byte
@@ -670,7 +742,7 @@ class _EnginePool:
             gemm_start = self.timer.mark()
             self.prefill.run(computed)
             self.marks.append(
-                _Marks(self.start_mark, gemm_start, self.timer.mark(), length, computed)
+                Marks(self.start_mark, gemm_start, self.timer.mark(), length, computed)
             )
         rows_of = self.e.gpu_rows
         if hit_end > g:  # loaded
@@ -681,7 +753,7 @@ class _EnginePool:
                                      device)  # fmt: skip
                 bad |= (rows[ids] != want).any(dim=1)
             self.res.blocks_verified += hit_end - g
-            self.res.corrupted_blocks += int(bad.sum())
+            self.corrupted += bad.sum()
         if hit_end < len(block_hids):
             ids = torch.tensor(table[hit_end:], dtype=torch.int64, device=device)
             for layer, rows in enumerate(rows_of):
@@ -692,6 +764,8 @@ class _EnginePool:
         """4. full offloaded blocks that hold computed tokens, stored in the background (the
         stored blocks are counted when the store finishes)."""
         e, factor = self.e, self.factor
+        if not self.offload:
+            return StoreOutcome(stored=0, evicted=0)
         out = e.manager.prepare_store(keys)
         if out is None:
             return None
@@ -714,36 +788,11 @@ class _EnginePool:
         """5. recency; the engine keeps the full GPU blocks in its prefix cache, the rest is
         freed (a freed block under a store in flight is fenced when it is allocated again)."""
         e, table = self.e, self.table
-        e.manager.touch(keys)
+        if self.offload:
+            e.manager.touch(keys)
         if self.config.gpu_prefix_blocks:
             num_full = len(self.idents)
             owned = e.gpu_cache.admit(self.idents, table[:num_full], set(table))
             e.free.extend(bid for bid in table if bid not in owned)
         else:
             e.free.extend(table)
-
-
-def _compute_totals(
-    res: ReplayResult, prefill: _Prefill, marks: list[_Marks], timer: _Timer
-) -> None:
-    """Fill the compute fields: the kvoff pass's marks, then the GEMMs alone (second pass)."""
-    res.time_kvoff_s = sum(timer.seconds(m.start, m.gemm_end) for m in marks)
-    res.gemm_s = sum(timer.seconds(m.gemm_start, m.gemm_end) for m in marks)
-    full = 0.0
-    alone = 0.0
-    for m in marks:
-        a = timer.mark()
-        prefill.run(m.input_tokens)
-        b = timer.mark()
-        prefill.run(m.computed_tokens)
-        c = timer.mark()
-        full += timer.seconds(a, b)
-        alone += timer.seconds(b, c)
-    res.time_recompute_s = full
-    res.gemm_alone_s = alone
-    res.gemm_lost_s = res.gemm_s - alone
-    res.compute_flops_per_token = prefill.flops_per_token
-    res.speedup = full / res.time_kvoff_s if res.time_kvoff_s else None
-    res.ideal_speedup = 1.0 / (1.0 - res.hit_rate) if res.hit_rate < 1 else None
-    if res.speedup is not None and res.ideal_speedup is not None:
-        res.speedup_vs_ideal = res.speedup / res.ideal_speedup

@@ -80,7 +80,11 @@ class ReplayConfig:
         store_threshold: the manager's store admission (offers before a block is stored;
             0 or 1: off; not with ``"min"``).
         max_tracker_size: keys whose offers the admission filter counts at most.
-        limit: replay only the first ``limit`` requests.
+        limit: replay only ``limit`` requests.
+        start: the first request replayed (0-based; the ones before it are skipped).
+        warmup_requests: of the requests replayed, the first ones only fill the caches: served
+            without compute, not counted in the totals (only a corrupted block or a failed
+            transfer among them is) nor timed.
         trace_block_size: tokens per trace hash id (512 for Mooncake).
         device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``): where the "GPU" cache lives.
         gpu_layout: ``"layer_major"`` or ``"block_contiguous"``.
@@ -88,6 +92,8 @@ class ReplayConfig:
             budget).
         compute: also run the prefill's GEMMs and report the time against recomputing.
         compute_chunk_tokens: tokens per GEMM chunk of the prefill cost (a chunked prefill).
+        interleave_requests: with ``compute``, requests served with kvoff before the same ones
+            are served by the engine's prefix cache alone (:mod:`kvoff.tools.replay_compute`).
         disk_path: a folder for a disk tier below the CPU pool (with ``disk_bytes``; one
             sub-folder per engine when ``engines > 1``).
         disk_bytes: bytes of the disk tier (per engine).
@@ -117,12 +123,15 @@ class ReplayConfig:
     store_threshold: int = 0
     max_tracker_size: int = 64000
     limit: int | None = None
+    start: int = 0
+    warmup_requests: int = 0
     trace_block_size: int = MOONCAKE_BLOCK_SIZE
     device: str = "cpu"
     gpu_layout: str = "layer_major"
     mechanism: str = "auto"
     compute: bool = False
     compute_chunk_tokens: int = DEFAULT_COMPUTE_CHUNK_TOKENS
+    interleave_requests: int = 16
     disk_path: str | None = None
     disk_bytes: int | None = None
     remote_url: str | None = None
@@ -137,17 +146,23 @@ class ReplayConfig:
 class ReplayResult:
     """Totals of a replay (tokens, blocks, bytes, seconds) plus per-request hit tokens.
 
-    The ``time_*``, ``speedup*`` and ``gemm_*`` fields are set with ``compute`` (seconds; see
-    :mod:`kvoff.tools.replay`), ``None`` otherwise.
+    The ``time_*``, ``ttft_*``, ``speedup*``, ``gemm_*`` and ``saving_fraction`` fields are set
+    with ``compute`` (seconds; see :mod:`kvoff.tools.replay_compute`), ``None`` otherwise:
+    ``time_with_s`` and ``time_without_s`` are the run with kvoff and with the engine's prefix
+    cache alone (``hit_tokens_without`` its hits), interleaved per ``interleave_requests``
+    requests; ``time_ideal_s`` the GEMMs for the tokens no cache hit; ``time_recompute_s``
+    those for every input token; ``ttft_p50/p99_with/without_s`` the time to first token.
 
     ``stores_skipped`` counts offloaded blocks not stored because ``prepare_store`` found no
     room; ``stores_filtered`` those the ``store_threshold`` admission filter skipped (the
     manager's ``stores_skipped``).
 
-    Host seconds the request loop spent blocked, where a request waits before its compute:
-    ``fence_wait_s`` on stores still reading GPU blocks it was given (``fence_waits`` times),
-    ``retry_wait_s`` on jobs in flight before a lookup answered "retry later"
-    (``lookup_retries`` times), ``load_wait_s`` from submitting its load to the load's end.
+    Host seconds the request loop spent where a request waits before its compute:
+    ``fence_wait_s`` ordering its compute after stores still reading GPU blocks it was given
+    (``fence_waits`` times; a stream-ordered wait on a GPU, so only the call's own cost),
+    ``retry_wait_s`` blocked on jobs in flight before a lookup answered "retry later"
+    (``lookup_retries`` times), ``load_wait_s`` from submitting its load to the load's end on
+    the CPU, to its stream-ordered wait on a GPU.
     """
 
     trace: str
@@ -196,11 +211,23 @@ class ReplayResult:
     speedup: float | None = None
     ideal_speedup: float | None = None
     speedup_vs_ideal: float | None = None
+    time_with_s: float | None = None
+    time_without_s: float | None = None
+    time_ideal_s: float | None = None
+    saving_fraction: float | None = None
+    ttft_p50_with_s: float | None = None
+    ttft_p99_with_s: float | None = None
+    ttft_p50_without_s: float | None = None
+    ttft_p99_without_s: float | None = None
+    hit_tokens_without: int | None = None
+    interleave_requests: int | None = None
+    interleaved_chunks: int | None = None
     gemm_s: float | None = None
     gemm_alone_s: float | None = None
     gemm_lost_s: float | None = None
     compute_flops_per_token: float | None = None
     engines: int = 1
+    warmup_requests: int = 0
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, Any] = field(default_factory=dict)
     tier_corrupted_blocks: int = 0
@@ -254,15 +281,20 @@ def check_pool_settings(config: ReplayConfig) -> None:
 def replay_requests(
     config: ReplayConfig, requests: list[TraceRequest] | None = None
 ) -> list[TraceRequest]:
-    """The requests a replay of ``config`` serves: ``requests`` (already loaded) or the trace,
-    the first ``config.limit`` of them.
+    """The requests a replay of ``config`` serves: ``requests`` (already loaded, the whole
+    trace or its first ``start + limit``) or the trace; ``config.limit`` of them from request
+    ``config.start`` on.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`kvoff.tools.traces.load_trace`.
+        FileNotFoundError / ValueError: as :func:`kvoff.tools.traces.load_trace`;
+            ValueError also for ``start`` < 0.
     """
+    if config.start < 0:
+        raise ValueError(f"start must be >= 0 (a request index), got {config.start}")
+    stop = None if config.limit is None else config.start + config.limit
     if requests is None:
-        return load_trace(config.trace, config.limit, config.trace_block_size)
-    return requests[: config.limit] if config.limit is not None else requests
+        requests = load_trace(config.trace, stop, config.trace_block_size)
+    return requests[config.start : stop]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 One JSON object per line: ``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens),
 ``hash_ids`` (one id per ``trace_block_size`` = 512 tokens, keyed by the whole prefix: equal id
 means equal block and everything before it; the last id covers the partial remainder). Two real
-traces ship with kvoff under ``kvoff/data/traces`` (see ``SOURCES.md`` there).
+traces ship with kvoff under ``kvoff/data/traces`` (see ``SOURCES.md`` there); a third bundled
+name, ``unique``, is derived from ``conversation`` at load time (:func:`unique_hash_ids`): the
+same requests with no block shared, the zero-reuse case.
 """
 
 from __future__ import annotations
@@ -14,12 +16,29 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["BUNDLED_TRACES", "MOONCAKE_BLOCK_SIZE", "TraceRequest", "load_trace", "resolve_trace"]
+__all__ = [
+    "BUNDLED_TRACES",
+    "MOONCAKE_BLOCK_SIZE",
+    "UNIQUE_HASH_ID_BASE",
+    "TraceRequest",
+    "load_trace",
+    "resolve_trace",
+    "unique_hash_ids",
+]
 
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per hash id in the Mooncake traces (FAST'25 release README)."""
 
-BUNDLED_TRACES = ("conversation", "synthetic")
+BUNDLED_TRACES = ("conversation", "synthetic", "unique")
+
+_DERIVED_TRACES = {"unique": "conversation"}
+"""Bundled names with no file of their own: name -> the bundled trace they are derived from."""
+
+UNIQUE_HASH_ID_BASE = 2**36
+"""First hash id :func:`unique_hash_ids` hands out: far above the Mooncake traces' ids (below
+2**18), so a ``unique`` replay shares no block with a ``conversation`` replay even in a tier that
+outlives one run (a disk folder, a remote namespace), and low enough that ``id * 2**20 + t``
+(the vLLM replay's prompt tokens) does not wrap 64 bits."""
 
 
 @dataclass(frozen=True)
@@ -40,14 +59,19 @@ class TraceRequest:
 
 
 def resolve_trace(trace: str) -> Path:
-    """Path of a bundled trace by name (``conversation``, ``synthetic``) or of a file.
+    """Path of a bundled trace by name (``conversation``, ``synthetic``, ``unique``) or of a
+    file.
+
+    A derived name (``unique``) has no file of its own: its path is that of the trace it is
+    derived from (``conversation``); :func:`load_trace` applies the transform.
 
     Raises:
         FileNotFoundError: when ``trace`` is neither a bundled name nor an existing file; the
             message lists the bundled names.
     """
     if trace in BUNDLED_TRACES:
-        ref = resources.files("kvoff") / "data" / "traces" / f"{trace}_trace.jsonl"
+        name = _DERIVED_TRACES.get(trace, trace)
+        ref = resources.files("kvoff") / "data" / "traces" / f"{name}_trace.jsonl"
         return Path(str(ref))
     path = Path(trace)
     if not path.is_file():
@@ -63,7 +87,8 @@ def load_trace(
     """Read a Mooncake-format trace.
 
     Args:
-        trace: a bundled trace name or a path to a JSONL file.
+        trace: a bundled trace name or a path to a JSONL file. ``unique`` reads
+            ``conversation`` and makes every hash id unique (:func:`unique_hash_ids`).
         limit: read only the first ``limit`` requests.
         trace_block_size: tokens per hash id (512 for Mooncake).
 
@@ -127,6 +152,42 @@ def load_trace(
             out.append(req)
     if not seen_record:
         raise ValueError(f"{path}: the trace has no requests (an empty file); give a JSONL trace")
+    if str(trace) == "unique":
+        return unique_hash_ids(out)
+    return out
+
+
+def unique_hash_ids(
+    requests: list[TraceRequest], base: int = UNIQUE_HASH_ID_BASE
+) -> list[TraceRequest]:
+    """``requests`` with every hash id replaced by a fresh one: no two blocks of the trace, in
+    one request or across requests, share an id, so a replay finds no prefix to reuse (hit rate
+    and full-block maximum 0). Timestamps and lengths are kept.
+
+    The ids are ``base, base + 1, ...`` in trace order (request by request, block by block):
+    deterministic, and the first ``n`` requests get the same ids whatever the trace's length.
+
+    Args:
+        requests: the trace.
+        base: the first id.
+
+    Raises:
+        ValueError: when the ids would not fit int64 (``base`` plus the trace's hash id count
+            exceeds ``2**63 - 1``, or ``base`` is below ``-2**63``); lower ``base``.
+    """
+    total = sum(len(r.hash_ids) for r in requests)
+    if base < _INT64_MIN or base + total - 1 > _INT64_MAX:
+        raise ValueError(
+            f"unique hash ids base={base} .. {base + total - 1} do not fit int64 "
+            "[-2**63, 2**63 - 1]; lower base"
+        )
+    out: list[TraceRequest] = []
+    next_id = base
+    for r in requests:
+        n = len(r.hash_ids)
+        ids = tuple(range(next_id, next_id + n))
+        next_id += n
+        out.append(TraceRequest(r.timestamp_ms, r.input_length, r.output_length, ids))
     return out
 
 

@@ -5,11 +5,13 @@ engine (``--engine vllm``, :mod:`kvoff.tools.replay_vllm`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvoff._optional import require
 from kvoff.tools.cli.common import (
     check_output,
     int_at_least,
@@ -23,6 +25,7 @@ from kvoff.tools.cli.replay_report import format_replay
 
 if TYPE_CHECKING:
     from kvoff.tools.request_loop import ReplayConfig
+    from kvoff.tools.traces import TraceRequest
 
 __all__ = ["add_parser", "run"]
 
@@ -57,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rp.add_argument(
         "--trace",
         default="conversation",
-        help="'conversation' or 'synthetic' (bundled Mooncake traces) or a JSONL path "
+        help="'conversation' or 'synthetic' (bundled Mooncake traces), 'unique' (the "
+        "conversation trace's lengths, no block shared: nothing to gain) or a JSONL path "
         "(default: conversation)",
     )
     rp.add_argument(
@@ -163,6 +167,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also run each request's prefill cost (2 x parameters FLOPs per computed token as "
         "GEMMs) and report the time against recomputing every token and the ideal speedup",
+    )
+    rp.add_argument(
+        "--start",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="replay from request N on (0-based; default: 0)",
+    )
+    rp.add_argument(
+        "--best-reuse-window",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="replay the N consecutive requests that reuse the most tokens among themselves "
+        "(sets --start and --limit; for a short GPU run with many hits)",
+    )
+    rp.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="first serve the N requests before the replayed ones (before --start or the "
+        "--best-reuse-window), to fill the caches; they are not counted or timed (default: 0)",
+    )
+    rp.add_argument(
+        "--interleave-requests",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="with --compute: requests served with kvoff before the same ones are served by "
+        "the engine's prefix cache alone, to time both under the same GPU clock (default: 16)",
     )
     rp.add_argument(
         "--compute-chunk-tokens",
@@ -360,12 +395,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         store_threshold=pool.store_threshold,
         max_tracker_size=pool.max_tracker_size,
         limit=args.limit,
+        start=args.start,
         trace_block_size=args.trace_block_size,
         device=args.device,
         gpu_layout=args.gpu_layout,
         mechanism=args.mechanism,
         compute=args.compute,
         compute_chunk_tokens=args.compute_chunk_tokens,
+        interleave_requests=args.interleave_requests,
         disk_path=None if pool.disk_path is None else str(pool.disk_path),
         disk_bytes=pool.disk_bytes,
         remote_url=pool.remote_url,
@@ -376,7 +413,21 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     )
     if sweeping:
         return _sweep(args, argv, config)
-    requests = load_trace(config.trace, config.limit, config.trace_block_size)
+    window = None
+    if args.best_reuse_window is not None:
+        if args.limit is not None or args.start:
+            raise ValueError(
+                "--best-reuse-window picks the first request and the count; drop --start and "
+                "--limit"
+            )
+        window, config, whole = _best_window(config, args.best_reuse_window)
+    stop = None if config.limit is None else config.start + config.limit
+    if window is None:
+        whole = load_trace(config.trace, stop, config.trace_block_size)
+    warmup = min(args.warmup, config.start)
+    requests = whole[config.start - warmup : stop]
+    # requests holds exactly the warm-up and the replayed ones
+    config = dataclasses.replace(config, start=0, limit=None, warmup_requests=warmup)
     # tqdm's disable=None turns the bar off when stderr is not a terminal
     with tqdm(
         total=len(requests),
@@ -397,11 +448,45 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     s = result.summary()
     print(format_replay(s))
     if args.json is not None:
-        write_json(args.json, {"run": run_info(argv), "result": s})
+        doc = {"run": run_info(argv), "result": s}
+        if window is not None:
+            doc["window"] = window
+        write_json(args.json, doc)
     if s["device"] == "offline":  # Belady's MIN: nothing moved, nothing to fail
         return 0
     bad = s["corrupted_blocks"] or s["failed_transfers"]
     return 1 if bad else 0
+
+
+def _best_window(
+    config: ReplayConfig, size: int
+) -> tuple[dict[str, Any], ReplayConfig, list[TraceRequest]]:
+    """``--best-reuse-window``: the whole trace replayed through this run's pool by the C++
+    manager alone (no bytes move, no GPU prefix cache), then the ``size`` requests in a row
+    with the highest hit fraction."""
+    from kvoff.tools.policy_sim import run_manager_replay
+    from kvoff.tools.replay import replay_cpu_blocks
+    from kvoff.tools.trace_windows import best_hit_window
+    from kvoff.tools.traces import load_trace
+
+    whole = load_trace(config.trace, None, config.trace_block_size)
+    sim_config = dataclasses.replace(
+        config, start=0, limit=None, gpu_prefix_blocks=0, cpu_blocks=replay_cpu_blocks(config),
+        cpu_bytes=None, disk_path=None, disk_bytes=None, remote_url=None, engines=1,
+    )  # fmt: skip
+    sim = run_manager_replay(sim_config, requests=whole)
+    start, fraction = best_hit_window(
+        [r.input_length for r in whole], sim.per_request_cpu_hit_tokens, size
+    )
+    print(
+        f"best-reuse window: requests {start}..{start + size - 1}, {fraction:.1%} of their "
+        f"tokens hit when the whole trace is replayed through {sim.cpu_blocks} CPU blocks "
+        f"(the whole trace: {sim.hit_rate:.1%})",
+        file=sys.stderr,
+    )
+    window = {"start": start, "requests": size, "simulated_hit_rate": fraction,
+              "simulated_cpu_blocks": sim.cpu_blocks}  # fmt: skip
+    return window, dataclasses.replace(config, start=start, limit=size), whole
 
 
 def _sweep(args: argparse.Namespace, argv: Sequence[str] | None, config: ReplayConfig) -> int:
@@ -421,12 +506,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str] | None, config: ReplayC
     )
     plot_path = None
     if args.plot is not None:
-        try:  # before the sweep, not after it
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise ValueError(
-                'kvoff replay --plot needs matplotlib: pip install "kvoff[plot]" (or matplotlib)'
-            ) from exc
+        require("matplotlib", "kvoff replay --plot")  # before the sweep, not after it
         plot_path = args.plot if args.plot.suffix else args.plot.with_suffix(".png")
         check_output(plot_path, "--plot")
     log = None if args.no_progress else lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)

@@ -34,7 +34,9 @@ def format_replay(s: dict[str, Any]) -> str:
         return text
     text = (
         f"kvoff replay: {s['requests']} requests of trace {s['trace']!r}, model {s['model']}, "
-        f"block_size {s['block_size']}, offloaded_block_size {s['offloaded_block_size']}\n"
+        f"block_size {s['block_size']}, offloaded_block_size {s['offloaded_block_size']}"
+        + (f", after {s['warmup_requests']:,} warm-up requests" if s["warmup_requests"] else "")
+        + "\n"
         f"  pool: {s['cpu_blocks']} CPU blocks ({s['cpu_pool_bytes'] / gib:.2f} GiB, "
         f"{s['policy']}{threshold}), GPU prefix cache {s['gpu_prefix_blocks']} blocks\n"
         f"  input tokens     {s['input_tokens']:>14,}\n"
@@ -70,6 +72,20 @@ def format_replay(s: dict[str, Any]) -> str:
             + (f"{ideal:.3f}x; {s['speedup_vs_ideal']:.1%} of it)" if ideal else "n/a)")
             + f"\n  GEMM lost        {s['gemm_lost_s']:>14.3f} s to transfers beside it "
             f"({s['gemm_s']:.3f} s vs {s['gemm_alone_s']:.3f} s alone)"
+        )
+    if s.get("time_with_s") is not None:
+        saving = s["saving_fraction"]
+        text += "\n" + (
+            f"  interleaved      {s['interleaved_chunks']:>14,} chunks of "
+            f"{s['interleave_requests']} requests: with kvoff, then the engine's prefix cache "
+            f"alone ({s['hit_tokens_without']:,} hit tokens)\n"
+            f"  time with        {s['time_with_s']:>14.3f} s   TTFT p50 "
+            f"{s['ttft_p50_with_s'] * 1e3:.2f} ms, p99 {s['ttft_p99_with_s'] * 1e3:.2f} ms\n"
+            f"  time without     {s['time_without_s']:>14.3f} s   TTFT p50 "
+            f"{s['ttft_p50_without_s'] * 1e3:.2f} ms, p99 {s['ttft_p99_without_s'] * 1e3:.2f} ms\n"
+            f"  time ideal       {s['time_ideal_s']:>14.3f} s (GEMMs for the tokens no cache hit)\n"
+            f"  with / without   {s['time_with_s'] / s['time_without_s']:>14.3f}    saving "
+            + ("n/a (nothing to save)" if saving is None else f"{saving:.1%} of the possible")
         )
     return text
 
