@@ -28,6 +28,7 @@ from typing import Annotated, Any, ClassVar
 
 import pydantic
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -36,6 +37,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    SecretStr,
     field_validator,
     model_validator,
 )
@@ -191,6 +193,26 @@ OptionalPath = Annotated[Path | None, BeforeValidator(_empty_is_none)]
 """A path, or unset (``None``, or an empty string)."""
 
 
+def _secret_before(value: Any) -> Any:
+    """``shared_secret``'s input: text (or a ``SecretStr``) as given, empty text as unset.
+    Anything else becomes an empty secret, which :func:`_secret_after` refuses (the error shows
+    neither: :meth:`OffloadingConfig._hide_secret`)."""
+    if value is None or isinstance(value, SecretStr):
+        return value
+    if isinstance(value, str):
+        return SecretStr(value) if value else None
+    return SecretStr("")
+
+
+def _secret_after(value: SecretStr | None) -> SecretStr | None:
+    if value is not None and len(value.get_secret_value().encode()) < 16:
+        raise ValueError(
+            "shared_secret must be text of at least 16 bytes (UTF-8); generate one with "
+            "`openssl rand -hex 32`"
+        )
+    return value
+
+
 def _auto_before(value: Any) -> Any:
     if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null", ""):
         return None
@@ -290,14 +312,21 @@ class OffloadingConfig(BaseModel):
         max_tracker_size: keys whose offers ``store_threshold`` counts at most, the least
             recently offered forgotten first (1 to 2**31 - 1; default 64000, vLLM's; about 104
             bytes of host memory each; unused while ``store_threshold`` < 2).
+        shared_secret: the key of the MAC every block written to the disk and Redis tiers
+            carries (text; its UTF-8 bytes are the key, at least 16 bytes, e.g. the output of
+            ``openssl rand -hex 32``); ``None`` (default): no MAC. Blocks without a valid MAC
+            are misses, counted in the tier's ``unauthenticated_blocks``, never served
+            (:mod:`kvoff.tiers.block_format`). Every engine sharing a tier needs the same
+            secret. A ``pydantic.SecretStr``: ``repr``, ``str`` and errors never show it; set
+            it with ``KVOFF_SHARED_SECRET`` rather than in a file others can read.
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
             the two sizes, an unknown policy (the message lists the choices), a remote TTL or
             timeout that is not finite or too long, a negative or non-finite
             ``compute_slowdown_budget``, a ``store_threshold`` outside [0, 2**20], a
-            ``max_tracker_size`` outside [1, 2**31 - 1], a bool where a number belongs, or an
-            unknown key.
+            ``max_tracker_size`` outside [1, 2**31 - 1], a bool where a number belongs, a
+            ``shared_secret`` shorter than 16 bytes or not text, or an unknown key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -325,6 +354,9 @@ class OffloadingConfig(BaseModel):
     store_batch_blocks: Annotated[Count, Field(le=1 << 20)] = 4
     store_threshold: Annotated[NonNegativeInt, BeforeValidator(_not_bool), Field(le=1 << 20)] = 0
     max_tracker_size: Annotated[Count, Field(le=2**31 - 1)] = 64000
+    shared_secret: Annotated[
+        SecretStr | None, BeforeValidator(_secret_before), AfterValidator(_secret_after)
+    ] = None
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
@@ -386,6 +418,32 @@ class OffloadingConfig(BaseModel):
         if not ns or any(c in ns for c in " :\n\t"):
             raise ValueError(f"remote_namespace={ns!r} must be non-empty, without spaces or ':'")
         return self
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _hide_secret(cls, data: Any, handler: pydantic.ModelWrapValidatorHandler[Any]) -> Any:
+        """Validation errors never show ``shared_secret``: pydantic puts each error's input in
+        its text and ``errors()`` (a model-level error's input is every key given), so the
+        errors are raised again with the secret replaced by ``**********``."""
+        try:
+            return handler(data)
+        except pydantic.ValidationError as exc:
+            if not isinstance(data, Mapping) or data.get("shared_secret") is None:
+                raise
+            hidden, title = "**********", exc.title
+            details: list[Any] = []
+            for err in exc.errors():
+                value = err["input"]
+                if err["loc"][:1] == ("shared_secret",):
+                    value = hidden
+                elif isinstance(value, Mapping) and "shared_secret" in value:
+                    value = {**value, "shared_secret": hidden}
+                detail = {"type": err["type"], "loc": err["loc"], "input": value}
+                if "ctx" in err:
+                    detail["ctx"] = err["ctx"]
+                details.append(detail)
+        # raised outside the handler, so the original error is not chained to it
+        raise pydantic.ValidationError.from_exception_data(title, details)
 
     @property
     def has_tiers(self) -> bool:

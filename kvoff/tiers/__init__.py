@@ -1,7 +1,8 @@
 """Secondary tiers below kvoff's CPU pool (L1): a local disk tier and a shared Redis Cluster tier.
 
 * :mod:`kvoff.tiers.block_format`: the header every stored block carries (magic, version,
-  layout fingerprint, key, length, xxh3 checksum) and :func:`layout_fingerprint`.
+  layout fingerprint, key, length, xxh3 checksum; with a ``shared_secret``, an HMAC-SHA256 over
+  header, key and payload) and :func:`layout_fingerprint`.
 * :mod:`kvoff.tiers.base`: :class:`SecondaryTier`, the interface (batched, thread-safe, never
   raising for I/O conditions).
 * :mod:`kvoff.tiers.disk`: :class:`DiskTier`, slots in one preallocated file, O_DIRECT, LRU,

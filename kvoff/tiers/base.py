@@ -39,6 +39,9 @@ STAT_KEYS: tuple[str, ...] = (
     "writes_dropped",  # put() keys answered False (full, unwritable, timeout, error)
     "corrupted_blocks",  # blocks rejected for a bad header or payload checksum (never served)
     "fingerprint_mismatches",  # blocks of another model / layout / rank seen and not served
+    # blocks rejected for their MAC (never served): with a shared_secret, a plain block, one of
+    # another secret or with a byte changed; without one, a MAC'd block (block_format "auth")
+    "unauthenticated_blocks",
     "timeouts",  # operations that ran into the tier's timeout
     "evictions",  # blocks removed: evict() calls and the tier's own eviction
     "io_errors",  # OSError / connection errors met (each is also a miss or a dropped write)

@@ -36,6 +36,7 @@ write-through calls.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import itertools
 import logging
@@ -93,6 +94,7 @@ def make_tiers(
     remote_namespace: str = "kvoff",
     remote_ttl_s: float | None = None,
     remote_timeout_s: float = 0.25,
+    shared_secret: bytes | None = None,
 ) -> list[SecondaryTier]:
     """Secondary tiers, fastest first: a :class:`~kvoff.tiers.DiskTier` of ``disk_bytes`` bytes
     in ``disk_path``, then a :class:`~kvoff.tiers.redis_cluster.RedisClusterTier` on
@@ -101,13 +103,19 @@ def make_tiers(
 
     Args:
         fmt: the block format (layout fingerprint, payload bytes = the CPU slot size).
+        shared_secret: when given, the key of the MAC every block of these tiers carries
+            (bytes, at least 16; it replaces ``fmt.shared_secret``): blocks without a valid
+            MAC are misses, counted in ``unauthenticated_blocks``
+            (:mod:`kvoff.tiers.block_format`). ``None``: ``fmt`` as it is.
 
     Raises:
         ValueError / OSError: what the tiers' constructors raise (a disk path that cannot be
-            created or sized, a bad URL or namespace); the tiers already made are closed
-            first. An unreachable Redis Cluster is not an error: its blocks are misses until it
-            answers.
+            created or sized, a bad URL or namespace), or a ``shared_secret`` shorter than 16
+            bytes; the tiers already made are closed first. An unreachable Redis Cluster is
+            not an error: its blocks are misses until it answers.
     """
+    if shared_secret is not None:
+        fmt = dataclasses.replace(fmt, shared_secret=shared_secret)
     tiers: list[SecondaryTier] = []
     try:
         if disk_path is not None:
@@ -136,11 +144,13 @@ def make_tiers(
 def tiers_from_config(config: OffloadingConfig, fmt: BlockFormat) -> list[SecondaryTier]:
     """:func:`make_tiers` with the tier keys of an :class:`~kvoff.OffloadingConfig`
     (``disk_path``, ``disk_bytes``, ``remote_url``, ``remote_namespace``, ``remote_ttl_s``,
-    ``remote_timeout_s``).
+    ``remote_timeout_s``) and its ``shared_secret`` (UTF-8 bytes of the text; unset: ``fmt``'s
+    own, usually none).
 
     Raises:
         As :func:`make_tiers`.
     """
+    secret = config.shared_secret
     return make_tiers(
         fmt,
         disk_path=config.disk_path,
@@ -149,6 +159,7 @@ def tiers_from_config(config: OffloadingConfig, fmt: BlockFormat) -> list[Second
         remote_namespace=config.remote_namespace,
         remote_ttl_s=config.remote_ttl_s,
         remote_timeout_s=config.remote_timeout_s,
+        shared_secret=None if secret is None else secret.get_secret_value().encode(),
     )
 
 

@@ -18,9 +18,11 @@ a held key refresh a block; ``contains`` does not). A ``put`` that finds no free
 least recently used block that is neither being read nor part of the same ``put`` batch.
 
 Restart: a new :class:`DiskTier` on the same file rebuilds its index by scanning the slot headers
-(not the payloads: the payload checksum is verified by every ``get``). A header of another
-fingerprint is not indexed (counted in ``fingerprint_mismatches``) and its slot is reused; an
-invalid header is a free slot. The rebuilt LRU order is the write order (header ``stamp``). A file
+(not the payloads: the payload checksum, or the MAC, is verified by every ``get``). A header of
+another fingerprint is not indexed (counted in ``fingerprint_mismatches``) and its slot is
+reused; so is a header whose mode differs from the tier's (a plain header under a
+``shared_secret``, a MAC'd one without: counted in ``unauthenticated_blocks``); an invalid
+header is a free slot. The rebuilt LRU order is the write order (header ``stamp``). A file
 written with another payload size (its superblock's ``slot_bytes`` / ``payload_bytes`` differ) is
 treated as foreign and **recreated empty** (``stats()["recreated_files"] == 1``): its blocks
 could never be served under this layout anyway, just as blocks of another fingerprint are
@@ -34,6 +36,12 @@ Crash safety: a block's header and payload are written by one system call (a run
 consecutive slots by one ``pwritev``); ``evict`` zeroes the header. A torn write leaves an old or
 missing header, or a header whose payload checksum does not match: a miss at ``get``, counted in
 ``corrupted_blocks``, never served.
+
+Authentication: with ``fmt.shared_secret`` set (another host may mount the folder, and anyone
+who can write the file could plant blocks), every block carries a MAC over its header, key and
+payload (:mod:`kvoff.tiers.block_format`); a block whose MAC does not verify at ``get`` is a
+miss, counted in ``unauthenticated_blocks``, dropped from the index like a corrupt block and
+never served.
 
 Failures: an unwritable path (say its parent is a regular file), a full disk (ENOSPC), the file
 size limit (EFBIG), I/O errors: ``put`` drops the blocks (``writes_dropped``, ``io_errors``),
@@ -99,6 +107,13 @@ RUN_BYTES = 2 << 20
 #: The kernel's limit on buffers per ``preadv`` (IOV_MAX on Linux), two per block.
 _IOV_MAX = 1024
 _ZERO_HEADER = bytes(HEADER_BYTES)
+#: The counter of a read's rejection reason (:func:`~kvoff.tiers.block_format.check_block`, or
+#: ``"io"``); every other reason is ``corrupted_blocks``.
+_REASON_COUNTERS = {
+    "fingerprint": "fingerprint_mismatches",
+    "auth": "unauthenticated_blocks",
+    "io": "io_errors",
+}
 
 T = TypeVar("T")
 J = TypeVar("J", bound=tuple)
@@ -458,7 +473,7 @@ class DiskTier(SecondaryTier):
         """Rebuild the index from the headers of slots ``0..count-1``."""
         found: dict[bytes, tuple[int, int]] = {}
         stale: list[int] = []
-        corrupt = foreign = 0
+        corrupt = foreign = unauthenticated = 0
 
         def read_header(slot: int) -> bytes | None:
             buf = self._bounce()[:HEADER_BYTES]
@@ -479,6 +494,9 @@ class DiskTier(SecondaryTier):
             if info.fingerprint != self.fmt.fingerprint:
                 foreign += 1
                 continue
+            if info.mac != self.fmt.authenticated:  # verified (MAC) by every get
+                unauthenticated += 1
+                continue
             if info.payload_bytes != self.fmt.payload_bytes:
                 corrupt += 1
                 continue
@@ -493,7 +511,11 @@ class DiskTier(SecondaryTier):
         self._stamp = max((stamp for stamp, _ in found.values()), default=0)
         for slot in stale:
             self._zero_header(slot)
-        self._stats.add(corrupted_blocks=corrupt, fingerprint_mismatches=foreign)
+        self._stats.add(
+            corrupted_blocks=corrupt,
+            fingerprint_mismatches=foreign,
+            unauthenticated_blocks=unauthenticated,
+        )
         self._stats.set(scanned_slots=count, recovered_blocks=len(self._index))
 
     # ------------------------------------------------------------------ I/O helpers
@@ -772,7 +794,10 @@ class DiskTier(SecondaryTier):
         is served and the blocks stay held), drop bad blocks, free slots whose last reader this
         was, count. A block is not served when a :meth:`clear` ran since ``generation``."""
         release: list[int] = []
-        counts = dict.fromkeys(("corrupted_blocks", "fingerprint_mismatches", "io_errors"), 0)
+        counts = dict.fromkeys(
+            ("corrupted_blocks", "fingerprint_mismatches", "unauthenticated_blocks", "io_errors"),
+            0,
+        )
         with self._lock:
             cleared = generation != self._generation  # the blocks read predate a clear()
             for n, (i, (slot, key, _)) in enumerate(zip(where, jobs, strict=True)):
@@ -781,11 +806,7 @@ class DiskTier(SecondaryTier):
                 if reason is None:
                     results[i] = not cleared
                 elif reasons is not None:
-                    counts[
-                        {"fingerprint": "fingerprint_mismatches", "io": "io_errors"}.get(
-                            reason, "corrupted_blocks"
-                        )
-                    ] += 1
+                    counts[_REASON_COUNTERS.get(reason, "corrupted_blocks")] += 1
                     if self._index.get(key) == slot:
                         del self._index[key]
                         self._doomed.add(slot)

@@ -81,7 +81,11 @@ class RankedTier(SecondaryTier):
             fingerprints[fp] = r
         self.ranks = list(ranks)
         self.name = ranks[0].name
-        self.fmt = BlockFormat(ranks[0].fmt.fingerprint, sum(t.fmt.payload_bytes for t in ranks))
+        self.fmt = BlockFormat(
+            ranks[0].fmt.fingerprint,
+            sum(t.fmt.payload_bytes for t in ranks),
+            shared_secret=ranks[0].fmt.shared_secret,
+        )
         self._threads = ThreadPoolExecutor(len(ranks), thread_name_prefix=f"kvoff-{self.name}-rank")
         self._gate = CallGate(threading.Lock())  # calls on the rank threads (close waits)
 

@@ -6,7 +6,12 @@
     value = block header (HEADER_BYTES) + payload                     (kvoff.tiers.block_format)
 
 so engines of the same model and layout share blocks, and engines of another layout never see
-them. After :meth:`RedisClusterTier.clear` (a cache reset, say for new weights) the tier uses a
+them. With a ``shared_secret`` in the tier's :class:`~kvoff.tiers.block_format.BlockFormat`,
+every value carries a MAC over its header, key and payload; anyone who can write the namespace
+but lacks the secret can plant values, but they are misses (``unauthenticated_blocks``),
+deleted, never served.
+
+After :meth:`RedisClusterTier.clear` (a cache reset, say for new weights) the tier uses a
 key space of its own, ``{namespace}:{fingerprint}.{salt}:`` with a random salt, so blocks made
 before the reset are never read again.
 
@@ -96,6 +101,9 @@ _REDIRECTIONS = (AskError, TryAgainError, ClusterDownError)
 # block, else at most this many bytes of values.
 PUT_BUFFER_BYTES = 8 << 20
 _KEY_COMMANDS = {"get": b"GET", "exists": b"EXISTS", "del": b"DEL"}  # ops with no value
+# the counter of a rejected value's reason (kvoff.tiers.block_format.check_block); every other
+# reason is corrupted_blocks
+_REASON_COUNTERS = {"fingerprint": "fingerprint_mismatches", "auth": "unauthenticated_blocks"}
 
 
 class _Read(NamedTuple):
@@ -547,8 +555,10 @@ class RedisClusterTier(SecondaryTier):
         return found
 
     def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
-        """Pipelined GET, verified (header, fingerprint, key, length, checksum) and copied into
-        ``outs``. A corrupt value is deleted from the cluster and counted.
+        """Pipelined GET, verified (header, fingerprint, key, length, checksum; with
+        ``fmt.shared_secret`` the MAC first) and copied into ``outs``. A rejected value
+        (corrupt, foreign, or unauthenticated: counted in ``unauthenticated_blocks``) is
+        deleted from the cluster and counted, and never served.
 
         Each node's thread verifies and copies the values it read while the other nodes' replies
         are still arriving (``numpy.copyto`` and xxHash run without the GIL on whole blocks),
@@ -590,7 +600,7 @@ class RedisClusterTier(SecondaryTier):
         results = self._run("get", keys, on_value=verify_and_copy, prefix=prefix)
         served = [False] * len(keys)
         bad: list[bytes] = []
-        counts = {"corrupted_blocks": 0, "fingerprint_mismatches": 0}
+        counts = {"corrupted_blocks": 0, "fingerprint_mismatches": 0, "unauthenticated_blocks": 0}
         read = nbytes = 0
         for i, r in enumerate(results):
             if type(r) is int:  # verified and copied
@@ -600,9 +610,7 @@ class RedisClusterTier(SecondaryTier):
             elif isinstance(r, _Read):
                 read += 1
                 nbytes += r.nbytes
-                counts[
-                    "fingerprint_mismatches" if r.reason == "fingerprint" else "corrupted_blocks"
-                ] += 1
+                counts[_REASON_COUNTERS.get(r.reason, "corrupted_blocks")] += 1
                 bad.append(bytes(keys[i]))
             # else a miss (None), or the node's error
         if bad:

@@ -21,12 +21,25 @@ call (``lookup_rounds`` calls), reported as microseconds per key. Keys are delet
 
 Redis figures are one timed pass (wall clock, ``time.perf_counter``) after a warm-up batch; on a
 shared or small machine they are noisy.
+
+**MAC cost** (:func:`bench_mac`, ``shared_secret``): over ``mac_total_bytes`` of random
+``mac_block_size`` blocks (default 256 MiB of 512 KiB), in the same run and on the same bytes:
+the block MAC (HMAC-SHA256 over header, key and payload,
+:func:`kvoff.tiers.block_format.block_mac`), the xxh3_64 checksum it replaces, keyed BLAKE2b-256
+(the stdlib alternative), and a memcpy (``numpy.copyto``) of each block. ``rounds`` interleaved
+rounds; reported: medians of GB/s and of seconds per GB, and the MAC's time over the checksum's
+and over the memcpy's (medians of the rounds' own ratios). With Redis, :func:`bench_redis_mac`
+times 512 KiB puts and gets through a tier without and with a secret, alternated, and reports
+their ratio (target for gets: >= 0.9).
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
+import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -36,7 +49,14 @@ from typing import Any
 
 import numpy as np
 
-from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+from kvoff.tiers.block_format import (
+    HEADER_BYTES,
+    BlockFormat,
+    block_mac,
+    encode_header,
+    layout_fingerprint,
+    payload_checksum,
+)
 from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
 
 DEFAULT_BLOCK_SIZES = (65536, 524288, 2097152)
@@ -271,6 +291,132 @@ def bench_redis(
     }
 
 
+def bench_mac(
+    total_bytes: int = 256 << 20, block_size: int = 512 << 10, rounds: int = 3
+) -> dict[str, Any]:
+    """The cost of the blocks' MAC (``shared_secret``) per GB, next to the xxh3_64 checksum it
+    replaces and a memcpy of the same bytes, all in one run (module docstring).
+
+    Args:
+        total_bytes: bytes of blocks hashed per method and round (``total_bytes //
+            block_size`` blocks, at least one).
+        block_size: payload bytes per block.
+        rounds: interleaved rounds; every figure is a median over them.
+
+    Returns:
+        ``{"block_size", "blocks", "payload_bytes", "rounds", "gbps": {method: GB/s},
+        "s_per_gb": {method: seconds per 10^9 bytes}, "mac_over_checksum",
+        "mac_over_memcpy", "blake2b_over_mac", "per_round": [...]}``; methods ``mac``
+        (HMAC-SHA256, header + key + payload), ``checksum`` (xxh3_64 of the payload),
+        ``blake2b`` (keyed BLAKE2b-256 of the payload) and ``memcpy`` (``numpy.copyto``).
+
+    Raises:
+        ValueError: ``block_size``, ``total_bytes`` or ``rounds`` below 1.
+    """
+    if block_size < 1 or total_bytes < 1 or rounds < 1:
+        raise ValueError(
+            f"bench_mac needs block_size, total_bytes and rounds >= 1, got {block_size}, "
+            f"{total_bytes}, {rounds}"
+        )
+    n = max(1, total_bytes // block_size)
+    data = np.frombuffer(os.urandom(n * block_size), np.uint8)
+    blocks = [data[i * block_size : (i + 1) * block_size] for i in range(n)]
+    secret = os.urandom(32)
+    fmt = BlockFormat(layout_fingerprint(bench="mac", block_size=block_size), block_size)
+    header = encode_header(fmt, _key(0), blocks[0])
+    dst = np.empty(block_size, np.uint8)
+    methods: dict[str, Any] = {
+        "mac": lambda i, b: block_mac(secret, header, _key(i), b),
+        "checksum": lambda i, b: payload_checksum(b),
+        "blake2b": lambda i, b: hashlib.blake2b(b, key=secret, digest_size=32).digest(),
+        "memcpy": lambda i, b: np.copyto(dst, b),
+    }
+    per_round: list[dict[str, float]] = []
+    for r in range(rounds):
+        seconds: dict[str, float] = {}
+        names = list(methods) if r % 2 == 0 else list(reversed(methods))
+        for name in names:
+            fn = methods[name]
+            t0 = time.perf_counter()
+            for i, b in enumerate(blocks):
+                fn(i, b)
+            seconds[name] = time.perf_counter() - t0
+        per_round.append(seconds)
+    payload = n * block_size
+    med = {m: statistics.median(r[m] for r in per_round) for m in methods}
+    return {
+        "block_size": block_size,
+        "blocks": n,
+        "payload_bytes": payload,
+        "header_bytes_hashed_by_mac": HEADER_BYTES,
+        "rounds": rounds,
+        "gbps": {m: _gbps(payload, med[m]) for m in methods},
+        "s_per_gb": {m: med[m] / payload * 1e9 for m in methods},
+        "mac_over_checksum": statistics.median(r["mac"] / r["checksum"] for r in per_round),
+        "mac_over_memcpy": statistics.median(r["mac"] / r["memcpy"] for r in per_round),
+        "blake2b_over_mac": statistics.median(r["blake2b"] / r["mac"] for r in per_round),
+        "per_round": per_round,
+    }
+
+
+def bench_redis_mac(
+    url: str,
+    block_size: int = 512 << 10,
+    total_bytes: int = 128 << 20,
+    batch_bytes: int = 32 << 20,
+    rounds: int = 3,
+) -> dict[str, Any]:
+    """Redis tier puts and gets of ``block_size`` blocks without and with a ``shared_secret``,
+    alternated in ``rounds`` rounds (each: a fresh namespace, put every block, get every block
+    back verified, evict). GB/s of payload, medians; ratios MAC / plain are medians of the
+    rounds' own ratios (target for gets: >= 0.9).
+
+    Raises:
+        ValueError: a round did not store and serve every block (the message says how many).
+    """
+    from kvoff.tiers.redis_cluster import RedisClusterTier
+
+    n = max(1, total_bytes // block_size)
+    batch = max(1, batch_bytes // block_size)
+    keys = [_key(i) for i in range(n)]
+    fp = layout_fingerprint(bench="tiers-mac", block_size=block_size)
+    secret = os.urandom(32)
+    per_round: list[dict[str, float]] = []
+    for r in range(rounds):
+        row: dict[str, float] = {}
+        order = (None, secret) if r % 2 == 0 else (secret, None)
+        for mode in order:
+            name = "plain" if mode is None else "mac"
+            fmt = BlockFormat(fp, block_size, shared_secret=mode)
+            tier = RedisClusterTier(url, fmt, namespace=f"kvoff-bench-{name}", timeout_s=5.0)
+            try:
+                warm = _aligned_blocks(min(batch, n), block_size, seed=block_size)
+                tier.put(keys[: len(warm)], warm)  # warm-up: connections
+                stored, put_s, served, get_s = _put_then_get(tier, keys, block_size, batch)
+                unauthenticated = tier.stats()["unauthenticated_blocks"]
+                for start in range(0, n, 1024):
+                    tier.evict(keys[start : start + 1024])
+            finally:
+                tier.close()
+            failed = _failed(stored, served, n)
+            if failed or unauthenticated:
+                raise ValueError(
+                    f"the Redis tier ({name}) {failed or ''} ({unauthenticated} unauthenticated)"
+                )
+            row[f"{name}_put_gbps"] = _gbps(stored * block_size, put_s)
+            row[f"{name}_get_gbps"] = _gbps(served * block_size, get_s)
+        per_round.append(row)
+    out: dict[str, Any] = {"block_size": block_size, "blocks": n, "rounds": rounds}
+    for k in per_round[0]:
+        out[k] = statistics.median(r[k] for r in per_round)
+    for op in ("put", "get"):
+        out[f"{op}_ratio"] = statistics.median(
+            r[f"mac_{op}_gbps"] / r[f"plain_{op}_gbps"] for r in per_round
+        )
+    out["per_round"] = per_round
+    return out
+
+
 def run_bench_tiers(
     disk_path: str | None,
     remote_url: str | None,
@@ -284,6 +430,7 @@ def run_bench_tiers(
     lookup_rounds: int = 200,
     start_local_redis: bool = True,
     disk_repeat: int = 3,
+    mac_total_bytes: int = 256 << 20,
 ) -> dict[str, Any]:
     """Benchmark the disk tier against dd, and the Redis Cluster tier (module docstring).
 
@@ -300,10 +447,14 @@ def run_bench_tiers(
         lookup_rounds: ``contains`` calls timed per block size.
         start_local_redis: start a local cluster when ``remote_url`` is None.
         disk_repeat: side-by-side passes of the disk and dd per block size (medians reported).
+        mac_total_bytes: bytes of 512 KiB blocks the MAC cost is measured on (:func:`bench_mac`;
+            0: skipped); with Redis, also the bytes of :func:`bench_redis_mac` (at most
+            ``remote_total_bytes``).
 
     Returns:
         ``{"run": ..., "parameters": ..., "disk": [per block size] | None, "redis": [...] |
-        None, "redis_cluster": "url" | "local (started for the run)" | None, "skipped": {...}}``.
+        None, "redis_cluster": "url" | "local (started for the run)" | None, "mac": {...} |
+        None, "redis_mac": {...} | None, "skipped": {...}}``.
     """
     from kvoff.tools.bench import run_info
 
@@ -318,10 +469,13 @@ def run_bench_tiers(
             "lookup_rounds": lookup_rounds,
             "io_threads": io_threads,
             "disk_repeat": disk_repeat,
+            "mac_total_bytes": mac_total_bytes,
         },
         "disk": None,
         "redis": None,
         "redis_cluster": None,
+        "mac": bench_mac(mac_total_bytes) if mac_total_bytes > 0 else None,
+        "redis_mac": None,
         "skipped": {},
     }
     if disk_path is not None:
@@ -351,6 +505,10 @@ def run_bench_tiers(
                 bench_redis(url, bs, remote_total_bytes, batch_bytes, lookup_batch, lookup_rounds)
                 for bs in block_sizes
             ]
+            if mac_total_bytes > 0:
+                result["redis_mac"] = bench_redis_mac(
+                    url, total_bytes=min(mac_total_bytes, remote_total_bytes)
+                )
     finally:
         if cluster is not None:
             cluster.stop()
@@ -403,6 +561,24 @@ def format_bench_tiers(result: dict[str, Any]) -> str:
                 f"{_size(r['block_size']):>9} {r['blocks']:>7} {r['put_gbps']:>7.2f}"
                 f" {r['get_gbps']:>7.2f} {r['lookup_us_per_key']:>14.2f}"
             )
+    mac = result.get("mac")
+    if mac:
+        g, spg = mac["gbps"], mac["s_per_gb"]
+        lines.append(
+            f"block MAC (shared_secret), {_size(mac['block_size'])} blocks, "
+            f"{mac['payload_bytes'] >> 20} MiB, median of {mac['rounds']} rounds: HMAC-SHA256 "
+            f"{g['mac']:.2f} GB/s ({spg['mac']:.3f} s/GB), xxh3 checksum {g['checksum']:.2f}, "
+            f"keyed BLAKE2b {g['blake2b']:.2f}, memcpy {g['memcpy']:.2f}; MAC / checksum "
+            f"{mac['mac_over_checksum']:.1f}x, MAC / memcpy {mac['mac_over_memcpy']:.1f}x"
+        )
+    rm = result.get("redis_mac")
+    if rm:
+        lines.append(
+            f"redis tier with / without shared_secret, {_size(rm['block_size'])} blocks: gets "
+            f"{rm['mac_get_gbps']:.2f} / {rm['plain_get_gbps']:.2f} GB/s ({rm['get_ratio']:.2f}x;"
+            f" target >= 0.9), puts {rm['mac_put_gbps']:.2f} / {rm['plain_put_gbps']:.2f} GB/s "
+            f"({rm['put_ratio']:.2f}x)"
+        )
     lines += [f"FAILED: {line}" for line in tier_failures(result)]
     return "\n".join(lines)
 

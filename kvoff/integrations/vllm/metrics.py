@@ -64,6 +64,7 @@ _TIER_COUNTERS: tuple[tuple[str, str], ...] = (
             ("written_blocks", "blocks written through from the CPU pool"),
             ("writes_dropped", "writes the tier refused (full, unwritable, timeout)"),
             ("corrupted_blocks", "blocks rejected for a bad header or checksum (never served)"),
+            ("unauthenticated_blocks", "blocks without a valid MAC (shared_secret; never served)"),
             ("fingerprint_mismatches", "blocks of another model or layout seen, not served"),
             ("timeouts", "operations that ran into the tier's timeout"),
             ("io_errors", "I/O or connection errors (each a miss or a dropped write)"),
@@ -205,7 +206,8 @@ def tier_totals(tiers: Any) -> dict[str, int]:
     }
     for name, c in st["tiers"].items():
         for key in ("promoted_blocks", "promoted_bytes", "promotion_failures", "written_blocks",
-                    "writes_dropped", "corrupted_blocks", "fingerprint_mismatches", "timeouts",
+                    "writes_dropped", "corrupted_blocks", "unauthenticated_blocks",
+                    "fingerprint_mismatches", "timeouts",
                     "io_errors", "blocks_cleared", "writes_dropped_reset"):  # fmt: skip
             out[f"{name}_{key}"] = int(c.get(key, 0))
     return out
