@@ -193,6 +193,41 @@ def _create_shared(name: str, total: int, layout: list[list[int]], description: 
     return mm, ino
 
 
+def _attach_shared(
+    name: str, total: int, layout: list[list[int]], description: str
+) -> tuple[mmap.mmap, int]:
+    """Maps the existing shared pool ``name``, which must hold exactly ``layout`` (``total``
+    bytes after the header); returns the mapping and the file's inode.
+
+    Raises:
+        SharedMemoryError: no such file, not a kvoff pool of this format, or another layout.
+    """
+    path = _shm_path(name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as e:
+        raise SharedMemoryError(
+            f"no shared pool {path} to attach {description} to: start its owner first (for a "
+            "node pool: kvoff pool serve)"
+        ) from e
+    try:
+        st = os.fstat(fd)
+        if st.st_size < SHM_HEADER_BYTES:
+            raise SharedMemoryError(f"{path} is {st.st_size} bytes, too short for a kvoff pool")
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    meta = _parse_header(bytes(mm[:SHM_HEADER_BYTES]))
+    if meta is None or meta.get("tensors") != layout or st.st_size < SHM_HEADER_BYTES + total:
+        have = None if meta is None else meta.get("tensors")
+        mm.close()
+        raise SharedMemoryError(
+            f"{path} holds tensors {have} ([offset, rows, row bytes]), but {description} needs "
+            f"{layout}: the pool was made for another layout or size"
+        )
+    return mm, st.st_ino
+
+
 def _memlock_limit() -> str:
     try:
         import resource
@@ -254,6 +289,9 @@ class HostPool:
         shared_name: put the pool in ``/dev/shm/<shared_name>`` (see the module docstring) so
             that :class:`SharedHostPool` can map it from another process; ``None`` (default):
             private memory from torch's CPU allocator.
+        attach: with ``shared_name``, map the existing pool of that name instead of creating
+            it (a node pool that ``kvoff pool serve`` owns); it must hold exactly ``shapes``,
+            and closing this pool never removes it. Pinning pins this process's mapping.
 
     Attributes:
         tensors: the ``(rows, row_bytes)`` uint8 tensors, in ``shapes`` order.
@@ -283,6 +321,7 @@ class HostPool:
         pin: bool,
         description: str = "the CPU pool",
         shared_name: str | None = None,
+        attach: bool = False,
         _registrar: _Registrar | None = None,
     ) -> None:
         offsets = []
@@ -312,8 +351,13 @@ class HostPool:
             self._base = raw[shift : shift + total]
         else:
             layout = [[off, rows, rb] for off, (rows, rb) in zip(offsets, shapes, strict=True)]
-            mm, ino = _create_shared(shared_name, total, layout, description)
-            self._unlinker = weakref.finalize(self, _unlink_if_same, _shm_path(shared_name), ino)
+            if attach:  # another process owns it (a node pool): map it, never remove it
+                mm, self.inode = _attach_shared(shared_name, total, layout, description)
+            else:
+                mm, self.inode = _create_shared(shared_name, total, layout, description)
+                self._unlinker = weakref.finalize(
+                    self, _unlink_if_same, _shm_path(shared_name), self.inode
+                )
             whole = torch.frombuffer(mm, dtype=torch.uint8)
             self._storage = whole
             self._base = whole[SHM_HEADER_BYTES:]

@@ -141,6 +141,10 @@ class OffloadingWorker:
             (:class:`kvoff.pinned.SharedHostPool`): the engine-core process, whose scheduler
             drives the secondary tiers, when this worker runs in a process of its own. Default
             ``None``: private memory.
+        attach_shared_memory: with ``shared_memory_name``, map the existing pool of that name
+            (a node pool, :mod:`kvoff.node_pool`) instead of creating it; it must have
+            ``num_cpu_blocks`` slots of this worker's slot size (else
+            :class:`kvoff.pinned.SharedMemoryError` at registration).
 
     Raises:
         ValueError: on non-positive sizes, a negative budget or staging size, or an unknown
@@ -162,6 +166,7 @@ class OffloadingWorker:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_piece_bytes: int = DEFAULT_STAGING_PIECE_BYTES,
         shared_memory_name: str | None = None,
+        attach_shared_memory: bool = False,
     ) -> None:
         if mechanism not in ALL_MECHANISMS:
             raise ValueError(
@@ -217,6 +222,7 @@ class OffloadingWorker:
         self.staging_bytes = operator.index(staging_bytes)
         self.staging_piece_bytes = operator.index(staging_piece_bytes)
         self.shared_memory_name = shared_memory_name
+        self.attach_shared_memory = bool(attach_shared_memory)
         self._pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._batch_supported: bool | None = None
@@ -352,6 +358,7 @@ class OffloadingWorker:
             [(self.num_cpu_blocks, sub_block * f)],
             pin=self.pin_memory,
             shared_name=self.shared_memory_name,
+            attach=self.attach_shared_memory,
             description=(
                 f"the CPU pool ({self.num_cpu_blocks} CPU blocks of {sub_block * f} bytes: "
                 f"{f} x {sub_block} bytes per GPU block over {len(canon_rows)} tensors)"

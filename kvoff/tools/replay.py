@@ -180,6 +180,8 @@ class _Engine:
         if self.pool is not None:
             self.pool.close()
         self.worker.close()
+        if hasattr(self.manager, "close"):  # a node pool's client
+            self.manager.close()
 
 
 def _make_tiers(config: ReplayConfig, engine: int, fmt: BlockFormat) -> list[Any]:
@@ -190,6 +192,7 @@ def _make_tiers(config: ReplayConfig, engine: int, fmt: BlockFormat) -> list[Any
     return make_tiers(
         fmt, disk_path=path, disk_bytes=config.disk_bytes, remote_url=config.remote_url,
         remote_namespace=config.remote_namespace, remote_timeout_s=config.remote_timeout_s,
+        shared_secret=config.shared_secret,
     )  # fmt: skip
 
 
@@ -208,17 +211,28 @@ def _make_engine(
             f"layer.{i}": torch.zeros((num_gpu_blocks, page), dtype=torch.uint8, device=device)
             for i in range(num_layers)
         }
-    worker = OffloadingWorker(
-        num_gpu_blocks, num_cpu_blocks, factor, pin_memory=device.type == "cuda",
-        mechanism=config.mechanism,
-    )  # fmt: skip
+    manager: Any
+    if config.node_pool is not None:  # the node pool's index, its slots mapped here
+        from kvoff.node_pool import NodePoolClient
+
+        manager = NodePoolClient(config.node_pool, fingerprint, name=f"replay-engine-{index}")
+        worker = OffloadingWorker(
+            num_gpu_blocks, manager.num_slots, factor, pin_memory=device.type == "cuda",
+            mechanism=config.mechanism, shared_memory_name=manager.region,
+            attach_shared_memory=True,
+        )  # fmt: skip
+    else:
+        worker = OffloadingWorker(
+            num_gpu_blocks, num_cpu_blocks, factor, pin_memory=device.type == "cuda",
+            mechanism=config.mechanism,
+        )  # fmt: skip
+        manager = _scheduler.CPUOffloadingManager(
+            num_cpu_blocks,
+            policy,
+            store_threshold=config.store_threshold,
+            max_tracker_size=config.max_tracker_size,
+        )
     worker.register_kv_caches(kv_caches)
-    manager = _scheduler.CPUOffloadingManager(
-        num_cpu_blocks,
-        policy,
-        store_threshold=config.store_threshold,
-        max_tracker_size=config.max_tracker_size,
-    )
     pool = None
     fmt = BlockFormat(fingerprint, worker.slot_bytes)
     tiers = _make_tiers(config, index, fmt)
@@ -347,10 +361,11 @@ class _Pending:
     gpu_ids: list[int]
 
 
-def replay_cpu_blocks(config: ReplayConfig) -> int:
-    """Offloaded blocks in ``config``'s CPU pool: ``cpu_blocks``, or ``cpu_bytes`` (2 GiB when
-    neither is given) over the bytes of one offloaded block of ``config.model`` (one tensor per
-    layer, :func:`kvoff.sizing.bytes_per_gpu_block`).
+def replay_cpu_blocks(config: ReplayConfig) -> tuple[int, int]:
+    """``(CPU blocks, bytes per CPU block)`` of ``config``'s pool: ``cpu_blocks``, or
+    ``cpu_bytes`` (2 GiB when neither is given) over the bytes of one offloaded block of
+    ``config.model`` (one tensor per layer, :func:`kvoff.sizing.bytes_per_gpu_block` ×
+    ``offloaded_block_size / block_size``).
 
     Raises:
         ValueError / pydantic.ValidationError: an unknown model or a bad pool setting.
@@ -359,13 +374,15 @@ def replay_cpu_blocks(config: ReplayConfig) -> int:
     offload_cfg = pool_config(config, None if config.policy == MIN_POLICY else config.policy)
     page = preset.layer_spec(config.block_size).page_size_bytes
     bytes_per_gpu_block = sizing.bytes_per_gpu_block([page] * preset.num_layers, 1)
-    return offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, config.block_size)
+    num = offload_cfg.resolve_num_cpu_blocks(bytes_per_gpu_block, config.block_size)
+    return num, bytes_per_gpu_block * offload_cfg.block_size_factor(config.block_size)
 
 
 def run_replay(
     config: ReplayConfig,
     progress: Callable[[int], None] | None = None,
     requests: list[TraceRequest] | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> ReplayResult:
     """Replay ``config.trace`` through a kvoff CPU pool; see the module docstring for the loop.
 
@@ -373,6 +390,8 @@ def run_replay(
         config: what to replay and how.
         progress: called with the number of requests done after each request.
         requests: already loaded requests (else the trace is read).
+        before: called with ``i`` before request ``i`` is served (see
+            :func:`kvoff.tools.request_loop.run_request_loop`).
 
     Returns:
         The totals; ``corrupted_blocks`` counts loaded GPU blocks whose bytes differ from the
@@ -409,6 +428,12 @@ def run_replay(
         raise ValueError(f"compute_chunk_tokens must be >= 1, got {config.compute_chunk_tokens}")
     if config.engines < 1:
         raise ValueError(f"engines must be >= 1, got {config.engines}")
+    if config.node_pool is not None and (tiered or config.engines > 1 or config.compute
+                                         or config.warmup_requests):  # fmt: skip
+        raise ValueError(
+            "a replay engine on a node pool has one engine, no tiers, no --compute and no "
+            "--warmup yet; several engines on one node pool: kvoff replay --engines N --node-pool"
+        )
     if config.interleave_requests < 1:
         raise ValueError(
             f"interleave_requests must be >= 1, got {config.interleave_requests}; give the "
@@ -511,8 +536,9 @@ def run_replay(
             progress(done)
 
     run_request_loop(
-        reqs, pool, res, offload_key, trace_block_size=config.trace_block_size, progress=after
-    )
+        reqs, pool, res, offload_key, trace_block_size=config.trace_block_size, progress=after,
+        before=before,
+    )  # fmt: skip
     for e in engines:
         pool.finish(e, e.worker.wait([*e.pending, *e.loading]))
         if e.pool is not None:
@@ -682,6 +708,20 @@ class _EnginePool:
         lookup = e.manager.lookup if e.pool is None else e.pool.lookup
         h = lookup(keys)
         tries = 0
+        if self.config.node_pool is not None:
+            # another engine may be storing the block: it finishes on its own, give it 1 s
+            t0 = time.perf_counter()
+            while h is None and tries < 1000:
+                res.lookup_retries += tries == 0
+                tries += 1
+                self.finish(e, e.worker.get_finished())
+                time.sleep(0.001)
+                h = lookup(keys)
+            res.retry_wait_s += time.perf_counter() - t0
+            if h is None:
+                res.lost_lookups += 1
+                return 0
+            return h
         while h is None:
             res.lookup_retries += 1
             tries += 1
@@ -700,7 +740,16 @@ class _EnginePool:
         ordered after it on the stream (the host goes on; the slots stay pinned until its
         result is taken); on the CPU it is done on return."""
         e, res, factor = self.e, self.res, self.factor
-        cpu_ids = e.manager.prepare_load(keys)
+        if self.config.node_pool is not None:
+            from kvoff.node_pool import NodePoolError
+
+            try:
+                cpu_ids = e.manager.prepare_load(keys)
+            except NodePoolError:  # evicted by another engine since the lookup, or pool gone
+                res.lost_lookups += 1
+                return False
+        else:
+            cpu_ids = e.manager.prepare_load(keys)
         self.job_id += 1
         t0 = time.perf_counter()
         ok = e.worker.transfer_async(
@@ -790,6 +839,10 @@ class _EnginePool:
         e, table = self.e, self.table
         if self.offload:
             e.manager.touch(keys)
+        if self.config.node_pool is not None:
+            # engines on a node pool take turns: the next may be another process, which
+            # would find these stores still pending (a replay of hit rates, not of time)
+            self.finish(e, e.worker.wait([*e.pending, *e.loading]))
         if self.config.gpu_prefix_blocks:
             num_full = len(self.idents)
             owned = e.gpu_cache.admit(self.idents, table[:num_full], set(table))

@@ -102,6 +102,10 @@ class ReplayConfig:
             and layout share blocks).
         remote_timeout_s: seconds after which a remote operation is a miss (or a dropped
             write).
+        shared_secret: with tiers, every block written to them carries a keyed MAC and
+            blocks without a valid one are misses (docs/tiers.md); never shown in a repr.
+        node_pool: the socket of a node pool (:mod:`kvoff.node_pool`) to use instead of a
+            private CPU pool (its size and policy are the pool's).
         engines: engines the trace is split across (each with its own GPU cache, CPU pool and
             disk tier; all share the remote tier), served one request at a time in trace order.
         assign: ``"round_robin"`` (request ``i`` to engine ``i mod N``) or ``"session"`` (by
@@ -137,6 +141,8 @@ class ReplayConfig:
     remote_url: str | None = None
     remote_namespace: str = "kvoff-replay"
     remote_timeout_s: float = 0.25
+    node_pool: str | None = None
+    shared_secret: bytes | None = field(default=None, repr=False)
     engines: int = 1
     assign: str = "round_robin"
     tier_write_queue_blocks: int | None = None
@@ -161,8 +167,9 @@ class ReplayResult:
     ``fence_wait_s`` ordering its compute after stores still reading GPU blocks it was given
     (``fence_waits`` times; a stream-ordered wait on a GPU, so only the call's own cost),
     ``retry_wait_s`` blocked on jobs in flight before a lookup answered "retry later"
-    (``lookup_retries`` times), ``load_wait_s`` from submitting its load to the load's end on
-    the CPU, to its stream-ordered wait on a GPU.
+    (``lookup_retries`` times; ``lost_lookups``: with a node pool, hits another engine evicted
+    before they were pinned, or a pool gone, served as misses), ``load_wait_s`` from
+    submitting its load to the load's end on the CPU, to its stream-ordered wait on a GPU.
     """
 
     trace: str
@@ -199,6 +206,7 @@ class ReplayResult:
     corrupted_blocks: int = 0
     evictions: int = 0
     lookup_retries: int = 0
+    lost_lookups: int = 0
     fence_waits: int = 0
     fence_wait_s: float = 0.0
     retry_wait_s: float = 0.0
@@ -391,6 +399,7 @@ def run_request_loop(
     trace_block_size: int,
     progress: Callable[[int], None] | None = None,
     blocks: Sequence[RequestBlocks] | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> None:
     """Serves ``requests`` in order through ``pool`` (steps of the module docstring) and counts
     into ``res``: requests, input, GPU, kvoff and computed tokens (totals and per request), GPU
@@ -406,6 +415,8 @@ def run_request_loop(
         trace_block_size: tokens per trace hash id.
         progress: called with the number of requests done after each request.
         blocks: the requests' :func:`request_blocks`, when the caller already has them.
+        before: called with ``i`` before request ``i`` is served (engines in separate
+            processes take turns through it).
     """
     bs, obs = res.block_size, res.offloaded_block_size
     factor = obs // bs
@@ -421,6 +432,8 @@ def run_request_loop(
         max_hit_tokens += lead * obs
         seen.update(keys)
 
+        if before is not None:
+            before(i)
         g = pool.begin(i, b, keys)
         g_off = g // factor
         h = pool.lookup(keys[g_off:]) if g_off < n else 0

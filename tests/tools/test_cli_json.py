@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,7 @@ RUNS: dict[str, list[str]] = {
         "--disk-repeat", "1", "--promotion-bytes", "1MiB",
     ],
     "bench manager-calls": ["bench", "manager-calls", "--managers", "kvoff:lru"],
+    "pool status": ["pool", "status"],  # --socket: a pool served for the test
 }  # fmt: skip
 
 _LOG = [
@@ -83,11 +87,27 @@ def _check_shape(doc: object, name: str) -> None:
 STDOUT_ONLY = {"bench tiers"}
 
 
+@pytest.fixture
+def pool_socket(tmp_path: Path) -> Iterator[str]:
+    """A node pool served in a thread of this process (``kvoff pool status`` asks it)."""
+    from kvoff.node_pool import NodePoolServer
+
+    region = f"kvoff-test-cli-json-{os.getpid()}"
+    server = NodePoolServer(str(tmp_path / "pool.sock"), 4, 4096, region=region)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
+    thread.start()
+    yield server.socket_path
+    server.stop()
+    thread.join(10)
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_json_file_and_stdout(
-    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
     argv = _argv(name, tmp_path)
+    if name == "pool status":
+        argv += ["--socket", request.getfixturevalue("pool_socket")]
     doc = None
     if name not in STDOUT_ONLY:
         path = tmp_path / "out" / "doc.json"

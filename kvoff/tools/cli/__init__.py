@@ -1,5 +1,6 @@
 """The ``kvoff`` command line (also ``python -m kvoff``): ``kvoff replay``, ``kvoff plan``,
-``kvoff info`` and ``kvoff bench scheduler|transfer|tiers|manager-calls``.
+``kvoff pool serve|status|stop``, ``kvoff info`` and ``kvoff bench
+scheduler|transfer|tiers|manager-calls``.
 
 One module per command (:mod:`.replay`, :mod:`.plan`, :mod:`.info`, :mod:`.bench` and its
 ``bench_*`` subcommands), each with ``add_parser(subparsers)``, which registers the command and
@@ -15,13 +16,14 @@ import sys
 from collections.abc import Sequence
 
 from kvoff._optional import MissingExtraError
-from kvoff.tools.cli import bench, info, plan, replay
+from kvoff.tools.cli import bench, info, plan, pool, replay
 from kvoff.tools.cli.common import EXIT_USAGE, parse_bytes, run_command
 
 __all__ = ["build_parser", "main", "parse_bytes"]
 
 
-_COMMANDS = {"replay": replay, "plan": plan, "bench": bench, "info": info}  # `kvoff --help` order
+# `kvoff --help` order
+_COMMANDS = {"replay": replay, "plan": plan, "pool": pool, "bench": bench, "info": info}
 
 
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:

@@ -257,6 +257,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="round_robin",
         help="with --engines: request i to engine i mod N, or by session (first hash id)",
     )
+    tg.add_argument(
+        "--node-pool",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="SOCKET",
+        help="run the --engines as separate processes on one node pool (kvoff pool serve): "
+        "the one at SOCKET, or one of --cpu-blocks/--cpu-bytes started for the run",
+    )
     vg = rp.add_argument_group("--engine vllm")
     vg.add_argument(
         "--tokens-per-hash",
@@ -406,6 +415,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         disk_path=None if pool.disk_path is None else str(pool.disk_path),
         disk_bytes=pool.disk_bytes,
         remote_url=pool.remote_url,
+        shared_secret=(
+            None if pool.shared_secret is None else pool.shared_secret.get_secret_value().encode()
+        ),
         remote_namespace=args.remote_namespace,
         remote_timeout_s=args.remote_timeout,
         engines=args.engines,
@@ -413,6 +425,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     )
     if sweeping:
         return _sweep(args, argv, config)
+    if args.node_pool is not None:
+        return _node_pool(args, argv, config)
     window = None
     if args.best_reuse_window is not None:
         if args.limit is not None or args.start:
@@ -458,6 +472,39 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 1 if bad else 0
 
 
+def _node_pool(args: argparse.Namespace, argv: Sequence[str] | None, config: ReplayConfig) -> int:
+    """``kvoff replay --engines N --node-pool``: per engine and in all; exit 1 on a corrupted
+    block or a failed transfer."""
+    from kvoff.tools.replay_node_pool import run_node_pool_replay
+
+    if args.best_reuse_window is not None or args.warmup:
+        raise ValueError("--node-pool replays take --start and --limit; drop --best-reuse-window "
+                         "and --warmup")  # fmt: skip
+    out = run_node_pool_replay(config, socket_path=args.node_pool or None)
+    t = out["total"]
+    lines = [
+        f"kvoff replay: {t['requests']} requests of trace {config.trace!r} on {t['engines']} "
+        f"engine processes sharing one node pool ({t['cpu_blocks']} CPU blocks, {t['policy']}), "
+        f"--assign {config.assign}",
+    ]
+    for i, e in enumerate(out["engines"]):
+        lines.append(
+            f"  engine {i}: {e['requests']:>6,} requests, hit rate {e['hit_rate']:.4%}, "
+            f"{e['blocks_loaded']:,} GPU blocks loaded, corrupted {e['corrupted_blocks']}"
+        )
+    lines.append(
+        f"  all:      {t['requests']:>6,} requests, hit rate {t['hit_rate']:.4%}, "
+        f"{t['blocks_loaded']:,} GPU blocks loaded from the node pool, verified "
+        f"{t['blocks_verified']:,}, corrupted {t['corrupted_blocks']}, failed transfers "
+        f"{t['failed_transfers']}, lost lookups {t['lost_lookups']}, evictions {t['evictions']:,}"
+    )
+    print("\n".join(lines))
+    if args.json is not None:
+        write_json(args.json, {"run": run_info(argv), "result": t, "engines": out["engines"],
+                               "pool": out["pool"]})  # fmt: skip
+    return 1 if t["corrupted_blocks"] or t["failed_transfers"] else 0
+
+
 def _best_window(
     config: ReplayConfig, size: int
 ) -> tuple[dict[str, Any], ReplayConfig, list[TraceRequest]]:
@@ -471,7 +518,7 @@ def _best_window(
 
     whole = load_trace(config.trace, None, config.trace_block_size)
     sim_config = dataclasses.replace(
-        config, start=0, limit=None, gpu_prefix_blocks=0, cpu_blocks=replay_cpu_blocks(config),
+        config, start=0, limit=None, gpu_prefix_blocks=0, cpu_blocks=replay_cpu_blocks(config)[0],
         cpu_bytes=None, disk_path=None, disk_bytes=None, remote_url=None, engines=1,
     )  # fmt: skip
     sim = run_manager_replay(sim_config, requests=whole)

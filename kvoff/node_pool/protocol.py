@@ -1,0 +1,172 @@
+"""The node pool's wire format: length-prefixed binary frames over a Unix socket.
+
+A frame is a 16-byte header ``magic "KVNP", version u16, op u16, request id u32, payload
+length u32`` (little-endian) and the payload. A key list is ``count u32`` then, per key,
+``length u16`` and its bytes. Replies carry the request's id and op ``op | REPLY``, or
+``ERROR`` with a UTF-8 message. A frame that cannot be parsed (another magic or version, a
+payload over :data:`MAX_PAYLOAD_BYTES`, a truncated key list) is a :class:`ProtocolError`:
+the server answers it with an error and, when the framing itself is lost, closes that
+connection only.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "COMPLETE_LOAD",
+    "COMPLETE_STORE",
+    "ERROR",
+    "HEADER",
+    "HELLO",
+    "LOOKUP",
+    "MAX_KEY_BYTES",
+    "MAX_PAYLOAD_BYTES",
+    "OPS",
+    "PREPARE_LOAD",
+    "PREPARE_STORE",
+    "REPLY",
+    "STATUS",
+    "TOUCH",
+    "VERSION",
+    "ProtocolError",
+    "decode_json",
+    "decode_keys",
+    "decode_slots",
+    "encode_json",
+    "encode_keys",
+    "encode_slots",
+    "frame",
+    "parse_header",
+]
+
+MAGIC = b"KVNP"
+VERSION = 1
+HEADER = struct.Struct("<4sHHII")
+MAX_PAYLOAD_BYTES = 64 << 20
+"""Largest payload accepted (64 MiB: about two million 16-byte keys)."""
+MAX_KEY_BYTES = 1024
+"""Longest key accepted (kvoff's keys are 16 bytes, vLLM's block hashes 32, plus a prefix)."""
+
+HELLO, LOOKUP, PREPARE_LOAD, COMPLETE_LOAD, PREPARE_STORE, COMPLETE_STORE, TOUCH, STATUS = range(
+    1, 9
+)
+OPS = {
+    HELLO: "hello",
+    LOOKUP: "lookup",
+    PREPARE_LOAD: "prepare_load",
+    COMPLETE_LOAD: "complete_load",
+    PREPARE_STORE: "prepare_store",
+    COMPLETE_STORE: "complete_store",
+    TOUCH: "touch",
+    STATUS: "status",
+}
+REPLY = 0x100
+ERROR = 0xFFFF
+
+
+class ProtocolError(ValueError):
+    """A frame or payload that does not follow this format; the message says what is wrong."""
+
+
+def frame(op: int, request_id: int, payload: bytes = b"") -> bytes:
+    """One frame: header and payload."""
+    return HEADER.pack(MAGIC, VERSION, op, request_id & 0xFFFFFFFF, len(payload)) + payload
+
+
+def parse_header(head: bytes) -> tuple[int, int, int]:
+    """``(op, request_id, payload_length)`` of a 16-byte header.
+
+    Raises:
+        ProtocolError: another magic or version, or a payload over the limit.
+    """
+    magic, version, op, request_id, length = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a node pool frame (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise ProtocolError(
+            f"protocol version {version}, this pool speaks {VERSION}: use the same kvoff "
+            "version for the pool and the engines"
+        )
+    if length > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"payload of {length} bytes is over the {MAX_PAYLOAD_BYTES} limit")
+    return op, request_id, length
+
+
+def encode_keys(keys: Sequence[bytes]) -> bytes:
+    """A key list (each key 1..:data:`MAX_KEY_BYTES` bytes).
+
+    Raises:
+        ProtocolError: an empty or too long key.
+    """
+    parts = [struct.pack("<I", len(keys))]
+    for k in keys:
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ProtocolError(f"a key of {len(k)} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
+        parts.append(struct.pack("<H", len(k)))
+        parts.append(bytes(k))
+    return b"".join(parts)
+
+
+def decode_keys(buf: bytes | memoryview, offset: int = 0) -> tuple[list[bytes], int]:
+    """``(keys, offset after them)`` of a key list at ``offset``.
+
+    Raises:
+        ProtocolError: a truncated list, an empty or too long key.
+    """
+    view = memoryview(buf)
+    try:
+        (count,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if count > len(view) - offset:  # each key takes at least 3 bytes
+            raise ProtocolError(f"key list of {count} keys in {len(view) - offset} bytes")
+        keys = []
+        for _ in range(count):
+            (n,) = struct.unpack_from("<H", view, offset)
+            offset += 2
+            if not 0 < n <= MAX_KEY_BYTES or offset + n > len(view):
+                raise ProtocolError(f"a key of {n} bytes at offset {offset} (truncated or bad)")
+            keys.append(bytes(view[offset : offset + n]))
+            offset += n
+    except struct.error as e:
+        raise ProtocolError(f"truncated key list: {e}") from None
+    return keys, offset
+
+
+def encode_slots(slots: Sequence[int]) -> bytes:
+    """A list of slot ids (int64)."""
+    return struct.pack(f"<I{len(slots)}q", len(slots), *slots)
+
+
+def decode_slots(buf: bytes | memoryview, offset: int = 0) -> tuple[list[int], int]:
+    """``(slot ids, offset after them)``.
+
+    Raises:
+        ProtocolError: a truncated list.
+    """
+    try:
+        (count,) = struct.unpack_from("<I", buf, offset)
+        slots = list(struct.unpack_from(f"<{count}q", buf, offset + 4))
+    except struct.error as e:
+        raise ProtocolError(f"truncated slot list: {e}") from None
+    return slots, offset + 4 + 8 * count
+
+
+def encode_json(obj: Any) -> bytes:
+    """A JSON payload."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_json(buf: bytes | memoryview) -> Any:
+    """A JSON payload.
+
+    Raises:
+        ProtocolError: not UTF-8 JSON.
+    """
+    try:
+        return json.loads(bytes(buf).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"payload is not JSON: {e}") from None

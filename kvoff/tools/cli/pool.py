@@ -1,0 +1,170 @@
+"""``kvoff pool serve|status|stop``: the node pool shared by every engine on a machine
+(:mod:`kvoff.node_pool`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from kvoff.tools.cli.common import (
+    add_format_option,
+    add_json_option,
+    check_format,
+    parse_bytes,
+    positive_int,
+    run_info,
+    write_json,
+)
+
+__all__ = ["DEFAULT_SOCKET", "add_parser", "run_serve", "run_status", "run_stop"]
+
+DEFAULT_SOCKET = os.path.join(
+    os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"kvoff-pool-{os.getuid()}.sock"
+)
+"""Where ``kvoff pool`` listens by default: ``$XDG_RUNTIME_DIR/kvoff-pool-<uid>.sock`` (or
+under ``/tmp``)."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers ``kvoff pool`` and its subcommands on the ``kvoff`` subparsers."""
+    pp = sub.add_parser(
+        "pool",
+        help="the node pool: one CPU pool in shared memory for every engine on this machine",
+        description=(
+            "A CPU pool in /dev/shm with one index and one eviction policy for every engine on "
+            "this machine, served on a Unix socket (docs/node-pool.md). Engines attach with "
+            "node_pool=<socket>; a block stored by one is a hit for all with the same layout."
+        ),
+    )
+    ps = pp.add_subparsers(dest="pool_command", required=True)
+    serve = ps.add_parser("serve", help="run the pool (in the foreground; SIGTERM stops it)")
+    serve.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default: {DEFAULT_SOCKET})")
+    size = serve.add_mutually_exclusive_group(required=True)
+    size.add_argument("--bytes", type=parse_bytes, help="pool size, e.g. 64GiB")
+    size.add_argument("--slots", type=positive_int, help="pool size in CPU blocks")
+    serve.add_argument(
+        "--slot-bytes",
+        type=positive_int,
+        required=True,
+        help="bytes of one CPU block: the engines' bytes per offloaded block (kvoff plan "
+        "prints it; every engine that attaches must use it)",
+    )
+    serve.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    serve.add_argument(
+        "--region",
+        default=None,
+        help="the shared-memory name of the slots, /dev/shm/NAME (default: kvoff-node-pool)",
+    )
+    serve.add_argument(
+        "--group",
+        type=int,
+        default=None,
+        help="a group id whose processes may attach too (default: only this user)",
+    )
+    serve.set_defaults(run=run_serve)
+    status = ps.add_parser("status", help="blocks, engines attached, hit rates, evictions")
+    status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default: {DEFAULT_SOCKET})")
+    add_format_option(status, "the status")
+    add_json_option(status)
+    status.set_defaults(run=run_status)
+    stop = ps.add_parser("stop", help="stop the pool cleanly (engines fall back to misses)")
+    stop.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default: {DEFAULT_SOCKET})")
+    stop.set_defaults(run=run_stop)
+
+
+def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``kvoff pool serve``: serves until SIGTERM or SIGINT; returns 0.
+
+    Raises:
+        ValueError: a pool smaller than one slot, or a server already on the socket.
+    """
+    from kvoff.node_pool import DEFAULT_REGION, NodePoolServer
+
+    slots = args.slots if args.slots is not None else args.bytes // args.slot_bytes
+    if slots < 1:
+        raise ValueError(
+            f"--bytes {args.bytes} holds no slot of {args.slot_bytes} bytes; give more bytes"
+        )
+    server = NodePoolServer(
+        args.socket, slots, args.slot_bytes, policy=args.policy,
+        region=args.region or DEFAULT_REGION, group=args.group,
+    )  # fmt: skip
+    gib = slots * args.slot_bytes / 2**30
+    print(
+        f"kvoff pool: serving {slots} slots of {args.slot_bytes} bytes ({gib:.2f} GiB, "
+        f"{args.policy}) in /dev/shm/{server.region}"
+        f"{' (adopted)' if server.adopted else ''} on {server.socket_path}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.serve_forever()
+    print("kvoff pool: stopped", file=sys.stderr)
+    return 0
+
+
+def _status(socket_path: str) -> dict:
+    from kvoff.node_pool import NodePoolClient, NodePoolError
+
+    try:
+        client = NodePoolClient(socket_path, b"kvoff pool status", name="kvoff pool status")
+        return client.status()
+    except NodePoolError as e:
+        raise ValueError(str(e)) from None
+
+
+def run_status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``kvoff pool status``: prints the pool's status; returns 0.
+
+    Raises:
+        ValueError: no pool answers on the socket.
+    """
+    check_format(args)
+    st = _status(args.socket)
+    if args.format == "json":
+        print(json.dumps(st, indent=1))
+    else:
+        gib = st["num_slots"] * st["slot_bytes"] / 2**30
+        print(
+            f"kvoff pool (pid {st['pid']}, up {st['uptime_s']:.0f} s): {st['num_slots']} slots "
+            f"of {st['slot_bytes']} bytes ({gib:.2f} GiB, {st['policy']}) in "
+            f"/dev/shm/{st['region']}\n"
+            f"  blocks       {st['stored_blocks']:>10,} stored, {st['free_blocks']:,} free, "
+            f"{st['pending_blocks']:,} being stored\n"
+            f"  evictions    {st['evictions']:>10,}\n"
+            f"  engines      {st['engines_attached']:>10,} attached ({st['engines_seen']:,} "
+            f"seen, {st['connections_refused']:,} refused); hit rate {st['hit_rate']:.2%}"
+        )
+        for e in st["engines"]:
+            if e["name"] == "kvoff pool status":
+                continue
+            print(
+                f"    {e['name'] or '-':<20} pid {e['pid']:<8} hit rate {e['hit_rate']:.2%} "
+                f"({e['hit_blocks']:,} of {e['looked_up_blocks']:,} blocks), stored "
+                f"{e['stored_blocks']:,}, loaded {e['loaded_blocks']:,}"
+            )
+    if args.json is not None:
+        write_json(args.json, {"run": run_info(argv), "status": st})
+    return 0
+
+
+def run_stop(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``kvoff pool stop``: SIGTERM to the pool's process, then waits (up to 10 s) for its
+    socket to go; returns 0.
+
+    Raises:
+        ValueError: no pool answers on the socket, or it did not stop in 10 s.
+    """
+    pid = _status(args.socket)["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while os.path.exists(args.socket) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if os.path.exists(args.socket):
+        raise ValueError(f"the pool (pid {pid}) did not stop within 10 s")
+    print(f"kvoff pool: stopped pid {pid}", file=sys.stderr)
+    return 0

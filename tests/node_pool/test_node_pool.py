@@ -1,0 +1,352 @@
+"""The node pool: one index for every engine, isolation by layout, ownership of every call,
+lifetimes (engines killed at any point, the pool killed and restarted), hostile clients."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvoff.node_pool import NodePoolClient, NodePoolError, NodePoolServer
+from kvoff.node_pool import protocol as p
+from kvoff.pinned import HostPool, SharedMemoryError
+
+FP = b"model=tiny;layout=layer_major;rank=0"
+
+
+def _keys(*ids: int) -> list[bytes]:
+    return [bytes([i]) * 16 for i in ids]
+
+
+def _counts(served) -> tuple[int, int, int, int]:
+    """(stored, free, pending, evictable) of the index, read in the serving thread."""
+    m = served.server.manager
+    return served.call(
+        lambda s: (
+            m.num_stored_blocks,
+            m.num_free_blocks,
+            m.num_pending_blocks,
+            m.num_evictable_blocks,
+        )
+    )
+
+
+def test_a_block_stored_by_one_engine_is_a_hit_for_every_engine_of_its_layout(served) -> None:
+    a = NodePoolClient(served.socket, FP, name="a")
+    b = NodePoolClient(served.socket, FP, name="b")
+    other = NodePoolClient(served.socket, FP + b";dtype=fp8", name="other")
+    assert (a.region, a.num_slots, a.slot_bytes) == (served.region, 16, 4096)
+    keys = _keys(1, 2, 3)
+    out = a.prepare_store(keys)
+    assert out is not None and out.keys_to_store == keys and len(set(out.block_ids)) == 3
+    assert b.lookup(keys) is None  # being stored: retry later
+    a.complete_store(keys)
+    assert b.lookup(keys) == 3 and a.lookup(keys[:2]) == 2
+    assert other.lookup(keys) == 0  # another layout never shares a block
+    assert b.prepare_load(keys) == out.block_ids
+    b.complete_load(keys)
+    st_ = a.status()
+    by_name = {e["name"]: e for e in st_["engines"]}
+    assert st_["stored_blocks"] == 3 and st_["engines_attached"] == 3
+    assert by_name["b"]["hit_blocks"] == 3 and by_name["b"]["loaded_blocks"] == 3
+    assert by_name["a"]["stored_blocks"] == 3 and by_name["other"]["hit_blocks"] == 0
+
+
+def test_slots_are_shared_memory_that_every_engine_maps(served) -> None:
+    a = NodePoolClient(served.socket, FP)
+    pool_a = HostPool([(16, 4096)], pin=False, shared_name=a.region, attach=True)
+    pool_b = HostPool([(16, 4096)], pin=False, shared_name=a.region, attach=True)
+    pool_a.tensors[0][5].fill_(7)
+    assert torch.equal(pool_b.tensors[0][5], torch.full((4096,), 7, dtype=torch.uint8))
+    pool_a.close()
+    assert Path("/dev/shm", a.region).exists()  # an attached pool never removes the region
+    with pytest.raises(SharedMemoryError, match=r"holds tensors \[\[0, 16, 4096\]\].*another"):
+        HostPool([(16, 8192)], pin=False, shared_name=a.region, attach=True)
+
+
+def test_an_engine_completes_only_its_own_loads_and_stores(served) -> None:
+    a = NodePoolClient(served.socket, FP, name="a")
+    b = NodePoolClient(served.socket, FP, name="b")
+    keys = _keys(1, 2)
+    a.prepare_store(keys)
+    before = _counts(served)
+    # b sends a completion of a's store, bypassing its client's bookkeeping: refused
+    b._storing.update(keys)
+    with pytest.raises(NodePoolError, match="not being stored by this engine"):
+        b.complete_store(keys)
+    assert _counts(served) == before and b.lookup(keys) is None
+    a.complete_store(keys)
+    a.prepare_load(keys)
+    b._pins.update(keys)
+    with pytest.raises(NodePoolError, match="not being loaded by this engine"):
+        b.complete_load(keys)
+    assert _counts(served) == (2, 14, 0, 0)  # still pinned by a
+    a.complete_load(keys)
+    assert _counts(served) == (2, 14, 0, 2)
+
+
+_ENGINE = textwrap.dedent(
+    """
+    import sys, time
+    from kvoff.node_pool import NodePoolClient
+    c = NodePoolClient(sys.argv[1], b"model=tiny;layout=layer_major;rank=0", name="victim")
+    ready = [bytes([200]) * 16]
+    out = c.prepare_store(ready)
+    c.complete_store(out.keys_to_store)
+    c.prepare_load(ready)                    # a load in flight
+    c.prepare_store([bytes([201]) * 16, bytes([202]) * 16])   # a store in flight
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_an_engine_killed_mid_store_and_mid_load_leaks_nothing(served) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _ENGINE, served.socket],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    assert _counts(served) == (1, 13, 2, 0)  # 1 pinned, 2 being stored
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _counts(served) != (1, 15, 0, 1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _counts(served) == (1, 15, 0, 1)  # unpinned; the stores never became blocks
+    c = NodePoolClient(served.socket, FP)
+    assert c.lookup(_keys(200)) == 1 and c.lookup([bytes([201]) * 16]) == 0
+
+
+_RANDOM_ENGINES = textwrap.dedent(
+    """
+    # imports kvoff once, then forks one engine per line read ("<seed>"), printing its pid:
+    # an engine a test can kill every 0.1 s without paying for torch's import each time
+    import os, random, signal, sys
+    from kvoff.node_pool import NodePoolClient, NodePoolError
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed engines
+
+    def engine(seed):
+        c = NodePoolClient(sys.argv[1], b"model=tiny;layout=layer_major;rank=0", name="random")
+        rnd = random.Random(seed)
+        print(os.getpid(), flush=True)
+        while True:
+            keys = [bytes([rnd.randrange(40)]) * 16 for _ in range(rnd.randrange(1, 5))]
+            keys = list(dict.fromkeys(keys))
+            n = c.lookup(keys)
+            if n:
+                try:
+                    c.prepare_load(keys[:n])
+                except NodePoolError:  # evicted by another engine since the lookup
+                    n = 0
+                if n and rnd.random() < 0.9:
+                    c.complete_load(keys[:n])
+            out = c.prepare_store(keys)
+            if out is not None and rnd.random() < 0.9:
+                c.complete_store(out.keys_to_store, rnd.random() < 0.9)
+
+    for line in sys.stdin:
+        if os.fork() == 0:
+            engine(int(line))
+    """
+)
+
+
+def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None:
+    """Two engines hammer the pool while a third is SIGKILLed at a random moment, 40 times
+    over. After each kill the pool's counts add up: nothing pending or pinned is left of the
+    dead, and the living engines go on."""
+    rng = __import__("random").Random(7)
+    spawner = subprocess.Popen(
+        [sys.executable, "-c", _RANDOM_ENGINES, served.socket],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert spawner.stdin is not None and spawner.stdout is not None
+
+    def fork(seed: int) -> int:
+        spawner.stdin.write(f"{seed}\n")
+        spawner.stdin.flush()
+        return int(spawner.stdout.readline())
+
+    def held(s: NodePoolServer) -> tuple[int, int, int, int, int, int]:
+        m = s.manager
+        pins = sum(sum(e.pins.values()) for e in s.engines.values())
+        storing = sum(len(e.storing) for e in s.engines.values())
+        return (m.num_pending_blocks, storing, m.num_stored_blocks, m.num_free_blocks,
+                m.num_evictable_blocks, pins)  # fmt: skip
+
+    survivors = [fork(1), fork(2)]
+    try:
+        for trial in range(40):
+            victim = fork(100 + trial)
+            time.sleep(rng.uniform(0.0, 0.1))
+            os.kill(victim, signal.SIGKILL)
+            for pid in survivors:
+                os.kill(pid, signal.SIGSTOP)  # a moment with only the dead's state to clear
+            deadline = time.monotonic() + 5
+            while served.call(lambda s: len(s.engines)) > 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pending, storing, stored, free, evictable, pins = served.call(held)
+            assert pending == storing  # only the living engines' stores are in flight
+            assert stored + free + pending == 16  # no slot leaked
+            assert stored - evictable <= pins  # only the living engines pin blocks
+            for pid in survivors:
+                os.kill(pid, signal.SIGCONT)
+        assert served.call(lambda s: s.engines_seen) == 42
+    finally:
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        spawner.kill()
+        spawner.wait()
+
+
+def test_a_pool_killed_and_restarted_under_an_engine_means_misses_then_hits(
+    tmp_path: Path,
+) -> None:
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-np-restart-{os.getpid()}"
+    cmd = [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots", "16",
+           "--slot-bytes", "4096", "--region", region]  # fmt: skip
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:  # a killed pool leaves its socket file: wait until one answers
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(sock)
+                return proc
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            finally:
+                probe.close()
+
+    server = start()
+    try:
+        c = NodePoolClient(sock, FP, retry_s=0.05)
+        out = c.prepare_store(_keys(1))
+        c.complete_store(out.keys_to_store)
+        c.prepare_store(_keys(2))  # in flight when the pool dies
+        assert c.lookup(_keys(1)) == 1
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        # gone: misses, nothing stored, no error reaches the caller
+        assert c.lookup(_keys(1)) == 0 and c.prepare_store(_keys(3)) is None
+        c.complete_store(_keys(2))  # dropped: the old pool's store
+        assert c.misses_while_detached >= 2 and not c.attached
+        server = start()  # adopts the region: the engine's mapping is still the pool's memory
+        time.sleep(0.1)  # past retry_s
+        assert c.lookup(_keys(1)) == 0 and c.attached  # back, and the index starts empty
+        out = c.prepare_store(_keys(1))
+        assert out is not None
+        c.complete_store(out.keys_to_store)
+        assert c.lookup(_keys(1)) == 1 and c.attached
+        assert c.status()["engines_attached"] == 1
+    finally:
+        server.terminate()
+        server.wait()
+    assert not os.path.exists(sock) and not Path("/dev/shm", region).exists()  # clean stop
+
+
+def test_socket_is_private_to_the_user(served) -> None:
+    assert stat.S_IMODE(os.stat(served.socket).st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_user_is_refused() -> None:
+    from conftest import Served  # the node_pool folder's conftest
+
+    folder = tempfile.mkdtemp(prefix="kvoff-np-uid-")
+    os.chmod(folder, 0o755)  # the other user can reach the socket: its uid must decide
+    served = Served(Path(folder, "pool.sock"), f"kvoff-test-np-uid-{os.getpid()}")
+    try:
+        _refused(served)
+    finally:
+        served.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _refused(served) -> None:
+    os.chmod(served.socket, 0o777)  # even through the file mode, the peer's uid decides
+    code = textwrap.dedent(
+        f"""
+        import os, socket, sys
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect({served.socket!r})
+        s.settimeout(5)
+        try:
+            s.sendall({p.frame(p.LOOKUP, 1, p.encode_keys([b"x" * 16]))!r})
+            sys.exit(0 if s.recv(100) == b"" else 3)  # closed without a reply
+        except (ConnectionResetError, BrokenPipeError):
+            sys.exit(0)
+        """
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+    assert served.call(lambda s: s.refused) == 1
+
+
+def _raw(served, data: bytes) -> bytes:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(served.socket)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    out = b""
+    while chunk := s.recv(1 << 16):
+        out += chunk
+    s.close()
+    return out
+
+
+def test_hostile_frames_get_errors_and_change_nothing(served) -> None:
+    good = NodePoolClient(served.socket, FP)
+    out = good.prepare_store(_keys(1))
+    good.complete_store(out.keys_to_store)
+    before = _counts(served)
+    bad_version = p.HEADER.pack(b"KVNP", 99, p.LOOKUP, 1, 0)
+    reply = _raw(served, bad_version)
+    assert p.parse_header(reply[:16])[0] == p.ERROR and b"protocol version 99" in reply
+    assert b"magic" in _raw(served, b"GET / HTTP/1.1\r\n\r\n")
+    oversized = p.HEADER.pack(b"KVNP", p.VERSION, p.LOOKUP, 1, p.MAX_PAYLOAD_BYTES + 1)
+    assert b"over the" in _raw(served, oversized)
+    truncated_keys = p.frame(p.LOOKUP, 2, struct.pack("<I", 1000) + b"\x05\x00ab")
+    assert b"key list" in _raw(served, truncated_keys)
+    assert b"unknown op" in _raw(served, p.frame(77, 3, p.encode_keys([b"k"])))
+    assert _raw(served, p.HEADER.pack(b"KVNP", p.VERSION, p.LOOKUP, 1, 50)[:10]) == b""
+    assert _counts(served) == before and good.lookup(_keys(1)) == 1
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    op=st.sampled_from(sorted(p.OPS)) | st.integers(0, 0xFFFF),
+    payload=st.binary(max_size=300),
+    tail=st.binary(max_size=40),
+)
+def test_random_messages_never_crash_or_corrupt_the_pool(served, op, payload, tail) -> None:
+    """Any op with any payload (and garbage after it): an error or an answer, never a crash;
+    afterwards every slot is accounted for and a good engine is served."""
+    _raw(served, p.frame(op, 9, payload) + tail)
+    stored, free, pending, _ = _counts(served)
+    assert stored + free + pending == 16 and pending == 0  # the dead connection's stores dropped
+    assert served.thread.is_alive()
+    good = NodePoolClient(served.socket, FP)
+    assert good.lookup(_keys(99)) == 0
+    good.close()

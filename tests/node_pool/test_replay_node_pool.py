@@ -1,0 +1,100 @@
+"""``kvoff replay --engines N --node-pool`` and ``kvoff pool serve|status|stop``, as users run
+them: real processes, real shared memory, every loaded block checked byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvoff.tools.replay import ReplayConfig, run_replay
+from kvoff.tools.traces import load_trace
+
+
+def _kvoff(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvoff", *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_engines_in_processes_on_a_node_pool_hit_as_one_engine_on_that_pool(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "np.json"
+    proc = _kvoff("replay", "--engines", "3", "--node-pool", "--limit", "150", "--cpu-blocks",
+                  "1500", "--no-progress", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    total, engines = doc["result"], doc["engines"]
+    one = run_replay(ReplayConfig(limit=150, cpu_blocks=1500))
+    assert one.hit_rate > 0.03
+    # in trace order, each store done before the turn passes: the same hits, to the token
+    assert total["hit_tokens"] == one.hit_tokens and total["hit_rate"] == one.hit_rate
+    assert [e["requests"] for e in engines] == [50, 50, 50]
+    assert all(e["blocks_loaded"] > 0 for e in engines)  # every engine loads others' blocks
+    assert total["corrupted_blocks"] == 0 and total["failed_transfers"] == 0
+    assert total["blocks_verified"] == total["blocks_loaded"] == one.blocks_loaded
+    assert doc["pool"]["num_slots"] == 1500 and doc["pool"]["evictions"] == one.evictions
+    assert "on 3 engine processes sharing one node pool" in proc.stdout
+
+
+def test_a_pool_outlives_its_engines(tmp_path: Path) -> None:
+    """Served by ``kvoff pool serve``: a second replay (engines restarted) hits the blocks the
+    first stored at once; status counts; ``kvoff pool stop`` removes the socket and region."""
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-np-cli-{os.getpid()}"
+    from kvoff.tools.replay import replay_cpu_blocks
+
+    slots, slot_bytes = replay_cpu_blocks(ReplayConfig(cpu_blocks=1000))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots",
+         str(slots), "--slot-bytes", str(slot_bytes), "--region", region],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(sock)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            finally:
+                probe.close()
+        first = _kvoff("replay", "--engines", "2", "--node-pool", sock, "--limit", "40",
+                       "--no-progress", "--json", str(tmp_path / "a.json"))  # fmt: skip
+        again = _kvoff("replay", "--engines", "2", "--node-pool", sock, "--limit", "40",
+                       "--no-progress", "--json", str(tmp_path / "b.json"))  # fmt: skip
+        assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
+        a = json.loads((tmp_path / "a.json").read_text())["result"]
+        b = json.loads((tmp_path / "b.json").read_text())["result"]
+        assert b["corrupted_blocks"] == 0 and b["blocks_verified"] > 0
+        assert b["hit_rate"] > a["hit_rate"]
+        # the pool kept what the first engines stored: as one engine serving the 40 requests
+        # twice on one pool of that size, to the token
+        reqs = load_trace("conversation", limit=40)
+        twice = run_replay(ReplayConfig(cpu_blocks=1000), requests=reqs + reqs)
+        assert a["hit_tokens"] == sum(twice.per_request_cpu_hit_tokens[:40])
+        assert b["hit_tokens"] == sum(twice.per_request_cpu_hit_tokens[40:])
+        status = _kvoff("pool", "status", "--socket", sock, "--format", "json")
+        st = json.loads(status.stdout)
+        assert st["engines_seen"] >= 5 and st["engines_attached"] == 1  # the status call itself
+        assert st["stored_blocks"] > 0 and st["region"] == region
+        text = _kvoff("pool", "status", "--socket", sock).stdout
+        assert f"{st['stored_blocks']:,} stored" in text
+        stop = _kvoff("pool", "stop", "--socket", sock)
+        assert stop.returncode == 0, stop.stderr
+        server.wait(timeout=10)
+        assert not os.path.exists(sock) and not Path("/dev/shm", region).exists()
+        gone = _kvoff("pool", "status", "--socket", sock)
+        assert gone.returncode == 2 and "no node pool answers" in gone.stderr
+    finally:
+        server.kill()
+        server.wait()
+        Path("/dev/shm", region).unlink(missing_ok=True)
