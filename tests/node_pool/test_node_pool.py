@@ -139,12 +139,29 @@ _RANDOM_ENGINES = textwrap.dedent(
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed engines
 
     def engine(seed):
+        # seeds >= 100 are victims: they load the others' blocks (keys 0-39) but never finish
+        # a store of their own (keys 40-79), so none of those may ever be a hit
         c = NodePoolClient(sys.argv[1], b"model=tiny;layout=layer_major;rank=0", name="random")
         rnd = random.Random(seed)
+        victim = seed >= 100
         print(os.getpid(), flush=True)
         while True:
             keys = [bytes([rnd.randrange(40)]) * 16 for _ in range(rnd.randrange(1, 5))]
             keys = list(dict.fromkeys(keys))
+            if victim:
+                n = c.lookup(keys)
+                if n:
+                    try:
+                        c.prepare_load(keys[:n])  # pinned until the kill, or released
+                    except NodePoolError:
+                        continue
+                    if rnd.random() < 0.5:
+                        c.complete_load(keys[:n])
+                mine = [bytes([40 + k[0]]) * 16 for k in keys]
+                out = c.prepare_store(mine)
+                if out is not None and rnd.random() < 0.3:
+                    c.complete_store(out.keys_to_store, False)
+                continue
             n = c.lookup(keys)
             if n:
                 try:
@@ -165,9 +182,10 @@ _RANDOM_ENGINES = textwrap.dedent(
 
 
 def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None:
-    """Two engines hammer the pool while a third is SIGKILLed at a random moment, 40 times
-    over. After each kill the pool's counts add up: nothing pending or pinned is left of the
-    dead, and the living engines go on."""
+    """Two engines hammer the pool while a third is SIGKILLed at a random moment, 100 times
+    over (issue 56's target). After each kill the pool's counts add up (no slot leaked,
+    nothing pending or pinned is left of the dead, the living engines go on), and no block the
+    dead were storing is ever a hit."""
     rng = __import__("random").Random(7)
     spawner = subprocess.Popen(
         [sys.executable, "-c", _RANDOM_ENGINES, served.socket],
@@ -191,22 +209,26 @@ def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None
 
     survivors = [fork(1), fork(2)]
     try:
-        for trial in range(40):
+        checker = NodePoolClient(served.socket, FP, name="checker")
+        theirs = [bytes([k]) * 16 for k in range(40, 80)]
+        for trial in range(100):
             victim = fork(100 + trial)
             time.sleep(rng.uniform(0.0, 0.1))
             os.kill(victim, signal.SIGKILL)
             for pid in survivors:
                 os.kill(pid, signal.SIGSTOP)  # a moment with only the dead's state to clear
             deadline = time.monotonic() + 5
-            while served.call(lambda s: len(s.engines)) > 2 and time.monotonic() < deadline:
+            while served.call(lambda s: len(s.engines)) > 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
             pending, storing, stored, free, evictable, pins = served.call(held)
             assert pending == storing  # only the living engines' stores are in flight
             assert stored + free + pending == 16  # no slot leaked
             assert stored - evictable <= pins  # only the living engines pin blocks
+            assert all(checker.lookup([k]) == 0 for k in theirs)  # never served
             for pid in survivors:
                 os.kill(pid, signal.SIGCONT)
-        assert served.call(lambda s: s.engines_seen) == 42
+        assert served.call(lambda s: s.engines_seen) == 103  # and 3 live: survivors, checker
+        assert served.call(lambda s: len(s.engines)) == 3
     finally:
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)
