@@ -88,6 +88,7 @@ class NodePoolClient:
         self.stores_skipped = 0
         self.misses_while_detached = 0
         self._sock: socket.socket | None = None
+        self._rest = bytearray()
         self._next_try = 0.0
         self._rid = 0
         self._region_lost = False
@@ -135,14 +136,16 @@ class NodePoolClient:
         return body
 
     def _recv(self, n: int) -> bytes:
+        # one recv usually brings a whole reply: what is past n waits in self._rest
         assert self._sock is not None
-        buf = bytearray()
+        buf = self._rest
         while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
+            chunk = self._sock.recv(max(65536, n - len(buf)))
             if not chunk:
                 raise ConnectionError("the node pool closed the connection")
             buf += chunk
-        return bytes(buf)
+        self._rest = buf[n:]
+        return bytes(buf[:n])
 
     def _call(self, op: int, payload: bytes) -> bytes | None:
         """The reply's payload, or None when the pool is gone (the caller answers a miss)."""
@@ -186,6 +189,7 @@ class NodePoolClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._rest = bytearray()
         self._pins.clear()
         self._storing.clear()
 

@@ -1,8 +1,9 @@
 """The node pool's wire format: length-prefixed binary frames over a Unix socket.
 
 A frame is a 16-byte header ``magic "KVNP", version u16, op u16, request id u32, payload
-length u32`` (little-endian) and the payload. A key list is ``count u32`` then, per key,
-``length u16`` and its bytes. Replies carry the request's id and op ``op | REPLY``, or
+length u32`` (little-endian) and the payload. A key list is ``count u32, width u16`` and the
+keys back to back (all of ``width`` bytes), or with width 0, per key ``length u16`` and its
+bytes. Replies carry the request's id and op ``op | REPLY``, or
 ``ERROR`` with a UTF-8 message. A frame that cannot be parsed (another magic or version, a
 payload over :data:`MAX_PAYLOAD_BYTES`, a truncated key list) is a :class:`ProtocolError`:
 the server answers it with an error and, when the framing itself is lost, closes that
@@ -97,12 +98,20 @@ def parse_header(head: bytes) -> tuple[int, int, int]:
 
 
 def encode_keys(keys: Sequence[bytes]) -> bytes:
-    """A key list (each key 1..:data:`MAX_KEY_BYTES` bytes).
+    """A key list (each key 1..:data:`MAX_KEY_BYTES` bytes): ``count u32, width u16`` then,
+    when every key has ``width`` bytes (the usual case), the keys back to back; with width 0,
+    each key as ``length u16`` and its bytes.
 
     Raises:
         ProtocolError: an empty or too long key.
     """
-    parts = [struct.pack("<I", len(keys))]
+    widths = {len(k) for k in keys}
+    if len(widths) == 1:
+        (w,) = widths
+        if not 0 < w <= MAX_KEY_BYTES:
+            raise ProtocolError(f"a key of {w} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
+        return struct.pack("<IH", len(keys), w) + b"".join(keys)
+    parts = [struct.pack("<IH", len(keys), 0)]
     for k in keys:
         if not 0 < len(k) <= MAX_KEY_BYTES:
             raise ProtocolError(f"a key of {len(k)} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
@@ -117,19 +126,31 @@ def decode_keys(buf: bytes | memoryview, offset: int = 0) -> tuple[list[bytes], 
     Raises:
         ProtocolError: a truncated list, an empty or too long key.
     """
-    view = memoryview(buf)
+    data = bytes(buf)
     try:
-        (count,) = struct.unpack_from("<I", view, offset)
-        offset += 4
-        if count > len(view) - offset:  # each key takes at least 3 bytes
-            raise ProtocolError(f"key list of {count} keys in {len(view) - offset} bytes")
-        keys = []
+        count, width = struct.unpack_from("<IH", data, offset)
+    except struct.error as e:
+        raise ProtocolError(f"truncated key list: {e}") from None
+    offset += 6
+    if width:
+        if width > MAX_KEY_BYTES:
+            raise ProtocolError(f"keys of {width} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
+        end = offset + count * width
+        if end > len(data):
+            raise ProtocolError(
+                f"key list of {count} keys of {width} bytes in {len(data) - offset} bytes"
+            )
+        return [data[i : i + width] for i in range(offset, end, width)], end
+    if count > len(data) - offset:  # each key takes at least 3 bytes
+        raise ProtocolError(f"key list of {count} keys in {len(data) - offset} bytes")
+    keys = []
+    try:
         for _ in range(count):
-            (n,) = struct.unpack_from("<H", view, offset)
+            (n,) = struct.unpack_from("<H", data, offset)
             offset += 2
-            if not 0 < n <= MAX_KEY_BYTES or offset + n > len(view):
+            if not 0 < n <= MAX_KEY_BYTES or offset + n > len(data):
                 raise ProtocolError(f"a key of {n} bytes at offset {offset} (truncated or bad)")
-            keys.append(bytes(view[offset : offset + n]))
+            keys.append(data[offset : offset + n])
             offset += n
     except struct.error as e:
         raise ProtocolError(f"truncated key list: {e}") from None

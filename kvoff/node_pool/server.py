@@ -70,6 +70,7 @@ class _Engine:
     loaded_keys: int = 0
     errors: int = 0
     since: float = field(default_factory=time.time)
+    mask: int = selectors.EVENT_READ
 
 
 class NodePoolServer:
@@ -255,7 +256,7 @@ class NodePoolServer:
 
     def _read(self, eng: _Engine) -> None:
         try:
-            data = eng.sock.recv(1 << 20)
+            data = eng.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -297,7 +298,9 @@ class NodePoolServer:
             self._drop(eng)
             return
         mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if eng.outbox else 0)
-        self._selector.modify(eng.sock, mask, eng)
+        if mask != eng.mask:  # an epoll_ctl only when it changes
+            self._selector.modify(eng.sock, mask, eng)
+            eng.mask = mask
 
     def _drop(self, eng: _Engine) -> None:
         """An engine is gone: its loads are unpinned, its stores completed as failed."""

@@ -98,3 +98,18 @@ def test_a_pool_outlives_its_engines(tmp_path: Path) -> None:
         server.kill()
         server.wait()
         Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def test_bench_node_pool_measures_both_side_by_side() -> None:
+    from kvoff.tools.bench_node_pool import run_node_pool_bench
+
+    r = run_node_pool_bench("tiny", blocks=8, keys=4, rounds=2)
+    for d in ("store", "load"):
+        c = r["copy"][d]
+        assert len(c["private_gbps"]) == len(c["node_pool_gbps"]) == 2
+        assert min(c["private_gbps"] + c["node_pool_gbps"]) > 0 and c["node_pool_vs_private"] > 0
+    calls = r["calls"]
+    assert len(calls["node_pool_us_per_call"]) == 2
+    # a socket round trip costs more than a function call into the manager
+    assert calls["node_pool_us_per_call_median"] > calls["private_us_per_call_median"]
+    assert r["slot_bytes"] == 2 * 16 * 16  # tiny: 2 layers × 16 bytes a token × 16 tokens

@@ -36,6 +36,8 @@ RUNS: dict[str, list[str]] = {
     ],
     "bench manager-calls": ["bench", "manager-calls", "--managers", "kvoff:lru"],
     "pool status": ["pool", "status"],  # --socket: a pool served for the test
+    "bench node-pool": ["bench", "node-pool", "--blocks", "4", "--keys", "2", "--rounds", "1",
+                        "--model", "tiny"],
 }  # fmt: skip
 
 _LOG = [

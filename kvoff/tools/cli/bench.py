@@ -1,5 +1,5 @@
 """``kvoff bench``: the benchmarks, one module each (:mod:`.bench_scheduler`,
-:mod:`.bench_transfer`, :mod:`.bench_tiers`; ``manager-calls`` is
+:mod:`.bench_transfer`, :mod:`.bench_tiers`, :mod:`.bench_node_pool`; ``manager-calls`` is
 :mod:`kvoff.tools.bench_manager_calls`'s own)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvoff.tools.cli import bench_scheduler, bench_tiers, bench_transfer
+from kvoff.tools.cli import bench_node_pool, bench_scheduler, bench_tiers, bench_transfer
 from kvoff.tools.cli.common import is_stdout, write_json
 
 __all__ = ["add_parser"]
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     bp = sub.add_parser("bench", help="benchmarks", description="kvoff benchmarks")
     bench_sub = bp.add_subparsers(dest="bench_command", required=True)
-    for command in (bench_scheduler, bench_transfer, bench_tiers):
+    for command in (bench_scheduler, bench_transfer, bench_tiers, bench_node_pool):
         command.add_parser(bench_sub)
     add_manager_calls_parser(bench_sub)
     bench_sub.choices["manager-calls"].set_defaults(run=_run_manager_calls)
