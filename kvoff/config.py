@@ -319,6 +319,10 @@ class OffloadingConfig(BaseModel):
             (:mod:`kvoff.tiers.block_format`). Every engine sharing a tier needs the same
             secret. A ``pydantic.SecretStr``: ``repr``, ``str`` and errors never show it; set
             it with ``KVOFF_SHARED_SECRET`` rather than in a file others can read.
+        node_pool: the socket of a node pool (``kvoff pool serve``; docs/node-pool.md), an
+            absolute path: the CPU pool is the node pool's, shared by every engine on the
+            machine, so neither ``cpu_bytes_to_use`` nor ``num_cpu_blocks`` is given.
+            ``KvoffOffloadingSpec`` only, without tiers and with ``world_size`` 1, for now.
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -326,7 +330,9 @@ class OffloadingConfig(BaseModel):
             timeout that is not finite or too long, a negative or non-finite
             ``compute_slowdown_budget``, a ``store_threshold`` outside [0, 2**20], a
             ``max_tracker_size`` outside [1, 2**31 - 1], a bool where a number belongs, a
-            ``shared_secret`` shorter than 16 bytes or not text, or an unknown key.
+            ``shared_secret`` shorter than 16 bytes or not text, a ``node_pool`` that is not
+            an absolute path or comes with a pool size, tiers or ``world_size`` > 1, or an
+            unknown key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -357,6 +363,7 @@ class OffloadingConfig(BaseModel):
     shared_secret: Annotated[
         SecretStr | None, BeforeValidator(_secret_before), AfterValidator(_secret_after)
     ] = None
+    node_pool: str | None = None
 
     _POOL_SIZE_KEYS: ClassVar[tuple[str, str]] = ("cpu_bytes_to_use", "num_cpu_blocks")
 
@@ -385,6 +392,8 @@ class OffloadingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_size(self) -> OffloadingConfig:
+        if self.node_pool is not None:
+            return self._node_pool_keys()
         if (self.cpu_bytes_to_use is None) == (self.num_cpu_blocks is None):
             raise ValueError(
                 "size the CPU pool with exactly one of cpu_bytes_to_use (bytes) or "
@@ -444,6 +453,26 @@ class OffloadingConfig(BaseModel):
                 details.append(detail)
         # raised outside the handler, so the original error is not chained to it
         raise pydantic.ValidationError.from_exception_data(title, details)
+
+    def _node_pool_keys(self) -> OffloadingConfig:
+        path = self.node_pool
+        assert path is not None
+        if not os.path.isabs(path):
+            raise ValueError(
+                f"node_pool={path!r} must be an absolute path: the socket of kvoff pool serve "
+                "(e.g. /run/user/1000/kvoff-pool-1000.sock)"
+            )
+        if self.cpu_bytes_to_use is not None or self.num_cpu_blocks is not None:
+            raise ValueError(
+                "with node_pool the CPU pool is the node pool's (kvoff pool serve --bytes); drop "
+                "cpu_bytes_to_use and num_cpu_blocks"
+            )
+        if self.has_tiers or self.world_size != 1:
+            raise ValueError(
+                "a node pool has no disk or Redis tier below it and serves world_size 1 for "
+                "now; drop disk_path, remote_url or node_pool, or set world_size 1"
+            )
+        return self
 
     @property
     def has_tiers(self) -> bool:

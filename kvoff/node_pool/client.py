@@ -96,6 +96,9 @@ class NodePoolClient:
         # what an earlier connection held are dropped, not sent
         self._pins: Counter[bytes] = Counter()
         self._storing: set[bytes] = set()
+        self._warned_clear = False
+        self._counts_at = -1e9
+        self._counts_cache: dict[str, Any] = {}
         try:
             hello = self._connect()
         except OSError as e:
@@ -266,9 +269,59 @@ class NodePoolClient:
         if held:
             self._call(p.COMPLETE_STORE, bytes([bool(success)]) + self._keys(held))
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Makes the keys the most recent, ``keys[0]`` first."""
-        self._call(p.TOUCH, self._keys(keys))
+    def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | None = None) -> None:
+        """Makes the keys the most recent, ``keys[0]`` first; ``reused``: per key, whether it
+        was a reuse (as :meth:`kvoff.CPUOffloadingManager.touch`)."""
+        flags = b"" if reused is None else bytes(1 if r else 0 for r in reused)
+        self._call(p.TOUCH, self._keys(keys) + flags)
+
+    # ------------------------------------------------------------------ the manager's rest
+    def take_events(self) -> list[Any]:
+        """No events: a node pool's index is shared, its BlockStored / BlockRemoved events are
+        not per engine yet."""
+        return []
+
+    def clear(self, include_in_flight: bool = False) -> int:
+        """Drops nothing and returns 0: the pool is shared by other engines, so one engine's
+        cache reset must not empty it (``kvoff pool stop`` does)."""
+        if not self._warned_clear:
+            logger.warning(
+                "kvoff: a cache reset does not clear the node pool at %s (other engines use "
+                "it); kvoff pool stop empties it",
+                self.socket_path,
+            )
+            self._warned_clear = True
+        return 0
+
+    def _counts(self) -> dict[str, Any]:
+        """The pool's block counts, asked at most once a second (metrics read them each
+        step); zeros while the pool is gone."""
+        now = time.monotonic()
+        if now - self._counts_at > 1.0:
+            reply = self._call(p.STATUS, b"")
+            self._counts_cache = {} if reply is None else p.decode_json(reply)
+            self._counts_at = now
+        return self._counts_cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free slots in the pool (refreshed at most once a second)."""
+        return int(self._counts().get("free_blocks", 0))
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks the pool may evict (refreshed at most once a second)."""
+        return int(self._counts().get("evictable_blocks", 0))
+
+    @property
+    def num_pending_blocks(self) -> int:
+        """Blocks being stored by any engine (refreshed at most once a second)."""
+        return int(self._counts().get("pending_blocks", 0))
+
+    @property
+    def num_stored_blocks(self) -> int:
+        """Blocks held (refreshed at most once a second)."""
+        return int(self._counts().get("stored_blocks", 0))
 
     def status(self) -> dict[str, Any]:
         """The pool's status (``kvoff pool status``).

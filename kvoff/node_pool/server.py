@@ -354,6 +354,15 @@ class NodePoolServer:
                 eng.stored_keys += len(keys)
             return b""
         keys, end = p.decode_keys(payload)
+        if op == p.TOUCH:  # keys, then optionally one byte per key: reused (1) or not (0)
+            rest = payload[end:]
+            if rest and len(rest) != len(keys):
+                raise p.ProtocolError(f"touch of {len(keys)} keys with {len(rest)} reused flags")
+            if rest:
+                m.touch(keys, [b != 0 for b in rest])
+            else:
+                m.touch(keys)
+            return b""
         self._check_end(payload, end)
         if op == p.LOOKUP:
             n = m.lookup(keys)
@@ -390,9 +399,6 @@ class NodePoolServer:
                 + p.encode_slots(list(out.block_ids))
                 + p.encode_keys(list(out.evicted_keys))
             )
-        if op == p.TOUCH:
-            m.touch(keys)
-            return b""
         raise p.ProtocolError(f"unknown op {op}")
 
     @staticmethod
@@ -424,6 +430,7 @@ class NodePoolServer:
             "stored_blocks": m.num_stored_blocks,
             "free_blocks": m.num_free_blocks,
             "pending_blocks": m.num_pending_blocks,
+            "evictable_blocks": m.num_evictable_blocks,
             "evictions": self.evictions,
             "engines_attached": len(self.engines),
             "engines_seen": self.engines_seen,

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker as VllmOffloadingWorker
 from kvoff.config import OffloadingConfig
 from kvoff.integrations.vllm.metrics import configured_tier_counters
 from kvoff.integrations.vllm.spec_manager import KvoffOffloadingManager
-from kvoff.integrations.vllm.tier_wiring import attach_spec_tiers
+from kvoff.integrations.vllm.tier_wiring import attach_spec_tiers, spec_fingerprint
 from kvoff.integrations.vllm.translate import offloading_config, require_bytes
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec
 from kvoff.sizing import compute_num_cpu_blocks
@@ -44,10 +44,13 @@ class KvoffOffloadingWorker(VllmOffloadingWorker):
         config: kvoff's transfer options (mechanism, budget, staging, pinning).
         shared_memory_name: put the CPU pool in ``/dev/shm/<name>`` (for the scheduler's
             secondary tiers); ``None``: private memory.
+        attach_shared_memory: map the existing ``/dev/shm/<name>`` instead (a node pool's
+            region).
 
     Raises:
         ValueError: what :meth:`kvoff.OffloadingWorker.register_kv_caches` raises.
-        kvoff.pinned.SharedMemoryError: the shared pool cannot be allocated.
+        kvoff.pinned.SharedMemoryError: the shared pool cannot be allocated (or, attaching,
+            is missing or of another layout).
     """
 
     def __init__(
@@ -58,12 +61,13 @@ class KvoffOffloadingWorker(VllmOffloadingWorker):
         config: OffloadingConfig,
         *,
         shared_memory_name: str | None = None,
+        attach_shared_memory: bool = False,
     ) -> None:
         num_gpu_blocks = kv_caches.tensors[0].tensor.shape[0]
         options = config.worker_options()
         self.worker = OffloadingWorker(
             num_gpu_blocks, num_cpu_blocks, blocks_per_chunk, **options,
-            shared_memory_name=shared_memory_name,
+            shared_memory_name=shared_memory_name, attach_shared_memory=attach_shared_memory,
         )  # fmt: skip
         layers: dict[str, torch.Tensor] = {}
         groups: dict[str, int] = {}
@@ -169,12 +173,18 @@ class KvoffOffloadingSpec(OffloadingSpec):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.kvoff_config = offloading_config(self.extra_config, spec_path=True)
-        self.num_cpu_blocks = compute_num_cpu_blocks(
-            require_bytes(self.kvoff_config),
-            config.worker_kv_bytes_per_block,
-            self.blocks_per_chunk,
-            config.parallel.world_size,
-        )
+        self.node_pool: Any = None
+        if self.kvoff_config.node_pool is not None:
+            self.node_pool = _attach_node_pool(self.kvoff_config.node_pool, config,
+                                               self.blocks_per_chunk)  # fmt: skip
+            self.num_cpu_blocks = self.node_pool.num_slots
+        else:
+            self.num_cpu_blocks = compute_num_cpu_blocks(
+                require_bytes(self.kvoff_config),
+                config.worker_kv_bytes_per_block,
+                self.blocks_per_chunk,
+                config.parallel.world_size,
+            )
         self._manager: KvoffOffloadingManager | None = None
         self._worker: KvoffOffloadingWorker | None = None
 
@@ -199,6 +209,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 self.kv_events_config.enable_kv_cache_events or config.enable_events,
                 store_threshold=config.store_threshold,
                 max_tracker_size=config.max_tracker_size,
+                manager=self.node_pool,
             )
             if config.has_tiers and self.num_cpu_blocks > 0:
                 attach_spec_tiers(manager, self.config, config, self.num_cpu_blocks)
@@ -218,8 +229,36 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 if self.kvoff_config.has_tiers
                 else None
             )
+            attach = self.node_pool is not None
+            if attach:  # the node pool's slots, mapped (and pinned on a GPU) in this process
+                name = self.node_pool.region
             self._worker = KvoffOffloadingWorker(
                 kv_caches, self.num_cpu_blocks, self.blocks_per_chunk, self.kvoff_config,
-                shared_memory_name=name,
+                shared_memory_name=name, attach_shared_memory=attach,
             )  # fmt: skip
         return self._worker
+
+
+def _attach_node_pool(socket_path: str, config: Any, blocks_per_chunk: int) -> Any:
+    """A client of the node pool at ``socket_path`` for this engine's layout.
+
+    Raises:
+        kvoff.node_pool.NodePoolError: no pool answers there.
+        ValueError: the pool's slots are not this engine's bytes per offloaded block.
+    """
+    from kvoff.node_pool import NodePoolClient
+
+    rank = int(config.parallel.rank)
+    client = NodePoolClient(
+        socket_path, spec_fingerprint(config, rank), name=f"{config.engine_id}-rank{rank}"
+    )
+    need = int(config.worker_kv_bytes_per_block) * blocks_per_chunk
+    if client.slot_bytes != need:
+        client.close()
+        raise ValueError(
+            f"the node pool at {socket_path} has slots of {client.slot_bytes} bytes, but this "
+            f"engine's offloaded blocks are {need} bytes ({config.worker_kv_bytes_per_block} "
+            f"bytes per block x {blocks_per_chunk} blocks per chunk); serve a pool with "
+            f"--slot-bytes {need} for this model and layout"
+        )
+    return client

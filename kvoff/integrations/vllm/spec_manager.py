@@ -168,6 +168,9 @@ class KvoffOffloadingManager(OffloadingManager):
             times (vLLM's admission filter; < 2: every block); see
             :class:`kvoff.CPUOffloadingManager`.
         max_tracker_size: keys the admission filter counts at most.
+        manager: the manager to use instead of a private one: a node pool's
+            :class:`kvoff.node_pool.NodePoolClient` (its policy and admission are the pool's;
+            ``num_blocks`` is its size).
 
     Raises:
         ValueError: a negative ``num_blocks``, an unknown policy, or a bad ``store_threshold``
@@ -184,6 +187,7 @@ class KvoffOffloadingManager(OffloadingManager):
         enable_events: bool,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
+        manager: Any = None,
     ) -> None:
         if num_blocks < 0:
             raise ValueError(
@@ -194,7 +198,9 @@ class KvoffOffloadingManager(OffloadingManager):
         self.num_blocks = num_blocks
         self.store_threshold = store_threshold
         self.manager: Any = _NoPool()
-        if num_blocks > 0:
+        if manager is not None:  # a node pool's client (kvoff.node_pool.NodePoolClient)
+            self.manager = manager
+        elif num_blocks > 0:
             self.manager = CPUOffloadingManager(
                 num_blocks,
                 eviction_policy,

