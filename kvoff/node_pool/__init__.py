@@ -8,7 +8,14 @@ Engines map the region and copy to and from its slots directly (pinned on a GPU)
 docs/node-pool.md.
 """
 
-from kvoff.node_pool.client import NodePoolClient, NodePoolError, StoreSlots
+from kvoff.node_pool.client import NodePoolClient, NodePoolError, StoreSlots, wait_for_pool
 from kvoff.node_pool.server import DEFAULT_REGION, NodePoolServer
 
-__all__ = ["DEFAULT_REGION", "NodePoolClient", "NodePoolError", "NodePoolServer", "StoreSlots"]
+__all__ = [
+    "DEFAULT_REGION",
+    "NodePoolClient",
+    "NodePoolError",
+    "NodePoolServer",
+    "StoreSlots",
+    "wait_for_pool",
+]

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvoff.node_pool import protocol as p
 
-__all__ = ["NodePoolClient", "NodePoolError", "StoreSlots"]
+__all__ = ["NodePoolClient", "NodePoolError", "StoreSlots", "wait_for_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -333,3 +333,36 @@ class NodePoolClient:
         if reply is None:
             raise NodePoolError(f"no node pool answers at {self.socket_path}")
         return p.decode_json(reply)
+
+
+def wait_for_pool(socket_path: str, process: Any = None, timeout_s: float = 60.0) -> None:
+    """Returns once a pool answers at ``socket_path`` (a killed pool's socket file may still
+    be there, so a connection is what counts).
+
+    Args:
+        socket_path: the pool's socket.
+        process: the pool's ``subprocess.Popen``, if this process started it: its exit ends
+            the wait.
+        timeout_s: seconds to wait at most.
+
+    Raises:
+        NodePoolError: the pool exited, or did not answer within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(socket_path)
+            return
+        except OSError:
+            if process is not None and process.poll() is not None:
+                raise NodePoolError(
+                    f"the node pool for {socket_path} exited with code {process.returncode}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise NodePoolError(
+                    f"no node pool answered at {socket_path} within {timeout_s:g} s"
+                ) from None
+            time.sleep(0.05)
+        finally:
+            probe.close()

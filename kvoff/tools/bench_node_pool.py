@@ -15,7 +15,6 @@ with few cores its round trips share them with the benchmark, as they would with
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import torch
 
 from kvoff import _scheduler
 from kvoff.models import get_model_preset
-from kvoff.node_pool import NodePoolClient
+from kvoff.node_pool import NodePoolClient, wait_for_pool
 from kvoff.worker import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
 __all__ = ["run_node_pool_bench"]
@@ -90,7 +89,7 @@ def run_node_pool_bench(
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        _wait_for(sock, server)
+        wait_for_pool(sock, server)
         client = NodePoolClient(sock, b"kvoff bench node-pool", name="bench")
         shared = _worker(model, blocks, client.num_slots, dev, shared_memory_name=client.region,
                          attach_shared_memory=True)  # fmt: skip
@@ -106,21 +105,6 @@ def run_node_pool_bench(
         "model": model, "blocks": blocks, "keys": keys, "rounds": rounds, "device": device,
         "slot_bytes": private.slot_bytes, "copy": copy, "calls": calls,
     }  # fmt: skip
-
-
-def _wait_for(sock: str, server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(sock)
-            return
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kvoff pool serve did not start") from None
-            time.sleep(0.05)
-        finally:
-            probe.close()
 
 
 def _bench_copies(

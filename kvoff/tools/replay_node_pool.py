@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvoff.node_pool import NodePoolError, wait_for_pool
 from kvoff.tools.request_loop import ReplayConfig, replay_requests
 from kvoff.tools.traces import TraceRequest
 
@@ -69,13 +70,12 @@ def _start_pool(config: ReplayConfig, socket_path: str, region: str) -> subproce
         region,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(socket_path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            proc.kill()
-            raise RuntimeError(f"the node pool did not start: {err.strip()}")
-        time.sleep(0.05)
+    try:
+        wait_for_pool(socket_path, proc)
+    except NodePoolError as e:
+        proc.kill()
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        raise RuntimeError(f"the node pool did not start: {e}; {err.strip()}") from None
     return proc
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from test_vllm import BLOCK, GPU_BLOCK_BYTES, PROMPTS_A, PROMPTS_B, _baseline, _plan
+
+from kvoff.node_pool import wait_for_pool
 
 pytestmark = pytest.mark.vllm
 
@@ -28,17 +28,7 @@ def node_pool(tmp_path: Path):
          "--slot-bytes", str(GPU_BLOCK_BYTES), "--region", region],
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(sock)
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        finally:
-            probe.close()
+    wait_for_pool(sock, proc)
     yield sock
     proc.terminate()
     proc.wait(30)

@@ -4,45 +4,11 @@ a region of its own in /dev/shm (removed at the end)."""
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from kvoff.node_pool import NodePoolServer
-
-
-class Served:
-    """A :class:`NodePoolServer` running in a thread; ``stop()`` ends it (idempotent)."""
-
-    def __init__(self, path: Path, region: str, num_slots: int = 16, slot_bytes: int = 4096):
-        self.socket = str(path)
-        self.region = region
-        self.server = NodePoolServer(self.socket, num_slots, slot_bytes, region=region)
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True
-        )
-        self.thread.start()
-
-    def call(self, fn):
-        """Runs ``fn(server)`` between two rounds of the serving thread (the tests' view of
-        the index must not race the thread that changes it)."""
-        done = threading.Event()
-        out = {}
-
-        def run() -> None:
-            out["v"] = fn(self.server)
-            done.set()
-
-        self.server.call_soon(run)
-        assert done.wait(10), "the pool did not run the call"
-        return out["v"]
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.server.stop()
-            self.thread.join(10)
+from node_pool_harness import Served
 
 
 @pytest.fixture

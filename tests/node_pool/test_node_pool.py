@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoff.node_pool import NodePoolClient, NodePoolError, NodePoolServer
+from kvoff.node_pool import NodePoolClient, NodePoolError, NodePoolServer, wait_for_pool
 from kvoff.node_pool import protocol as p
 from kvoff.pinned import HostPool, SharedMemoryError
 
@@ -246,17 +246,8 @@ def test_a_pool_killed_and_restarted_under_an_engine_means_misses_then_hits(
 
     def start() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:  # a killed pool leaves its socket file: wait until one answers
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(sock)
-                return proc
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-            finally:
-                probe.close()
+        wait_for_pool(sock, proc)  # a killed pool leaves its socket file: one must answer
+        return proc
 
     server = start()
     try:
@@ -291,7 +282,7 @@ def test_socket_is_private_to_the_user(served) -> None:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
 def test_another_user_is_refused() -> None:
-    from conftest import Served  # the node_pool folder's conftest
+    from node_pool_harness import Served
 
     folder = tempfile.mkdtemp(prefix="kvoff-np-uid-")
     os.chmod(folder, 0o755)  # the other user can reach the socket: its uid must decide

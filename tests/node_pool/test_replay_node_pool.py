@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from kvoff.node_pool import wait_for_pool
 from kvoff.tools.replay import ReplayConfig, run_replay
 from kvoff.tools.traces import load_trace
 
@@ -56,17 +55,7 @@ def test_a_pool_outlives_its_engines(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(sock)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-            finally:
-                probe.close()
+        wait_for_pool(sock, server)
         first = _kvoff("replay", "--engines", "2", "--node-pool", sock, "--limit", "40",
                        "--no-progress", "--json", str(tmp_path / "a.json"))  # fmt: skip
         again = _kvoff("replay", "--engines", "2", "--node-pool", sock, "--limit", "40",
