@@ -969,6 +969,16 @@ class OffloadingWorker:
                 done.append(self._complete(job))
         return done
 
+    def _check_known(self, job_ids: Iterable[int], unchanged: str) -> None:
+        """Raises KeyError naming the ids neither in flight nor with a result queued."""
+        finished = {r.job_id for r in self._finished}
+        missing = [j for j in job_ids if j not in self._in_flight and j not in finished]
+        if missing:
+            raise KeyError(
+                f"unknown job ids {missing}: never submitted, or their results were already "
+                f"taken; {unchanged}"
+            )
+
     def fence(self, job_ids: Iterable[int], stream: torch.cuda.Stream | None = None) -> int:
         """Orders the work queued next on ``stream`` after the given jobs, without blocking the
         host (docs/design.md invariant 4: a GPU block is not rewritten while a job still reads
@@ -995,13 +1005,7 @@ class OffloadingWorker:
                 (checked before any wait is queued: then nothing is ordered).
         """
         wanted = dict.fromkeys(job_ids)
-        finished = {r.job_id for r in self._finished}
-        missing = [j for j in wanted if j not in self._in_flight and j not in finished]
-        if missing:
-            raise KeyError(
-                f"unknown job ids {missing}: never submitted, or their results were already "
-                "taken; nothing was ordered"
-            )
+        self._check_known(wanted, "nothing was ordered")
         jobs = [self._in_flight[j] for j in wanted if j in self._in_flight]
         if not jobs:
             return 0
@@ -1032,13 +1036,7 @@ class OffloadingWorker:
                 f"job ids {repeated} are given more than once; list each job once (its result "
                 "is reported once); nothing was taken"
             )
-        finished = {r.job_id for r in self._finished}
-        missing = [j for j in wanted if j not in self._in_flight and j not in finished]
-        if missing:
-            raise KeyError(
-                f"unknown job ids {missing}: never submitted, or their results were already "
-                "taken; nothing was taken"
-            )
+        self._check_known(wanted, "nothing was taken")
         results: dict[int, TransferResult] = {}
         for jid in wanted:
             job = self._in_flight.get(jid)
