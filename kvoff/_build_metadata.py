@@ -35,6 +35,7 @@ BASE_DEPENDENCIES: tuple[str, ...] = (
     "pyyaml>=6",
     "tqdm>=4.60",
     "xxhash>=3",  # block checksums and layout fingerprints of the secondary tiers
+    "blake3>=1",  # the tiers' block MAC (shared_secret); imported only when a secret is set
 )
 
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.\d+)*")

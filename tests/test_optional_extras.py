@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoff._build_metadata import BASE_DEPENDENCIES
 from kvoff._optional import EXTRAS, MissingExtraError, extra_imports, require
 
 REDIS_LINE = (
@@ -91,13 +92,13 @@ def _cli_fails(blocked: str, *argv: str, cwd: Path | None = None) -> str:
     return lines[0]
 
 
-def _library(blocked: str, body: str) -> dict[str, object]:
+def _library(blocked: str, body: str, *args: str) -> dict[str, object]:
     """Runs ``body`` (which must set ``result``, a JSON-able dict; ``caught(call)`` reports
-    the :class:`MissingExtraError` a call raises) without the ``blocked`` packages; returns
-    ``result``."""
+    the :class:`MissingExtraError` a call raises) without the ``blocked`` packages, with
+    ``args`` in ``sys.argv[1:]``; returns ``result``."""
     script = _BLOCKER + "import json\n" + _CATCH + textwrap.dedent(body)
     script += "\nprint(json.dumps(result))\n"
-    proc = _run(script, blocked)
+    proc = _run(script, blocked, *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -279,6 +280,57 @@ def test_cli_without_vllm(argv: list[str], line: str, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # nothing was written before the check
 
 
+# --- blake3 (a dependency of kvoff, imported only for the tiers' block MAC) -------------------
+
+BLAKE3_LINE = (
+    "the block MAC of the disk and Redis tiers (shared_secret) needs blake3, which is not "
+    'installed: pip install "blake3>=1" (a dependency of kvoff)'
+)
+
+
+def test_shared_secret_without_blake3(tmp_path: Path) -> None:
+    result = _library(
+        "blake3",
+        """
+        import sys
+
+        import numpy as np
+
+        from kvoff.config import OffloadingConfig
+        from kvoff.tiers.block_format import BlockFormat, check_block, encode_header
+        from kvoff.tiers.coordinator import tiers_from_config
+
+        fp = bytes(16)
+        plain = BlockFormat(fp, 4096)  # no secret: blake3 is not needed
+        data = np.zeros(4096, np.uint8)
+        ok = check_block(plain, b"k" * 16, encode_header(plain, b"k" * 16, data), data)
+        secret = b"0123456789abcdef-secret"
+        config = OffloadingConfig(
+            num_cpu_blocks=4, disk_path=sys.argv[1], disk_bytes=1 << 30,
+            shared_secret=secret.decode(),
+        )
+        result = {
+            "plain": ok,
+            "format": caught(lambda: BlockFormat(fp, 4096, shared_secret=secret)),
+            "tiers": caught(lambda: tiers_from_config(config, plain)),
+            "imported": "blake3" in sys.modules and sys.modules["blake3"] is not None,
+        }
+        """,
+        str(tmp_path / "disk"),
+    )
+    expected = {
+        "type": "MissingExtraError",
+        "import_error": True,
+        "message": BLAKE3_LINE,
+        "extra": None,
+        "package": "blake3",
+        "name": "blake3",
+    }
+    assert result == {"plain": None, "format": expected, "tiers": expected, "imported": False}
+    assert EXTRAS["blake3"].install == 'pip install "blake3>=1" (a dependency of kvoff)'
+    assert not (tmp_path / "disk").exists()  # refused before any tier was made
+
+
 # --- the helper -------------------------------------------------------------------------------
 
 
@@ -288,6 +340,9 @@ def test_extras_match_pyproject() -> None:
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     for module, spec in EXTRAS.items():
+        if spec.extra is None:  # a dependency of kvoff itself, imported by one feature
+            assert spec.requirement in BASE_DEPENDENCIES, module
+            continue
         assert spec.extra in extras, f"{module}: kvoff[{spec.extra}] is not in pyproject.toml"
     assert extras["redis"] == ["redis[hiredis]>=5"]
     assert extras["plot"] == ["matplotlib>=3.5"]

@@ -25,8 +25,8 @@ key_len    2      offload key length, 1..:data:`MAX_KEY_BYTES`
 key        64     the offload key, zero-padded
 hdr_sum    8      xxh3_64 of all the bytes above (detects a corrupted header)
 mac        32     only in a MAC'd block (version :data:`FORMAT_VERSION_MAC`), at
-                  :data:`MAC_OFFSET`: HMAC-SHA256 (RFC 2104, FIPS 180-4) keyed by the
-                  shared secret, see :func:`block_mac`; zeros in a plain block
+                  :data:`MAC_OFFSET`: BLAKE3 in keyed-hash mode, with a key derived from
+                  the shared secret, see :func:`block_mac`; zeros in a plain block
 =========  =====  ===============================================================
 
 The rest of the header is zeros. A block is valid for a reader only when every field matches
@@ -35,7 +35,7 @@ what the reader expects (:func:`check_block`); anything else is a miss and is ne
 **Authenticated blocks** (``BlockFormat(..., shared_secret=...)``). The xxh3 checksums prove
 integrity, not origin: anyone who can write a tier's store (a Redis namespace, a disk file
 another host mounts) can plant a well-formed block under a key. With a shared secret, a block is
-written as version :data:`FORMAT_VERSION_MAC` and carries a 32-byte HMAC-SHA256 over
+written as version :data:`FORMAT_VERSION_MAC` and carries a 32-byte keyed BLAKE3 hash over
 :data:`MAC_DOMAIN`, the whole header except the MAC field (padding included), the offload key
 (length-prefixed, so a valid block replayed under another key fails) and the payload. A reader
 with a secret verifies the MAC first (constant-time compare) and trusts no other field of a block
@@ -46,15 +46,35 @@ block with any byte of its header, payload or key changed. The MAC replaces the 
 checksum (its field is 0): it detects every corruption the checksum does, so hashing the payload
 twice would only cost time. The header keeps its own xxh3 (``hdr_sum``) so that the disk tier's
 restart scan, which reads headers only, still tells a torn header from a block; the MAC is
-checked on every read. HMAC-SHA256 rather than keyed BLAKE2b (both Python's stdlib): on the
-2-core AMD EPYC box (SHA extensions, OpenSSL 3.0) HMAC-SHA256 hashes 512 KiB blocks at
-1.79 GB/s, keyed BLAKE2b-256 at 0.92 GB/s (``kvoff bench tiers`` measures it per GB).
+checked on every read.
+
+**The MAC algorithm** is BLAKE3 (the BLAKE3 specification, J. O'Connor, J.-P. Aumasson,
+S. Neves, Z. Wilcox-O'Hearn, https://github.com/BLAKE3-team/BLAKE3-specs) through the
+``blake3`` package (the official Rust implementation's Python bindings): its ``keyed_hash`` mode,
+a PRF and MAC with a 32-byte key, 32-byte output. The key is derived from the shared secret with
+BLAKE3's ``derive_key`` mode under the context string :data:`MAC_KEY_CONTEXT` (so a secret of any
+length, 16 bytes or more, gives a uniform 32-byte key, and that key is used for nothing else).
+``blake3`` is a dependency of kvoff, imported only when a shared secret is set; where it is
+missing, making a :class:`BlockFormat` with a secret raises
+:class:`kvoff._optional.MissingExtraError` naming ``pip install "blake3>=1"``.
+Format version 2 (kvoff before 2026-11-29) carried HMAC-SHA256 (RFC 2104) instead: such a block
+is a counted miss now (``"auth"`` for a reader with a secret, whose MAC check fails first;
+``"version"`` for a reader without one and for the disk tier's restart scan), as a version-3
+block is for an older reader. Why BLAKE3: on the 2-core AMD EPYC box (AVX-512, SHA extensions,
+OpenSSL 3.0), on 512 KiB blocks, single-threaded, keyed BLAKE3 costs 0.25 s per GB (4.05 GB/s),
+HMAC-SHA256 0.57 s (1.76 GB/s) and keyed BLAKE2b-256 1.09 s (0.92 GB/s); BLAKE3's multithreaded
+mode (``max_threads=AUTO``) was slower there (0.31 s per GB), as the tiers' own threads already
+hash blocks in parallel (``kvoff bench tiers`` measures them side by side,
+bench/results/tiers/bench-tiers-mac-blake3-2026-11-29.json). Redis gets of 512 KiB blocks with
+the MAC ran at 0.86 of those without on that box (HMAC-SHA256: 0.66): its three servers and the
+client keep both cores busy, so the MAC's CPU time comes off the gets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hmac
 import json
 import struct
@@ -69,11 +89,13 @@ MAGIC = b"KVOFFBLK"
 """First 8 bytes of every block header."""
 FORMAT_VERSION = 1
 """Header format version of a plain block (xxh3 checksums only)."""
-FORMAT_VERSION_MAC = 2
-"""Header format version of a block that carries a keyed MAC (written with a shared secret).
-A reader rejects versions other than these two (reason ``"version"``); a reader whose mode
-differs from the block's rejects it as ``"auth"``. Readers older than this version reject a
-MAC'd block as ``"version"``: a miss too."""
+FORMAT_VERSION_MAC = 3
+"""Header format version of a block that carries a keyed MAC (written with a shared secret):
+keyed BLAKE3 (module docstring). A reader rejects versions other than these two (reason
+``"version"``); a reader whose mode differs from the block's rejects it as ``"auth"``. Version 2
+was HMAC-SHA256 (kvoff before 2026-11-29): a counted miss now, ``"auth"`` for a reader with a
+secret and ``"version"`` for one without. Readers older than this version reject a version-3
+block as ``"version"`` (plain readers) or ``"auth"`` (their HMAC check fails): a miss too."""
 HEADER_BYTES = 4096
 """Fixed header size in bytes (one 4 KiB page, keeps the payload O_DIRECT-aligned on disk)."""
 FINGERPRINT_BYTES = 16
@@ -88,12 +110,16 @@ _HDR_SUM = struct.Struct("<Q")
 HEADER_USED_BYTES = _FIELDS.size + _HDR_SUM.size
 """Bytes of the header that carry fields (the rest is zero padding, or the MAC then padding)."""
 MAC_BYTES = 32
-"""Length of a block's MAC (an HMAC-SHA256 digest)."""
+"""Length of a block's MAC in bytes (BLAKE3's default output length)."""
 MAC_OFFSET = HEADER_USED_BYTES
 """Offset of the MAC in the header of a MAC'd block (right after ``hdr_sum``)."""
-MAC_DOMAIN = b"kvoff-block-mac-v1\x00"
-"""Prefix of every MAC's input (domain separation: a secret also used elsewhere cannot be made
-to sign a kvoff block, nor a kvoff block's MAC reused elsewhere)."""
+MAC_DOMAIN = b"kvoff-block-mac-v3\x00"
+"""Prefix of every MAC's input: names the format version whose MAC it is (the key derivation,
+:data:`MAC_KEY_CONTEXT`, already keeps the key apart from any other use of the secret)."""
+MAC_KEY_CONTEXT = "kvoff 2026-11-29 block MAC key (shared_secret)"
+"""BLAKE3 ``derive_key`` context string of the MAC key: hardcoded, globally unique and
+application-specific, as the BLAKE3 specification asks of ``derive_key`` contexts, so that a
+secret also used elsewhere gives a key that no other application derives."""
 MIN_SECRET_BYTES = 16
 """Shortest shared secret accepted, in bytes (128 bits)."""
 _KEY_LEN = struct.Struct("<H")
@@ -123,6 +149,8 @@ class BlockFormat:
         ValueError: fingerprint not 16 bytes, payload_bytes not a positive int, or a
             shared_secret that is not bytes of at least :data:`MIN_SECRET_BYTES` (the message
             never shows the secret).
+        kvoff._optional.MissingExtraError: a shared_secret is set and the ``blake3`` package
+            (the MAC, module docstring) is not installed.
     """
 
     fingerprint: bytes
@@ -151,6 +179,8 @@ class BlockFormat:
                 f"BlockFormat.shared_secret must be bytes of at least {MIN_SECRET_BYTES} (got "
                 f"{what}); generate one with `openssl rand -hex 32`, or pass None for no MAC"
             )
+        if secret is not None:
+            mac_key(secret)  # blake3 is needed: a missing package fails here, not at a read
 
     @property
     def authenticated(self) -> bool:
@@ -288,15 +318,43 @@ def encode_header(fmt: BlockFormat, key: bytes, payload: Any, *, stamp: int = 0)
     return bytes(header)
 
 
+@functools.cache
+def _blake3() -> Any:
+    """The ``blake3`` module (imported on first use, then kept: only a shared secret needs it).
+
+    Raises:
+        kvoff._optional.MissingExtraError: ``blake3`` is not installed.
+    """
+    from kvoff._optional import require
+
+    return require("blake3", "the block MAC of the disk and Redis tiers (shared_secret)")
+
+
+@functools.lru_cache(maxsize=16)
+def mac_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key of :func:`block_mac` for ``secret``: BLAKE3 ``derive_key`` with the
+    context :data:`MAC_KEY_CONTEXT` and ``secret`` as the key material (the BLAKE3
+    specification's key derivation mode; cached: derived once per secret, not per block).
+
+    Raises:
+        kvoff._optional.MissingExtraError: the ``blake3`` package is not installed.
+    """
+    return bytes(_blake3().blake3(secret, derive_key_context=MAC_KEY_CONTEXT).digest())
+
+
 def block_mac(secret: bytes, header: Any, key: bytes, payload: Any) -> bytes:
-    """The 32-byte MAC of one block: HMAC-SHA256 (RFC 2104; Python's :mod:`hmac` on OpenSSL)
-    keyed by ``secret`` over :data:`MAC_DOMAIN`, ``header`` without its MAC field (bytes
-    ``0..MAC_OFFSET`` and ``MAC_OFFSET + MAC_BYTES..HEADER_BYTES``), the key's length (2 bytes,
-    little-endian) and the key, then ``payload``. The hashing releases the GIL (inputs over
-    2 KiB), so threads verify blocks in parallel.
+    """The 32-byte MAC of one block: BLAKE3 in keyed-hash mode (the BLAKE3 specification,
+    https://github.com/BLAKE3-team/BLAKE3-specs; the ``blake3`` package), keyed by the 32 bytes
+    BLAKE3 ``derive_key`` makes of ``secret`` under :data:`MAC_KEY_CONTEXT`, over
+    :data:`MAC_DOMAIN`, ``header`` without its MAC field (bytes ``0..MAC_OFFSET`` and
+    ``MAC_OFFSET + MAC_BYTES..HEADER_BYTES``), the key's length (2 bytes, little-endian) and the
+    key, then ``payload``. Single-threaded (about 0.25 s per GB on the 2-core AMD EPYC box);
+    the hashing of large inputs releases the GIL, so the tiers' threads verify blocks in
+    parallel.
 
     Args:
-        secret: the shared secret (bytes).
+        secret: the shared secret (bytes of any length; :class:`BlockFormat` asks for at least
+            :data:`MIN_SECRET_BYTES`).
         header: the ``HEADER_BYTES``-byte header (bytes-like or uint8 array); its MAC field's
             content does not matter.
         key: the offload key the block is stored (or asked for) under.
@@ -304,17 +362,18 @@ def block_mac(secret: bytes, header: Any, key: bytes, payload: Any) -> bytes:
 
     Raises:
         ValueError: ``header`` not ``HEADER_BYTES`` bytes.
+        kvoff._optional.MissingExtraError: the ``blake3`` package is not installed.
     """
     head = _byte_view(header, "header")
     if head.nbytes != HEADER_BYTES:
         raise ValueError(f"header is {head.nbytes} bytes, expected {HEADER_BYTES}")
-    h = hmac.new(secret, MAC_DOMAIN, "sha256")
+    h = _blake3().blake3(MAC_DOMAIN, key=mac_key(secret))
     h.update(head[:MAC_OFFSET])
     h.update(head[MAC_OFFSET + MAC_BYTES :])
     h.update(_KEY_LEN.pack(len(key)))
     h.update(key)
     h.update(_byte_view(payload, "payload"))
-    return h.digest()
+    return bytes(h.digest())
 
 
 class HeaderInfo(NamedTuple):

@@ -24,18 +24,21 @@ shared or small machine they are noisy.
 
 **MAC cost** (:func:`bench_mac`, ``shared_secret``): over ``mac_total_bytes`` of random
 ``mac_block_size`` blocks (default 256 MiB of 512 KiB), in the same run and on the same bytes:
-the block MAC (HMAC-SHA256 over header, key and payload,
-:func:`kvoff.tiers.block_format.block_mac`), the xxh3_64 checksum it replaces, keyed BLAKE2b-256
-(the stdlib alternative), and a memcpy (``numpy.copyto``) of each block. ``rounds`` interleaved
-rounds; reported: medians of GB/s and of seconds per GB, and the MAC's time over the checksum's
-and over the memcpy's (medians of the rounds' own ratios). With Redis, :func:`bench_redis_mac`
-times 512 KiB puts and gets through a tier without and with a secret, alternated, and reports
-their ratio (target for gets: >= 0.9).
+the block MAC (keyed BLAKE3 over header, key and payload,
+:func:`kvoff.tiers.block_format.block_mac`), the alternatives (HMAC-SHA256 over the same input,
+the MAC of format version 2; the same keyed BLAKE3 with the ``blake3`` package's multithreaded
+mode, ``max_threads=AUTO``; keyed BLAKE2b-256 of the payload, Python's stdlib), the xxh3_64
+checksum the MAC replaces, and a memcpy (``numpy.copyto``) of each block. ``rounds`` interleaved
+rounds; reported: medians of GB/s and of seconds per GB, and each method's time over the MAC's,
+the MAC's over the checksum's and over the memcpy's (medians of the rounds' own ratios). With
+Redis, :func:`bench_redis_mac` times 512 KiB puts and gets through a tier without and with a
+secret, alternated, and reports their ratio (target for gets: >= 0.9).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import mmap
 import os
 import shutil
@@ -51,10 +54,14 @@ import numpy as np
 
 from kvoff.tiers.block_format import (
     HEADER_BYTES,
+    MAC_BYTES,
+    MAC_DOMAIN,
+    MAC_OFFSET,
     BlockFormat,
     block_mac,
     encode_header,
     layout_fingerprint,
+    mac_key,
     payload_checksum,
 )
 from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
@@ -291,11 +298,49 @@ def bench_redis(
     }
 
 
+MAC_ALGORITHM = "BLAKE3 keyed_hash (key: BLAKE3 derive_key of the secret)"
+"""What :func:`bench_mac` reports as ``mac``: :func:`kvoff.tiers.block_format.block_mac`."""
+
+
+def _hmac_sha256_mac(secret: bytes, header: Any, key: bytes, payload: Any) -> bytes:
+    """The MAC of format version 2 (kvoff before 2026-11-29), for :func:`bench_mac`: HMAC-SHA256
+    (RFC 2104) keyed by ``secret`` over the same input as
+    :func:`kvoff.tiers.block_format.block_mac` (version 2's domain ``kvoff-block-mac-v1``, the
+    header without its MAC field, key length and key, payload)."""
+    head = memoryview(header)
+    h = hmac.new(secret, b"kvoff-block-mac-v1\x00", "sha256")
+    h.update(head[:MAC_OFFSET])
+    h.update(head[MAC_OFFSET + MAC_BYTES :])
+    h.update(len(key).to_bytes(2, "little"))
+    h.update(key)
+    h.update(payload)
+    return h.digest()
+
+
+def _blake3_threads_mac(derived: bytes, header: Any, key: bytes, payload: Any) -> bytes:
+    """:func:`kvoff.tiers.block_format.block_mac`'s keyed BLAKE3 with the ``blake3`` package's
+    multithreaded mode (``max_threads=blake3.AUTO``: a Rayon pool of one thread per core), for
+    :func:`bench_mac`; ``derived``: the 32-byte key,
+    :func:`kvoff.tiers.block_format.mac_key`."""
+    import blake3
+
+    head = memoryview(header)
+    h = blake3.blake3(MAC_DOMAIN, key=derived, max_threads=blake3.blake3.AUTO)
+    h.update(head[:MAC_OFFSET])
+    h.update(head[MAC_OFFSET + MAC_BYTES :])
+    h.update(len(key).to_bytes(2, "little"))
+    h.update(key)
+    h.update(payload)
+    return bytes(h.digest())
+
+
 def bench_mac(
     total_bytes: int = 256 << 20, block_size: int = 512 << 10, rounds: int = 3
 ) -> dict[str, Any]:
-    """The cost of the blocks' MAC (``shared_secret``) per GB, next to the xxh3_64 checksum it
-    replaces and a memcpy of the same bytes, all in one run (module docstring).
+    """The cost of the blocks' MAC (``shared_secret``) per GB, next to its alternatives, the
+    xxh3_64 checksum it replaces and a memcpy of the same bytes, all in one run (module
+    docstring). Every method runs single-threaded on one block at a time, as a tier's thread
+    verifies a block, except ``blake3_threads``.
 
     Args:
         total_bytes: bytes of blocks hashed per method and round (``total_bytes //
@@ -304,14 +349,19 @@ def bench_mac(
         rounds: interleaved rounds; every figure is a median over them.
 
     Returns:
-        ``{"block_size", "blocks", "payload_bytes", "rounds", "gbps": {method: GB/s},
-        "s_per_gb": {method: seconds per 10^9 bytes}, "mac_over_checksum",
-        "mac_over_memcpy", "blake2b_over_mac", "per_round": [...]}``; methods ``mac``
-        (HMAC-SHA256, header + key + payload), ``checksum`` (xxh3_64 of the payload),
-        ``blake2b`` (keyed BLAKE2b-256 of the payload) and ``memcpy`` (``numpy.copyto``).
+        ``{"block_size", "blocks", "payload_bytes", "header_bytes_hashed_by_mac", "rounds",
+        "mac_algorithm", "gbps": {method: GB/s}, "s_per_gb": {method: seconds per 10^9 bytes},
+        "over_mac": {method: its time / the MAC's}, "mac_over_checksum", "mac_over_memcpy",
+        "blake2b_over_mac", "per_round": [{method: seconds}]}``. Methods: ``mac`` (the block
+        MAC, :data:`MAC_ALGORITHM`, header + key + payload), ``hmac_sha256`` (format version
+        2's HMAC-SHA256 of the same input), ``blake3_threads`` (``mac`` with
+        ``max_threads=AUTO``), ``blake2b`` (keyed BLAKE2b-256 of the payload), ``checksum``
+        (xxh3_64 of the payload) and ``memcpy`` (``numpy.copyto``). GB are 10^9 bytes of
+        payload.
 
     Raises:
         ValueError: ``block_size``, ``total_bytes`` or ``rounds`` below 1.
+        kvoff._optional.MissingExtraError: the ``blake3`` package is not installed.
     """
     if block_size < 1 or total_bytes < 1 or rounds < 1:
         raise ValueError(
@@ -322,13 +372,19 @@ def bench_mac(
     data = np.frombuffer(os.urandom(n * block_size), np.uint8)
     blocks = [data[i * block_size : (i + 1) * block_size] for i in range(n)]
     secret = os.urandom(32)
-    fmt = BlockFormat(layout_fingerprint(bench="mac", block_size=block_size), block_size)
+    # a MAC'd format: makes sure blake3 is there, and gives the derived key
+    fmt = BlockFormat(
+        layout_fingerprint(bench="mac", block_size=block_size), block_size, shared_secret=secret
+    )
     header = encode_header(fmt, _key(0), blocks[0])
+    derived = mac_key(secret)
     dst = np.empty(block_size, np.uint8)
     methods: dict[str, Any] = {
         "mac": lambda i, b: block_mac(secret, header, _key(i), b),
-        "checksum": lambda i, b: payload_checksum(b),
+        "hmac_sha256": lambda i, b: _hmac_sha256_mac(secret, header, _key(i), b),
+        "blake3_threads": lambda i, b: _blake3_threads_mac(derived, header, _key(i), b),
         "blake2b": lambda i, b: hashlib.blake2b(b, key=secret, digest_size=32).digest(),
+        "checksum": lambda i, b: payload_checksum(b),
         "memcpy": lambda i, b: np.copyto(dst, b),
     }
     per_round: list[dict[str, float]] = []
@@ -344,17 +400,20 @@ def bench_mac(
         per_round.append(seconds)
     payload = n * block_size
     med = {m: statistics.median(r[m] for r in per_round) for m in methods}
+    over_mac = {m: statistics.median(r[m] / r["mac"] for r in per_round) for m in methods}
     return {
         "block_size": block_size,
         "blocks": n,
         "payload_bytes": payload,
         "header_bytes_hashed_by_mac": HEADER_BYTES,
         "rounds": rounds,
+        "mac_algorithm": MAC_ALGORITHM,
         "gbps": {m: _gbps(payload, med[m]) for m in methods},
         "s_per_gb": {m: med[m] / payload * 1e9 for m in methods},
+        "over_mac": over_mac,
         "mac_over_checksum": statistics.median(r["mac"] / r["checksum"] for r in per_round),
         "mac_over_memcpy": statistics.median(r["mac"] / r["memcpy"] for r in per_round),
-        "blake2b_over_mac": statistics.median(r["blake2b"] / r["mac"] for r in per_round),
+        "blake2b_over_mac": over_mac["blake2b"],
         "per_round": per_round,
     }
 
@@ -364,12 +423,20 @@ def bench_redis_mac(
     block_size: int = 512 << 10,
     total_bytes: int = 128 << 20,
     batch_bytes: int = 32 << 20,
-    rounds: int = 3,
+    rounds: int = 5,
 ) -> dict[str, Any]:
-    """Redis tier puts and gets of ``block_size`` blocks without and with a ``shared_secret``,
-    alternated in ``rounds`` rounds (each: a fresh namespace, put every block, get every block
-    back verified, evict). GB/s of payload, medians; ratios MAC / plain are medians of the
-    rounds' own ratios (target for gets: >= 0.9).
+    """Redis tier puts and gets of ``block_size`` blocks without and with a ``shared_secret``
+    (the MAC, :data:`MAC_ALGORITHM`), alternated in ``rounds`` rounds (each: a fresh namespace,
+    put every block, get every block back verified, evict). GB/s of payload, medians; ratios
+    MAC / plain are medians of the rounds' own ratios (target for gets: >= 0.9). With a local
+    cluster on a small machine the servers and the client share the cores, so the MAC's CPU
+    time comes straight off the throughput; successive runs on the 2-core box differ by about
+    0.1 in the gets ratio, hence 5 rounds.
+
+    Returns:
+        ``{"block_size", "blocks", "rounds", "mac_algorithm", "plain_put_gbps",
+        "plain_get_gbps", "mac_put_gbps", "mac_get_gbps", "put_ratio", "get_ratio",
+        "per_round"}``.
 
     Raises:
         ValueError: a round did not store and serve every block (the message says how many).
@@ -406,7 +473,12 @@ def bench_redis_mac(
             row[f"{name}_put_gbps"] = _gbps(stored * block_size, put_s)
             row[f"{name}_get_gbps"] = _gbps(served * block_size, get_s)
         per_round.append(row)
-    out: dict[str, Any] = {"block_size": block_size, "blocks": n, "rounds": rounds}
+    out: dict[str, Any] = {
+        "block_size": block_size,
+        "blocks": n,
+        "rounds": rounds,
+        "mac_algorithm": MAC_ALGORITHM,
+    }
     for k in per_round[0]:
         out[k] = statistics.median(r[k] for r in per_round)
     for op in ("put", "get"):
@@ -566,11 +638,20 @@ def format_bench_tiers(result: dict[str, Any]) -> str:
         g, spg = mac["gbps"], mac["s_per_gb"]
         lines.append(
             f"block MAC (shared_secret), {_size(mac['block_size'])} blocks, "
-            f"{mac['payload_bytes'] >> 20} MiB, median of {mac['rounds']} rounds: HMAC-SHA256 "
-            f"{g['mac']:.2f} GB/s ({spg['mac']:.3f} s/GB), xxh3 checksum {g['checksum']:.2f}, "
-            f"keyed BLAKE2b {g['blake2b']:.2f}, memcpy {g['memcpy']:.2f}; MAC / checksum "
-            f"{mac['mac_over_checksum']:.1f}x, MAC / memcpy {mac['mac_over_memcpy']:.1f}x"
+            f"{mac['payload_bytes'] >> 20} MiB, median of {mac['rounds']} rounds; GB/s (s/GB)"
         )
+        names = {
+            "mac": f"MAC: {mac.get('mac_algorithm', 'the block MAC')}",
+            "hmac_sha256": "HMAC-SHA256 (format version 2)",
+            "blake3_threads": "keyed BLAKE3, max_threads=AUTO",
+            "blake2b": "keyed BLAKE2b-256",
+            "checksum": "xxh3_64 checksum",
+            "memcpy": "memcpy",
+        }
+        for m, gbps in g.items():
+            over = mac.get("over_mac", {}).get(m)
+            ratio = f"  {over:.2f}x the MAC's time" if over is not None and m != "mac" else ""
+            lines.append(f"  {names.get(m, m):<60} {gbps:6.2f} ({spg[m]:.3f}){ratio}")
     rm = result.get("redis_mac")
     if rm:
         lines.append(

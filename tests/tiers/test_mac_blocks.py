@@ -1,15 +1,21 @@
 """Authenticated blocks (``shared_secret``, issue 56 item 5): with a secret every block written
-to the disk and Redis tiers carries an HMAC-SHA256 over its header, key and payload, and a block
-without a valid MAC is a miss, counted in ``unauthenticated_blocks``, never served
-(kvoff/tiers/block_format.py, docs/tiers.md "Authenticated blocks"). Against the real disk tier
-in a temporary folder and the real local Redis Cluster of tests/conftest.py."""
+to the disk and Redis tiers carries a keyed BLAKE3 hash (key derived from the secret with
+BLAKE3's derive_key mode) over its header, key and payload, and a block without a valid MAC is a
+miss, counted in ``unauthenticated_blocks``, never served (kvoff/tiers/block_format.py,
+docs/tiers.md "Authenticated blocks"). Against the real disk tier in a temporary folder and the
+real local Redis Cluster of tests/conftest.py. The MAC is recomputed here with the ``blake3``
+package from the format's definition (known-answer tests), and blocks of format version 2
+(HMAC-SHA256, kvoff before 2026-11-29) are built here with Python's hmac."""
 
 from __future__ import annotations
 
+import hmac
 import os
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import blake3
 import numpy as np
 import pytest
 
@@ -21,6 +27,7 @@ from kvoff.tiers.block_format import (
     MAC_BYTES,
     MAC_OFFSET,
     BlockFormat,
+    block_mac,
     check_block,
     decode_header,
     encode_header,
@@ -105,6 +112,75 @@ def test_every_unauthenticated_block_is_auth_never_valid() -> None:
     # a block of another model signed with the same secret is a foreign block, as without MAC
     other = BlockFormat(layout_fingerprint(model="other"), MAC.payload_bytes, shared_secret=SECRET)
     assert check_block(other, KEY, header, data) == "fingerprint"
+
+
+# the format's definition, spelled out here rather than imported (block_format.py's docstring)
+KEY_CONTEXT = "kvoff 2026-11-29 block MAC key (shared_secret)"
+DOMAIN_V3 = b"kvoff-block-mac-v3\x00"
+
+
+def expected_mac(secret: bytes, header: bytes, k: bytes, payload: bytes) -> bytes:
+    """Keyed BLAKE3 of the block, computed from its definition with the blake3 package."""
+    mac_key = blake3.blake3(secret, derive_key_context=KEY_CONTEXT).digest()
+    mac_input = (DOMAIN_V3 + header[:130] + header[162:] + len(k).to_bytes(2, "little") + k
+                 + payload)  # fmt: skip
+    return blake3.blake3(mac_input, key=mac_key).digest()
+
+
+def test_the_blake3_package_is_blake3() -> None:
+    # the official test vectors (BLAKE3-team/BLAKE3, test_vectors/test_vectors.json, input_len 0)
+    assert blake3.blake3(b"").hexdigest() == (
+        "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    )
+    assert blake3.blake3(b"", key=b"whats the Elvish word for friend").hexdigest() == (
+        "92b2b75604ed3c761f9d6f62392c8a9227ad0ea3f09573e783f1498a4ed60d26"
+    )
+    context = "BLAKE3 2019-12-27 16:29:52 test vectors context"
+    assert blake3.blake3(b"", derive_key_context=context).hexdigest() == (
+        "2cc39783c223154fea8dfb7c1b1660f2ac2dcbd1c1de8277b0b0dd39b7e50d7d"
+    )
+
+
+@pytest.mark.parametrize("secret", [SECRET, OTHER, b"s" * 16, bytes(range(256)) * 4])
+def test_the_mac_is_keyed_blake3_with_a_derived_key(secret: bytes) -> None:
+    assert (MAC_OFFSET, MAC_BYTES, FORMAT_VERSION_MAC) == (130, 32, 3)
+    fmt = BlockFormat(FP, 3 * 4096, shared_secret=secret)
+    data = block(KEY)
+    header = encode_header(fmt, KEY, data, stamp=123)
+    mac = expected_mac(secret, header, KEY, data.tobytes())
+    assert header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] == mac
+    assert block_mac(secret, header, KEY, data) == mac
+    # the MAC field's own content is not part of the input; the key is
+    assert block_mac(secret, flipped(header, MAC_OFFSET), KEY, data) == mac
+    assert block_mac(secret, header, KEY[:20], data) != mac
+    # not HMAC-SHA256 (format version 2), not BLAKE3 keyed by the raw secret
+    assert mac != hmac.digest(secret, header + KEY + data.tobytes(), "sha256")
+    if len(secret) == 32:
+        assert mac != blake3.blake3(DOMAIN_V3 + header[:130], key=secret).digest()
+
+
+def version2_block(secret: bytes | None, k: bytes, payload: np.ndarray) -> bytes:
+    """A header of format version 2 as kvoff wrote it before 2026-11-29: the version field 2,
+    the header checksum over the fields, and an HMAC-SHA256 (domain "kvoff-block-mac-v1")."""
+    import xxhash
+
+    header = bytearray(encode_header(MAC, k, payload))
+    header[8:12] = (2).to_bytes(4, "little")
+    header[122:130] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(header[:122])))
+    h = hmac.new(secret or SECRET, b"kvoff-block-mac-v1\x00", "sha256")
+    for part in (header[:130], header[162:], len(k).to_bytes(2, "little"), k, payload.tobytes()):
+        h.update(part)
+    header[130:162] = h.digest()
+    return bytes(header)
+
+
+def test_blocks_of_format_version_2_hmac_are_counted_misses() -> None:
+    data = block(KEY)
+    old = version2_block(SECRET, KEY, data)
+    info, reason = decode_header(old)
+    assert (info, reason) == (None, "version")  # the disk tier's restart scan: not indexed
+    assert check_block(MAC, KEY, old, data) == "auth"  # the MAC check comes first, and fails
+    assert check_block(PLAIN, KEY, old, data) == "version"
 
 
 def test_no_secret_on_either_side_is_unchanged() -> None:
@@ -449,15 +525,32 @@ def test_redis_without_a_secret_anywhere_is_unchanged(
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def test_bench_mac_reports_the_cost_per_gb_next_to_checksum_and_memcpy() -> None:
-    from kvoff.tools.bench_tiers import bench_mac, format_bench_tiers
+def test_bench_mac_reports_the_cost_per_gb_next_to_the_alternatives() -> None:
+    from kvoff.tools.bench_tiers import (
+        MAC_ALGORITHM,
+        _blake3_threads_mac,
+        _hmac_sha256_mac,
+        bench_mac,
+        format_bench_tiers,
+    )
 
     r = bench_mac(total_bytes=4 << 20, block_size=512 << 10, rounds=3)
     assert (r["blocks"], r["payload_bytes"], r["rounds"], len(r["per_round"])) == (8, 4 << 20, 3, 3)
-    assert set(r["gbps"]) == set(r["s_per_gb"]) == {"mac", "checksum", "blake2b", "memcpy"}
+    methods = {"mac", "hmac_sha256", "blake3_threads", "blake2b", "checksum", "memcpy"}
+    assert set(r["gbps"]) == set(r["s_per_gb"]) == set(r["over_mac"]) == methods
     assert all(v > 0 for v in r["gbps"].values())
     assert r["s_per_gb"]["mac"] == pytest.approx(1 / r["gbps"]["mac"])
     assert r["mac_over_checksum"] > 0 and r["mac_over_memcpy"] > 0
-    assert "HMAC-SHA256" in format_bench_tiers({"mac": r})
+    assert r["over_mac"]["mac"] == 1.0 and r["blake2b_over_mac"] == r["over_mac"]["blake2b"]
+    assert r["mac_algorithm"] == MAC_ALGORITHM and "BLAKE3" in MAC_ALGORITHM
+    text = format_bench_tiers({"mac": r})
+    assert "BLAKE3 keyed_hash" in text and "HMAC-SHA256 (format version 2)" in text
+    # the alternatives hash what they say: version 2's HMAC, the MAC with threads
+    data = block(KEY)
+    old = version2_block(SECRET, KEY, data)
+    assert _hmac_sha256_mac(SECRET, old, KEY, data) == old[130:162]
+    header = encode_header(MAC, KEY, data)
+    derived = blake3.blake3(SECRET, derive_key_context=KEY_CONTEXT).digest()
+    assert _blake3_threads_mac(derived, header, KEY, data) == block_mac(SECRET, header, KEY, data)
     with pytest.raises(ValueError, match="rounds >= 1"):
         bench_mac(rounds=0)
