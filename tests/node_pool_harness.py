@@ -11,10 +11,12 @@ from kvoff.node_pool import NodePoolServer
 class Served:
     """A :class:`NodePoolServer` running in a thread; ``stop()`` ends it (idempotent)."""
 
-    def __init__(self, path: Path, region: str, num_slots: int = 16, slot_bytes: int = 4096):
+    def __init__(
+        self, path: Path, region: str, num_slots: int = 16, slot_bytes: int = 4096, **kwargs
+    ):
         self.socket = str(path)
         self.region = region
-        self.server = NodePoolServer(self.socket, num_slots, slot_bytes, region=region)
+        self.server = NodePoolServer(self.socket, num_slots, slot_bytes, region=region, **kwargs)
         self.thread = threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True
         )

@@ -7,6 +7,17 @@ prefixed with 8 bytes of the engine's layout fingerprint (BLAKE2b of it), so eng
 another model, dtype, layout or rank never share a block; keys the pool returns (evictions of
 other engines' blocks) keep their prefix.
 
+**Round trips.** vLLM's offloading scheduler looks keys up one at a time, and a round trip
+costs about 30 in-process calls. A one-key :meth:`NodePoolClient.lookup` asks the pool for the
+key and the chain stored after it (``LOOKUP_AHEAD``); the answers are kept for
+``lookahead_s`` seconds or until this client changes the pool, and the next keys of the
+request are answered from them. ``prepare_store`` brings back every given key's state too.
+Completions and touches are sent without waiting for a reply. A kept answer is at most
+``lookahead_s`` old, as a round trip's answer is by the time the engine uses it: another
+engine can evict a block between a look-up and its ``prepare_load`` either way, and then
+``prepare_load`` raises :class:`NodePoolError` (KvoffOffloadingSpec fails that load, and vLLM
+recomputes it).
+
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None
 (nothing stored), completions dropped; the client tries to reconnect at most every
@@ -20,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -61,12 +73,24 @@ class NodePoolClient:
         name: how ``kvoff pool status`` names this engine.
         timeout_s: seconds a call may take before the pool counts as gone.
         retry_s: seconds between reconnection attempts.
+        lookahead: keys of a chain asked for with a one-key look-up (0: ask one key per call).
+        lookahead_s: seconds the look-ahead's answers are used (until this client changes
+            the pool, at most).
+        spin_s: seconds a call spins for its reply before it sleeps on the socket (a
+            round trip takes tens of microseconds; waking a sleeping thread as long again).
 
     Attributes:
         region, num_slots, slot_bytes, inode: the pool's shared memory, from its hello.
         stores_skipped: blocks the manager's admission filter skipped (0: the filter runs in
             the pool; kept for the manager's interface).
         misses_while_detached: calls answered as misses because the pool was gone.
+        round_trips: calls that waited for the pool's reply.
+        answered_ahead: one-key look-ups answered from a look-ahead reply (no round trip).
+        loads_on_lease: ``prepare_load`` calls answered from the look-up's leases (no round
+            trip).
+        lease_s: seconds the pool leases a look-up's ready keys to this engine.
+        async_errors: completions or touches sent without a reply that the pool refused
+            (logged; they mean a bug, not a bad block).
 
     Raises:
         NodePoolError: nothing answers at ``socket_path`` (start ``kvoff pool serve``).
@@ -80,15 +104,37 @@ class NodePoolClient:
         name: str = "",
         timeout_s: float = 5.0,
         retry_s: float = 1.0,
+        lookahead: int = 256,
+        lookahead_s: float = 0.005,
+        spin_s: float = 0.0002,
     ) -> None:
+        if not 0 <= lookahead <= 0xFFFF or lookahead_s < 0 or spin_s < 0:
+            raise ValueError(
+                f"lookahead must be 0..65535 keys, lookahead_s and spin_s >= 0 s, got "
+                f"{lookahead}, {lookahead_s} and {spin_s}"
+            )
         self.socket_path = socket_path
         self.prefix = hashlib.blake2b(fingerprint, digest_size=8).digest()
         self.name = name or f"pid-{os.getpid()}"
         self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.lookahead, self.lookahead_s, self.spin_s = lookahead, lookahead_s, spin_s
         self.stores_skipped = 0
         self.misses_while_detached = 0
+        self.round_trips = 0
+        self.answered_ahead = 0
+        self.async_errors = 0
+        # look-ahead: unprefixed key -> state byte, valid until _known_until (monotonic s)
+        self._known: dict[bytes, int] = {}
+        self._known_until = 0.0
+        self._unreported = [0, 0]  # look-ups answered from _known (and hits) not yet reported
+        # leases the pool gave this connection: unprefixed key -> (slot, monotonic s received)
+        self._leases: dict[bytes, tuple[int, float]] = {}
+        # the last prepare_store's answer: unprefixed key -> state byte (for key_states)
+        self._store_states: dict[bytes, int] = {}
+        self.loads_on_lease = 0
         self._sock: socket.socket | None = None
         self._rest = bytearray()
+        self._outbox = bytearray()  # calls queued without a reply (see _send)
         self._next_try = 0.0
         self._rid = 0
         self._region_lost = False
@@ -110,6 +156,7 @@ class NodePoolClient:
         self.inode: int | None = hello["inode"]
         self.num_slots: int = int(hello["num_slots"])
         self.slot_bytes: int = int(hello["slot_bytes"])
+        self.lease_s: float = float(hello.get("lease_s", 0.0))
 
     # ------------------------------------------------------------------ transport
     def _connect(self) -> dict[str, Any]:
@@ -117,6 +164,10 @@ class NodePoolClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
+            # non-blocking from here: replies are spun for, then polled for (see _recv)
+            sock.setblocking(False)
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN)
             self._sock = sock
             hello = p.decode_json(self._roundtrip(p.HELLO, p.encode_json({"name": self.name})))
         except BaseException:
@@ -127,31 +178,112 @@ class NodePoolClient:
 
     def _roundtrip(self, op: int, payload: bytes) -> bytes:
         assert self._sock is not None
-        self._rid += 1
-        self._sock.sendall(p.frame(op, self._rid, payload))
-        head = self._recv(p.HEADER.size)
-        rop, rid, length = p.parse_header(head)
-        body = self._recv(length)
-        if rop == p.ERROR:
-            raise NodePoolError(body.decode(errors="replace"))
-        if rid != self._rid or rop != op | p.REPLY:
-            raise ConnectionError(f"reply {rop}/{rid} to request {op}/{self._rid}")
-        return body
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        out, self._outbox = self._outbox, bytearray()  # the queued calls go first, in order
+        out += p.frame(op, self._rid, payload)
+        self._sendall(bytes(out))
+        self.round_trips += 1
+        while True:
+            head = self._recv(p.HEADER.size)
+            rop, rid, length = p.parse_header(head)
+            body = self._recv(length)
+            if rop == p.ERROR and rid != self._rid:  # a call sent without a reply failed
+                self.async_errors += 1
+                logger.error("kvoff node pool refused a call: %s", body.decode(errors="replace"))
+                continue
+            if rop == p.ERROR:
+                raise NodePoolError(body.decode(errors="replace"))
+            if rid != self._rid or rop != op | p.REPLY:
+                raise ConnectionError(f"reply {rop}/{rid} to request {op}/{self._rid}")
+            return body
+
+    def _send(self, op: int, payload: bytes, *, now: bool = False) -> None:
+        """Queues a call of :data:`protocol.NO_REPLY_OPS`, which the pool answers only when
+        it refuses it (an error frame ahead of a later reply). Queued calls go with the next
+        call that waits for a reply, at :meth:`flush`, or at once with ``now``; dropped when
+        the pool is gone."""
+        self._known.clear()
+        self._store_states.clear()
+        if self._sock is None and not self._reconnect():
+            return
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        self._outbox += p.frame(op | p.NO_REPLY, self._rid, payload)
+        if now or len(self._outbox) >= _OUTBOX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Sends the queued completions, touches and loads of leased keys (one write). The
+        engine calls it at the end of every step (:meth:`take_events`), so what it stored is a
+        hit for the other engines from then on."""
+        if not self._outbox or self._sock is None:
+            return
+        data, self._outbox = bytes(self._outbox), bytearray()
+        try:
+            self._sendall(data)
+        except OSError as e:
+            logger.warning("kvoff node pool at %s is gone (%s): misses until it is back",
+                           self.socket_path, e)  # fmt: skip
+            self._close_socket()
 
     def _recv(self, n: int) -> bytes:
         # one recv usually brings a whole reply: what is past n waits in self._rest
         assert self._sock is not None
         buf = self._rest
         while len(buf) < n:
-            chunk = self._sock.recv(max(65536, n - len(buf)))
+            chunk = self._recv_some(max(65536, n - len(buf)))
             if not chunk:
                 raise ConnectionError("the node pool closed the connection")
             buf += chunk
         self._rest = buf[n:]
         return bytes(buf[:n])
 
+    def _recv_some(self, size: int) -> bytes:
+        """What the socket has, waiting for it: first spinning for ``spin_s`` (the pool
+        answers in tens of microseconds, less than a sleeping thread takes to wake up), then
+        polling for up to ``timeout_s``.
+
+        Raises:
+            TimeoutError: nothing came within ``timeout_s``.
+        """
+        sock = self._sock
+        assert sock is not None
+        clock = time.perf_counter
+        spin_until = clock() + self.spin_s
+        while True:
+            try:
+                return sock.recv(size)
+            except BlockingIOError:
+                if clock() < spin_until:
+                    continue
+            if not self._poll.poll(self.timeout_s * 1000):
+                raise TimeoutError(f"the node pool did not answer within {self.timeout_s:g} s")
+
+    def _sendall(self, data: bytes) -> None:
+        """Sends all of ``data`` on the non-blocking socket (waiting while its buffer is full).
+
+        Raises:
+            TimeoutError: the pool read nothing for ``timeout_s``.
+            OSError: the connection is gone.
+        """
+        sock = self._sock
+        assert sock is not None
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[sock.send(view) :]
+            except BlockingIOError:
+                poll = select.poll()
+                poll.register(sock, select.POLLOUT)
+                if not poll.poll(self.timeout_s * 1000):
+                    raise TimeoutError(
+                        f"the node pool read nothing for {self.timeout_s:g} s"
+                    ) from None
+
     def _call(self, op: int, payload: bytes) -> bytes | None:
         """The reply's payload, or None when the pool is gone (the caller answers a miss)."""
+        if op not in (p.LOOKUP, p.LOOKUP_AHEAD, p.STATUS):  # it changes the pool
+            self._known.clear()
+            self._store_states.clear()
         if self._sock is None and not self._reconnect():
             self.misses_while_detached += 1
             return None
@@ -193,11 +325,17 @@ class NodePoolClient:
             self._sock.close()
             self._sock = None
         self._rest = bytearray()
+        self._outbox = bytearray()
         self._pins.clear()
         self._storing.clear()
+        self._known.clear()
+        self._leases.clear()
+        self._store_states.clear()
 
     def close(self) -> None:
-        """Leaves the pool (its pins and stores in flight are released by the pool)."""
+        """Sends what is queued and leaves the pool (its pins and stores in flight are released
+        by the pool)."""
+        self.flush()
         self._close_socket()
         self._region_lost = True
 
@@ -217,12 +355,57 @@ class NodePoolClient:
     # ------------------------------------------------------------------ manager calls
     def lookup(self, keys: Sequence[bytes]) -> int | None:
         """Leading keys ready in the pool; None: retry later (one is being stored); 0 when
-        the pool is gone."""
+        the pool is gone. One key: answered from the look-ahead when it is known, else asked
+        with its chain (module docstring)."""
+        if len(keys) == 1 and self.lookahead:
+            return self._lookup_one(bytes(keys[0]))
         reply = self._call(p.LOOKUP, self._keys(keys))
         if reply is None:
             return 0
         (n,) = struct.unpack("<q", reply)
         return None if n < 0 else n
+
+    def _lookup_one(self, key: bytes) -> int | None:
+        if self._known and time.monotonic() > self._known_until:
+            self._known.clear()
+        state = self._known.get(key)
+        if state is not None:
+            self.answered_ahead += 1
+            self._unreported[0] += 1
+            self._unreported[1] += state == p.STATE_READY
+        else:
+            answered, hits = self._unreported
+            head = struct.pack("<HII", self.lookahead, answered, hits)
+            reply = self._call(p.LOOKUP_AHEAD, head + self._keys([key]))
+            if reply is None:
+                return 0
+            self._unreported = [0, 0]
+            chain, off = p.decode_keys(reply)
+            states, off = p.decode_states(reply, off, len(chain))
+            slots, _ = p.decode_slots(reply, off)
+            self._remember(chain, states)
+            self._lease(chain, states, slots)
+            state = states[0]
+        return _LOOKUP_OF_STATE[state]
+
+    def _lease(self, prefixed: Sequence[bytes], states: bytes, slots: Sequence[int]) -> None:
+        """Keeps the slots of the ready keys the pool leased to this connection."""
+        leases, pre, now = self._leases, self.prefix, time.monotonic()
+        for k, st, slot in zip(prefixed, states, slots, strict=True):
+            if st == p.STATE_READY and k[:8] == pre:
+                leases[k[8:]] = (slot, now)
+        if len(leases) > 4096:  # those the pool has let lapse by now
+            old = now - self.lease_s
+            for k in [k for k, (_, t) in leases.items() if t < old]:
+                del leases[k]
+
+    def _remember(self, prefixed: Sequence[bytes], states: bytes) -> None:
+        """Keeps the pool's answers (prefixed keys, state bytes) for ``lookahead_s``."""
+        known, pre = self._known, self.prefix
+        for k, st in zip(prefixed, states, strict=True):
+            if k[:8] == pre:
+                known[k[8:]] = st
+        self._known_until = time.monotonic() + self.lookahead_s
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         """Pins the keys (looked up as ready) and returns their slots.
@@ -231,10 +414,28 @@ class NodePoolClient:
             NodePoolError: a key not ready, or the pool is gone (the load cannot happen: the
                 caller counts it as a failed load).
         """
+        keys = [bytes(k) for k in keys]
+        leases = self._leases
+        fresh_after = time.monotonic() - self.lease_s / 2  # a margin to the pool's clock
+        if (
+            keys
+            and self._sock is not None
+            and all(k in leases and leases[k][1] > fresh_after for k in keys)
+            and len(set(keys)) == len(keys)
+        ):  # every key is leased to this connection: the pool cannot refuse, no reply needed
+            slots = [leases.pop(k)[0] for k in keys]
+            self._send(p.PREPARE_LOAD, self._keys(keys), now=True)  # the lease is running
+            if self._sock is None:  # gone while sending: nothing is pinned
+                raise NodePoolError("the node pool is gone: the load cannot be made")
+            self._pins.update(keys)
+            self.loads_on_lease += 1
+            return slots
         reply = self._call(p.PREPARE_LOAD, self._keys(keys))
         if reply is None:
             raise NodePoolError("the node pool is gone: the load cannot be made")
-        self._pins.update(bytes(k) for k in keys)
+        for k in keys:  # the pool used this connection's leases of them
+            leases.pop(k, None)
+        self._pins.update(keys)
         return p.decode_slots(reply)[0]
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -247,19 +448,45 @@ class NodePoolClient:
                 held.append(k)
         self._pins += Counter()
         if held:
-            self._call(p.COMPLETE_LOAD, self._keys(held))
+            self._send(p.COMPLETE_LOAD, self._keys(held))
 
     def prepare_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
         """Slots for the keys not held yet; None when the pool cannot make room or is gone."""
-        reply = self._call(p.PREPARE_STORE, self._keys(keys))
-        if reply is None or reply[:1] != b"\x01":  # gone, or no room
+        prefixed = [self.prefix + bytes(k) for k in keys]
+        reply = self._call(p.PREPARE_STORE, p.encode_keys(prefixed))
+        if reply is None:  # gone
+            return None
+        if reply[:1] != b"\x01":  # no room: the keys' states follow
+            self._store_states = dict(
+                zip(map(bytes, keys), p.decode_states(reply, 1, len(keys))[0], strict=True)
+            )
             return None
         to_store, off = p.decode_keys(reply, 1)
         slots, off = p.decode_slots(reply, off)
-        evicted, _ = p.decode_keys(reply, off)
+        evicted, off = p.decode_keys(reply, off)
+        self._store_states = dict(
+            zip(map(bytes, keys), p.decode_states(reply, off, len(keys))[0], strict=True)
+        )
         mine = [self._own(k) for k in to_store]
         self._storing.update(mine)
         return StoreSlots(mine, slots, evicted)
+
+    def key_states(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's state as a one-key :meth:`lookup` answers it (1 ready, 0 missing, None
+        being stored), without leasing anything: from the last :meth:`prepare_store`'s answer
+        when it was about these keys and nothing changed since, else asked (one round trip
+        per key)."""
+        known = self._store_states
+        out: list[int | None] = []
+        for k in map(bytes, keys):
+            st = known.get(k)
+            if st is None:
+                reply = self._call(p.LOOKUP, self._keys([k]))
+                n = -1 if reply is None else struct.unpack("<q", reply)[0]
+                out.append(None if n < 0 and reply is not None else max(n, 0))
+            else:
+                out.append(_LOOKUP_OF_STATE[st])
+        return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a
@@ -267,18 +494,27 @@ class NodePoolClient:
         held = [k for k in dict.fromkeys(map(bytes, keys)) if k in self._storing]
         self._storing.difference_update(held)
         if held:
-            self._call(p.COMPLETE_STORE, bytes([bool(success)]) + self._keys(held))
+            self._send(p.COMPLETE_STORE, bytes([bool(success)]) + self._keys(held))
 
     def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | None = None) -> None:
         """Makes the keys the most recent, ``keys[0]`` first; ``reused``: per key, whether it
         was a reuse (as :meth:`kvoff.CPUOffloadingManager.touch`)."""
         flags = b"" if reused is None else bytes(1 if r else 0 for r in reused)
-        self._call(p.TOUCH, self._keys(keys) + flags)
+        self._send(p.TOUCH, self._keys(keys) + flags)
+
+    def sync(self) -> None:
+        """Returns once the pool has handled every call this client sent (completions and
+        touches go without waiting): one round trip, which the pool answers after them. Call it
+        before telling another engine that a block is stored. Nothing happens when the pool
+        is gone."""
+        self._call(p.LOOKUP, p.encode_keys([]))
 
     # ------------------------------------------------------------------ the manager's rest
     def take_events(self) -> list[Any]:
         """No events: a node pool's index is shared, its BlockStored / BlockRemoved events are
-        not per engine yet."""
+        not per engine yet. Sends the queued calls (:meth:`flush`): vLLM takes the events
+        once per engine step, after the step's completions."""
+        self.flush()
         return []
 
     def clear(self, include_in_flight: bool = False) -> int:
@@ -333,6 +569,11 @@ class NodePoolClient:
         if reply is None:
             raise NodePoolError(f"no node pool answers at {self.socket_path}")
         return p.decode_json(reply)
+
+
+_OUTBOX_BYTES = 1 << 16
+"""Queued calls beyond this many bytes are sent at once."""
+_LOOKUP_OF_STATE = {p.STATE_MISSING: 0, p.STATE_READY: 1, p.STATE_PENDING: None}
 
 
 def wait_for_pool(socket_path: str, process: Any = None, timeout_s: float = 60.0) -> None:

@@ -1,7 +1,10 @@
 """The node pool's wire format: length-prefixed binary frames over a Unix socket.
 
 A frame is a 16-byte header ``magic "KVNP", version u16, op u16, request id u32, payload
-length u32`` (little-endian) and the payload. A key list is ``count u32, width u16`` and the
+length u32`` (little-endian) and the payload. An op with the :data:`NO_REPLY` bit (completions,
+touches and loads of leased keys: the engine has their answer) gets no reply when it succeeds,
+so an engine sends it without waiting; when it fails, an ``ERROR`` frame with its request id comes
+back ahead of the next reply. A key list is ``count u32, width u16`` and the
 keys back to back (all of ``width`` bytes), or with width 0, per key ``length u16`` and its
 bytes. Replies carry the request's id and op ``op | REPLY``, or
 ``ERROR`` with a UTF-8 message. A frame that cannot be parsed (another magic or version, a
@@ -24,12 +27,18 @@ __all__ = [
     "HEADER",
     "HELLO",
     "LOOKUP",
+    "LOOKUP_AHEAD",
     "MAX_KEY_BYTES",
     "MAX_PAYLOAD_BYTES",
+    "NO_REPLY",
+    "NO_REPLY_OPS",
     "OPS",
     "PREPARE_LOAD",
     "PREPARE_STORE",
     "REPLY",
+    "STATE_MISSING",
+    "STATE_PENDING",
+    "STATE_READY",
     "STATUS",
     "TOUCH",
     "VERSION",
@@ -37,15 +46,17 @@ __all__ = [
     "decode_json",
     "decode_keys",
     "decode_slots",
+    "decode_states",
     "encode_json",
     "encode_keys",
     "encode_slots",
+    "encode_states",
     "frame",
     "parse_header",
 ]
 
 MAGIC = b"KVNP"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sHHII")
 MAX_PAYLOAD_BYTES = 64 << 20
 """Largest payload accepted (64 MiB: about two million 16-byte keys)."""
@@ -55,6 +66,14 @@ MAX_KEY_BYTES = 1024
 HELLO, LOOKUP, PREPARE_LOAD, COMPLETE_LOAD, PREPARE_STORE, COMPLETE_STORE, TOUCH, STATUS = range(
     1, 9
 )
+LOOKUP_AHEAD = 9
+"""One key's state and those of the keys that followed it when they were stored (its chain),
+up to a count: ``ahead u16, answered u32, answered_hits u32`` and a key list of one key;
+the reply is a key list (the key, then its chain up to the first missing key), one state
+byte per key and a slot list (the slot of each ready key, which the pool leases to the engine
+for ``lease_s``; -1 for the others). ``answered`` / ``answered_hits``: look-ups the engine
+answered from earlier replies since its last report, and how many were hits (for the pool's
+hit rates)."""
 OPS = {
     HELLO: "hello",
     LOOKUP: "lookup",
@@ -64,9 +83,17 @@ OPS = {
     COMPLETE_STORE: "complete_store",
     TOUCH: "touch",
     STATUS: "status",
+    LOOKUP_AHEAD: "lookup_ahead",
 }
 REPLY = 0x100
 ERROR = 0xFFFF
+NO_REPLY = 0x4000
+"""Op bit: no reply on success (only with :data:`NO_REPLY_OPS`)."""
+NO_REPLY_OPS = frozenset({PREPARE_LOAD, COMPLETE_LOAD, COMPLETE_STORE, TOUCH})
+"""The ops that may be sent with :data:`NO_REPLY`: those whose reply carries nothing, and
+``PREPARE_LOAD`` of keys the engine holds leases on (it knows their slots)."""
+STATE_MISSING, STATE_READY, STATE_PENDING = 0, 1, 2
+"""A key's state byte: not held, ready (a hit), being stored (retry later)."""
 
 
 class ProtocolError(ValueError):
@@ -174,6 +201,26 @@ def decode_slots(buf: bytes | memoryview, offset: int = 0) -> tuple[list[int], i
     except struct.error as e:
         raise ProtocolError(f"truncated slot list: {e}") from None
     return slots, offset + 4 + 8 * count
+
+
+def encode_states(states: Sequence[int]) -> bytes:
+    """One state byte per key (:data:`STATE_MISSING`, :data:`STATE_READY`,
+    :data:`STATE_PENDING`)."""
+    return bytes(states)
+
+
+def decode_states(buf: bytes | memoryview, offset: int, count: int) -> tuple[bytes, int]:
+    """``(count state bytes, offset after them)``.
+
+    Raises:
+        ProtocolError: fewer than ``count`` bytes, or a byte that is not a state.
+    """
+    states = bytes(buf[offset : offset + count])
+    if len(states) != count:
+        raise ProtocolError(f"{len(states)} state bytes for {count} keys")
+    if states and max(states) > STATE_PENDING:
+        raise ProtocolError(f"state byte {max(states)} is not a key state (0, 1 or 2)")
+    return states, offset + count
 
 
 def encode_json(obj: Any) -> bytes:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +24,8 @@ import torch
 
 from kvoff import _scheduler
 from kvoff.models import get_model_preset
-from kvoff.node_pool import NodePoolClient, wait_for_pool
+from kvoff.node_pool import NodePoolClient
+from kvoff.node_pool.process import pool_process
 from kvoff.worker import CPUBlockSpec, GPUBlockSpec, OffloadingWorker
 
 __all__ = ["run_node_pool_bench"]
@@ -82,24 +81,18 @@ def run_node_pool_bench(
     region = f"kvoff-bench-node-pool-{os.getpid()}"
     sock = f"/tmp/kvoff-bench-node-pool-{os.getpid()}.sock"
     private = _worker(model, blocks, blocks, dev)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots",
-         str(max(blocks, 4 * keys)), "--slot-bytes", str(private.slot_bytes), "--region",
-         region],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     try:
-        wait_for_pool(sock, server)
-        client = NodePoolClient(sock, b"kvoff bench node-pool", name="bench")
-        shared = _worker(model, blocks, client.num_slots, dev, shared_memory_name=client.region,
-                         attach_shared_memory=True)  # fmt: skip
-        copy = _bench_copies(private, shared, blocks, rounds)
-        calls = _bench_calls(client, keys, rounds)
-        client.close()
-        shared.close()
+        with pool_process(sock, max(blocks, 4 * keys), private.slot_bytes, region=region):
+            client = NodePoolClient(sock, b"kvoff bench node-pool", name="bench")
+            shared = _worker(
+                model, blocks, client.num_slots, dev,
+                shared_memory_name=client.region, attach_shared_memory=True,
+            )  # fmt: skip
+            copy = _bench_copies(private, shared, blocks, rounds)
+            calls = _bench_calls(client, keys, rounds)
+            client.close()
+            shared.close()
     finally:
-        server.terminate()
-        server.wait(30)
         private.close()
     return {
         "model": model, "blocks": blocks, "keys": keys, "rounds": rounds, "device": device,

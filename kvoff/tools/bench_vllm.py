@@ -59,7 +59,9 @@ from kvoff._optional import require
 __all__ = [
     "CONNECTORS",
     "DEFAULT_RUNNING",
+    "NODE_POOL",
     "TARGET_MANAGER_SPEEDUP",
+    "TARGET_NODE_POOL_RATIO",
     "TARGET_STEP_RATIO",
     "VsVllmParams",
     "bench_manager_vs_vllm",
@@ -82,8 +84,14 @@ TARGET_MANAGER_SPEEDUP = 20.0
 """Target: kvoff's manager through Python at least 20× vLLM's CPU manager at 32-key calls."""
 CONNECTORS = ("kvoff", "vllm_cpu_spec", "vllm_offloading", "none")
 """The four configurations of the step benchmark (see the module docstring)."""
+NODE_POOL = "vllm_offloading_node_pool"
+"""The configuration with ``--node-pool``: ``vllm_offloading`` whose manager is a node pool's
+(:class:`kvoff.node_pool.NodePoolClient`, every call through the pool's socket)."""
+TARGET_NODE_POOL_RATIO = 1.5
+"""Target: the connector's scheduler cost per step on a node pool at most 1.5x the same
+spec's on a private pool at 256 running requests (issue 56)."""
 _VLLM_CONNECTORS = ("vllm_cpu_spec", "vllm_offloading")
-"""The configurations that run vLLM's ``OffloadingConnector``."""
+"""The configurations that run vLLM's ``OffloadingConnector`` (and :data:`NODE_POOL`)."""
 
 # The connector methods the engine's scheduler calls (vLLM 0.32's KVConnectorBase_V1).
 _SCHEDULER_HOOKS = (
@@ -125,6 +133,10 @@ class VsVllmParams:
         offload_prompt_only: every connector stores the blocks of prompts only (the default of
             vLLM 0.32 and of kvoff); False: also those decode fills (the same key for all
             three).
+        node_pool: also run :data:`NODE_POOL`: ``KvoffOffloadingSpec`` attached to a node pool
+            (``kvoff pool serve`` in a child process, a fresh one per run, sized like the
+            private pool), next to ``vllm_offloading`` on a private pool
+            (``node_pool_vs_private``).
     """
 
     running: tuple[int, ...] = DEFAULT_RUNNING
@@ -140,6 +152,7 @@ class VsVllmParams:
     seed: int = 0
     store_batch_blocks: int | None = None
     offload_prompt_only: bool = True
+    node_pool: bool = False
 
     def __post_init__(self) -> None:
         names = ("block_size", "prompt_tokens", "output_tokens", "prefixes_per_request")
@@ -258,9 +271,10 @@ def vllm_scheduler(
 
 
 def _engine(
-    connector: str, running: int, total_requests: int, p: VsVllmParams
+    connector: str, running: int, total_requests: int, p: VsVllmParams, node_pool: str = ""
 ) -> tuple[Any, Callable, int]:
-    """A vLLM Scheduler with ``connector``, its request block hasher and its GPU block count."""
+    """A vLLM Scheduler with ``connector``, its request block hasher and its GPU block count;
+    ``node_pool``: the socket of the pool that :data:`NODE_POOL` attaches to."""
     from vllm.config import KVTransferConfig
 
     bs = p.block_size
@@ -269,9 +283,7 @@ def _engine(
     # Room for the running batch and a few requests more: finished requests' blocks, and with
     # them the prefixes, are reused within a few steps, so the CPU pool serves the repeats.
     num_gpu_blocks = running * blocks_per_request + 8 * blocks_per_request + 1
-    # A CPU pool that holds every block of the run (no eviction: both connectors must find the
-    # same hits whatever their eviction order). The scheduler role allocates no pool.
-    cpu_bytes = VLLM_BLOCK_BYTES_PER_TOKEN * bs * blocks_per_request * (total_requests + 1)
+    cpu_bytes = _cpu_bytes(total_requests, p)
     transfer = None
     if connector == "kvoff":
         transfer = KVTransferConfig(
@@ -291,6 +303,16 @@ def _engine(
             },
             kv_load_failure_policy="recompute",
         )  # fmt: skip
+    elif connector == NODE_POOL:  # the same spec; the pool's size is the pool process's
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={
+                "node_pool": node_pool, "spec_name": "KvoffOffloadingSpec",
+                "spec_module_path": "kvoff.integrations.vllm",
+                "offload_prompt_only": p.offload_prompt_only,
+            },
+            kv_load_failure_policy="recompute",
+        )  # fmt: skip
     elif connector == "vllm_offloading":
         transfer = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
@@ -306,6 +328,14 @@ def _engine(
         max_num_seqs=running, max_num_batched_tokens=8192 + running,
     )  # fmt: skip
     return scheduler, hasher, num_gpu_blocks
+
+
+def _cpu_bytes(total_requests: int, p: VsVllmParams) -> int:
+    """A CPU pool that holds every block of the run (no eviction: every connector must find
+    the same hits whatever its eviction order). The scheduler role allocates no pool."""
+    max_len = p.prompt_tokens + p.output_tokens + p.block_size
+    blocks_per_request = -(-max_len // p.block_size)
+    return VLLM_BLOCK_BYTES_PER_TOKEN * p.block_size * blocks_per_request * (total_requests + 1)
 
 
 def _prompts(p: VsVllmParams, running: int, count: int) -> list[list[int]]:
@@ -390,9 +420,36 @@ def _worker_output(connector: str, meta: Any) -> Any:
     )
 
 
+def _total_requests(running: int, p: VsVllmParams) -> int:
+    """Requests of one run: the warm-up's and the timed steps', with a margin."""
+    g = p.output_tokens
+    # steps to prefill a whole batch (8192 + running tokens per step, see _engine): requests
+    # finish meanwhile, so the warm-up consumes more of the stream at large batches
+    prefill_steps = -(-running * p.prompt_tokens // (8192 + running))
+    return 2 * running + 8 + (2 * (3 * g // 2 + p.steps + prefill_steps) * running) // g
+
+
 def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
     """Runs one configuration: warm-up until ``running`` requests decode, then ``p.steps`` timed
-    steps. Returns timings, totals and the per-step schedule (for the comparison)."""
+    steps. Returns timings, totals and the per-step schedule (for the comparison).
+    :data:`NODE_POOL` runs on a fresh node pool of the private pool's size, started for it."""
+    if connector != NODE_POOL:
+        return _drive_engine(connector, running, p)
+    from kvoff.node_pool.process import pool_process
+
+    slot_bytes = VLLM_BLOCK_BYTES_PER_TOKEN * p.block_size
+    slots = _cpu_bytes(_total_requests(running, p), p) // slot_bytes
+    with tempfile.TemporaryDirectory(prefix="kvoff-bench-pool-") as tmp:
+        sock = os.path.join(tmp, "pool.sock")
+        region = f"kvoff-bench-vllm-{os.getpid()}-{running}"
+        with pool_process(sock, slots, slot_bytes, region=region):
+            return _drive_engine(connector, running, p, sock)
+
+
+def _drive_engine(
+    connector: str, running: int, p: VsVllmParams, node_pool: str = ""
+) -> dict[str, Any]:
+    """:func:`_drive` on a pool that is there (``node_pool``: its socket)."""
     from vllm import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
@@ -403,12 +460,9 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
     g = p.output_tokens
     lengths = [max(1, g // 2 + (i * 37) % g) for i in range(g)]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
-    # steps to prefill a whole batch (8192 + running tokens per step, see _engine): requests
-    # finish meanwhile, so the warm-up consumes more of the stream at large batches
-    prefill_steps = -(-running * p.prompt_tokens // (8192 + running))
-    total = 2 * running + 8 + (2 * (3 * g // 2 + p.steps + prefill_steps) * running) // g
+    total = _total_requests(running, p)
     prompts = _prompts(p, running, total)
-    scheduler, hasher, num_gpu_blocks = _engine(connector, running, total, p)
+    scheduler, hasher, num_gpu_blocks = _engine(connector, running, total, p, node_pool)
     conn = scheduler.connector
     timer = _Timed(conn) if conn is not None else None
     hook_s: dict[str, float] = {}
@@ -501,6 +555,10 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
         manager = CPUOffloadingManager  # what KvoffConnector's scheduler always runs
     elif conn is not None:
         manager = type(conn.connector_scheduler.manager)
+        if connector == NODE_POOL:  # calls answered as misses because the pool was gone
+            client = conn.connector_scheduler.manager.manager
+            stats = {k: getattr(client, k) for k in ("misses_while_detached", "round_trips",
+                                                     "answered_ahead", "async_errors")}  # fmt: skip
     result = {
         "connector": connector,
         "running": running,
@@ -542,11 +600,13 @@ def bench_steps_vs_vllm(
     require("vllm", VS_VLLM_FEATURE)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     entries = []
+    connectors = (*CONNECTORS, NODE_POOL) if p.node_pool else CONNECTORS
+    compared = ("kvoff", *_VLLM_CONNECTORS, *((NODE_POOL,) if p.node_pool else ()))
     for running in p.running:
-        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONNECTORS}
-        schedules: dict[str, list[Any]] = {c: [] for c in CONNECTORS}
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in connectors}
+        schedules: dict[str, list[Any]] = {c: [] for c in connectors}
         for k in range(p.rounds):
-            for connector in CONNECTORS if k % 2 == 0 else tuple(reversed(CONNECTORS)):
+            for connector in connectors if k % 2 == 0 else tuple(reversed(connectors)):
                 if log:
                     log(f"steps: {running} running requests, connector {connector}, "
                         f"round {k + 1}/{p.rounds}")  # fmt: skip
@@ -563,9 +623,7 @@ def bench_steps_vs_vllm(
         entry: dict[str, Any] = {
             "running": running,
             "configurations": configurations,
-            "same_schedule": all(
-                s == reference for c in ("kvoff", *_VLLM_CONNECTORS) for s in schedules[c]
-            ),
+            "same_schedule": all(s == reference for c in compared for s in schedules[c]),
         }
         for c, prefix in (("vllm_offloading", "vllm"), ("vllm_cpu_spec", "vllm_cpu_spec")):
             vl = runs[c]
@@ -576,8 +634,29 @@ def bench_steps_vs_vllm(
                 v["connector_us"] / max(k["connector_us"], 1e-9)
                 for k, v in zip(kv, vl, strict=True)
             ]
+        if p.node_pool:
+            entry.update(_node_pool_ratios(runs["vllm_offloading"], runs[NODE_POOL]))
         entries.append(entry)
     return entries
+
+
+def _node_pool_ratios(private: list[dict[str, Any]], pool: list[dict[str, Any]]) -> dict:
+    """``node_pool_vs_private``: the node pool's median connector µs per step over the private
+    pool's (the same spec; target at most :data:`TARGET_NODE_POOL_RATIO`), ``*_rounds``: within
+    each round; ``node_pool_mean_vs_private``: the same for the mean µs per step (the steps
+    that admit requests, where the look-ups are, weigh in); ``node_pool_step_vs_private``: for
+    the whole engine step."""
+    out: dict[str, Any] = {}
+    for name, field in (("node_pool_vs_private", "connector_us"),
+                        ("node_pool_mean_vs_private", "connector_us_mean"),
+                        ("node_pool_step_vs_private", "step_us")):  # fmt: skip
+        out[name] = statistics.median(r[field] for r in pool) / max(
+            statistics.median(r[field] for r in private), 1e-9
+        )
+        out[f"{name}_rounds"] = [
+            b[field] / max(a[field], 1e-9) for a, b in zip(private, pool, strict=True)
+        ]
+    return out
 
 
 # ------------------------------------------------------------------------------ the manager
@@ -732,6 +811,23 @@ def format_vs_vllm(document: dict[str, Any]) -> str:
                 for r in e.get("vllm_cpu_spec_vs_kvoff_rounds", e.get("vllm_vs_kvoff_rounds", ()))
             )
         )
+    pooled = [e for e in document["steps"] if "node_pool_vs_private" in e]
+    if pooled:
+        lines += [
+            "",
+            "KvoffOffloadingSpec on a node pool vs a private pool (connector us per step)",
+            f"{'running':>8} {'private':>8} {'node pool':>10} {'ratio':>7} "
+            f"{'mean ratio':>11} {'step ratio':>11}  per round",
+        ]
+        for e in pooled:
+            c = e["configurations"]
+            lines.append(
+                f"{e['running']:>8} {c['vllm_offloading']['connector_us']:>8.1f} "
+                f"{c[NODE_POOL]['connector_us']:>10.1f} {e['node_pool_vs_private']:>6.2f}x "
+                f"{e['node_pool_mean_vs_private']:>10.2f}x "
+                f"{e['node_pool_step_vs_private']:>10.2f}x  "
+                + " ".join(f"{r:.2f}x" for r in e["node_pool_vs_private_rounds"])
+            )
     m = document.get("manager")
     if m:
         lines += [
@@ -790,6 +886,11 @@ def run_vs_vllm(
             "vllm_cpu_spec_vs_kvoff_at_256_running_min": TARGET_STEP_RATIO,
             "vllm_vs_kvoff_at_256_running_min": TARGET_STEP_RATIO,
             "manager_kvoff_vs_vllm_min": TARGET_MANAGER_SPEEDUP,
+            **(
+                {"node_pool_vs_private_at_256_running_max": TARGET_NODE_POOL_RATIO}
+                if p.node_pool
+                else {}
+            ),
         },
         "steps": steps,
         "manager": manager,

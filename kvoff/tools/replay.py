@@ -841,8 +841,10 @@ class _EnginePool:
             e.manager.touch(keys)
         if self.config.node_pool is not None:
             # engines on a node pool take turns: the next may be another process, which
-            # would find these stores still pending (a replay of hit rates, not of time)
+            # would find these stores still pending (a replay of hit rates, not of time);
+            # completions go without a reply, so the pool is asked to have handled them
             self.finish(e, e.worker.wait([*e.pending, *e.loading]))
+            e.manager.sync()
         if self.config.gpu_prefix_blocks:
             num_full = len(self.idents)
             owned = e.gpu_cache.admit(self.idents, table[:num_full], set(table))

@@ -16,17 +16,15 @@ of time: ``--compute`` is not offered here).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvoff.node_pool import NodePoolError, wait_for_pool
 from kvoff.tools.request_loop import ReplayConfig, replay_requests
 from kvoff.tools.traces import TraceRequest
 
@@ -60,23 +58,13 @@ def _engine_main(
         results.put((engine, None, f"{type(e).__name__}: {e}"))
 
 
-def _start_pool(config: ReplayConfig, socket_path: str, region: str) -> subprocess.Popen[bytes]:
+def _pool_for(config: ReplayConfig, socket_path: str, region: str) -> Any:
+    """A pool of the run's size and policy in a child process (a context manager)."""
+    from kvoff.node_pool.process import pool_process
     from kvoff.tools.replay import replay_cpu_blocks
 
     slots, slot_bytes = replay_cpu_blocks(config)
-    cmd = [
-        sys.executable, "-m", "kvoff", "pool", "serve", "--socket", socket_path, "--slots",
-        str(slots), "--slot-bytes", str(slot_bytes), "--policy", config.policy, "--region",
-        region,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for_pool(socket_path, proc)
-    except NodePoolError as e:
-        proc.kill()
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        raise RuntimeError(f"the node pool did not start: {e}; {err.strip()}") from None
-    return proc
+    return pool_process(socket_path, slots, slot_bytes, region=region, policy=config.policy)
 
 
 def run_node_pool_replay(
@@ -122,7 +110,9 @@ def run_node_pool_replay(
     tmp = tempfile.mkdtemp(prefix="kvoff-node-pool-")
     own = socket_path is None
     sock = socket_path or os.path.join(tmp, "pool.sock")
-    server = _start_pool(config, sock, f"kvoff-replay-{os.getpid()}") if own else None
+    stack = contextlib.ExitStack()
+    if own:
+        stack.enter_context(_pool_for(config, sock, f"kvoff-replay-{os.getpid()}"))
     ctx = mp.get_context("spawn")
     turn = ctx.Value("q", 0)
     results = ctx.Queue()
@@ -138,10 +128,39 @@ def run_node_pool_replay(
         for e in range(n)
         if shares[e]
     ]
+    with stack:
+        summaries = _run_engines(procs, results, turn, progress, len(reqs))
+        from kvoff.node_pool import NodePoolClient
+
+        status = NodePoolClient(sock, b"kvoff replay", name="kvoff replay").status()
+    engines = [summaries[e] for e in sorted(summaries)]
+    total: dict[str, Any] = {"engines": n}
+    for k in ("requests", "input_tokens", "gpu_hit_tokens", "cpu_hit_tokens", "hit_tokens",
+              "blocks_loaded", "blocks_stored", "blocks_verified", "corrupted_blocks",
+              "failed_transfers", "lost_lookups", "lookup_retries", "bytes_loaded",
+              "bytes_stored"):  # fmt: skip
+        total[k] = sum(s[k] for s in engines)
+    total["hit_rate"] = total["hit_tokens"] / total["input_tokens"] if total["input_tokens"] else 0
+    total["loads_by_source"] = {"node_pool": total["blocks_loaded"]}
+    total["cpu_blocks"] = status["num_slots"]
+    total["policy"] = status["policy"]
+    total["evictions"] = status["evictions"]
+    return {"engines": engines, "total": total, "pool": status}
+
+
+def _run_engines(
+    procs: list[Any], results: Any, turn: Any, progress: Callable[[int], None] | None, total: int
+) -> dict[int, dict[str, Any]]:
+    """Starts the engine processes and collects their summaries (engine index -> summary);
+    the processes are joined (or killed) on the way out, also on an error.
+
+    Raises:
+        RuntimeError: an engine died or reported an error.
+    """
+    summaries: dict[int, dict[str, Any]] = {}
     try:
         for proc in procs:
             proc.start()
-        summaries: dict[int, dict[str, Any]] = {}
         last = -1
         while len(summaries) < len(procs):
             try:
@@ -160,28 +179,10 @@ def run_node_pool_replay(
                 raise RuntimeError(f"engine {engine} failed: {error}")
             summaries[engine] = summary
         if progress is not None:
-            progress(len(reqs))
-        from kvoff.node_pool import NodePoolClient
-
-        status = NodePoolClient(sock, b"kvoff replay", name="kvoff replay").status()
+            progress(total)
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
-    engines = [summaries[e] for e in sorted(summaries)]
-    total: dict[str, Any] = {"engines": n}
-    for k in ("requests", "input_tokens", "gpu_hit_tokens", "cpu_hit_tokens", "hit_tokens",
-              "blocks_loaded", "blocks_stored", "blocks_verified", "corrupted_blocks",
-              "failed_transfers", "lost_lookups", "lookup_retries", "bytes_loaded",
-              "bytes_stored"):  # fmt: skip
-        total[k] = sum(s[k] for s in engines)
-    total["hit_rate"] = total["hit_tokens"] / total["input_tokens"] if total["input_tokens"] else 0
-    total["loads_by_source"] = {"node_pool": total["blocks_loaded"]}
-    total["cpu_blocks"] = status["num_slots"]
-    total["policy"] = status["policy"]
-    total["evictions"] = status["evictions"]
-    return {"engines": engines, "total": total, "pool": status}
+    return summaries

@@ -108,3 +108,21 @@ def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
     assert batched["kvoff_stats"]["stale_blocks_skipped"] == 0
     manager = bench_manager_vs_vllm(p)
     assert manager["kvoff"]["key_ops_per_s"] > 0 and manager["vllm"]["key_ops_per_s"] > 0
+
+
+def test_bench_vs_vllm_node_pool_schedules_the_same_through_a_pool_process() -> None:
+    """``--node-pool``: KvoffOffloadingSpec on a node pool (a pool process per run) finds the
+    same hits and schedules the same tokens as on a private pool, and the look-ahead and the
+    leases spare it round trips (the ratio itself is a benchmark)."""
+    from kvoff.tools.bench_vllm import NODE_POOL, VsVllmParams, bench_steps_vs_vllm
+
+    p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=32, rounds=1,
+                     store_batch_blocks=1, node_pool=True)  # fmt: skip
+    (entry,) = bench_steps_vs_vllm(p)
+    assert entry["same_schedule"] is True
+    private, pooled = entry["configurations"]["vllm_offloading"], entry["configurations"][NODE_POOL]
+    assert pooled["hit_tokens"] == private["hit_tokens"] and pooled["hit_tokens"]["connector"] > 0
+    stats = pooled["kvoff_stats"]
+    assert stats["misses_while_detached"] == 0 and stats["async_errors"] == 0
+    assert stats["answered_ahead"] > stats["round_trips"] / 4  # most look-ups asked nothing
+    assert entry["node_pool_vs_private"] > 0 and len(entry["node_pool_vs_private_rounds"]) == 1

@@ -416,7 +416,12 @@ class KvoffOffloadingManager(OffloadingManager):
         new = set(stored)
         # held keys: ready ones are a reuse; pending ones (another request is storing them),
         # missing ones (no room, or held back by the admission filter) are not recorded
-        state = {k: manager.lookup([k]) for k in keys if k not in new}  # 1, 0 or None
+        held = [k for k in keys if k not in new]
+        key_states = getattr(manager, "key_states", None)  # a node pool's: no round trips
+        if key_states is not None:
+            state = dict(zip(held, key_states(held), strict=True))  # 1, 0 or None
+        else:
+            state = {k: manager.lookup([k]) for k in held}
         ready = [k for k, st in state.items() if st == 1]
         # vLLM's allocation-size histogram: the keys that needed a slot, refused calls too
         attempted = len(stored) if out is not None else sum(st == 0 for st in state.values())

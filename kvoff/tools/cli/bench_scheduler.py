@@ -136,6 +136,13 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
         "(offload_prompt_only false for all three; default: prompt blocks only, the default "
         "of vLLM 0.32 and of kvoff)",
     )
+    sp.add_argument(
+        "--node-pool",
+        action="store_true",
+        help="with --vs-vllm: also run KvoffOffloadingSpec attached to a node pool (kvoff pool "
+        "serve in a child process, one per run) next to the same spec on a private pool "
+        "(node_pool_vs_private; needs about the private pool's bytes in /dev/shm)",
+    )
     add_json_option(sp)
     sp.set_defaults(run=run)
 
@@ -164,10 +171,11 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         or args.rounds is not None
         or args.store_batch_blocks is not None
         or args.store_decode_blocks
+        or args.node_pool
     ):
         raise ValueError(
-            "--running, --rounds, --store-batch-blocks and --store-decode-blocks apply to "
-            "--vs-vllm only"
+            "--running, --rounds, --store-batch-blocks, --store-decode-blocks and --node-pool "
+            "apply to --vs-vllm only"
         )
     from kvoff.tools.bench import (
         DEFAULT_POOL_SIZES,
@@ -220,6 +228,7 @@ def _run_vs_vllm(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         **({"rounds": args.rounds} if args.rounds else {}),
         store_batch_blocks=args.store_batch_blocks,
         offload_prompt_only=not args.store_decode_blocks,
+        node_pool=args.node_pool,
     )
     doc = run_vs_vllm(
         params,
