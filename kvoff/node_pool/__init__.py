@@ -8,13 +8,20 @@ Engines map the region and copy to and from its slots directly (pinned on a GPU)
 docs/node-pool.md.
 """
 
-from kvoff.node_pool.client import NodePoolClient, NodePoolError, StoreSlots, wait_for_pool
+from kvoff.node_pool.client import (
+    NodePoolClient,
+    NodePoolError,
+    NodePoolEvent,
+    StoreSlots,
+    wait_for_pool,
+)
 from kvoff.node_pool.server import DEFAULT_REGION, NodePoolServer
 
 __all__ = [
     "DEFAULT_REGION",
     "NodePoolClient",
     "NodePoolError",
+    "NodePoolEvent",
     "NodePoolServer",
     "StoreSlots",
     "wait_for_pool",

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvoff.node_pool import protocol as p
 
-__all__ = ["NodePoolClient", "NodePoolError", "StoreSlots", "wait_for_pool"]
+__all__ = ["NodePoolClient", "NodePoolError", "NodePoolEvent", "StoreSlots", "wait_for_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,20 @@ logger = logging.getLogger(__name__)
 class NodePoolError(RuntimeError):
     """The node pool refused a call (the message is the pool's) or could not be reached at
     attach time."""
+
+
+@dataclass(frozen=True)
+class NodePoolEvent:
+    """A KV event of the node pool for this engine's layout: ``kind`` ``"BlockStored"`` (the
+    keys became hits) or ``"BlockRemoved"`` (evicted), ``keys`` this engine's (unprefixed)."""
+
+    kind: str
+    keys: list[bytes]
+
+    @property
+    def removed(self) -> bool:
+        """Whether the keys were evicted."""
+        return self.kind == "BlockRemoved"
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,8 @@ class NodePoolClient:
         loads_on_lease: ``prepare_load`` calls answered from the look-up's leases (no round
             trip).
         lease_s: seconds the pool leases a look-up's ready keys to this engine.
+        events_dropped: KV events the pool dropped because this engine did not take them in
+            time (its queue holds 4 keys per slot).
         async_errors: completions or touches sent without a reply that the pool refused
             (logged; they mean a bug, not a bad block).
 
@@ -132,6 +148,8 @@ class NodePoolClient:
         # the last prepare_store's answer: unprefixed key -> state byte (for key_states)
         self._store_states: dict[bytes, int] = {}
         self.loads_on_lease = 0
+        self._events_on = False
+        self.events_dropped = 0
         self._sock: socket.socket | None = None
         self._rest = bytearray()
         self._outbox = bytearray()  # calls queued without a reply (see _send)
@@ -349,9 +367,6 @@ class NodePoolClient:
         pre = self.prefix
         return p.encode_keys([pre + bytes(k) for k in keys])
 
-    def _own(self, key: bytes) -> bytes:
-        return key[8:] if key[:8] == self.prefix else key
-
     # ------------------------------------------------------------------ manager calls
     def lookup(self, keys: Sequence[bytes]) -> int | None:
         """Leading keys ready in the pool; None: retry later (one is being stored); 0 when
@@ -461,13 +476,14 @@ class NodePoolClient:
                 zip(map(bytes, keys), p.decode_states(reply, 1, len(keys))[0], strict=True)
             )
             return None
-        to_store, off = p.decode_keys(reply, 1)
+        index, off = p.decode_slots(reply, 1)  # the stored keys' places in the call
         slots, off = p.decode_slots(reply, off)
         evicted, off = p.decode_keys(reply, off)
-        self._store_states = dict(
-            zip(map(bytes, keys), p.decode_states(reply, off, len(keys))[0], strict=True)
-        )
-        mine = [self._own(k) for k in to_store]
+        own = [bytes(k) for k in keys]
+        self._store_states = dict(zip(own, p.decode_states(reply, off, len(keys))[0], strict=True))
+        if len(index) != len(slots) or (index and not 0 <= min(index) <= max(index) < len(own)):
+            raise p.ProtocolError(f"prepare_store reply: {len(index)} keys, {len(slots)} slots")
+        mine = [own[i] for i in index]
         self._storing.update(mine)
         return StoreSlots(mine, slots, evicted)
 
@@ -510,12 +526,35 @@ class NodePoolClient:
         self._call(p.LOOKUP, p.encode_keys([]))
 
     # ------------------------------------------------------------------ the manager's rest
+    def enable_events(self) -> None:
+        """Takes KV events from now on (:meth:`take_events`): the pool queues this engine's
+        layout's ``BlockStored`` / ``BlockRemoved`` events for it, whichever engine caused
+        them (a block any engine stores is a hit for this one too)."""
+        self._events_on = True
+        self.take_events()  # subscribes; the events before it are not this engine's to know
+
     def take_events(self) -> list[Any]:
-        """No events: a node pool's index is shared, its BlockStored / BlockRemoved events are
-        not per engine yet. Sends the queued calls (:meth:`flush`): vLLM takes the events
-        once per engine step, after the step's completions."""
-        self.flush()
-        return []
+        """The KV events since the last call, oldest first, with this engine's keys
+        (:class:`NodePoolEvent`; ``kind`` and ``keys`` as the manager's events); [] unless
+        :meth:`enable_events` was called, or while the pool is gone. Sends the queued calls
+        (:meth:`flush`): vLLM takes the events once per engine step, after the step's
+        completions, so what this engine stored is a hit for the others from then on."""
+        if not self._events_on:
+            self.flush()
+            return []
+        reply = self._call(p.TAKE_EVENTS, self.prefix)
+        if reply is None:
+            return []
+        dropped, count = struct.unpack_from("<QI", reply)
+        self.events_dropped += dropped
+        events, off = [], 12
+        for _ in range(count):
+            removed = reply[off] == 1
+            keys, off = p.decode_keys(reply, off + 1)
+            events.append(
+                NodePoolEvent("BlockRemoved" if removed else "BlockStored", [k[8:] for k in keys])
+            )
+        return events
 
     def clear(self, include_in_flight: bool = False) -> int:
         """Drops nothing and returns 0: the pool is shared by other engines, so one engine's

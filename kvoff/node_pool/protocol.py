@@ -40,6 +40,7 @@ __all__ = [
     "STATE_PENDING",
     "STATE_READY",
     "STATUS",
+    "TAKE_EVENTS",
     "TOUCH",
     "VERSION",
     "ProtocolError",
@@ -74,6 +75,10 @@ byte per key and a slot list (the slot of each ready key, which the pool leases 
 for ``lease_s``; -1 for the others). ``answered`` / ``answered_hits``: look-ups the engine
 answered from earlier replies since its last report, and how many were hits (for the pool's
 hit rates)."""
+TAKE_EVENTS = 10
+"""The engine's KV events since its last call: ``prefix`` (8 bytes: the engine's layout, whose
+events it gets; the first call subscribes the connection). Reply: ``dropped u64`` (events
+lost to a full queue), ``count u32`` and per event ``removed u8`` and a key list."""
 OPS = {
     HELLO: "hello",
     LOOKUP: "lookup",
@@ -84,6 +89,7 @@ OPS = {
     TOUCH: "touch",
     STATUS: "status",
     LOOKUP_AHEAD: "lookup_ahead",
+    TAKE_EVENTS: "take_events",
 }
 REPLY = 0x100
 ERROR = 0xFFFF

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from test_vllm import BLOCK, GPU_BLOCK_BYTES, PROMPTS_A, PROMPTS_B, _baseline, _plan
 
-from kvoff.node_pool import wait_for_pool
+from kvoff.node_pool import NodePoolClient
+from kvoff.node_pool.process import pool_process
 
 pytestmark = pytest.mark.vllm
 
@@ -23,15 +24,8 @@ pytestmark = pytest.mark.vllm
 def node_pool(tmp_path: Path):
     sock = str(tmp_path / "pool.sock")
     region = f"kvoff-test-vllm-np-{os.getpid()}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots", "64",
-         "--slot-bytes", str(GPU_BLOCK_BYTES), "--region", region],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    wait_for_pool(sock, proc)
-    yield sock
-    proc.terminate()
-    proc.wait(30)
+    with pool_process(sock, 64, GPU_BLOCK_BYTES, region=region):
+        yield sock
     Path("/dev/shm", region).unlink(missing_ok=True)
 
 
@@ -69,3 +63,33 @@ def test_kvoff_connector_refuses_node_pool_with_the_fix(run_engine, tiny_models)
                  extra={"cpu_bytes_to_use": 64 << 20, "node_pool": "/tmp/none.sock"})  # fmt: skip
     err = run_engine(plan, expect_failure=True)["stderr"]
     assert "node_pool works through KvoffOffloadingSpec for now" in err
+
+
+def test_the_spec_manager_on_a_node_pool_leases_its_hits_and_hears_every_engines_events(
+    node_pool,
+) -> None:
+    """KvoffOffloadingManager over a node pool as vLLM's scheduler drives it: a block engine A
+    stored is a HIT for engine B one key at a time (one round trip for the chain), B's load of
+    it uses the look-up's lease (no round trip), and both get the KV events of the layout."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvoff.integrations.vllm.spec_manager import KvoffOffloadingManager
+
+    clients = [NodePoolClient(node_pool, b"tiny-layout", name=n) for n in ("a", "b")]
+    a, b = (KvoffOffloadingManager(64, "lru", True, manager=c) for c in clients)
+    keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(1, 5)]
+    out = a.prepare_store(keys, ReqContext(req_id="ra"))
+    assert out is not None and out.keys_to_store == keys
+    a.complete_store(keys, ReqContext(req_id="ra"))
+    stored = [(e.keys, e.removed) for e in a.take_events()]  # sends the completion too
+    assert stored == [(keys, False)]
+    ctx = ReqContext(req_id="rb")
+    trips = clients[1].round_trips
+    assert [b.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
+    spec = b.prepare_load(keys, ctx)
+    assert list(spec.block_ids) == list(out.store_spec.block_ids)
+    assert clients[1].round_trips == trips + 1 and clients[1].loads_on_lease == 1
+    assert [(e.keys, e.removed) for e in b.take_events()] == stored
+    b.complete_load(keys, ctx)
+    for c in clients:
+        c.close()

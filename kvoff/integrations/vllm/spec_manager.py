@@ -200,6 +200,8 @@ class KvoffOffloadingManager(OffloadingManager):
         self.manager: Any = _NoPool()
         if manager is not None:  # a node pool's client (kvoff.node_pool.NodePoolClient)
             self.manager = manager
+            if enable_events:
+                manager.enable_events()
         elif num_blocks > 0:
             self.manager = CPUOffloadingManager(
                 num_blocks,

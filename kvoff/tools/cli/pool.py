@@ -15,6 +15,7 @@ from kvoff.tools.cli.common import (
     add_format_option,
     add_json_option,
     check_format,
+    non_negative_int,
     parse_bytes,
     positive_int,
     run_info,
@@ -66,6 +67,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="a group id whose processes may attach too (default: only this user)",
     )
+    serve.add_argument(
+        "--lease-ms",
+        type=positive_int,
+        default=500,
+        help="milliseconds a look-up's ready blocks stay pinned for the engine that asked, "
+        "so that its load cannot fail (default: 500; docs/node-pool.md)",
+    )
+    serve.add_argument(
+        "--spin-us",
+        type=non_negative_int,
+        default=500,
+        help="microseconds the pool polls without sleeping after a call: lower round-trip "
+        "latency for a core while engines call (default: 500; 0: never)",
+    )
     serve.set_defaults(run=run_serve)
     status = ps.add_parser("status", help="blocks, engines attached, hit rates, evictions")
     status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default: {DEFAULT_SOCKET})")
@@ -92,7 +107,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         )
     server = NodePoolServer(
         args.socket, slots, args.slot_bytes, policy=args.policy,
-        region=args.region or DEFAULT_REGION, group=args.group,
+        region=args.region or DEFAULT_REGION, group=args.group, lease_s=args.lease_ms / 1000,
+        spin_s=args.spin_us / 1e6,
     )  # fmt: skip
     gib = slots * args.slot_bytes / 2**30
     print(
@@ -135,7 +151,7 @@ def run_status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             f"/dev/shm/{st['region']}\n"
             f"  blocks       {st['stored_blocks']:>10,} stored, {st['free_blocks']:,} free, "
             f"{st['pending_blocks']:,} being stored\n"
-            f"  evictions    {st['evictions']:>10,}\n"
+            f"  evictions    {st['evictions']:>10,}; leases lapsed {st['leases_lapsed']:,}\n"
             f"  engines      {st['engines_attached']:>10,} attached ({st['engines_seen']:,} "
             f"seen, {st['connections_refused']:,} refused); hit rate {st['hit_rate']:.2%}"
         )
@@ -145,7 +161,8 @@ def run_status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             print(
                 f"    {e['name'] or '-':<20} pid {e['pid']:<8} hit rate {e['hit_rate']:.2%} "
                 f"({e['hit_blocks']:,} of {e['looked_up_blocks']:,} blocks), stored "
-                f"{e['stored_blocks']:,}, loaded {e['loaded_blocks']:,}"
+                f"{e['stored_blocks']:,}, loaded {e['loaded_blocks']:,}, leased "
+                f"{e['leased_blocks']:,}"
             )
     if args.json is not None:
         write_json(args.json, {"run": run_info(argv), "status": st})
