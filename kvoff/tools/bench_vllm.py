@@ -557,8 +557,9 @@ def _drive_engine(
         manager = type(conn.connector_scheduler.manager)
         if connector == NODE_POOL:  # calls answered as misses because the pool was gone
             client = conn.connector_scheduler.manager.manager
-            stats = {k: getattr(client, k) for k in ("misses_while_detached", "round_trips",
-                                                     "answered_ahead", "async_errors")}  # fmt: skip
+            names = ("misses_while_detached", "round_trips", "answered_ahead",
+                     "loads_on_lease", "async_errors")  # fmt: skip
+            stats = {k: getattr(client, k) for k in names}
     result = {
         "connector": connector,
         "running": running,
