@@ -43,6 +43,13 @@ the reply): its ``PREPARE_LOAD`` of them turns the lease into the load's pin, wh
 fail, so the engine sends it without waiting. Leases that are not loaded lapse after
 ``lease_s`` (the blocks become evictable again); a look-up of a leased key renews it.
 
+**Tiers.** With secondary tiers (a disk, a Redis Cluster: ``kvoff pool serve --disk-path
+... --remote-url ...``), every block an engine stores is written through to them (kvoff's
+:class:`~kvoff.tiers.coordinator.TieredPool`, run by this server for all its engines), and a
+look-up that misses the slots asks the tiers for the key and the chain stored after it: the
+engine is told to retry (``STATE_PENDING``) until the run is promoted into the slots. Blocks on
+a disk outlive the pool: a pool started again on the same disk serves them.
+
 A restarted server adopts the region of a server that died (same name and layout, owner
 gone): engines that still map it keep working and hit again as they store; the index starts
 empty.
@@ -60,7 +67,7 @@ import socket
 import struct
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +77,7 @@ from kvoff import _scheduler
 from kvoff.node_pool import protocol as p
 from kvoff.pinned import HostPool, SharedMemoryError
 
-__all__ = ["DEFAULT_REGION", "NodePoolServer"]
+__all__ = ["DEFAULT_REGION", "NodePoolServer", "tier_format"]
 
 DEFAULT_REGION = "kvoff-node-pool"
 """The default shared-memory name of the pool (``/dev/shm/kvoff-node-pool``)."""
@@ -84,10 +91,26 @@ in bursts microseconds apart, and a sleeping thread takes tens of microseconds t
 the 2-core EPYC box an empty round trip took 36 µs without, 16 µs with). It costs a core
 only while engines call."""
 SUCCESSORS_PER_SLOT = 2
+MAX_PROBE_BLOCKS = 64
+"""Keys of a chain the tiers are asked for at once (a look-up that misses the slots)."""
 EVENT_KEYS_PER_SLOT = 4
 """Keys of KV events queued per engine and slot at most (module docstring)."""
 """Successor-map entries kept per slot at most (a chain per held block, and room for keys
 touched that are not held); beyond, the oldest are dropped."""
+
+
+def tier_format(slot_bytes: int, shared_secret: bytes | None = None) -> Any:
+    """The block format of a node pool's secondary tiers: blocks of ``slot_bytes`` bytes
+    whose keys carry the engines' layout prefixes, so the fingerprint names the pool's slot
+    size only (:class:`kvoff.tiers.block_format.BlockFormat`; ``shared_secret``: the MAC key).
+
+    Raises:
+        ValueError: as :class:`~kvoff.tiers.block_format.BlockFormat`.
+    """
+    from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
+
+    fingerprint = layout_fingerprint(kind="kvoff node pool", slot_bytes=int(slot_bytes))
+    return BlockFormat(fingerprint, int(slot_bytes), shared_secret=shared_secret)
 
 
 @dataclass
@@ -135,6 +158,10 @@ class NodePoolServer:
             (:data:`DEFAULT_LEASE_S`; module docstring).
         spin_s: seconds the serving thread polls without sleeping after a call
             (:data:`DEFAULT_SPIN_S`; 0: it always sleeps until a socket is ready).
+        tiers: secondary tiers below the slots (:func:`tier_format` is their block format;
+            :func:`kvoff.tiers.coordinator.make_tiers` makes them); the server closes them.
+        write_queue_blocks: blocks pinned for write-through at most (default: a quarter of
+            the slots, :func:`kvoff.tiers.coordinator.default_write_queue_blocks`).
 
     Raises:
         ValueError: a bad size, policy or name, or another server answering on
@@ -154,6 +181,8 @@ class NodePoolServer:
         store_threshold: int = 0,
         lease_s: float = DEFAULT_LEASE_S,
         spin_s: float = DEFAULT_SPIN_S,
+        tiers: Sequence[Any] = (),
+        write_queue_blocks: int | None = None,
     ) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
@@ -172,6 +201,18 @@ class NodePoolServer:
         self.region = region
         self.adopted = False
         self.pool = self._region(region)
+        self.tiered: Any = None  # kvoff.tiers.coordinator.TieredPool, with tiers
+        if tiers:
+            from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
+
+            view = self.pool.tensors[0].numpy()
+            cap = write_queue_blocks or default_write_queue_blocks(self.num_slots)
+            try:
+                self.tiered = TieredPool(self.manager, view.__getitem__, list(tiers),
+                                         write_queue_blocks=cap)  # fmt: skip
+            except BaseException:
+                self.pool.close()
+                raise
         self.engines: dict[int, _Engine] = {}  # by fd
         # key -> the key stored or touched after it (a request's chain), for LOOKUP_AHEAD;
         # insertion-ordered, so the oldest go first beyond SUCCESSORS_PER_SLOT x num_slots
@@ -261,7 +302,8 @@ class NodePoolServer:
             # right after a call, poll without sleeping for spin_s: an engine's next call
             # usually follows within microseconds, and waking a sleeping thread costs more
             spinning = clock() < busy_until
-            if self.serve_once(0.0 if spinning else poll_s):
+            wait_s = 0.0 if spinning else 0.002 if self._tiers_busy() else poll_s
+            if self.serve_once(wait_s):
                 busy_until = clock() + self.spin_s
         self.close()
 
@@ -278,6 +320,8 @@ class NodePoolServer:
                 self._read(eng)
             if events & selectors.EVENT_WRITE and eng.sock.fileno() in self.engines:
                 self._flush(eng)
+        if self.tiered is not None:  # promotions into the slots, written blocks unpinned
+            self.tiered.poll()
         now = time.monotonic()
         if now >= self._next_lapse:
             self._next_lapse = now + min(0.05, self.lease_s / 4)
@@ -285,6 +329,12 @@ class NodePoolServer:
         while not self._calls.empty():
             self._calls.get()()
         return len(ready)
+
+    def _tiers_busy(self) -> bool:
+        """Whether the tiers have work this thread must finish soon (promotions to apply,
+        written blocks to unpin)."""
+        t = self.tiered
+        return t is not None and (t.reading or self.manager.write_through_in_flight > 0)
 
     def _lapse(self, now: float) -> None:
         """Unpins the leases that ran out (their engines did not load them)."""
@@ -317,6 +367,8 @@ class NodePoolServer:
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        if self.tiered is not None:
+            self.tiered.close()  # the writes in flight finish first
         from kvoff.pinned import _shm_path, _unlink_if_same
 
         if getattr(self.pool, "inode", None) is not None:
@@ -505,7 +557,7 @@ class NodePoolServer:
             return b""
         self._check_end(payload, end)
         if op == p.LOOKUP:
-            n = m.lookup(keys)
+            n = m.lookup(keys) if self.tiered is None or not keys else self.tiered.lookup(keys)
             if not keys:  # a client's sync(): nothing to count
                 return struct.pack("<q", 0)
             eng.lookups += 1
@@ -547,7 +599,8 @@ class NodePoolServer:
             if out is None:
                 return b"\x00" + p.encode_states(self._states(keys))
             self.evictions += len(out.evicted_keys)
-            self._forget(out.evicted_keys)
+            if self.tiered is None:  # with tiers the evicted keys' chains stay for probes
+                self._forget(out.evicted_keys)
             to_store = list(out.keys_to_store)  # in the call's order: a subsequence of keys
             eng.storing.update(to_store)
             self._chain(keys)
@@ -611,6 +664,14 @@ class NodePoolServer:
             chain.append(nxt)
             seen.add(nxt)
         states = self._states(chain)
+        if states[0] == p.STATE_MISSING and self.tiered is not None:
+            # ask the tiers for the key and what followed it (the map outlives evictions
+            # with tiers): "retry later" until the run is promoted, or a miss once answered
+            run = [keys[0]]
+            while len(run) < MAX_PROBE_BLOCKS and (nxt := succ.get(run[-1])) and nxt not in run:
+                run.append(nxt)
+            if self.tiered.lookup_groups([run], poll=False) is None:
+                chain, states = chain[:1], [p.STATE_PENDING]
         if p.STATE_MISSING in states:  # the chain ends at its first missing key
             del chain[states.index(p.STATE_MISSING) + 1 :]
             states = states[: len(chain)]
@@ -678,6 +739,7 @@ class NodePoolServer:
             "evictable_blocks": m.num_evictable_blocks,
             "evictions": self.evictions,
             "leases_lapsed": self.leases_lapsed,
+            "tiers": None if self.tiered is None else self.tiered.stats(),
             "engines_attached": len(self.engines),
             "engines_seen": self.engines_seen,
             "connections_refused": self.refused,

@@ -497,6 +497,11 @@ class TieredPool:
         )  # fmt: skip
         return True
 
+    @property
+    def reading(self) -> bool:
+        """Whether a probe or promotion is in flight (:meth:`poll` has work coming)."""
+        return bool(self._reads)
+
     def is_reading(self, key: bytes) -> bool:
         """Whether ``key`` is in a probe or promotion in flight (asked, not yet answered)."""
         return key in self._reading

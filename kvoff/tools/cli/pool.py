@@ -81,6 +81,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="microseconds the pool polls without sleeping after a call: lower round-trip "
         "latency for a core while engines call (default: 500; 0: never)",
     )
+    tiers = serve.add_argument_group(
+        "tiers below the pool (every block written through; a look-up that misses the slots "
+        "promotes from them; KVOFF_SHARED_SECRET, if set, is the blocks' MAC key)"
+    )
+    tiers.add_argument("--disk-path", default=None, help="a folder for the disk tier")
+    tiers.add_argument(
+        "--disk-bytes", type=parse_bytes, default=None, help="the disk tier's size, e.g. 1TiB"
+    )
+    tiers.add_argument("--remote-url", default=None, help="a Redis Cluster, redis://host:port")
+    tiers.add_argument(
+        "--remote-namespace", default="kvoff", help="key prefix in Redis (default: kvoff)"
+    )
     serve.set_defaults(run=run_serve)
     status = ps.add_parser("status", help="blocks, engines attached, hit rates, evictions")
     status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default: {DEFAULT_SOCKET})")
@@ -105,22 +117,46 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         raise ValueError(
             f"--bytes {args.bytes} holds no slot of {args.slot_bytes} bytes; give more bytes"
         )
+    tiers = _tiers(args)
     server = NodePoolServer(
         args.socket, slots, args.slot_bytes, policy=args.policy,
         region=args.region or DEFAULT_REGION, group=args.group, lease_s=args.lease_ms / 1000,
-        spin_s=args.spin_us / 1e6,
+        spin_s=args.spin_us / 1e6, tiers=tiers,
     )  # fmt: skip
     gib = slots * args.slot_bytes / 2**30
     print(
         f"kvoff pool: serving {slots} slots of {args.slot_bytes} bytes ({gib:.2f} GiB, "
         f"{args.policy}) in /dev/shm/{server.region}"
-        f"{' (adopted)' if server.adopted else ''} on {server.socket_path}",
+        f"{' (adopted)' if server.adopted else ''} on {server.socket_path}"
+        + "".join(f"; tier {t.name}" for t in tiers),
         file=sys.stderr,
         flush=True,
     )
     server.serve_forever()
     print("kvoff pool: stopped", file=sys.stderr)
     return 0
+
+
+def _tiers(args: argparse.Namespace) -> list:
+    """The tiers ``--disk-path`` / ``--remote-url`` name, on the pool's block format.
+
+    Raises:
+        ValueError: ``--disk-path`` without ``--disk-bytes`` (or the reverse), a bad URL or
+            secret (as :func:`kvoff.tiers.coordinator.make_tiers`).
+    """
+    if (args.disk_path is None) != (args.disk_bytes is None):
+        raise ValueError("--disk-path and --disk-bytes go together: give both, or neither")
+    if args.disk_path is None and args.remote_url is None:
+        return []
+    from kvoff.node_pool.server import tier_format
+    from kvoff.tiers.coordinator import make_tiers
+
+    secret = os.environ.get("KVOFF_SHARED_SECRET")
+    return make_tiers(
+        tier_format(args.slot_bytes), disk_path=args.disk_path, disk_bytes=args.disk_bytes,
+        remote_url=args.remote_url, remote_namespace=args.remote_namespace,
+        shared_secret=None if secret is None else secret.encode(),
+    )  # fmt: skip
 
 
 def _status(socket_path: str) -> dict:
