@@ -323,8 +323,9 @@ class OffloadingConfig(BaseModel):
         node_pool: the socket of a node pool (``kvoff pool serve``; docs/node-pool.md), an
             absolute path: the CPU pool is the node pool's, shared by every engine on the
             machine, so neither ``cpu_bytes_to_use`` nor ``num_cpu_blocks`` is given.
-            ``KvoffOffloadingSpec`` only, with ``world_size`` 1, for now; tiers are the pool's
-            (``kvoff pool serve --disk-path ... --remote-url ...``), none are given here.
+            ``KvoffOffloadingSpec`` only, for now (tensor-parallel engines on a pool served with
+            ``--ranks``); tiers are the pool's (``kvoff pool serve --disk-path ...
+            --remote-url ...``), none are given here.
 
     Raises:
         pydantic.ValidationError (a ``ValueError``): on a non-positive size, both or neither of
@@ -473,10 +474,6 @@ class OffloadingConfig(BaseModel):
             raise ValueError(
                 "with node_pool the tiers are the node pool's: give --disk-path / --remote-url "
                 "to kvoff pool serve and drop disk_path and remote_url here"
-            )
-        if self.world_size != 1:
-            raise ValueError(
-                "a node pool serves world_size 1 for now; drop node_pool or set world_size 1"
             )
         return self
 

@@ -95,6 +95,8 @@ class NodePoolClient:
 
     Attributes:
         region, num_slots, slot_bytes, inode: the pool's shared memory, from its hello.
+        regions: the shared-memory name of each tensor-parallel rank's slots (``regions[r]``
+            holds rank ``r``'s bytes of every block; ``[region]`` with one rank).
         stores_skipped: blocks the manager's admission filter skipped (0: the filter runs in
             the pool; kept for the manager's interface).
         misses_while_detached: calls answered as misses because the pool was gone.
@@ -171,6 +173,7 @@ class NodePoolClient:
                 "--socket ... or drop node_pool"
             ) from e
         self.region: str = hello["region"]
+        self.regions: list[str] = list(hello.get("regions") or [self.region])
         self.inode: int | None = hello["inode"]
         self.num_slots: int = int(hello["num_slots"])
         self.slot_bytes: int = int(hello["slot_bytes"])

@@ -22,6 +22,7 @@ def pool_process(
     *,
     region: str,
     policy: str | None = None,
+    ranks: int = 1,
     timeout_s: float = 60.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Runs ``kvoff pool serve`` in a child process while the ``with`` block runs; yields its
@@ -35,6 +36,7 @@ def pool_process(
         slot_bytes: bytes per CPU block (the engines' bytes per offloaded block).
         region: the shared-memory name of the slots (``/dev/shm/<region>``).
         policy: the eviction policy; None: the pool's default (lru).
+        ranks: the engines' tensor-parallel size (a region per rank).
         timeout_s: seconds to wait for the pool to answer.
 
     Raises:
@@ -44,7 +46,7 @@ def pool_process(
     cmd = [
         sys.executable, "-m", "kvoff", "pool", "serve", "--socket", socket_path,
         "--slots", str(slots), "--slot-bytes", str(slot_bytes), "--region", region,
-        *(["--policy", policy] if policy else []),
+        "--ranks", str(ranks), *(["--policy", policy] if policy else []),
     ]  # fmt: skip
     # stderr to a file, not a pipe: a pool that logs for hours must never block on it
     with tempfile.TemporaryFile() as log:

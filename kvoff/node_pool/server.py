@@ -91,6 +91,8 @@ in bursts microseconds apart, and a sleeping thread takes tens of microseconds t
 the 2-core EPYC box an empty round trip took 36 µs without, 16 µs with). It costs a core
 only while engines call."""
 SUCCESSORS_PER_SLOT = 2
+MAX_RANKS = 64
+"""Tensor-parallel ranks a node pool serves at most (a region each)."""
 MAX_PROBE_BLOCKS = 64
 """Keys of a chain the tiers are asked for at once (a look-up that misses the slots)."""
 EVENT_KEYS_PER_SLOT = 4
@@ -162,6 +164,9 @@ class NodePoolServer:
             :func:`kvoff.tiers.coordinator.make_tiers` makes them); the server closes them.
         write_queue_blocks: blocks pinned for write-through at most (default: a quarter of
             the slots, :func:`kvoff.tiers.coordinator.default_write_queue_blocks`).
+        ranks: the engines' tensor-parallel size: one region of ``num_slots`` slots of
+            ``slot_bytes`` (one rank's bytes of a block) per rank, ``<region>-rank<r>``
+            (``<region>`` itself with one rank); a slot id names a block in every region.
 
     Raises:
         ValueError: a bad size, policy or name, or another server answering on
@@ -183,6 +188,7 @@ class NodePoolServer:
         spin_s: float = DEFAULT_SPIN_S,
         tiers: Sequence[Any] = (),
         write_queue_blocks: int | None = None,
+        ranks: int = 1,
     ) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
@@ -198,9 +204,26 @@ class NodePoolServer:
             self.num_slots, policy, True, store_threshold=store_threshold
         )
         self.policy = policy
+        if not 1 <= ranks <= MAX_RANKS:
+            raise ValueError(f"ranks must be 1..{MAX_RANKS} (the engines' tensor-parallel size)")
+        if tiers and ranks > 1:
+            raise ValueError(
+                "tiers below a node pool of several ranks are not built yet; give --ranks 1 or "
+                "drop the tiers"
+            )
         self.region = region
+        # one region per tensor-parallel rank: slot i of every region is one block's parts
+        self.regions = [region] if ranks == 1 else [f"{region}-rank{r}" for r in range(ranks)]
         self.adopted = False
-        self.pool = self._region(region)
+        self.pools: list[HostPool] = []
+        try:
+            for name in self.regions:
+                self.pools.append(self._region(name))
+        except BaseException:
+            for pool in self.pools:
+                pool.close()
+            raise
+        self.pool = self.pools[0]
         self.tiered: Any = None  # kvoff.tiers.coordinator.TieredPool, with tiers
         if tiers:
             from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
@@ -371,9 +394,10 @@ class NodePoolServer:
             self.tiered.close()  # the writes in flight finish first
         from kvoff.pinned import _shm_path, _unlink_if_same
 
-        if getattr(self.pool, "inode", None) is not None:
-            _unlink_if_same(_shm_path(self.region), self.pool.inode)
-        self.pool.close()
+        for name, pool in zip(self.regions, self.pools, strict=True):
+            if getattr(pool, "inode", None) is not None:
+                _unlink_if_same(_shm_path(name), pool.inode)
+            pool.close()
 
     def _accept(self) -> None:
         try:
@@ -716,7 +740,9 @@ class NodePoolServer:
         """What an engine needs to attach: the region, its inode and layout, the policy."""
         return {
             "version": p.VERSION,
-            "region": self.region,
+            "region": self.regions[0],
+            "regions": self.regions,
+            "ranks": len(self.regions),
             "inode": getattr(self.pool, "inode", None),
             "num_slots": self.num_slots,
             "slot_bytes": self.slot_bytes,

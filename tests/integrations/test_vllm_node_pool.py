@@ -12,7 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_vllm import BLOCK, GPU_BLOCK_BYTES, PROMPTS_A, PROMPTS_B, _baseline, _plan
+from test_vllm import (
+    BLOCK,
+    GPU_BLOCK_BYTES,
+    MAX_TOKENS,
+    PROMPTS_A,
+    PROMPTS_B,
+    _baseline,
+    _plan,
+    _ranks_env,
+)
 
 from kvoff.node_pool import NodePoolClient
 from kvoff.node_pool.process import pool_process
@@ -29,6 +38,12 @@ def node_pool(tmp_path: Path):
     Path("/dev/shm", region).unlink(missing_ok=True)
 
 
+@pytest.fixture(scope="module")
+def reference(run_engine, tiny_models) -> list:
+    """The outputs of full recompute (no connector) for PROMPTS_A and PROMPTS_B."""
+    return _baseline(run_engine, str(tiny_models["llama"]), PROMPTS_A, PROMPTS_B)
+
+
 def _status(sock: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "kvoff", "pool", "status", "--socket", sock, "--format", "json"],
@@ -38,10 +53,10 @@ def _status(sock: str) -> dict:
 
 
 def test_a_prompt_prefilled_by_one_engine_is_a_hit_for_the_next(
-    run_engine, tiny_models, node_pool
+    run_engine, tiny_models, node_pool, reference
 ) -> None:
     model = str(tiny_models["llama"])
-    ref_a, _ = _baseline(run_engine, model, PROMPTS_A, PROMPTS_B)  # recompute everything
+    ref_a, _ = reference  # recompute everything
     extra = {"node_pool": node_pool}  # the pool's size is the pool's
     first = run_engine({**_plan(model, "spec", [{"prompts": PROMPTS_A}], extra=extra),
                         "shutdown": True})  # fmt: skip
@@ -56,6 +71,41 @@ def test_a_prompt_prefilled_by_one_engine_is_a_hit_for_the_next(
     assert min(ph["cached"]) >= 768
     assert second["phases"][0]["metrics"].get("vllm:external_prefix_cache_hits", 0) > 0
     assert _status(node_pool)["engines_seen"] >= 5  # 2 engines × (scheduler, worker), status
+
+
+def test_tensor_parallel_engines_share_a_node_pool_of_two_ranks(
+    run_engine, tiny_models, reference, tmp_path: Path
+) -> None:
+    """Two tensor-parallel ranks, each worker in a process of its own: the pool serves a region
+    per rank (``--ranks 2``, one rank's bytes per slot), each rank's worker maps its own, and a
+    new engine's prompts hit what the first stored, with token-identical outputs. A pool of
+    another rank count is refused at start with the fix."""
+    env = _ranks_env(2, 64 * GPU_BLOCK_BYTES)
+    ref_a, _ = reference
+    model = str(tiny_models["llama"])
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-vllm-np-tp-{os.getpid()}"
+    with pool_process(sock, 64, GPU_BLOCK_BYTES // 2, region=region, ranks=2):
+
+        def run(max_tokens: int, **kw) -> dict:
+            plan = _plan(model, "spec", [{"prompts": PROMPTS_A, "max_tokens": max_tokens}],
+                         extra={"node_pool": sock}, engine={"tensor_parallel_size": 2})  # fmt: skip
+            return run_engine({**plan, "multiprocessing": True, "env": env, **kw})
+
+        first = run(MAX_TOKENS, shutdown=True)
+        assert first["phases"][0]["outputs"] == ref_a
+        assert _status(sock)["ranks"] == 2 and _status(sock)["stored_blocks"] >= 768 // BLOCK
+        second = run(7)
+        ph = second["phases"][0]
+        assert ph["outputs"] == [o[:7] for o in ref_a] and min(ph["cached"]) >= 768
+        assert ph["metrics"].get("vllm:external_prefix_cache_hits", 0) > 0
+    for r in range(2):
+        Path("/dev/shm", f"{region}-rank{r}").unlink(missing_ok=True)
+    # one rank's engine on a pool of two: refused at start, naming --ranks
+    with pool_process(sock, 64, GPU_BLOCK_BYTES, region=region, ranks=2):
+        plan = _plan(model, "spec", [{"prompts": PROMPTS_A[:1]}], extra={"node_pool": sock})
+        err = run_engine(plan, expect_failure=True)["stderr"]
+    assert "serve a pool with --ranks 1" in err
 
 
 def test_kvoff_connector_refuses_node_pool_with_the_fix(run_engine, tiny_models) -> None:

@@ -230,8 +230,8 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 else None
             )
             attach = self.node_pool is not None
-            if attach:  # the node pool's slots, mapped (and pinned on a GPU) in this process
-                name = self.node_pool.region
+            if attach:  # this rank's slots of the node pool, mapped (and pinned on a GPU)
+                name = self.node_pool.regions[int(self.config.parallel.rank)]
             self._worker = KvoffOffloadingWorker(
                 kv_caches, self.num_cpu_blocks, self.blocks_per_chunk, self.kvoff_config,
                 shared_memory_name=name, attach_shared_memory=attach,
@@ -244,7 +244,8 @@ def _attach_node_pool(socket_path: str, config: Any, blocks_per_chunk: int) -> A
 
     Raises:
         kvoff.node_pool.NodePoolError: no pool answers there.
-        ValueError: the pool's slots are not this engine's bytes per offloaded block.
+        ValueError: the pool's slots are not this engine's bytes per offloaded block (one
+            rank's), or it serves another number of tensor-parallel ranks.
     """
     from kvoff.node_pool import NodePoolClient
 
@@ -253,6 +254,13 @@ def _attach_node_pool(socket_path: str, config: Any, blocks_per_chunk: int) -> A
         socket_path, spec_fingerprint(config, rank), name=f"{config.engine_id}-rank{rank}"
     )
     need = int(config.worker_kv_bytes_per_block) * blocks_per_chunk
+    world = int(config.parallel.world_size)
+    if len(client.regions) != world:
+        client.close()
+        raise ValueError(
+            f"the node pool at {socket_path} serves {len(client.regions)} tensor-parallel "
+            f"rank(s), but this engine has {world}; serve a pool with --ranks {world} for it"
+        )
     if client.slot_bytes != need:
         client.close()
         raise ValueError(

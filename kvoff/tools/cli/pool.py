@@ -68,6 +68,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a group id whose processes may attach too (default: only this user)",
     )
     serve.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=1,
+        help="the engines' tensor-parallel size: a region of --slots slots of --slot-bytes "
+        "(one rank's bytes of a block) per rank, NAME-rank<r> (default: 1)",
+    )
+    serve.add_argument(
         "--lease-ms",
         type=positive_int,
         default=500,
@@ -112,7 +119,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """
     from kvoff.node_pool import DEFAULT_REGION, NodePoolServer
 
-    slots = args.slots if args.slots is not None else args.bytes // args.slot_bytes
+    # --bytes is the whole pool's, every rank's region together
+    slots = args.slots if args.slots is not None else args.bytes // (args.slot_bytes * args.ranks)
     if slots < 1:
         raise ValueError(
             f"--bytes {args.bytes} holds no slot of {args.slot_bytes} bytes; give more bytes"
@@ -121,12 +129,12 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     server = NodePoolServer(
         args.socket, slots, args.slot_bytes, policy=args.policy,
         region=args.region or DEFAULT_REGION, group=args.group, lease_s=args.lease_ms / 1000,
-        spin_s=args.spin_us / 1e6, tiers=tiers,
+        spin_s=args.spin_us / 1e6, tiers=tiers, ranks=args.ranks,
     )  # fmt: skip
-    gib = slots * args.slot_bytes / 2**30
+    gib = slots * args.slot_bytes * args.ranks / 2**30
     print(
         f"kvoff pool: serving {slots} slots of {args.slot_bytes} bytes ({gib:.2f} GiB, "
-        f"{args.policy}) in /dev/shm/{server.region}"
+        f"{args.policy}) in /dev/shm/{', /dev/shm/'.join(server.regions)}"
         f"{' (adopted)' if server.adopted else ''} on {server.socket_path}"
         + "".join(f"; tier {t.name}" for t in tiers),
         file=sys.stderr,
