@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 
@@ -40,3 +41,18 @@ class Served:
         if self.thread.is_alive():
             self.server.stop()
             self.thread.join(10)
+
+
+def send_raw(path: str, data: bytes) -> bytes:
+    """Sends ``data`` on a new connection to the pool at ``path``, closes the writing side and
+    returns all the pool answered before it closed the connection."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    out = b""
+    while chunk := s.recv(1 << 16):
+        out += chunk
+    s.close()
+    return out

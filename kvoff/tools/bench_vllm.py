@@ -303,21 +303,14 @@ def _engine(
             },
             kv_load_failure_policy="recompute",
         )  # fmt: skip
-    elif connector == NODE_POOL:  # the same spec; the pool's size is the pool process's
+    elif connector in ("vllm_offloading", NODE_POOL):  # NODE_POOL: the pool sizes itself
+        pool = (
+            {"cpu_bytes_to_use": cpu_bytes} if connector != NODE_POOL else {"node_pool": node_pool}
+        )
         transfer = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={
-                "node_pool": node_pool, "spec_name": "KvoffOffloadingSpec",
-                "spec_module_path": "kvoff.integrations.vllm",
-                "offload_prompt_only": p.offload_prompt_only,
-            },
-            kv_load_failure_policy="recompute",
-        )  # fmt: skip
-    elif connector == "vllm_offloading":
-        transfer = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={
-                "cpu_bytes_to_use": cpu_bytes, "spec_name": "KvoffOffloadingSpec",
+                **pool, "spec_name": "KvoffOffloadingSpec",
                 "spec_module_path": "kvoff.integrations.vllm",
                 "offload_prompt_only": p.offload_prompt_only,
             },

@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import stat
 import struct
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from node_pool_harness import send_raw
 
 from kvoff.node_pool import NodePoolClient, NodePoolServer, wait_for_pool
 from kvoff.node_pool import protocol as p
@@ -322,16 +322,7 @@ def _refused(served) -> None:
 
 
 def _raw(served, data: bytes) -> bytes:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    s.connect(served.socket)
-    s.sendall(data)
-    s.shutdown(socket.SHUT_WR)
-    out = b""
-    while chunk := s.recv(1 << 16):
-        out += chunk
-    s.close()
-    return out
+    return send_raw(served.socket, data)
 
 
 def test_hostile_frames_get_errors_and_change_nothing(served) -> None:

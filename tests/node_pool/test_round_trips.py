@@ -5,13 +5,12 @@ reply, a look-up leases its ready blocks so that their load cannot fail and need
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import time
 from pathlib import Path
 
 import pytest
-from node_pool_harness import Served
+from node_pool_harness import Served, send_raw
 
 from kvoff.node_pool import NodePoolClient, NodePoolError
 from kvoff.node_pool import protocol as p
@@ -171,19 +170,6 @@ def test_prepare_store_answers_every_keys_state_so_key_states_needs_no_round_tri
     assert a.key_states(_keys(1, 2)) == [1, 1] and a.round_trips == n + 3
 
 
-def _raw(path: str, data: bytes) -> bytes:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    s.connect(path)
-    s.sendall(data)
-    s.shutdown(socket.SHUT_WR)
-    out = b""
-    while chunk := s.recv(1 << 16):
-        out += chunk
-    s.close()
-    return out
-
-
 def test_bad_look_aheads_and_no_reply_calls_get_errors_and_change_nothing(served) -> None:
     good = NodePoolClient(served.socket, FP)
     _stored(good, _keys(1))
@@ -197,7 +183,7 @@ def test_bad_look_aheads_and_no_reply_calls_get_errors_and_change_nothing(served
         "counted as hits": p.frame(p.PREPARE_LOAD | p.NO_REPLY, 5, p.encode_keys(_keys(9))),
     }  # fmt: skip
     for what, data in cases.items():
-        reply = _raw(served.socket, data)
+        reply = send_raw(served.socket, data)
         op, _, _ = p.parse_header(reply[:16])
         assert op == p.ERROR and what.encode() in reply, (what, reply)
     m = served.server.manager
