@@ -1,16 +1,15 @@
 """The node pool's wire format: length-prefixed binary frames over a Unix socket.
 
 A frame is a 16-byte header ``magic "KVNP", version u16, op u16, request id u32, payload
-length u32`` (little-endian) and the payload. An op with the :data:`NO_REPLY` bit (completions,
-touches and loads of leased keys: the engine has their answer) gets no reply when it succeeds,
-so an engine sends it without waiting; when it fails, an ``ERROR`` frame with its request id comes
-back ahead of the next reply. A key list is ``count u32, width u16`` and the
+length u32`` (little-endian) and the payload. A key list is ``count u32, width u16`` and the
 keys back to back (all of ``width`` bytes), or with width 0, per key ``length u16`` and its
-bytes. Replies carry the request's id and op ``op | REPLY``, or
-``ERROR`` with a UTF-8 message. A frame that cannot be parsed (another magic or version, a
-payload over :data:`MAX_PAYLOAD_BYTES`, a truncated key list) is a :class:`ProtocolError`:
-the server answers it with an error and, when the framing itself is lost, closes that
-connection only.
+bytes. Replies carry the request's id and op ``op | REPLY``, or ``ERROR`` with a UTF-8
+message. An op with the :data:`NO_REPLY` bit (completions, touches and loads of leased keys:
+the engine has their answer) gets no reply when it succeeds, so an engine sends it without
+waiting; when it fails, an ``ERROR`` frame with its request id comes back ahead of the next
+reply. A frame that cannot be parsed (another magic or version, a payload over
+:data:`MAX_PAYLOAD_BYTES`, a truncated key list) is a :class:`ProtocolError`: the server
+answers it with an error and, when the framing itself is lost, closes that connection only.
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ wrong closes that connection only. Every call is checked against what the connec
 engine can complete only its own loads and stores.
 
 One thread serves every connection in turn (``selectors``), so the manager needs no lock and
-calls are atomic.
+calls are atomic. With ``ranks`` > 1 (tensor-parallel engines) the slots are one region per
+rank, and a slot id names a block's part in each.
 
-Round trips, not the manager, are an engine's cost here (about 100 µs each on a 2-core box
-against 3 µs for a call in-process), and vLLM's offloading scheduler looks keys up one at a
-time. So the pool remembers which key followed which when an engine stored or touched them
+**Round trips**, not the manager, are an engine's cost here (15–100 µs each on the 2-core
+box, against 3 µs for a call in-process), and vLLM's offloading scheduler looks keys up one at
+a time. So the pool remembers which key followed which when an engine stored or touched them
 (a request's chain, head to tail): one look-up (``LOOKUP_AHEAD``) answers a key and its chain
 up to the first missing key, which the engine keeps for its next look-ups of that step;
 ``PREPARE_STORE`` answers the state of every key it was given; completions and touches are
