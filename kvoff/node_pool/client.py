@@ -12,11 +12,12 @@ costs about 30 in-process calls. A one-key :meth:`NodePoolClient.lookup` asks th
 key and the chain stored after it (``LOOKUP_AHEAD``); the answers are kept for
 ``lookahead_s`` seconds or until this client changes the pool, and the next keys of the
 request are answered from them. ``prepare_store`` brings back every given key's state too.
-Completions and touches are sent without waiting for a reply. A kept answer is at most
-``lookahead_s`` old, as a round trip's answer is by the time the engine uses it: another
-engine can evict a block between a look-up and its ``prepare_load`` either way, and then
-``prepare_load`` raises :class:`NodePoolError` (KvoffOffloadingSpec fails that load, and vLLM
-recomputes it).
+Completions and touches are queued and sent with the next call that waits for a reply (or at
+:meth:`NodePoolClient.flush`). A kept answer is at most ``lookahead_s`` old. The ready keys a
+look-up answers are leased to this connection (pinned by the pool for its ``lease_s``), so
+another engine's store cannot evict them before this engine's ``prepare_load``, which then
+needs no reply; a ``prepare_load`` of keys not leased (a multi-key look-up, a lapsed lease)
+waits for the pool and raises :class:`NodePoolError` when a key has gone meanwhile.
 
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None
@@ -223,14 +224,19 @@ class NodePoolClient:
         it refuses it (an error frame ahead of a later reply). Queued calls go with the next
         call that waits for a reply, at :meth:`flush`, or at once with ``now``; dropped when
         the pool is gone."""
-        self._known.clear()
-        self._store_states.clear()
+        self._drop_answers()
         if self._sock is None and not self._reconnect():
             return
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         self._outbox += p.frame(op | p.NO_REPLY, self._rid, payload)
         if now or len(self._outbox) >= _OUTBOX_BYTES:
             self.flush()
+
+    def _drop_answers(self) -> None:
+        """Forgets the pool's kept answers (look-ahead, the last prepare_store's states): this
+        client is changing the pool, or has lost it."""
+        self._known.clear()
+        self._store_states.clear()
 
     def flush(self) -> None:
         """Sends the queued completions, touches and loads of leased keys (one write). The
@@ -303,8 +309,7 @@ class NodePoolClient:
     def _call(self, op: int, payload: bytes) -> bytes | None:
         """The reply's payload, or None when the pool is gone (the caller answers a miss)."""
         if op not in (p.LOOKUP, p.LOOKUP_AHEAD, p.STATUS):  # it changes the pool
-            self._known.clear()
-            self._store_states.clear()
+            self._drop_answers()
         if self._sock is None and not self._reconnect():
             self.misses_while_detached += 1
             return None
@@ -349,9 +354,8 @@ class NodePoolClient:
         self._outbox = bytearray()
         self._pins.clear()
         self._storing.clear()
-        self._known.clear()
         self._leases.clear()
-        self._store_states.clear()
+        self._drop_answers()
 
     def close(self) -> None:
         """Sends what is queued and leaves the pool (its pins and stores in flight are released

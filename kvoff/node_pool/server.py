@@ -669,6 +669,27 @@ class NodePoolServer:
             out.append(p.STATE_PENDING if r is None else p.STATE_READY if r else p.STATE_MISSING)
         return out
 
+    def _walk(self, key: bytes, limit: int) -> list[bytes]:
+        """``key`` and the keys that followed it (the successor map), ``limit`` keys at most."""
+        chain, seen, succ = [key], {key}, self.successors
+        while len(chain) < limit and (nxt := succ.get(chain[-1])) is not None and nxt not in seen:
+            chain.append(nxt)
+            seen.add(nxt)
+        return chain
+
+    def _states_until_missing(self, chain: list[bytes]) -> list[int]:
+        """The state bytes of ``chain``'s keys up to and including its first missing key (one
+        batched look-up when none of the leading keys is pending)."""
+        n = self.manager.lookup(chain)
+        if n is not None:
+            return [p.STATE_READY] * n + ([p.STATE_MISSING] if n < len(chain) else [])
+        out: list[int] = []
+        for st in self._states(chain):  # a pending key among the leading ones: per key
+            out.append(st)
+            if st == p.STATE_MISSING:
+                break
+        return out
+
     def _lookup_ahead(self, eng: _Engine, payload: bytes) -> bytes:
         if len(payload) < 10:
             raise p.ProtocolError("lookup_ahead needs ahead u16, answered u32, hits u32, a key")
@@ -680,26 +701,15 @@ class NodePoolServer:
                 f"lookup_ahead of {len(keys)} keys with {answered_hits} of {answered} answered "
                 "hits; send one key and hits <= answered"
             )
-        chain, succ = [keys[0]], self.successors
-        seen = {keys[0]}
-        while len(chain) <= ahead:
-            nxt = succ.get(chain[-1])
-            if nxt is None or nxt in seen:
-                break
-            chain.append(nxt)
-            seen.add(nxt)
-        states = self._states(chain)
+        chain = self._walk(keys[0], ahead + 1)
+        states = self._states_until_missing(chain)
         if states[0] == p.STATE_MISSING and self.tiered is not None:
             # ask the tiers for the key and what followed it (the map outlives evictions
             # with tiers): "retry later" until the run is promoted, or a miss once answered
-            run = [keys[0]]
-            while len(run) < MAX_PROBE_BLOCKS and (nxt := succ.get(run[-1])) and nxt not in run:
-                run.append(nxt)
+            run = self._walk(keys[0], MAX_PROBE_BLOCKS)
             if self.tiered.lookup_groups([run], poll=False) is None:
-                chain, states = chain[:1], [p.STATE_PENDING]
-        if p.STATE_MISSING in states:  # the chain ends at its first missing key
-            del chain[states.index(p.STATE_MISSING) + 1 :]
-            states = states[: len(chain)]
+                states = [p.STATE_PENDING]
+        chain = chain[: len(states)]
         # lease the ready keys (module docstring): pinned now, renewed when leased already
         leases, until = eng.leases, time.monotonic() + self.lease_s
         ready = [k for k, st in zip(chain, states, strict=True) if st == p.STATE_READY]
