@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from kvoff.config import OffloadingConfig
+    from kvoff.node_pool import NodePoolClient
     from kvoff.offloading_spec import CPUOffloadingSpec
     from kvoff.specs import KVCacheConfig, KVCacheSpec
     from kvoff.tiers.base import SecondaryTier
@@ -413,6 +414,13 @@ class OffloadingScheduler:
             them. 0 or 1: every block is stored.
         max_tracker_size: keys whose offers are counted at most (1 to 2**31 - 1; default
             64000, about 104 bytes each; used only with ``store_threshold`` >= 2).
+        node_pool: a connection to a node pool (:class:`kvoff.node_pool.NodePoolClient`,
+            ``kvoff pool serve``) whose slots are this engine's CPU pool, shared with the
+            other engines of the machine; ``spec.num_blocks`` must be its slot count. The
+            pool's own eviction policy, events and admission apply (``eviction_policy``,
+            ``store_threshold`` and ``max_tracker_size`` are not used), and
+            :meth:`stats` leaves out the pool's counts (``kvoff pool status`` gives them).
+            None (default): a pool of ``spec.num_blocks`` slots of this scheduler's own.
 
     Raises:
         ValueError: the spec has no CPU blocks (raise ``cpu_bytes_to_use``) or more than
@@ -443,6 +451,7 @@ class OffloadingScheduler:
         offload_prompt_only: bool = False,
         store_threshold: int = 0,
         max_tracker_size: int = 64000,
+        node_pool: NodePoolClient | None = None,
     ) -> None:
         _check_count(
             "store_batch_blocks",
@@ -474,7 +483,20 @@ class OffloadingScheduler:
                 f"{spec.kv_cache_config.num_blocks}); give the engine GPU blocks and "
                 "cpu_bytes_to_use for at least one offloaded block"
             )
+        if node_pool is not None and node_pool.num_slots != spec.num_blocks:
+            raise ValueError(
+                f"the node pool at {node_pool.socket_path} has {node_pool.num_slots} slots but "
+                f"the spec has {spec.num_blocks} CPU blocks; give the spec the pool's slots"
+            )
         self.spec = spec
+        self.node_pool = node_pool
+        self._pool_manager = None
+        if node_pool is not None:
+            from kvoff.node_pool.block_manager import NodePoolBlockManager
+
+            self._pool_manager = NodePoolBlockManager(node_pool)
+            if enable_events:
+                node_pool.enable_events()
         self._core = _OffloadingScheduler(
             num_cpu_blocks=spec.num_blocks,
             eviction_policy=spec.eviction_policy,
@@ -489,6 +511,7 @@ class OffloadingScheduler:
             offload_prompt_only=bool(offload_prompt_only),
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
+            node_pool=self._pool_manager,
         )
         # The batch in effect (1 with a sliding-window or Mamba group)
         self._store_batch = self._core.store_batch_blocks
@@ -627,7 +650,8 @@ class OffloadingScheduler:
             hits, bytes, promotions, dropped writes and rejected blocks).
 
         Raises:
-            ValueError: tiers attached already; ``world_size`` > 1 and ``cpu_slot`` does not
+            ValueError: tiers attached already, or a node pool (its tiers are the pool's);
+                ``world_size`` > 1 and ``cpu_slot`` does not
                 give one array per rank (each rank has its own CPU pool: tiers on rank 0's
                 alone would store part of each block); a tier whose payload size is not the
                 slot size; everything :class:`TieredPool` raises.
@@ -636,6 +660,11 @@ class OffloadingScheduler:
 
         if self._tiers is not None:
             raise ValueError("tiers are attached already; close() them first")
+        if self.node_pool is not None:
+            raise ValueError(
+                "this scheduler's CPU pool is a node pool: its tiers are the pool's (kvoff pool "
+                "serve --disk-path / --remote-url), not an engine's"
+            )
         first = cpu_slot(0)
         world = self.spec.world_size
         if world != 1 and (not isinstance(first, (tuple, list)) or len(first) != world):
@@ -1120,7 +1149,12 @@ class OffloadingScheduler:
         """``(num_blocks, pinned, pending)``: the CPU pool's blocks, those transfers pin now
         (stores in flight, loads, write-through to the tiers) and the pending stores among
         them, in blocks. A cheap read for usage gauges (vLLM's
-        ``vllm:kv_offload_cpu_cache_usage_perc`` is ``pinned / num_blocks``)."""
+        ``vllm:kv_offload_cpu_cache_usage_perc`` is ``pinned / num_blocks``). On a node
+        pool: the whole pool's, refreshed at most once a second."""
+        pool = self.node_pool
+        if pool is not None:
+            n = pool.num_slots
+            return n, n - pool.num_free_blocks - pool.num_evictable_blocks, pool.num_pending_blocks
         return self._core.pool_usage()
 
     def counters(self) -> tuple[int, ...]:
@@ -1171,28 +1205,53 @@ class OffloadingScheduler:
     def block_state(self, key: bytes | int) -> str:
         """``"missing"``, ``"pending"`` or ``"ready"`` for an offload key.
 
+        On a node pool: the pool's answer (one round trip; "missing" while the pool is gone).
+
         Raises:
             TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
         """
+        if self._pool_manager is not None:
+            return self._pool_manager.block_state(_key_bytes(key))
         return self._core.block_state(key)
 
     def cpu_block_id(self, key: bytes | int) -> int | None:
-        """The CPU block id holding ``key``, or None.
+        """The CPU block id holding ``key``, or None. On a node pool: the slot of a key this
+        engine is storing or loading now, else None (the pool knows the others).
 
         Raises:
             TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
         """
+        if self._pool_manager is not None:
+            return self._pool_manager.slot_in_flight(_key_bytes(key))
         return self._core.block_id(key)
 
     def pin_count(self, key: bytes | int) -> int:
-        """Loads in flight that pin ``key``.
+        """Loads in flight that pin ``key`` (on a node pool: this engine's).
 
         Raises:
             TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
         """
+        if self._pool_manager is not None:
+            return self._pool_manager.load_pins(_key_bytes(key))
         return self._core.pin_count(key)
 
     def next_store_block(self, request_id: str) -> int:
         """The next offloaded block index of the request to consider for storing (-1 if
         unknown)."""
         return self._core.next_store_block(request_id)
+
+
+def _key_bytes(key: bytes | int) -> bytes:
+    """An offload key as the manager stores it: bytes as they are, an int as 8 little-endian
+    bytes (the C++ manager's encoding).
+
+    Raises:
+        TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
+    """
+    if isinstance(key, int) and not isinstance(key, bool):
+        if not -(2**63) <= key < 2**64:
+            raise ValueError(f"key {key} is outside [-2**63, 2**64)")
+        return (key % 2**64).to_bytes(8, "little")
+    if not isinstance(key, (bytes, bytearray, memoryview)) or not bytes(key):
+        raise TypeError(f"a key is non-empty bytes or a 64-bit int, not {key!r}")
+    return bytes(key)

@@ -249,13 +249,14 @@ class OffloadingWorker:
         pin_memory: bool | None = None,
         config: OffloadingConfig | None = None,
         shared_memory_name: str | None = None,
+        attach_shared_memory: bool = False,
     ) -> OffloadingWorker:
         """A worker for one rank of the plan ``spec`` (a :class:`kvoff.CPUOffloadingSpec`): GPU
         blocks from its ``KVCacheConfig.num_blocks``, CPU slots and block_size_factor from the
         same spec the scheduler uses, so every rank's pool matches the scheduler's count.
         ``config`` (an :class:`kvoff.OffloadingConfig`) supplies the pinning and transfer options
         (:meth:`~kvoff.OffloadingConfig.worker_options`); an explicit ``pin_memory`` wins.
-        ``shared_memory_name`` is passed on (see the class).
+        ``shared_memory_name`` and ``attach_shared_memory`` are passed on (see the class).
 
         Raises:
             ValueError: when the config's thresholds file cannot be read.
@@ -269,6 +270,7 @@ class OffloadingWorker:
             spec.block_size_factor,
             kv_cache_config=spec.kv_cache_config,
             shared_memory_name=shared_memory_name,
+            attach_shared_memory=attach_shared_memory,
             **options,
         )
 

@@ -55,6 +55,7 @@ from typing import Literal
 import torch
 
 from kvoff import CPUOffloadingSpec, OffloadingWorker
+from kvoff.node_pool import NodePoolClient
 from kvoff.scheduler import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -304,6 +305,8 @@ class EngineSim:
         eviction_policy: CPU pool eviction policy.
         store_batch_blocks: the scheduler's store batching.
         store_threshold: the scheduler's store admission (offers before a block is stored).
+        node_pool: a node pool's client: the scheduler's CPU pool is the node pool (its slot
+            count must be ``num_cpu_blocks``), and the worker maps its region.
     """
 
     def __init__(
@@ -324,6 +327,7 @@ class EngineSim:
         eviction_policy: str = "lru",
         store_batch_blocks: int = 1,
         store_threshold: int = 0,
+        node_pool: NodePoolClient | None = None,
     ) -> None:
         self.groups = tuple(groups)
         if gpu_prefix_cache and any(g.kind != "full" for g in self.groups):
@@ -353,8 +357,14 @@ class EngineSim:
             enable_events=enable_events,
             store_batch_blocks=store_batch_blocks,
             store_threshold=store_threshold,
+            node_pool=node_pool,
         )
-        self.worker = OffloadingWorker.from_spec(self.spec, pin_memory=False)
+        self.worker = OffloadingWorker.from_spec(
+            self.spec,
+            pin_memory=False,
+            shared_memory_name=None if node_pool is None else node_pool.regions[0],
+            attach_shared_memory=node_pool is not None,
+        )
         caches: dict[str, torch.Tensor] = {}
         self.rows: dict[str, torch.Tensor] = {}  # layer -> (num_gpu_blocks, page) uint8 view
         for name, (g, _) in self.layers.items():
@@ -1086,6 +1096,10 @@ class EngineSim:
     def check(self) -> None:
         """Invariants that hold between any two hook calls."""
         st = self.sched.stats()
+        if self.sched.node_pool is not None:
+            # the pool's counts cover every engine on it (its own tests check them)
+            st = {**st, "num_cpu_blocks": 0, "num_free_blocks": 0, "num_stored_blocks": 0,
+                  "num_pending_blocks": 0, "num_retired_blocks": 0}  # fmt: skip
         if (
             st["num_free_blocks"]
             + st["num_stored_blocks"]
@@ -1097,14 +1111,14 @@ class EngineSim:
         pending = {k for j in self.jobs.values() if j.job.direction == "store" for k in j.job.keys}
         if self.sched.tiers is not None:  # blocks being promoted from a secondary tier
             pending |= self.sched.tiers.promoting_keys()
-        if st["num_pending_blocks"] != len(pending):
+        if self.sched.node_pool is None and st["num_pending_blocks"] != len(pending):
             self.fail(f"{st['num_pending_blocks']} pending CPU blocks but {len(pending)} keys in "
                       "in-flight stores")  # fmt: skip
         if st["num_jobs_in_flight"] != len(self.jobs):
             self.fail(f"scheduler has {st['num_jobs_in_flight']} jobs in flight, engine "
                       f"{len(self.jobs)}")  # fmt: skip
         if self.enable_events:
-            if st["num_stored_blocks"] != len(self.ready_keys):
+            if self.sched.node_pool is None and st["num_stored_blocks"] != len(self.ready_keys):
                 self.fail(f"{st['num_stored_blocks']} stored blocks but events say "
                           f"{len(self.ready_keys)}")  # fmt: skip
             for k in self.ready_keys:

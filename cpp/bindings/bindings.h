@@ -5,6 +5,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,10 @@ void bind_scheduler(py::module_& m);
 
 /// fast_hooks.cpp: the _FastHooks type (before bind_scheduler, whose fast_hooks() makes one).
 void bind_fast_hooks(py::module_& m);
+
+/// node_pool_manager.cpp: the C++ scheduler's manager over a Python
+/// kvoff.node_pool.block_manager.NodePoolBlockManager (a node pool's client).
+std::shared_ptr<kvoff::BlockManager> node_pool_manager(py::object manager);
 
 /// A _FastHooks object over `owner`, an _OffloadingScheduler (kept alive by the hooks).
 py::object make_fast_hooks(py::object owner);

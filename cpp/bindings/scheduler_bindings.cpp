@@ -45,7 +45,7 @@ void bind_scheduler(py::module_& m) {
       "_OffloadingScheduler(num_cpu_blocks, eviction_policy, enable_events, gpu_block_size, "
       "block_size_factor, hash_block_size, world_size, num_gpu_blocks, groups, "
       "store_batch_blocks=1, offload_prompt_only=False, store_threshold=0, "
-      "max_tracker_size=64000)\n\n"
+      "max_tracker_size=64000, node_pool=None)\n\n"
       "The C++ per-step offloading scheduler. Private: use kvoff.OffloadingScheduler, which "
       "documents every hook (shapes, units, errors).")
       .def(py::init([](std::int64_t num_cpu_blocks, const std::string& eviction_policy,
@@ -54,7 +54,7 @@ void bind_scheduler(py::module_& m) {
                        std::int64_t world_size, std::int64_t num_gpu_blocks,
                        py::handle groups, std::int64_t store_batch_blocks,
                        bool offload_prompt_only, std::int64_t store_threshold,
-                       std::int64_t max_tracker_size) {
+                       std::int64_t max_tracker_size, py::object node_pool) {
              kvoff::SchedulerConfig c;
              c.num_cpu_blocks = num_cpu_blocks;
              c.eviction_policy = eviction_policy;
@@ -76,14 +76,17 @@ void bind_scheduler(py::module_& m) {
                c.groups.push_back(kvoff::SchedulerGroup{to_kind(t[0].cast<std::string>()),
                                                         to_int64(t[1].ptr(), "sliding_window")});
              }
-             return std::make_unique<OffloadingScheduler>(std::move(c));
+             std::shared_ptr<kvoff::BlockManager> pool;
+             if (!node_pool.is_none()) pool = node_pool_manager(std::move(node_pool));
+             return std::make_unique<OffloadingScheduler>(std::move(c), std::move(pool));
            }),
            py::arg("num_cpu_blocks"), py::arg("eviction_policy"), py::arg("enable_events"),
            py::arg("gpu_block_size"), py::arg("block_size_factor"), py::arg("hash_block_size"),
            py::arg("world_size"), py::arg("num_gpu_blocks"), py::arg("groups"),
            py::arg("store_batch_blocks") = 1, py::arg("offload_prompt_only") = false,
            py::arg("store_threshold") = 0,
-           py::arg("max_tracker_size") = CPUOffloadingManager::kDefaultMaxTrackerSize)
+           py::arg("max_tracker_size") = CPUOffloadingManager::kDefaultMaxTrackerSize,
+           py::arg("node_pool") = py::none())
       .def("set_prompt_tokens", &OffloadingScheduler::set_prompt_tokens, py::arg("request_id"),
            py::arg("prompt_tokens"))
       .def(
@@ -200,6 +203,7 @@ void bind_scheduler(py::module_& m) {
              d["stores_skipped"] = s.stores_skipped;
              d["num_requests"] = self.num_requests();
              d["num_jobs_in_flight"] = self.num_jobs_in_flight();
+             if (self.has_node_pool()) return d;  // the pool's counts: kvoff pool status
              const auto& mgr = self.manager();
              d["num_cpu_blocks"] = mgr.num_blocks();
              d["num_free_blocks"] = mgr.num_free_blocks();

@@ -89,7 +89,8 @@ SchedulerConfig validated(SchedulerConfig c) {
 
 }  // namespace
 
-OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
+OffloadingScheduler::OffloadingScheduler(SchedulerConfig config,
+                                         std::shared_ptr<BlockManager> node_pool)
     : config_(validated(std::move(config))),
       offloaded_block_size_(config_.gpu_block_size * config_.block_size_factor),
       hashes_per_block_(offloaded_block_size_ / config_.hash_block_size),
@@ -98,8 +99,13 @@ OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
                                        return g.kind != GroupKind::kFullAttention;
                                      })),
       store_batch_(any_partial_group_ ? 1 : config_.store_batch_blocks),
-      manager_(config_.num_cpu_blocks, config_.eviction_policy, config_.enable_events,
-               config_.store_threshold, config_.max_tracker_size),
+      manager_(node_pool ? nullptr
+                         : std::make_unique<CPUOffloadingManager>(
+                               config_.num_cpu_blocks, config_.eviction_policy,
+                               config_.enable_events, config_.store_threshold,
+                               config_.max_tracker_size)),
+      node_pool_(std::move(node_pool)),
+      pool_(node_pool_ ? node_pool_.get() : manager_.get()),
       alloc_step_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       store_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0),
       load_fence_(static_cast<std::size_t>(config_.num_gpu_blocks), 0) {
@@ -108,6 +114,15 @@ OffloadingScheduler::OffloadingScheduler(SchedulerConfig config)
 }
 
 OffloadingScheduler::~OffloadingScheduler() = default;
+
+const CPUOffloadingManager& OffloadingScheduler::local_manager() const {
+  if (!manager_) {
+    throw std::logic_error(
+        "this scheduler's CPU pool is a node pool: its manager lives in the pool's process "
+        "(kvoff pool status reports its blocks)");
+  }
+  return *manager_;
+}
 
 // ------------------------------------------------------------------------------ helpers
 
@@ -447,7 +462,7 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
     std::int8_t& s = status[g][static_cast<std::size_t>(j - c0)];
     if (s < 0) {
       const std::string_view key = key_in(buf, r, j, g);
-      const auto [st, pins] = manager_.state_and_load_pins(key);
+      const auto [st, pins] = pool_->state_and_load_pins(key);
       s = status_code(st, pins);
     }
     return s;
@@ -482,7 +497,7 @@ MatchResult OffloadingScheduler::get_num_new_matched_tokens(std::string_view req
       lookup_key_views_.assign(keys.begin(), keys.end());
       lookup_states_.resize(lookup_key_views_.size());
       const std::size_t held =
-          manager_.states_until_missing(lookup_key_views_, lookup_states_.data());
+          pool_->states_until_missing(lookup_key_views_, lookup_states_.data());
       const std::size_t seen = std::min(held + 1, lookup_key_views_.size());
       for (std::size_t i = 0; i < seen; ++i) {
         const auto [st, pins] = lookup_states_[i];
@@ -711,7 +726,7 @@ void OffloadingScheduler::update_state_after_alloc(
   // The keys' CPU blocks, in the keys' order (throws, changing nothing, if a key is not ready).
   // The jobs take them by block id: no key is hashed or looked up again. Their recency comes
   // when the request finishes (touch_at_finish).
-  const std::vector<std::uint32_t> slots = manager_.prepare_load(keys);
+  const std::vector<std::uint32_t> slots = pool_->prepare_load(keys);
   // -- no exception below this line except std::bad_alloc --
   std::size_t at = 0;
   for (auto& seg : segments) {
@@ -731,7 +746,7 @@ void OffloadingScheduler::cancel_unemitted_loads(Request& r) {
   for (const JobId id : r.unemitted_loads) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;
-    manager_.complete_load_blocks(it->second.job.cpu_block_ids);  // unpins what it pinned
+    pool_->complete_load_blocks(it->second.job.cpu_block_ids);  // unpins what it pinned
     jobs_.erase(it);
     std::erase(pending_loads_, id);
   }
@@ -800,7 +815,7 @@ bool OffloadingScheduler::prepare_stores(std::span<const StoreCandidate> candida
     }
   }
   PrepareStoreResult& result = store_result_;  // scratch: memory reused from call to call
-  if (!manager_.prepare_store(key_views, result)) return false;  // nothing changed
+  if (!pool_->prepare_store(key_views, result, true)) return false;  // nothing changed
   stats_.blocks_evicted += result.evicted_keys.size();
   // store_threshold: skipped keys have no block (their items keep kNoSlot: not copied, like
   // held ones, and next_store moves past them as vLLM's connector does). The new blocks enter

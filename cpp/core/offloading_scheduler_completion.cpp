@@ -80,20 +80,20 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
     Request& r = *j.request;
     if (job.is_store) {
       if (j.failed || j.stale) {
-        manager_.complete_store_blocks(job.cpu_block_ids, false);  // frees its slots
+        pool_->complete_store_blocks(job.cpu_block_ids, false, true, {});  // frees its slots
       } else {
         stored.insert(stored.end(), job.cpu_block_ids.begin(), job.cpu_block_ids.end());
         if (config_.enable_events) event_ends.push_back(stored.size());  // an event per job
       }
       --r.stores_in_flight;
     } else {
-      manager_.complete_load_blocks(job.cpu_block_ids);  // the blocks prepare_load pinned
+      pool_->complete_load_blocks(job.cpu_block_ids);  // the blocks prepare_load pinned
       if (j.failed || j.stale) {
         // The blocks could not be read: never offer them again (a retry of the request would
         // fail the same way), so that the engine recomputes them and stores them anew.
         std::vector<std::string_view>& keys = report_key_views_;
         keys.assign(job.keys.begin(), job.keys.end());
-        stats_.blocks_discarded += manager_.discard(keys);
+        stats_.blocks_discarded += pool_->discard(keys);
       }
       --r.loads_in_flight;
       r.load_failed = r.load_failed || j.failed;
@@ -114,7 +114,7 @@ ConnectorOutput OffloadingScheduler::update_connector_output(std::span<const Job
       erase_request(r);
     }
   }
-  if (!stored.empty()) manager_.complete_store_blocks(stored, true, true, event_ends);
+  if (!stored.empty()) pool_->complete_store_blocks(stored, true, true, event_ends);
   for (const JobId id : completed) retire_job(id);
   return out;
 }
@@ -145,7 +145,7 @@ std::size_t OffloadingScheduler::reset_cache() {
     }
   }
   flush_pending_.clear();
-  return manager_.clear();
+  return pool_->clear(false);
 }
 
 // --------------------------------------------------------------------------------- finish
@@ -240,7 +240,7 @@ void OffloadingScheduler::touch_at_finish(const Request& r) {
     }
   }
   finish_key_views_.assign(keys.begin(), keys.end());
-  manager_.touch(finish_key_views_, finish_flags_);
+  pool_->touch(finish_key_views_, finish_flags_);
 }
 
 bool OffloadingScheduler::request_finished(std::string_view request_id) {

@@ -38,7 +38,7 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvoff.node_pool import protocol as p
@@ -76,6 +76,8 @@ class StoreSlots:
     keys_to_store: list[bytes]
     block_ids: list[int]
     evicted_keys: list[bytes]
+    store_indices: list[int] = field(default_factory=list)
+    """Where each of ``keys_to_store`` is in the call's keys (its first occurrence)."""
 
 
 class NodePoolClient:
@@ -492,7 +494,7 @@ class NodePoolClient:
             raise p.ProtocolError(f"prepare_store reply: {len(index)} keys, {len(slots)} slots")
         mine = [own[i] for i in index]
         self._storing.update(mine)
-        return StoreSlots(mine, slots, evicted)
+        return StoreSlots(mine, slots, evicted, list(index))
 
     def key_states(self, keys: Sequence[bytes]) -> list[int | None]:
         """Each key's state as a one-key :meth:`lookup` answers it (1 ready, 0 missing, None
@@ -510,6 +512,16 @@ class NodePoolClient:
             else:
                 out.append(_LOOKUP_OF_STATE[st])
         return out
+
+    def key_state(self, key: bytes) -> int:
+        """``key``'s state byte now (``STATE_MISSING`` 0, ``STATE_READY`` 1,
+        ``STATE_PENDING`` 2): asked (one round trip, after the queued calls), without leasing;
+        missing while the pool is gone."""
+        reply = self._call(p.LOOKUP, self._keys([bytes(key)]))
+        if reply is None:
+            return p.STATE_MISSING
+        (n,) = struct.unpack("<q", reply)
+        return p.STATE_PENDING if n < 0 else p.STATE_READY if n else p.STATE_MISSING
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a

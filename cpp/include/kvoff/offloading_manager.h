@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvoff/admission_tracker.h"
+#include "kvoff/block_manager.h"
 #include "kvoff/block_pool.h"
 #include "kvoff/eviction_policy.h"
 #include "kvoff/host_memory.h"  // host_memory_limit_bytes, which the constructor checks
@@ -23,55 +24,8 @@
 
 namespace kvoff {
 
-/// State of a key in the manager.
-enum class BlockState : std::uint8_t {
-  kMissing = 0,  ///< not held (never stored, evicted, its store failed, or discarded)
-  kPending = 1,  ///< has a slot from prepare_store; its bytes are being written (not a hit)
-  kReady = 2,    ///< complete_store(success) ran: a lookup hit, loadable
-};
-
 /// "missing", "pending" or "ready".
 std::string_view to_string(BlockState state) noexcept;
-
-/// What prepare_store decided. Building it allocates nothing per key: the new keys are given as
-/// positions in (and views of) the call's keys, and the evicted keys are copied into one buffer.
-struct PrepareStoreResult {
-  /// key_block_ids' entry of a key that has no block (skipped by the store_threshold filter).
-  static constexpr std::uint32_t kNoBlock = 0xffffffffu;
-  /// Positions in the call's keys of the keys that were not held and are stored now,
-  /// deduplicated (the first occurrence of each), ascending: copy these blocks.
-  std::vector<std::uint32_t> store_indices;
-  /// keys[store_indices[i]]: views of the call's key bytes, valid as long as those are.
-  std::vector<std::string_view> keys_to_store;
-  /// The CPU block id (slot) allocated for each of keys_to_store, same order.
-  std::vector<std::uint32_t> block_ids;
-  /// The CPU block id of every key of the call, in the call's order: the block that held it
-  /// already, or the one allocated for it now (a repeated key: the same block each time);
-  /// kNoBlock for a key the store_threshold filter skipped. For touch_blocks after the store
-  /// (without the kNoBlock entries), which then hashes and looks up no key.
-  std::vector<std::uint32_t> key_block_ids;
-  /// Positions in the call's keys of the keys that were not held and that the store_threshold
-  /// filter skipped (offered fewer than store_threshold times, this call's offers included),
-  /// deduplicated (the first occurrence of each), ascending. They got no slot, stay missing
-  /// (lookup misses), are in no event and count in stores_skipped(). Empty when the filter is
-  /// off. So every key of the call is held already, stored now (store_indices) or skipped.
-  std::vector<std::uint32_t> skipped_indices;
-  /// Keys evicted to make room, in eviction order (their slots may be among block_ids).
-  KeyList evicted_keys;
-};
-
-/// A change of the pool that routers may want to know (KV events).
-struct OffloadingEvent {
-  /// The keys concerned, in operation order.
-  std::vector<std::string> keys;
-  /// Where the blocks live: always "CPU" for this manager.
-  std::string medium;
-  /// false: BlockStored (keys became lookup hits); true: BlockRemoved (keys were evicted).
-  bool removed = false;
-
-  /// "BlockStored" or "BlockRemoved".
-  std::string_view kind() const noexcept { return removed ? "BlockRemoved" : "BlockStored"; }
-};
 
 /// Thrown by CPUOffloadingManager's constructor when this host cannot hold the manager's
 /// per-slot arrays. A std::bad_alloc (code that catches that still does; Python sees a
@@ -92,9 +46,6 @@ class HostMemoryError : public std::bad_alloc {
  private:
   std::shared_ptr<const std::string> message_;  // shared: copying an exception cannot throw
 };
-
-/// Keys passed to the manager: views of non-empty byte strings, valid during the call.
-using KeySpan = std::span<const std::string_view>;
 
 /// The offloading manager of one CPU pool of `num_blocks` slots.
 ///
@@ -153,7 +104,7 @@ using KeySpan = std::span<const std::string_view>;
 /// hands evicted slots straight to the new keys. No allocation per key: the result holds
 /// indices and views of the call's keys, and the evicted keys in one buffer. `kvoff bench
 /// scheduler` measures it (cpp/bench/manager_bench.h).
-class CPUOffloadingManager {
+class CPUOffloadingManager final : public BlockManager {
  public:
   /// Largest store_threshold (offers): a larger one would store almost nothing.
   static constexpr std::int64_t kMaxStoreThreshold = std::int64_t{1} << 20;
@@ -197,7 +148,7 @@ class CPUOffloadingManager {
   /// complete_load, and returns their CPU block ids in call order.
   /// Throws std::invalid_argument, changing nothing, when a key is not ready (naming it in hex
   /// and its state).
-  std::vector<std::uint32_t> prepare_load(KeySpan keys);
+  std::vector<std::uint32_t> prepare_load(KeySpan keys) override;
 
   /// Unpins every key once per occurrence.
   /// Throws std::invalid_argument, changing nothing, when a key is not ready or not pinned as
@@ -208,7 +159,7 @@ class CPUOffloadingManager {
   /// and no key is hashed or looked up.
   /// Throws std::invalid_argument, changing nothing, when an id is outside [0, num_blocks),
   /// free, not ready, or not pinned by loads as many times as it occurs (naming it).
-  void complete_load_blocks(std::span<const std::uint32_t> block_ids);
+  void complete_load_blocks(std::span<const std::uint32_t> block_ids) override;
 
   /// Marks held keys (ready or pending) as used, processing them last to first so that keys[0]
   /// ends the most recently used. Keys not held are ignored. A ready key's use goes to the
@@ -223,7 +174,7 @@ class CPUOffloadingManager {
   /// reuse. keys[0] ends the most recent; keys not held are ignored.
   /// Throws std::invalid_argument, changing nothing, for an empty key or when reused.size()
   /// differs from keys.size().
-  void touch(KeySpan keys, std::span<const std::uint8_t> reused);
+  void touch(KeySpan keys, std::span<const std::uint8_t> reused) override;
   /// touch() by CPU block id (as prepare_load and prepare_store return them), for callers that
   /// know the blocks already: block_ids[0] ends the most recently used; no key is hashed.
   /// Throws std::invalid_argument, changing nothing, for an id that is not a held block (out of
@@ -246,7 +197,8 @@ class CPUOffloadingManager {
   /// prepare_store into `result` (its vectors emptied first, their memory reused: a caller
   /// that stores every step allocates nothing here). Returns false where the other returns
   /// std::nullopt; `result` is then unspecified. Throws as the other.
-  bool prepare_store(KeySpan keys, PrepareStoreResult& result, bool apply_threshold = true);
+  bool prepare_store(KeySpan keys, PrepareStoreResult& result,
+                     bool apply_threshold = true) override;
 
   /// Finishes the stores of pending keys: with `success` they become ready (lookup hits) and a
   /// BlockStored event lists them; without, they are dropped and their slots freed. A key
@@ -272,7 +224,7 @@ class CPUOffloadingManager {
   /// std::invalid_argument, changing nothing, when they are not increasing or pass the end.
   void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success = true,
                              bool write_through = true,
-                             std::span<const std::size_t> event_ends = {});
+                             std::span<const std::size_t> event_ends = {}) override;
 
   /// Write-through to secondary tiers, with no work on the engine thread beyond a pin per
   /// block. With `capacity_blocks` > 0, each block a store makes ready (complete_store with
@@ -326,7 +278,7 @@ class CPUOffloadingManager {
 
   /// Returns the events recorded since the last call, oldest first, and forgets them. Always
   /// empty when events are disabled.
-  std::vector<OffloadingEvent> take_events();
+  std::vector<OffloadingEvent> take_events() override;
 
   /// Drops the ready, unpinned blocks among `keys` (one BlockRemoved event lists them) and
   /// returns how many: blocks whose data cannot be trusted (a load of them failed, or it was
@@ -335,7 +287,7 @@ class CPUOffloadingManager {
   /// dropped from the index (no longer a hit) and its slot freed when the tier writer hands it
   /// back. A key occurring several times is dropped once.
   /// Throws std::invalid_argument, changing nothing, for an empty key.
-  std::size_t discard(KeySpan keys);
+  std::size_t discard(KeySpan keys) override;
 
   /// Drops every ready block that is not pinned by a load (one BlockRemoved event lists them)
   /// and returns how many. Pending blocks (stores in flight) and pinned blocks (loads in flight)
@@ -350,7 +302,7 @@ class CPUOffloadingManager {
   /// pinned by a load, unless `include_in_flight`) is dropped from the index too, so it is no
   /// longer a hit; its slot is freed only when the tier writer hands it back (the writer still
   /// reads it). Returns the blocks dropped, pending ones included.
-  std::size_t clear(bool include_in_flight = false);
+  std::size_t clear(bool include_in_flight = false) override;
 
   /// State of `key` (kMissing for a key never seen, or an empty key).
   BlockState state(std::string_view key) const noexcept;
@@ -360,7 +312,8 @@ class CPUOffloadingManager {
   std::pair<BlockState, std::uint32_t> state_and_pins(std::string_view key) const noexcept;
   /// state(key) and its pins by loads only: pin_count(key) less the write-through pin (a block
   /// being written to the secondary tiers can still be loaded). Engine thread.
-  std::pair<BlockState, std::uint32_t> state_and_load_pins(std::string_view key) const noexcept;
+  std::pair<BlockState, std::uint32_t> state_and_load_pins(
+      std::string_view key) const noexcept override;
   /// state_and_load_pins of keys[0], keys[1], ... up to the first key that is missing:
   /// out[i] gets key i's, and the number of leading keys that are held (ready or pending) is
   /// returned (keys.size() when all are; otherwise keys[returned] is missing and out[returned]
@@ -369,7 +322,7 @@ class CPUOffloadingManager {
   /// instead of one per key; stopping at a miss wastes at most 64 hashes. Changes nothing.
   /// Engine thread. An empty key counts as missing.
   std::size_t states_until_missing(KeySpan keys,
-                                   std::pair<BlockState, std::uint32_t>* out) const noexcept;
+                                   std::pair<BlockState, std::uint32_t>* out) const noexcept override;
   /// CPU block id of a held key, or std::nullopt.
   std::optional<std::uint32_t> block_id(std::string_view key) const noexcept;
 

@@ -255,7 +255,14 @@ class OffloadingScheduler {
   /// gpu_block_size not a multiple of hash_block_size, no group or more than 256, a sliding
   /// window < 1, an unknown eviction policy, a store_threshold outside [0, 2^20] or a
   /// max_tracker_size outside [1, 2^31-1] (0 is accepted while store_threshold < 2).
-  explicit OffloadingScheduler(SchedulerConfig config);
+  ///
+  /// `node_pool`: the manager of a pool this scheduler shares with other engines (a node
+  /// pool's client, which the bindings supply); null: a CPUOffloadingManager of
+  /// config.num_cpu_blocks slots of its own. With a node pool, the config's eviction_policy,
+  /// enable_events, store_threshold and max_tracker_size are the pool's business (its
+  /// events come through take_events all the same), and manager() throws.
+  explicit OffloadingScheduler(SchedulerConfig config,
+                               std::shared_ptr<BlockManager> node_pool = nullptr);
   ~OffloadingScheduler();
   OffloadingScheduler(const OffloadingScheduler&) = delete;
   OffloadingScheduler& operator=(const OffloadingScheduler&) = delete;
@@ -377,7 +384,7 @@ class OffloadingScheduler {
   /// The manager's events since the last call (BlockStored / BlockRemoved, medium "CPU").
   std::vector<OffloadingEvent> take_events() {
     refuse_reentry("take_events");
-    return manager_.take_events();
+    return pool_->take_events();
   }
   /// Empties the CPU pool of every block no job uses (CPUOffloadingManager::clear: ready and
   /// unpinned), e.g. for an engine's cache reset after a weight update; returns how many. The
@@ -391,13 +398,18 @@ class OffloadingScheduler {
   /// update_connector_output's finished_storing).
   std::size_t reset_cache();
 
-  /// The CPU pool manager (read access for tests and metrics).
-  const CPUOffloadingManager& manager() const noexcept { return manager_; }
+  /// The CPU pool manager (read access for tests and metrics). Throws std::logic_error on a
+  /// node pool (the pool's process owns its manager).
+  const CPUOffloadingManager& manager() const { return local_manager(); }
   /// The CPU pool manager, for a tier coordinator (kvoff/tiers/coordinator.py) on the engine
   /// thread: promotions are stores no job made (prepare_store + complete_store of keys no
   /// request is storing), and write-through runs on the manager's thread-safe calls. Any other
   /// write through it breaks the scheduler's job bookkeeping.
-  CPUOffloadingManager& manager() noexcept { return manager_; }
+  CPUOffloadingManager& manager() {
+    return const_cast<CPUOffloadingManager&>(local_manager());
+  }
+  /// Whether the CPU pool is a node pool (constructed with one).
+  bool has_node_pool() const noexcept { return node_pool_ != nullptr; }
   const SchedulerConfig& config() const noexcept { return config_; }
   const SchedulerStats& stats() const noexcept { return stats_; }
   /// Requests the scheduler currently tracks.
@@ -563,7 +575,11 @@ class OffloadingScheduler {
   /// Ids of flushes that stored nothing, for the next update_connector_output's
   /// finished_storing (request_finished returned true for them).
   std::vector<std::string> flushed_unstored_;
-  CPUOffloadingManager manager_;
+  /// The pool's manager: this scheduler's own, or a node pool's client (pool_ is the one).
+  std::unique_ptr<CPUOffloadingManager> manager_;
+  std::shared_ptr<BlockManager> node_pool_;
+  BlockManager* pool_;
+  const CPUOffloadingManager& local_manager() const;
   /// Every live request's record, owned here; Request::slot is its index (an erase moves the
   /// last record's pointer into the hole). Records never move, so request_index_ and jobs keep
   /// pointers to them. No map by id string: request_index_ finds a record, and finishing a

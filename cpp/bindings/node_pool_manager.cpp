@@ -1,0 +1,153 @@
+// A node pool as the C++ scheduler's manager: kvoff::BlockManager over a Python
+// kvoff.node_pool.block_manager.NodePoolBlockManager (the pool's client, which speaks the
+// pool's protocol). The scheduler's hooks run with the GIL held, so each call goes straight to
+// Python. State queries never throw: a failure there is a miss (the pool gone is a miss).
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "kvoff/block_manager.h"
+
+namespace kvoff::bindings {
+
+namespace {
+
+py::list keys_to_py(KeySpan keys) {
+  py::list out(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    out[i] = py::bytes(keys[i].data(), keys[i].size());
+  }
+  return out;
+}
+
+py::list ids_to_py(std::span<const std::uint32_t> ids) {
+  py::list out(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) out[i] = py::int_(ids[i]);
+  return out;
+}
+
+std::vector<std::uint32_t> ids_from_py(py::handle list) {
+  std::vector<std::uint32_t> out;
+  for (py::handle v : list) out.push_back(v.cast<std::uint32_t>());
+  return out;
+}
+
+class NodePoolManager final : public BlockManager {
+ public:
+  explicit NodePoolManager(py::object manager) : py_(std::move(manager)) {}
+  ~NodePoolManager() override {
+    py::gil_scoped_acquire gil;  // the last reference may go from a thread without it
+    py_ = py::object();
+  }
+
+  std::pair<BlockState, std::uint32_t> state_and_load_pins(std::string_view key) const override {
+    std::pair<BlockState, std::uint32_t> out;
+    const std::string_view keys[1] = {key};
+    states_until_missing(keys, &out);
+    return out;
+  }
+
+  std::size_t states_until_missing(KeySpan keys,
+                                   std::pair<BlockState, std::uint32_t>* out) const override {
+    std::string codes;
+    try {
+      codes = py_.attr("states")(keys_to_py(keys)).cast<std::string>();
+    } catch (const py::error_already_set& e) {
+      // a failing pool is a miss, never an engine error (it says why once, in Python's log)
+      py::module_::import("logging")
+          .attr("getLogger")("kvoff.node_pool")
+          .attr("warning")("kvoff: node pool look-up failed (%s); counted as a miss",
+                           py::str(e.value()));
+      codes.clear();
+    }
+    std::size_t held = 0;
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const char c = i < codes.size() ? codes[i] : 0;
+      if (c == 0) {
+        out[i] = {BlockState::kMissing, 0};
+        return held;
+      }
+      out[i] = {c == 1 ? BlockState::kPending : BlockState::kReady, c == 3 ? 1u : 0u};
+      ++held;
+    }
+    return held;
+  }
+
+  std::vector<std::uint32_t> prepare_load(KeySpan keys) override {
+    return ids_from_py(py_.attr("prepare_load")(keys_to_py(keys)));
+  }
+
+  void complete_load_blocks(std::span<const std::uint32_t> block_ids) override {
+    py_.attr("complete_load_blocks")(ids_to_py(block_ids));
+  }
+
+  bool prepare_store(KeySpan keys, PrepareStoreResult& result, bool) override {
+    py::object got = py_.attr("prepare_store")(keys_to_py(keys));
+    if (got.is_none()) return false;
+    auto t = got.cast<py::tuple>();
+    std::vector<std::uint32_t> index = ids_from_py(t[0]);
+    std::vector<std::uint32_t> slots = ids_from_py(t[1]);
+    if (index.size() != slots.size()) {
+      throw std::runtime_error("node pool prepare_store: " + std::to_string(index.size()) +
+                               " keys but " + std::to_string(slots.size()) + " slots");
+    }
+    result.keys_to_store.clear();
+    for (const std::uint32_t i : index) {
+      if (i >= keys.size()) throw std::runtime_error("node pool prepare_store: bad key index");
+      result.keys_to_store.push_back(keys[i]);
+    }
+    result.store_indices = std::move(index);
+    result.block_ids = std::move(slots);
+    result.key_block_ids.clear();
+    result.skipped_indices.clear();
+    result.evicted_keys.clear();
+    for (py::handle k : t[2]) result.evicted_keys.push_back(k.cast<std::string>());
+    return true;
+  }
+
+  void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success, bool,
+                             std::span<const std::size_t>) override {
+    py_.attr("complete_store_blocks")(ids_to_py(block_ids), success);
+  }
+
+  void touch(KeySpan keys, std::span<const std::uint8_t> reused) override {
+    py_.attr("touch")(keys_to_py(keys),
+                      py::bytes(reinterpret_cast<const char*>(reused.data()), reused.size()));
+  }
+
+  std::size_t discard(KeySpan) override { return 0; }  // other engines may read the blocks
+
+  std::size_t clear(bool) override { return py_.attr("clear")().cast<std::size_t>(); }
+
+  std::vector<kvoff::OffloadingEvent> take_events() override {
+    std::vector<kvoff::OffloadingEvent> out;
+    for (py::handle e : py_.attr("take_events")()) {
+      auto t = py::reinterpret_borrow<py::tuple>(e);
+      kvoff::OffloadingEvent ev;
+      ev.removed = t[0].cast<bool>();
+      ev.medium = "CPU";
+      for (py::handle k : t[1]) ev.keys.push_back(k.cast<std::string>());
+      out.push_back(std::move(ev));
+    }
+    return out;
+  }
+
+ private:
+  py::object py_;
+};
+
+}  // namespace
+
+std::shared_ptr<BlockManager> node_pool_manager(py::object manager) {
+  return std::make_shared<NodePoolManager>(std::move(manager));
+}
+
+}  // namespace kvoff::bindings

@@ -1,0 +1,153 @@
+"""A node pool as the manager of kvoff's C++ scheduler (:class:`kvoff.OffloadingScheduler`, the
+one :class:`kvoff.integrations.vllm.KvoffConnector` runs): :class:`NodePoolBlockManager`.
+
+The scheduler calls its manager by CPU block ids (slots) where it can: it completes a job's
+loads and stores by the slots ``prepare_load`` and ``prepare_store`` gave. The node pool's
+calls take keys, so this keeps which key each of this engine's slots in flight holds. The C++
+side (``cpp/bindings/node_pool_manager.cpp``) calls the methods below; their meaning is
+``kvoff::BlockManager``'s (``cpp/include/kvoff/block_manager.h``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from kvoff.node_pool.client import NodePoolClient, NodePoolError
+
+__all__ = ["NodePoolBlockManager"]
+
+logger = logging.getLogger(__name__)
+
+# state codes the C++ side reads (BlockManager's BlockState, with a load pin of this engine)
+_MISSING, _PENDING, _READY, _READY_LOADING = 0, 1, 2, 3
+_CODE_OF_LOOKUP = {0: _MISSING, 1: _READY, None: _PENDING}
+
+
+class NodePoolBlockManager:
+    """The node pool behind ``client``, with the calls kvoff's C++ scheduler makes of its
+    manager. A look-up of a request's first key asks the pool for the key's chain (one round
+    trip) and leases its ready blocks to this engine, so the request's later keys and its load
+    cost no further round trip (:class:`kvoff.node_pool.NodePoolClient`).
+
+    Args:
+        client: this engine's (this rank's) connection to the pool.
+
+    Attributes:
+        client: the connection.
+        load_failures: loads the pool refused (the pool gone, or a key evicted since it was
+            looked up); the scheduler's hook raised for each (vLLM then recomputes).
+    """
+
+    def __init__(self, client: NodePoolClient) -> None:
+        self.client = client
+        self.load_failures = 0
+        self._storing: dict[int, bytes] = {}  # slot -> key this engine is storing there
+        self._loading: dict[int, bytes] = {}  # slot -> key this engine is loading from it
+        self._load_pins: Counter[bytes] = Counter()  # key -> loads of this engine in flight
+        self._slot_loads: Counter[int] = Counter()  # slot -> loads of this engine in flight
+
+    def states(self, keys: Sequence[bytes]) -> bytes:
+        """A state code per key (0 missing, 1 pending, 2 ready, 3 ready and being loaded by
+        this engine) up to and including the first missing key. The pool gone: missing."""
+        out = bytearray()
+        lookup, pins = self.client.lookup, self._load_pins
+        for k in keys:
+            code = _CODE_OF_LOOKUP[lookup((k,))]
+            if code == _READY and pins[k]:
+                code = _READY_LOADING
+            out.append(code)
+            if code == _MISSING:
+                break
+        return bytes(out)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Pins the keys for a load; their slots (region block ids), in order.
+
+        Raises:
+            NodePoolError: the pool refused (a key not ready any more, or the pool is gone);
+                nothing is pinned.
+        """
+        try:
+            slots = self.client.prepare_load(keys)
+        except NodePoolError:
+            self.load_failures += 1
+            raise
+        for k, s in zip(keys, slots, strict=True):
+            self._load_pins[k] += 1
+            self._slot_loads[s] += 1
+            self._loading[s] = k
+        return slots
+
+    def complete_load_blocks(self, slots: Sequence[int]) -> None:
+        """Unpins the slots of a finished load (those :meth:`prepare_load` gave)."""
+        keys = []
+        for s in slots:
+            k = self._loading.get(s)
+            if k is None:
+                continue  # not a load of this engine's (the scheduler never passes one)
+            keys.append(k)
+            self._load_pins[k] -= 1
+            if self._load_pins[k] <= 0:
+                del self._load_pins[k]
+            self._slot_loads[s] -= 1
+            if self._slot_loads[s] <= 0:
+                del self._slot_loads[s]
+                del self._loading[s]
+        if keys:
+            self.client.complete_load(keys)
+
+    def prepare_store(
+        self, keys: Sequence[bytes]
+    ) -> tuple[list[int], list[int], list[bytes]] | None:
+        """Slots for the keys the pool does not hold: (their positions in ``keys``, their
+        slots, the keys evicted for them), or None when the pool has no room or is gone (all
+        or nothing)."""
+        got = self.client.prepare_store(keys)
+        if got is None:
+            return None
+        for k, s in zip(got.keys_to_store, got.block_ids, strict=True):
+            self._storing[s] = k
+        return got.store_indices, got.block_ids, got.evicted_keys
+
+    def complete_store_blocks(self, slots: Sequence[int], success: bool) -> None:
+        """Ends this engine's stores into ``slots``: hits for every engine (``success``) or
+        freed."""
+        keys = [k for k in (self._storing.pop(s, None) for s in slots) if k is not None]
+        if keys:
+            self.client.complete_store(keys, success)
+
+    def touch(self, keys: Sequence[bytes], reused: bytes) -> None:
+        """Makes the keys the most recent (``keys[0]`` first); ``reused``: 1 per reused key."""
+        self.client.touch(keys, [bool(r) for r in reused])
+
+    def clear(self) -> int:
+        """Drops nothing (other engines use the pool; the client logs it once); 0."""
+        return self.client.clear()
+
+    def take_events(self) -> list[tuple[bool, list[bytes]]]:
+        """The pool's events for this engine's layout since the last call: (removed, keys)."""
+        return [(e.removed, list(e.keys)) for e in self.client.take_events()]
+
+    def block_state(self, key: bytes) -> str:
+        """``"missing"``, ``"pending"`` or ``"ready"``: the pool's answer now (one round trip,
+        after this engine's queued calls; "missing" while the pool is gone)."""
+        return ("missing", "ready", "pending")[self.client.key_state(key)]
+
+    def slot_in_flight(self, key: bytes) -> int | None:
+        """The slot this engine is storing ``key`` into or loading it from, else None."""
+        for slots in (self._storing, self._loading):
+            for s, k in slots.items():
+                if k == key:
+                    return s
+        return None
+
+    def load_pins(self, key: bytes) -> int:
+        """This engine's loads of ``key`` in flight."""
+        return self._load_pins[key]
+
+    def in_flight(self) -> dict[str, Any]:
+        """This engine's slots in flight: ``{"storing": n, "loading": n}`` (tests, metrics)."""
+        return {"storing": len(self._storing), "loading": sum(self._slot_loads.values())}

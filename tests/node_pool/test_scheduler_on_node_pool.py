@@ -1,0 +1,122 @@
+"""kvoff's C++ scheduler (the one KvoffConnector runs) on a node pool: two simulated engines,
+each with its own scheduler and worker, share one pool. Bytes move through the pool's region
+and the harness checks every loaded byte (tests/scheduler_harness.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from node_pool_harness import Served
+from scheduler_harness import EngineSim
+
+from kvoff.node_pool import NodePoolClient
+
+NUM_SLOTS = 16
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[Served]:
+    # slots of the simulated engine's offloaded block (one group, block_size 4)
+    slot_bytes = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=NUM_SLOTS)
+    region = f"kvoff-test-sched-{os.getpid()}-{tmp_path.name}"[:200]
+    s = Served(tmp_path / "pool.sock", region, NUM_SLOTS, slot_bytes.worker.slot_bytes)
+    yield s
+    s.stop()
+    path = Path("/dev/shm") / region
+    if path.exists():
+        path.unlink()
+
+
+def _engine(pool: Served, name: str, **kwargs) -> EngineSim:
+    client = NodePoolClient(pool.socket, b"sim-layout", name=name, lookahead_s=0.0)
+    return EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=NUM_SLOTS,
+                     node_pool=client, **kwargs)  # fmt: skip
+
+
+def _pins_and_pending(pool: Served, *engines: EngineSim) -> tuple[int, int]:
+    """Blocks pinned by loads and pending stores in the pool, once it has had every call of
+    ``engines`` (completions go without a reply)."""
+    for e in engines:
+        e.sched.node_pool.sync()
+
+    def counts(srv) -> tuple[int, int]:
+        st = srv.status()
+        return sum(e["pinned_blocks"] for e in st["engines"]), st["pending_blocks"]
+
+    return pool.call(counts)
+
+
+def test_a_block_one_engine_stored_is_a_hit_with_its_bytes_for_another(pool: Served) -> None:
+    a, b = _engine(pool, "a"), _engine(pool, "b")
+    prompt = list(range(13))
+    a.add_request("r", prompt)
+    rec = a.step()
+    (store,) = rec.meta.store_jobs
+    assert all(a.sched.block_state(k) == "ready" for k in store.keys)
+
+    b.add_request("r", prompt)
+    rec = b.step()
+    assert rec.lookups == {"r": (0, 12)}  # every full block of the prompt, stored by a
+    (load,) = rec.meta.load_jobs
+    assert load.keys == store.keys  # the same layout: the same keys
+    assert load.cpu.block_ids == store.cpu.block_ids  # read from the slots a wrote
+    assert rec.outputs[-1].finished_loading == ("r",)  # and the harness checked the bytes
+    assert b.ready_keys >= set(store.keys)  # a's stores are b's events too
+    a.drain()
+    b.drain()
+    assert b.sched.stats()["hit_tokens"] == 12
+    assert _pins_and_pending(pool, a, b) == (0, 0)  # every pin and store of both ended
+
+
+def test_a_block_another_engine_is_storing_is_retried_then_hit(pool: Served) -> None:
+    a = _engine(pool, "a", auto_complete=False)
+    b = _engine(pool, "b", auto_complete=False)
+    prompt = list(range(9))
+    a.add_request("r", prompt)
+    (store,) = a.step().meta.store_jobs
+    b.add_request("r", prompt)
+    assert b.step().lookups == {"r": (0, None)}  # pending in the pool: retry later
+    a.complete()
+    rec = b.step()
+    assert rec.lookups == {"r": (0, 8)}
+    (load,) = rec.meta.load_jobs
+    assert load.cpu.block_ids == store.cpu.block_ids
+    assert b.sched.pin_count(load.keys[0]) == 1  # this engine's load pins it
+    assert b.sched.cpu_block_id(load.keys[0]) == load.cpu.block_ids[0]
+    assert _pins_and_pending(pool, a, b) == (2, 0)
+    b.complete()
+    b.drain()
+    a.drain()
+    assert _pins_and_pending(pool, a, b) == (0, 0)
+
+
+def test_a_pool_that_is_gone_is_a_miss_and_no_error(pool: Served) -> None:
+    a, b = _engine(pool, "a"), _engine(pool, "b")
+    prompt = list(range(13))
+    a.add_request("r", prompt)
+    a.drain()
+    pool.stop()
+    b.add_request("r", prompt)
+    rec = b.step()
+    assert rec.lookups == {"r": (0, 0)}  # recomputed, not an error
+    assert rec.meta.store_jobs == ()  # no room in a pool that is gone: nothing stored
+    b.drain()
+    assert b.sched.stats()["store_refusals"] >= 1
+
+
+def test_the_pool_keeps_its_own_tiers_and_counts(pool: Served) -> None:
+    a = _engine(pool, "a")
+    with pytest.raises(ValueError, match="node pool: its tiers are the pool's"):
+        a.sched.attach_tiers([], lambda slot: a.worker.cpu_block(slot).numpy())
+    assert "num_free_blocks" not in a.sched.stats()  # the pool's counts: kvoff pool status
+    n, pinned, pending = a.sched.pool_usage()
+    assert (n, pinned, pending) == (NUM_SLOTS, 0, 0)
+
+
+def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
+    client = NodePoolClient(pool.socket, b"sim-layout", name="x")
+    with pytest.raises(ValueError, match=f"has {NUM_SLOTS} slots but the spec has 8"):
+        EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, node_pool=client)
