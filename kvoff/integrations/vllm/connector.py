@@ -21,8 +21,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoff.integrations.vllm.metadata import KvoffConnectorMetadata, KvoffWorkerMetadata
 from kvoff.integrations.vllm.metrics import KvoffConnectorStats, KvoffPromMetrics
+from kvoff.integrations.vllm.node_pool_wiring import connector_node_pool
 from kvoff.integrations.vllm.scheduler_role import KvoffConnectorScheduler
-from kvoff.integrations.vllm.tier_wiring import check_tier_topology
+from kvoff.integrations.vllm.tier_wiring import check_tier_topology, worker_rank
 from kvoff.integrations.vllm.translate import cpu_spec, offloading_config
 from kvoff.integrations.vllm.worker_role import KvoffConnectorWorker
 from kvoff.offloading_spec import CPUOffloadingSpec
@@ -80,7 +81,15 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self._config = offloading_config(
             self._kv_transfer_config.kv_connector_extra_config, spec_path=False
         )
-        self._spec = cpu_spec(vllm_config, kv_cache_config, self._config)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        node_pool = None
+        if self._config.node_pool is not None:  # the plan is the node pool's slots
+            rank = 0 if role == KVConnectorRole.SCHEDULER else worker_rank(vllm_config)
+            self._spec, node_pool = connector_node_pool(
+                vllm_config, kv_cache_config, self._config, f"{self._engine_id}-rank{rank}"
+            )
+        else:
+            self._spec = cpu_spec(vllm_config, kv_cache_config, self._config)
         groups = len(kv_cache_config.kv_cache_groups)
         # A failed load is reported by its GPU blocks (vLLM recomputes from the first one) only
         # for one full-attention group: there every block before it holds valid KV. A window
@@ -90,17 +99,20 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
             "full_attention"
         )
         check_tier_topology(vllm_config, self._config)
-        self._engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler_role: KvoffConnectorScheduler | None = None
         self._worker_role: KvoffConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler_role = KvoffConnectorScheduler(
-                vllm_config, self._config, self._spec, self._engine_id
+                vllm_config, self._config, self._spec, self._engine_id, node_pool=node_pool
             )
         else:
+            region = None
+            if node_pool is not None:  # the worker maps its rank's region of the pool
+                region = node_pool.regions[worker_rank(vllm_config)]
+                node_pool.close()
             self._worker_role = KvoffConnectorWorker(
                 vllm_config, self._config, self._spec, self._engine_id,
-                block_level_load_errors=block_level_load_errors,
+                block_level_load_errors=block_level_load_errors, node_pool_region=region,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ properties

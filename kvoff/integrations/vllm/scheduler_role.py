@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvoff.node_pool import NodePoolClient
+
 __all__ = ["KvoffConnectorScheduler"]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ class KvoffConnectorScheduler:
         spec: the engine's CPU offloading spec (:func:`.translate.cpu_spec`).
         engine_id: the engine's ``kv_transfer_config.engine_id`` (the tiers find the workers'
             CPU pools by it).
+        node_pool: the connection to the node pool that is this engine's CPU pool
+            (``node_pool`` in the config; closed by :meth:`shutdown`), or None.
 
     Attributes:
         scheduler: kvoff's scheduler (:class:`kvoff.OffloadingScheduler`).
@@ -59,6 +63,8 @@ class KvoffConnectorScheduler:
         config: OffloadingConfig,
         spec: CPUOffloadingSpec,
         engine_id: str,
+        *,
+        node_pool: NodePoolClient | None = None,
     ) -> None:
         self._config = config
         self._spec = spec
@@ -86,6 +92,7 @@ class KvoffConnectorScheduler:
             offload_prompt_only=self._config.offload_prompt_only,
             store_threshold=self._config.store_threshold,
             max_tracker_size=self._config.max_tracker_size,
+            node_pool=node_pool,
         )
         if self._config.has_tiers:
             self._has_tiers = True
@@ -232,3 +239,5 @@ class KvoffConnectorScheduler:
         """Waits for the jobs in flight and closes kvoff's scheduler (its tiers too).
         Idempotent."""
         self.scheduler.close()
+        if self.scheduler.node_pool is not None:
+            self.scheduler.node_pool.close()

@@ -143,12 +143,6 @@ def offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadin
             f"choose eviction_policy from {list(EVICTION_POLICIES)} and remove the key, or use "
             "vLLM's own CPUOffloadingSpec for a Python policy"
         )
-    if data.get("node_pool") is not None and not spec_path:
-        raise ConfigError(
-            "kv_connector_extra_config node_pool works through KvoffOffloadingSpec for now "
-            '("spec_name": "KvoffOffloadingSpec" with vLLM\'s OffloadingConnector); '
-            "KvoffConnector keeps a private pool"
-        )
     sized = data.get("cpu_bytes_to_use") or "num_cpu_blocks" in data
     if data.get("node_pool") is None and not sized:
         # an unknown key first (a misspelt cpu_bytes_to_use is named with the fix)
@@ -176,11 +170,15 @@ def offloading_config(extra: Mapping[str, Any], *, spec_path: bool) -> Offloadin
 
 
 def cpu_spec(
-    vllm_config: VllmConfig, kv_cache_config: VllmKVCacheConfig, config: OffloadingConfig
+    vllm_config: VllmConfig,
+    kv_cache_config: VllmKVCacheConfig,
+    config: OffloadingConfig,
+    cpu_bytes_to_use: int | None = None,
 ) -> CPUOffloadingSpec:
     """The :class:`kvoff.CPUOffloadingSpec` of ``KvoffConnector``: vLLM's KV cache plan
     (:func:`kvoff_kv_cache_config`), the engine's ranks and hash block size (tokens), and
-    ``config``'s pool bytes, offloaded block size (tokens) and eviction policy.
+    ``config``'s pool bytes (or ``cpu_bytes_to_use``: a node pool's, over all ranks),
+    offloaded block size (tokens) and eviction policy.
 
     Raises:
         ValueError: ``world_size`` or ``hash_block_size`` in ``config`` that disagree with the
@@ -203,7 +201,7 @@ def cpu_spec(
         )
     return CPUOffloadingSpec(
         kvoff_config,
-        cpu_bytes_to_use=require_bytes(config),
+        cpu_bytes_to_use=require_bytes(config) if cpu_bytes_to_use is None else cpu_bytes_to_use,
         block_size=config.offloaded_block_size,
         hash_block_size=hash_bs,
         world_size=world,

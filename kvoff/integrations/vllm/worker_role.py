@@ -45,6 +45,8 @@ class KvoffConnectorWorker:
         block_level_load_errors: report a failed load by its GPU blocks
             (:meth:`get_block_ids_with_load_errors`) rather than by its request
             (``failed_recving``).
+        node_pool_region: this rank's region of the node pool that is the engine's CPU pool
+            (``/dev/shm/<region>``, mapped and pinned here), or None.
     """
 
     def __init__(
@@ -55,12 +57,14 @@ class KvoffConnectorWorker:
         engine_id: str,
         *,
         block_level_load_errors: bool,
+        node_pool_region: str | None = None,
     ) -> None:
         self._vllm_config = vllm_config
         self._config = config
         self._spec = spec
         self._engine_id = engine_id
         self._block_level_load_errors = block_level_load_errors
+        self._node_pool_region = node_pool_region
         self._worker: OffloadingWorker | None = None
         self._job_requests: dict[int, str] = {}  # load job -> request
         self._job_gpu_blocks: dict[int, tuple[int, ...]] = {}  # load job -> blocks
@@ -90,9 +94,13 @@ class KvoffConnectorWorker:
         tiers = self._config.has_tiers
         shared = tiers and not worker_in_engine_core(self._vllm_config)
         name = pool_shm_name(self._engine_id, worker_rank(self._vllm_config)) if shared else None
+        attach = self._node_pool_region is not None
+        if attach:  # this rank's slots of the node pool
+            name = self._node_pool_region
         worker = OffloadingWorker.from_spec(
-            self._spec, config=self._config, shared_memory_name=name
-        )
+            self._spec, config=self._config, shared_memory_name=name,
+            attach_shared_memory=attach,
+        )  # fmt: skip
         worker.register_kv_caches({k: v for k, v in kv_caches.items() if k in layers})
         self._worker = worker
         if tiers and not shared:
