@@ -814,5 +814,37 @@ TEST(OffloadingSchedulerPromptOnly, AStreamingSessionWhosePromptGrewStoresTheNew
   expect_job(s, meta.store_jobs[0], true, "A", {7, 8}, {2}, {2}, {key("a2", 0), key("a3", 0)});
 }
 
+// ---------------------------------------------------------------- a pool of several engines
+
+// Two schedulers on one manager (what a node pool is: a BlockManager that is not the
+// scheduler's own; here the in-process manager stands for it). What one stores is a hit for
+// the other, loaded from the same slots; the other's load pins are its own to release; and a
+// scheduler without a pool of its own has no manager() to hand out.
+TEST(OffloadingSchedulerNodePool, SchedulersSharingOneManagerHitEachOthersBlocks) {
+  auto pool = std::make_shared<CPUOffloadingManager>(8);
+  OffloadingScheduler a(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/8), pool);
+  OffloadingScheduler b(make_config({Full()}, 4, 1, 0, 1, /*cpu_blocks=*/8), pool);
+  EXPECT_TRUE(a.has_node_pool());
+  EXPECT_THROW(static_cast<void>(a.manager()), std::logic_error);
+  add(a, "A", {"h0", "h1"}, 8);
+  auto meta = step(a, {sched("A", {{5, 6}}, 0, 8)});
+  ASSERT_EQ(meta.store_jobs.size(), 1u);
+  const U stored = meta.store_jobs[0].cpu_block_ids;
+  EXPECT_EQ(pool->state(key("h0", 0)), BlockState::kPending);
+  add(b, "B", {"h0", "h1"}, 12);
+  expect_match(b.get_num_new_matched_tokens("B", 0), retry());  // a's store is in flight
+  report(a, {meta.store_jobs[0].job_id});
+  expect_match(b.get_num_new_matched_tokens("B", 0), hit(8));
+  b.update_state_after_alloc("B", Table{{3, 4, 7}}, 8);
+  EXPECT_EQ(pool->pin_count(key("h0", 0)), 1u);
+  auto loads = step(b, {});
+  ASSERT_EQ(loads.load_jobs.size(), 1u);
+  EXPECT_EQ(loads.load_jobs[0].cpu_block_ids, stored);
+  auto out = report(b, {loads.load_jobs[0].job_id});
+  EXPECT_EQ(out.finished_loading, Strs{"B"});
+  EXPECT_EQ(pool->pin_count(key("h0", 0)), 0u);
+  EXPECT_EQ(pool->num_stored_blocks(), 2u);
+}
+
 }  // namespace
 }  // namespace kvoff

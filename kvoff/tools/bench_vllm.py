@@ -87,6 +87,12 @@ CONNECTORS = ("kvoff", "vllm_cpu_spec", "vllm_offloading", "none")
 NODE_POOL = "vllm_offloading_node_pool"
 """The configuration with ``--node-pool``: ``vllm_offloading`` whose manager is a node pool's
 (:class:`kvoff.node_pool.NodePoolClient`, every call through the pool's socket)."""
+KVOFF_NODE_POOL = "kvoff_node_pool"
+"""The other configuration with ``--node-pool``: ``kvoff`` (KvoffConnector, kvoff's C++
+scheduler) whose CPU pool is a node pool's
+(:class:`kvoff.node_pool.block_manager.NodePoolBlockManager`)."""
+PRIVATE_OF = {NODE_POOL: "vllm_offloading", KVOFF_NODE_POOL: "kvoff"}
+"""Each node-pool configuration's private-pool counterpart."""
 TARGET_NODE_POOL_RATIO = 1.5
 """Target: the connector's scheduler cost per step on a node pool at most 1.5x the same
 spec's on a private pool at 256 running requests (issue 56)."""
@@ -136,7 +142,8 @@ class VsVllmParams:
         node_pool: also run :data:`NODE_POOL`: ``KvoffOffloadingSpec`` attached to a node pool
             (``kvoff pool serve`` in a child process, a fresh one per run, sized like the
             private pool), next to ``vllm_offloading`` on a private pool
-            (``node_pool_vs_private``).
+            (``node_pool_vs_private``), and :data:`KVOFF_NODE_POOL`: KvoffConnector on one,
+            next to ``kvoff`` (``kvoff_node_pool_vs_private``).
     """
 
     running: tuple[int, ...] = DEFAULT_RUNNING
@@ -285,11 +292,16 @@ def _engine(
     num_gpu_blocks = running * blocks_per_request + 8 * blocks_per_request + 1
     cpu_bytes = _cpu_bytes(total_requests, p)
     transfer = None
-    if connector == "kvoff":
+    if connector in ("kvoff", KVOFF_NODE_POOL):  # KVOFF_NODE_POOL: the pool sizes itself
+        pool = (
+            {"cpu_bytes_to_use": cpu_bytes}
+            if connector != KVOFF_NODE_POOL
+            else {"node_pool": node_pool}
+        )
         transfer = KVTransferConfig(
             kv_connector="KvoffConnector", kv_connector_module_path="kvoff.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config={
-                "cpu_bytes_to_use": cpu_bytes, "offload_prompt_only": p.offload_prompt_only,
+                **pool, "offload_prompt_only": p.offload_prompt_only,
                 **({} if p.store_batch_blocks is None
                    else {"store_batch_blocks": p.store_batch_blocks}),
             },
@@ -389,7 +401,7 @@ def _worker_output(connector: str, meta: Any) -> Any:
     report them)."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    if connector == "kvoff":
+    if connector in ("kvoff", KVOFF_NODE_POOL):
         from kvoff.integrations.vllm import KvoffWorkerMetadata
 
         jobs = (*meta.load_jobs, *meta.store_jobs)
@@ -426,7 +438,7 @@ def _drive(connector: str, running: int, p: VsVllmParams) -> dict[str, Any]:
     """Runs one configuration: warm-up until ``running`` requests decode, then ``p.steps`` timed
     steps. Returns timings, totals and the per-step schedule (for the comparison).
     :data:`NODE_POOL` runs on a fresh node pool of the private pool's size, started for it."""
-    if connector != NODE_POOL:
+    if connector not in PRIVATE_OF:
         return _drive_engine(connector, running, p)
     from kvoff.node_pool.process import pool_process
 
@@ -541,17 +553,23 @@ def _drive_engine(
             gc.enable()
     stats = {}
     manager = None  # the offloading manager behind the connector's scheduler role
+    names = ("misses_while_detached", "round_trips", "answered_ahead", "loads_on_lease",
+             "async_errors")  # fmt: skip
     if connector == "kvoff":
         stats = dict(conn.scheduler.stats())
         from kvoff import CPUOffloadingManager
 
-        manager = CPUOffloadingManager  # what KvoffConnector's scheduler always runs
+        manager = CPUOffloadingManager  # KvoffConnector's scheduler on a private pool
+    elif connector == KVOFF_NODE_POOL:
+        from kvoff.node_pool.block_manager import NodePoolBlockManager
+
+        manager = NodePoolBlockManager
+        client = conn.scheduler.node_pool
+        stats = {**conn.scheduler.stats(), **{k: getattr(client, k) for k in names}}
     elif conn is not None:
         manager = type(conn.connector_scheduler.manager)
         if connector == NODE_POOL:  # calls answered as misses because the pool was gone
             client = conn.connector_scheduler.manager.manager
-            names = ("misses_while_detached", "round_trips", "answered_ahead",
-                     "loads_on_lease", "async_errors")  # fmt: skip
             stats = {k: getattr(client, k) for k in names}
     result = {
         "connector": connector,
@@ -594,8 +612,9 @@ def bench_steps_vs_vllm(
     require("vllm", VS_VLLM_FEATURE)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     entries = []
-    connectors = (*CONNECTORS, NODE_POOL) if p.node_pool else CONNECTORS
-    compared = ("kvoff", *_VLLM_CONNECTORS, *((NODE_POOL,) if p.node_pool else ()))
+    pools = tuple(PRIVATE_OF) if p.node_pool else ()
+    connectors = (*CONNECTORS, *pools)
+    compared = ("kvoff", *_VLLM_CONNECTORS, *pools)
     for running in p.running:
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in connectors}
         schedules: dict[str, list[Any]] = {c: [] for c in connectors}
@@ -630,6 +649,12 @@ def bench_steps_vs_vllm(
             ]
         if p.node_pool:
             entry.update(_node_pool_ratios(runs["vllm_offloading"], runs[NODE_POOL]))
+            entry.update(
+                {
+                    f"kvoff_{k}": v
+                    for k, v in _node_pool_ratios(runs["kvoff"], runs[KVOFF_NODE_POOL]).items()
+                }
+            )
         entries.append(entry)
     return entries
 
@@ -809,19 +834,25 @@ def format_vs_vllm(document: dict[str, Any]) -> str:
     if pooled:
         lines += [
             "",
-            "KvoffOffloadingSpec on a node pool vs a private pool (connector us per step)",
+            "On a node pool vs a private pool (connector us per step; KvoffOffloadingSpec: "
+            "vllm_offloading, KvoffConnector: kvoff)",
             f"{'running':>8} {'private':>8} {'node pool':>10} {'ratio':>7} "
             f"{'mean ratio':>11} {'step ratio':>11}  per round",
         ]
         for e in pooled:
             c = e["configurations"]
-            lines.append(
-                f"{e['running']:>8} {c['vllm_offloading']['connector_us']:>8.1f} "
-                f"{c[NODE_POOL]['connector_us']:>10.1f} {e['node_pool_vs_private']:>6.2f}x "
-                f"{e['node_pool_mean_vs_private']:>10.2f}x "
-                f"{e['node_pool_step_vs_private']:>10.2f}x  "
-                + " ".join(f"{r:.2f}x" for r in e["node_pool_vs_private_rounds"])
-            )
+            for pool, private in PRIVATE_OF.items():
+                pre = "kvoff_" if pool == KVOFF_NODE_POOL else ""
+                if f"{pre}node_pool_vs_private" not in e:
+                    continue
+                lines.append(
+                    f"{e['running']:>8} {c[private]['connector_us']:>8.1f} "
+                    f"{c[pool]['connector_us']:>10.1f} {e[f'{pre}node_pool_vs_private']:>6.2f}x "
+                    f"{e[f'{pre}node_pool_mean_vs_private']:>10.2f}x "
+                    f"{e[f'{pre}node_pool_step_vs_private']:>10.2f}x  "
+                    + " ".join(f"{r:.2f}x" for r in e[f"{pre}node_pool_vs_private_rounds"])
+                    + f"  ({private})"
+                )
     m = document.get("manager")
     if m:
         lines += [
@@ -881,7 +912,10 @@ def run_vs_vllm(
             "vllm_vs_kvoff_at_256_running_min": TARGET_STEP_RATIO,
             "manager_kvoff_vs_vllm_min": TARGET_MANAGER_SPEEDUP,
             **(
-                {"node_pool_vs_private_at_256_running_max": TARGET_NODE_POOL_RATIO}
+                {
+                    "node_pool_vs_private_at_256_running_max": TARGET_NODE_POOL_RATIO,
+                    "kvoff_node_pool_vs_private_at_256_running_max": TARGET_NODE_POOL_RATIO,
+                }
                 if p.node_pool
                 else {}
             ),
