@@ -6,7 +6,10 @@ import socket
 import threading
 from pathlib import Path
 
-from kvoff.node_pool import NodePoolServer
+from kvoff.node_pool import NodePoolClient, NodePoolServer
+
+SIM_SLOTS = 16
+"""Slots of the pools that simulated engines share (:func:`sim_engine`)."""
 
 
 class Served:
@@ -56,3 +59,14 @@ def send_raw(path: str, data: bytes) -> bytes:
         out += chunk
     s.close()
     return out
+
+
+def sim_engine(pool: Served, name: str, **kwargs):
+    """A simulated engine (tests/scheduler_harness.py, 4-token blocks) whose CPU pool is the
+    node pool ``pool`` (served with :data:`SIM_SLOTS` slots of its block size); ``kwargs`` go
+    to ``EngineSim``. Look-ups are asked each time (no kept answers)."""
+    from scheduler_harness import EngineSim
+
+    client = NodePoolClient(pool.socket, b"sim-layout", name=name, lookahead_s=0.0)
+    return EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS,
+                     node_pool=client, **kwargs)  # fmt: skip

@@ -8,13 +8,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from node_pool_harness import Served
+from node_pool_harness import SIM_SLOTS, Served
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
     region = f"kvoff-test-np-{os.getpid()}-{tmp_path.name}"[:200]
     s = Served(tmp_path / "pool.sock", region)
+    yield s
+    s.stop()
+    path = Path("/dev/shm") / region
+    if path.exists():
+        path.unlink()
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[Served]:
+    """A pool of :data:`SIM_SLOTS` slots of the simulated engines' block size
+    (``node_pool_harness.sim_engine``)."""
+    from scheduler_harness import EngineSim
+
+    probe = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS)
+    region = f"kvoff-test-sched-{os.getpid()}-{tmp_path.name}"[:200]
+    s = Served(tmp_path / "pool.sock", region, SIM_SLOTS, probe.worker.slot_bytes)
     yield s
     s.stop()
     path = Path("/dev/shm") / region

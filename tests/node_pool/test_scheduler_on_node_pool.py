@@ -4,36 +4,11 @@ and the harness checks every loaded byte (tests/scheduler_harness.py)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-from node_pool_harness import Served
+from node_pool_harness import SIM_SLOTS, Served, sim_engine
 from scheduler_harness import EngineSim
 
-from kvoff.node_pool import NodePoolClient
-
-NUM_SLOTS = 16
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[Served]:
-    # slots of the simulated engine's offloaded block (one group, block_size 4)
-    slot_bytes = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=NUM_SLOTS)
-    region = f"kvoff-test-sched-{os.getpid()}-{tmp_path.name}"[:200]
-    s = Served(tmp_path / "pool.sock", region, NUM_SLOTS, slot_bytes.worker.slot_bytes)
-    yield s
-    s.stop()
-    path = Path("/dev/shm") / region
-    if path.exists():
-        path.unlink()
-
-
-def _engine(pool: Served, name: str, **kwargs) -> EngineSim:
-    client = NodePoolClient(pool.socket, b"sim-layout", name=name, lookahead_s=0.0)
-    return EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=NUM_SLOTS,
-                     node_pool=client, **kwargs)  # fmt: skip
+from kvoff.node_pool import NodePoolClient, NodePoolError
 
 
 def _pins_and_pending(pool: Served, *engines: EngineSim) -> tuple[int, int]:
@@ -50,7 +25,7 @@ def _pins_and_pending(pool: Served, *engines: EngineSim) -> tuple[int, int]:
 
 
 def test_a_block_one_engine_stored_is_a_hit_with_its_bytes_for_another(pool: Served) -> None:
-    a, b = _engine(pool, "a"), _engine(pool, "b")
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
     prompt = list(range(13))
     a.add_request("r", prompt)
     rec = a.step()
@@ -72,8 +47,8 @@ def test_a_block_one_engine_stored_is_a_hit_with_its_bytes_for_another(pool: Ser
 
 
 def test_a_block_another_engine_is_storing_is_retried_then_hit(pool: Served) -> None:
-    a = _engine(pool, "a", auto_complete=False)
-    b = _engine(pool, "b", auto_complete=False)
+    a = sim_engine(pool, "a", auto_complete=False)
+    b = sim_engine(pool, "b", auto_complete=False)
     prompt = list(range(9))
     a.add_request("r", prompt)
     (store,) = a.step().meta.store_jobs
@@ -94,7 +69,7 @@ def test_a_block_another_engine_is_storing_is_retried_then_hit(pool: Served) -> 
 
 
 def test_a_pool_that_is_gone_is_a_miss_and_no_error(pool: Served) -> None:
-    a, b = _engine(pool, "a"), _engine(pool, "b")
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
     prompt = list(range(13))
     a.add_request("r", prompt)
     a.drain()
@@ -108,15 +83,35 @@ def test_a_pool_that_is_gone_is_a_miss_and_no_error(pool: Served) -> None:
 
 
 def test_the_pool_keeps_its_own_tiers_and_counts(pool: Served) -> None:
-    a = _engine(pool, "a")
+    a = sim_engine(pool, "a")
     with pytest.raises(ValueError, match="node pool: its tiers are the pool's"):
         a.sched.attach_tiers([], lambda slot: a.worker.cpu_block(slot).numpy())
     assert "num_free_blocks" not in a.sched.stats()  # the pool's counts: kvoff pool status
     n, pinned, pending = a.sched.pool_usage()
-    assert (n, pinned, pending) == (NUM_SLOTS, 0, 0)
+    assert (n, pinned, pending) == (SIM_SLOTS, 0, 0)
 
 
 def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
     client = NodePoolClient(pool.socket, b"sim-layout", name="x")
-    with pytest.raises(ValueError, match=f"has {NUM_SLOTS} slots but the spec has 8"):
+    with pytest.raises(ValueError, match=f"has {SIM_SLOTS} slots but the spec has 8"):
         EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, node_pool=client)
+
+
+def test_a_load_the_pool_refuses_after_the_lookup_changes_nothing(pool: Served) -> None:
+    """The pool goes away between a request's look-up (a hit, leased) and the pin of its load:
+    the pin raises NodePoolError and changes nothing, and the request can then load nothing
+    (KvoffConnector's scheduler role does that and has vLLM recompute it)."""
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
+    prompt = list(range(13))
+    a.add_request("r", prompt)
+    a.drain()
+    b.add_request("r", prompt)
+    req = b.requests["r"].req
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    before = b.sched.stats()
+    pool.stop()
+    with pytest.raises(NodePoolError):
+        b.sched.update_state_after_alloc(req, [[1, 2, 3, 4]], 12)
+    assert b.sched.stats() == before and b.sched.pin_count(a.key_of("r", 0)) == 0
+    b.sched.update_state_after_alloc(req, (), 0)  # loads nothing: recomputed
+    assert b.sched.stats()["load_jobs"] == 0

@@ -37,12 +37,16 @@ class KvoffConnectorMetadata(KVConnectorMetadata):
             their finish (store batching, ``store_batch_blocks``): this step's jobs include
             that store, so every worker reports them in ``finished_sending`` and vLLM frees
             the blocks (a later reuse waits for the store through ``jobs_to_flush``).
+        refused_loads: requests whose hit the node pool could not pin once vLLM had allocated
+            their blocks (the pool went away in between): every worker reports them as failed
+            loads (``finished_recving`` and ``failed_recving``), and vLLM recomputes them.
     """
 
     packed_jobs: bytes = _NO_JOBS
     request_ids: tuple[str, ...] = ()
     jobs_to_flush: tuple[int, ...] = ()
     finished_flushes: tuple[str, ...] = ()
+    refused_loads: tuple[str, ...] = ()
 
     @functools.cached_property
     def _jobs(self) -> tuple[tuple[TransferJob, ...], tuple[TransferJob, ...]]:

@@ -16,6 +16,7 @@ from kvoff.config import OffloadingConfig
 from kvoff.integrations.vllm.metadata import KvoffConnectorMetadata, KvoffWorkerMetadata
 from kvoff.integrations.vllm.metrics import TRANSFER_TOTALS, KvoffConnectorStats, tier_totals
 from kvoff.integrations.vllm.tier_wiring import attach_tiers, tier_config
+from kvoff.node_pool.client import NodePoolError
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.scheduler import OffloadingScheduler
 
@@ -74,6 +75,8 @@ class KvoffConnectorScheduler:
         self._tier_version: Any = None  # TieredPool.stats_version() when they were read
         # requests whose store is due at their finish, for the next step's metadata
         self._flushes_due: list[str] = []
+        # requests whose load the node pool refused, for the next step's metadata
+        self._refused_loads: list[str] = []
         # counters: the scheduler's (COUNTER_NAMES), then bytes and seconds moved by the
         # workers; the values at the last get_kv_connector_stats
         self._transfer_totals = [0, 0, 0.0, 0.0]  # TRANSFER_TOTALS
@@ -122,7 +125,16 @@ class KvoffConnectorScheduler:
         table: Sequence[Sequence[int]] = ()  # nothing to load (the usual case): no table
         if num_external_tokens:
             table = blocks.get_block_ids(allow_none=True) or ((),) * self._groups
-        self.scheduler.update_state_after_alloc(request, table, num_external_tokens)
+        try:
+            self.scheduler.update_state_after_alloc(request, table, num_external_tokens)
+        except NodePoolError as e:
+            # The node pool went away between the look-up and this pin (nothing was changed):
+            # the request loads nothing, and the workers report its load as failed, so that
+            # vLLM recomputes it instead of waiting for a load that never comes.
+            self.scheduler.update_state_after_alloc(request, (), 0)
+            self._refused_loads.append(request.request_id)
+            logger.warning("kvoff: the node pool refused the load of request %s (%s); it is "
+                           "recomputed", request.request_id, e)  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvoffConnectorMetadata:
         """As :meth:`KvoffConnector.build_connector_meta`."""
@@ -155,7 +167,10 @@ class KvoffConnectorScheduler:
         flushes: tuple[str, ...] = ()
         if self._flushes_due:  # stores due at requests' finish: emitted by this very step
             flushes, self._flushes_due = tuple(self._flushes_due), []
-        return KvoffConnectorMetadata(packed, request_ids, tuple(flush), flushes)
+        refused: tuple[str, ...] = ()
+        if self._refused_loads:
+            refused, self._refused_loads = tuple(self._refused_loads), []
+        return KvoffConnectorMetadata(packed, request_ids, tuple(flush), flushes, refused)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """As :meth:`KvoffConnector.update_connector_output`."""

@@ -141,6 +141,10 @@ class KvoffConnectorWorker:
         if isinstance(step, KvoffConnectorMetadata) and step.finished_flushes:
             # their stores are this step's jobs: vLLM may free their blocks now
             results.finished_sending.update(step.finished_flushes)
+        if isinstance(step, KvoffConnectorMetadata) and step.refused_loads:
+            # loads the node pool refused: failed, recomputed by vLLM
+            results.finished_recving.update(step.refused_loads)
+            results.failed_recving.update(step.refused_loads)
         finished = self.worker.get_finished()
         meta = self._pending_meta
         for r in finished:
