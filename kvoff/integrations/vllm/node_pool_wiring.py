@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvoff.config import OffloadingConfig
     from kvoff.node_pool import NodePoolClient
 
-__all__ = ["connector_node_pool"]
+__all__ = ["check_fits", "connector_node_pool"]
 
 _PROBE_BYTES = 1 << 62
 """Pool bytes of the spec that only measures an offloaded block's bytes (never allocated)."""
@@ -52,6 +52,25 @@ def connector_node_pool(
     world = probe.world_size
     client = NodePoolClient(path, tier_fingerprint(vllm_config, probe, 0), name=name)
     need = probe.bytes_per_offloaded_block
+    detail = (f"{probe.kv_bytes_per_block} bytes per GPU block x block_size_factor "
+              f"{probe.block_size_factor}")  # fmt: skip
+    check_fits(client, world, need, detail)
+    spec = cpu_spec(
+        vllm_config, kv_cache_config, config, cpu_bytes_to_use=client.num_slots * need * world
+    )
+    return spec, client
+
+
+def check_fits(client: NodePoolClient, world: int, need: int, detail: str) -> None:
+    """Refuses a node pool that cannot hold this engine's blocks (closing ``client``): another
+    number of tensor-parallel ranks than ``world``, or slots of other than ``need`` bytes (one
+    rank's offloaded block; ``detail`` says how the engine's figure is made).
+
+    Raises:
+        ValueError: naming the ``kvoff pool serve`` option (``--ranks``, ``--slot-bytes``)
+            and the value that fits.
+    """
+    path = client.socket_path
     if len(client.regions) != world:
         client.close()
         raise ValueError(
@@ -62,11 +81,6 @@ def connector_node_pool(
         client.close()
         raise ValueError(
             f"the node pool at {path} has slots of {client.slot_bytes} bytes, but this engine's "
-            f"offloaded blocks are {need} bytes per rank ({probe.kv_bytes_per_block} bytes per "
-            f"GPU block x block_size_factor {probe.block_size_factor}); serve a pool with "
+            f"offloaded blocks are {need} bytes per rank ({detail}); serve a pool with "
             f"--slot-bytes {need} for this model and layout"
         )
-    spec = cpu_spec(
-        vllm_config, kv_cache_config, config, cpu_bytes_to_use=client.num_slots * need * world
-    )
-    return spec, client

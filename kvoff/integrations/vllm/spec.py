@@ -247,6 +247,7 @@ def _attach_node_pool(socket_path: str, config: Any, blocks_per_chunk: int) -> A
         ValueError: the pool's slots are not this engine's bytes per offloaded block (one
             rank's), or it serves another number of tensor-parallel ranks.
     """
+    from kvoff.integrations.vllm.node_pool_wiring import check_fits
     from kvoff.node_pool import NodePoolClient
 
     rank = int(config.parallel.rank)
@@ -254,19 +255,7 @@ def _attach_node_pool(socket_path: str, config: Any, blocks_per_chunk: int) -> A
         socket_path, spec_fingerprint(config, rank), name=f"{config.engine_id}-rank{rank}"
     )
     need = int(config.worker_kv_bytes_per_block) * blocks_per_chunk
-    world = int(config.parallel.world_size)
-    if len(client.regions) != world:
-        client.close()
-        raise ValueError(
-            f"the node pool at {socket_path} serves {len(client.regions)} tensor-parallel "
-            f"rank(s), but this engine has {world}; serve a pool with --ranks {world} for it"
-        )
-    if client.slot_bytes != need:
-        client.close()
-        raise ValueError(
-            f"the node pool at {socket_path} has slots of {client.slot_bytes} bytes, but this "
-            f"engine's offloaded blocks are {need} bytes ({config.worker_kv_bytes_per_block} "
-            f"bytes per block x {blocks_per_chunk} blocks per chunk); serve a pool with "
-            f"--slot-bytes {need} for this model and layout"
-        )
+    detail = (f"{config.worker_kv_bytes_per_block} bytes per block x {blocks_per_chunk} blocks "
+              "per chunk")  # fmt: skip
+    check_fits(client, int(config.parallel.world_size), need, detail)
     return client
