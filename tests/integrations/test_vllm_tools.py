@@ -111,10 +111,15 @@ def test_bench_vs_vllm_same_schedule_and_both_measured() -> None:
 
 
 def test_bench_vs_vllm_node_pool_schedules_the_same_through_a_pool_process() -> None:
-    """``--node-pool``: KvoffOffloadingSpec on a node pool (a pool process per run) finds the
-    same hits and schedules the same tokens as on a private pool, and the look-ahead and the
-    leases spare it round trips (the ratio itself is a benchmark)."""
-    from kvoff.tools.bench_vllm import NODE_POOL, VsVllmParams, bench_steps_vs_vllm
+    """``--node-pool``: KvoffOffloadingSpec and KvoffConnector on a node pool (a pool process
+    per run) find the same hits and schedule the same tokens as on a private pool, and the
+    look-ahead and the leases spare the spec round trips (the ratios are a benchmark)."""
+    from kvoff.tools.bench_vllm import (
+        KVOFF_NODE_POOL,
+        NODE_POOL,
+        VsVllmParams,
+        bench_steps_vs_vllm,
+    )
 
     p = VsVllmParams(running=(32,), prompt_tokens=256, output_tokens=16, steps=32, rounds=1,
                      store_batch_blocks=1, node_pool=True)  # fmt: skip
@@ -126,3 +131,10 @@ def test_bench_vs_vllm_node_pool_schedules_the_same_through_a_pool_process() -> 
     assert stats["misses_while_detached"] == 0 and stats["async_errors"] == 0
     assert stats["answered_ahead"] > stats["round_trips"] / 4  # most look-ups asked nothing
     assert entry["node_pool_vs_private"] > 0 and len(entry["node_pool_vs_private_rounds"]) == 1
+    kvoff, kvoff_pooled = (entry["configurations"][c] for c in ("kvoff", KVOFF_NODE_POOL))
+    assert kvoff_pooled["hit_tokens"] == kvoff["hit_tokens"]
+    assert kvoff_pooled["hit_tokens"]["connector"] > 0
+    stats = kvoff_pooled["kvoff_stats"]
+    assert stats["misses_while_detached"] == 0 and stats["async_errors"] == 0
+    assert stats["blocks_loaded"] > 0 and stats["store_refusals"] == 0
+    assert entry["kvoff_node_pool_vs_private"] > 0
