@@ -39,11 +39,14 @@ class NodePoolBlockManager:
         client: the connection.
         load_failures: loads the pool refused (the pool gone, or a key evicted since it was
             looked up); the scheduler's hook raised for each (vLLM then recomputes).
+        stores_refused_in_flight: stores refused because the pool, restarted on the same
+            region, handed out a slot this engine was still writing for the pool before.
     """
 
     def __init__(self, client: NodePoolClient) -> None:
         self.client = client
         self.load_failures = 0
+        self.stores_refused_in_flight = 0
         self._storing: dict[int, bytes] = {}  # slot -> key this engine is storing there
         self._loading: dict[int, bytes] = {}  # slot -> key this engine is loading from it
         self._load_pins: Counter[bytes] = Counter()  # key -> loads of this engine in flight
@@ -103,10 +106,18 @@ class NodePoolBlockManager:
         self, keys: Sequence[bytes]
     ) -> tuple[list[int], list[int], list[bytes]] | None:
         """Slots for the keys the pool does not hold: (their positions in ``keys``, their
-        slots, the keys evicted for them), or None when the pool has no room or is gone (all
-        or nothing)."""
+        slots, the keys evicted for them), or None when the pool has no room or is gone, or
+        gave a slot this engine is still writing (all or nothing)."""
         got = self.client.prepare_store(keys)
         if got is None:
+            return None
+        if any(s in self._storing for s in got.block_ids):
+            # A pool restarted on the same region (after a crash) hands out slots this engine
+            # is still writing for the old pool. The store is refused (retried by the
+            # scheduler), so that a slot never stands for two keys here: the old job's
+            # completion must not end the new store.
+            self.client.complete_store(got.keys_to_store, success=False)
+            self.stores_refused_in_flight += 1
             return None
         for k, s in zip(got.keys_to_store, got.block_ids, strict=True):
             self._storing[s] = k

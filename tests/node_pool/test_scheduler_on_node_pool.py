@@ -4,6 +4,8 @@ and the harness checks every loaded byte (tests/scheduler_harness.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from node_pool_harness import SIM_SLOTS, Served, sim_engine
 from scheduler_harness import EngineSim
@@ -115,3 +117,46 @@ def test_a_load_the_pool_refuses_after_the_lookup_changes_nothing(pool: Served) 
     assert b.sched.stats() == before and b.sched.pin_count(a.key_of("r", 0)) == 0
     b.sched.update_state_after_alloc(req, (), 0)  # loads nothing: recomputed
     assert b.sched.stats()["load_jobs"] == 0
+
+
+def test_a_slot_a_restarted_pool_hands_out_again_never_stands_for_two_keys(tmp_path) -> None:
+    """The pool is killed while this engine writes a store and restarts on the same region
+    with an empty index: its first slots are the ones still being written. That store is
+    refused (retried), so the old job's completion cannot end it; the retry stores."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kvoff.node_pool import wait_for_pool
+    from kvoff.node_pool.block_manager import NodePoolBlockManager
+
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-np-slots-{os.getpid()}"
+    cmd = [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots", "8",
+           "--slot-bytes", "4096", "--region", region]  # fmt: skip
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        wait_for_pool(sock, proc)
+        return proc
+
+    old, new = [b"old-key-%d" % i for i in range(2)], [b"new-key-%d" % i for i in range(2)]
+    server = start()
+    try:
+        m = NodePoolBlockManager(NodePoolClient(sock, b"layout", retry_s=0.05, lookahead_s=0))
+        _, writing, _ = m.prepare_store(old)  # the worker is writing these slots
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        assert m.states(old) == b"\0"  # gone: a miss
+        server = start()  # adopts the region, with an empty index
+        time.sleep(0.1)  # past retry_s
+        assert m.prepare_store(new) is None and m.stores_refused_in_flight == 1
+        m.complete_store_blocks(writing, True)  # the old store ends: nothing becomes a hit
+        assert [m.block_state(k) for k in old + new] == ["missing"] * 4
+        _, slots, _ = m.prepare_store(new)  # retried: stored
+        m.complete_store_blocks(slots, True)
+        assert [m.block_state(k) for k in new] == ["ready"] * 2
+    finally:
+        server.terminate()
+        server.wait()
