@@ -10,7 +10,6 @@ side (``cpp/bindings/node_pool_manager.cpp``) calls the methods below; their mea
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -18,8 +17,6 @@ from typing import Any
 from kvoff.node_pool.client import NodePoolClient, NodePoolError
 
 __all__ = ["NodePoolBlockManager"]
-
-logger = logging.getLogger(__name__)
 
 # state codes the C++ side reads (BlockManager's BlockState, with a load pin of this engine)
 _MISSING, _PENDING, _READY, _READY_LOADING = 0, 1, 2, 3
@@ -48,9 +45,9 @@ class NodePoolBlockManager:
         self.load_failures = 0
         self.stores_refused_in_flight = 0
         self._storing: dict[int, bytes] = {}  # slot -> key this engine is storing there
-        self._loading: dict[int, bytes] = {}  # slot -> key this engine is loading from it
+        # slot -> [key, loads of this engine in flight from the slot]
+        self._loading: dict[int, list] = {}
         self._load_pins: Counter[bytes] = Counter()  # key -> loads of this engine in flight
-        self._slot_loads: Counter[int] = Counter()  # slot -> loads of this engine in flight
 
     def states(self, keys: Sequence[bytes]) -> bytes:
         """A state code per key (0 missing, 1 pending, 2 ready, 3 ready and being loaded by
@@ -78,27 +75,32 @@ class NodePoolBlockManager:
         except NodePoolError:
             self.load_failures += 1
             raise
+        loading = self._loading
         for k, s in zip(keys, slots, strict=True):
             self._load_pins[k] += 1
-            self._slot_loads[s] += 1
-            self._loading[s] = k
+            held = loading.get(s)
+            if held is None or held[0] != k:  # a new load of the slot (or a new pool's key)
+                loading[s] = [k, 1]
+            else:
+                held[1] += 1
         return slots
 
     def complete_load_blocks(self, slots: Sequence[int]) -> None:
         """Unpins the slots of a finished load (those :meth:`prepare_load` gave)."""
         keys = []
+        loading, pins = self._loading, self._load_pins
         for s in slots:
-            k = self._loading.get(s)
-            if k is None:
+            held = loading.get(s)
+            if held is None:
                 continue  # not a load of this engine's (the scheduler never passes one)
+            k = held[0]
             keys.append(k)
-            self._load_pins[k] -= 1
-            if self._load_pins[k] <= 0:
-                del self._load_pins[k]
-            self._slot_loads[s] -= 1
-            if self._slot_loads[s] <= 0:
-                del self._slot_loads[s]
-                del self._loading[s]
+            pins[k] -= 1
+            if pins[k] <= 0:
+                del pins[k]
+            held[1] -= 1
+            if held[1] <= 0:
+                del loading[s]
         if keys:
             self.client.complete_load(keys)
 
@@ -143,16 +145,22 @@ class NodePoolBlockManager:
         return [(e.removed, list(e.keys)) for e in self.client.take_events()]
 
     def block_state(self, key: bytes) -> str:
-        """``"missing"``, ``"pending"`` or ``"ready"``: the pool's answer now (one round trip,
-        after this engine's queued calls; "missing" while the pool is gone)."""
+        """``"missing"``, ``"pending"`` or ``"ready"``. A key this engine is loading is ready
+        (its load pins it; a leased load outlives a pool that went away, see
+        :meth:`NodePoolClient.prepare_load`); any other key: the pool's answer now (one round
+        trip, after this engine's queued calls; "missing" while the pool is gone)."""
+        if self._load_pins[key]:
+            return "ready"
         return ("missing", "ready", "pending")[self.client.key_state(key)]
 
     def slot_in_flight(self, key: bytes) -> int | None:
         """The slot this engine is storing ``key`` into or loading it from, else None."""
-        for slots in (self._storing, self._loading):
-            for s, k in slots.items():
-                if k == key:
-                    return s
+        for s, k in self._storing.items():
+            if k == key:
+                return s
+        for s, (k, _) in self._loading.items():
+            if k == key:
+                return s
         return None
 
     def load_pins(self, key: bytes) -> int:
@@ -161,4 +169,4 @@ class NodePoolBlockManager:
 
     def in_flight(self) -> dict[str, Any]:
         """This engine's slots in flight: ``{"storing": n, "loading": n}`` (tests, metrics)."""
-        return {"storing": len(self._storing), "loading": sum(self._slot_loads.values())}
+        return {"storing": len(self._storing), "loading": sum(self._load_pins.values())}

@@ -16,8 +16,9 @@ Completions and touches are queued and sent with the next call that waits for a 
 :meth:`NodePoolClient.flush`). A kept answer is at most ``lookahead_s`` old. The ready keys a
 look-up answers are leased to this connection (pinned by the pool for its ``lease_s``), so
 another engine's store cannot evict them before this engine's ``prepare_load``, which then
-needs no reply; a ``prepare_load`` of keys not leased (a multi-key look-up, a lapsed lease)
-waits for the pool and raises :class:`NodePoolError` when a key has gone meanwhile.
+needs no reply and goes on even when the pool has just gone away; a ``prepare_load`` of keys
+not leased (a multi-key look-up, a lapsed lease) waits for the pool and raises
+:class:`NodePoolError` when a key has gone meanwhile or the pool is gone.
 
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None
@@ -107,6 +108,8 @@ class NodePoolClient:
         answered_ahead: one-key look-ups answered from a look-ahead reply (no round trip).
         loads_on_lease: ``prepare_load`` calls answered from the look-up's leases (no round
             trip).
+        loads_after_loss: ``prepare_load`` calls of leased keys made while the pool went away
+            (the load goes on from the leased slots; :meth:`prepare_load`).
         lease_s: seconds the pool leases a look-up's ready keys to this engine.
         events_dropped: KV events the pool dropped because this engine did not take them in
             time (its queue holds 4 keys per slot).
@@ -153,6 +156,7 @@ class NodePoolClient:
         # the last prepare_store's answer: unprefixed key -> state byte (for key_states)
         self._store_states: dict[bytes, int] = {}
         self.loads_on_lease = 0
+        self.loads_after_loss = 0
         self._events_on = False
         self.events_dropped = 0
         self._sock: socket.socket | None = None
@@ -432,11 +436,14 @@ class NodePoolClient:
         self._known_until = time.monotonic() + self.lookahead_s
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        """Pins the keys (looked up as ready) and returns their slots.
+        """Pins the keys (looked up as ready) and returns their slots. Keys a one-key look-up
+        leased less than ``lease_s / 2`` ago need no reply, and they load even when the pool
+        goes away now (the lease kept their slots; the code comment says why that is safe).
 
         Raises:
-            NodePoolError: a key not ready, or the pool is gone (the load cannot happen: the
-                caller counts it as a failed load).
+            NodePoolError: a key not leased and not ready any more, or the pool is gone before
+                a load of keys not leased (the load cannot happen: the caller counts it as a
+                failed load). Nothing is pinned.
         """
         keys = [bytes(k) for k in keys]
         leases = self._leases
@@ -449,8 +456,17 @@ class NodePoolClient:
         ):  # every key is leased to this connection: the pool cannot refuse, no reply needed
             slots = [leases.pop(k)[0] for k in keys]
             self._send(p.PREPARE_LOAD, self._keys(keys), now=True)  # the lease is running
-            if self._sock is None:  # gone while sending: nothing is pinned
-                raise NodePoolError("the node pool is gone: the load cannot be made")
+            if self._sock is None:
+                # The pool died after leasing the keys, less than lease_s / 2 ago. Their bytes
+                # are still in this engine's mapping, and no pool can hand the slots to a
+                # writer before a new one starts on the region (over a second, it imports
+                # torch). So the load goes on, with nothing to pin or unpin. Refusing it
+                # would leave vLLM's OffloadingConnector without an answer: it has no path
+                # for a failed load.
+                self.loads_after_loss += 1
+                logger.warning("kvoff node pool at %s went away after leasing %d keys; "
+                               "they load from its slots", self.socket_path, len(keys))  # fmt: skip
+                return slots
             self._pins.update(keys)
             self.loads_on_lease += 1
             return slots

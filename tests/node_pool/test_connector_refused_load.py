@@ -47,7 +47,8 @@ def test_a_refused_load_is_reported_failed_by_every_worker(pool: Served) -> None
     a.drain()  # the prompt's blocks are in the pool
     b = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS)  # b's plan only
     config = OffloadingConfig.from_dict({"node_pool": pool.socket})
-    client = NodePoolClient(pool.socket, b"sim-layout", name="b", lookahead_s=0.0)
+    # look-ups without a lease (a leased hit loads even from a pool that is gone)
+    client = NodePoolClient(pool.socket, b"sim-layout", name="b", lookahead=0)
     role = KvoffConnectorScheduler(_vllm_config(), config, b.spec, "b", node_pool=client)
     b.add_request("r", prompt)
     req = b.requests["r"].req

@@ -99,11 +99,42 @@ def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
         EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, node_pool=client)
 
 
-def test_a_load_the_pool_refuses_after_the_lookup_changes_nothing(pool: Served) -> None:
-    """The pool goes away between a request's look-up (a hit, leased) and the pin of its load:
-    the pin raises NodePoolError and changes nothing, and the request can then load nothing
-    (KvoffConnector's scheduler role does that and has vLLM recompute it)."""
+def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
+    pool: Served,
+) -> None:
+    """The pool goes away between a request's look-up (a hit, leased to this engine) and the
+    pin of its load: the load goes on from the leased slots, and the harness checks that every
+    loaded byte is the block's."""
     a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
+    prompt = list(range(13))
+    a.add_request("r", prompt)
+    a.drain()
+    lookup = b.sched.get_num_new_matched_tokens
+
+    def lookup_then_stop(req, computed):
+        out = lookup(req, computed)
+        pool.stop()  # gone after the look-up, before the load's pin
+        return out
+
+    b.sched.get_num_new_matched_tokens = lookup_then_stop
+    b.add_request("r", prompt)
+    rec = b.step()
+    assert rec.lookups == {"r": (0, 12)}
+    (load,) = rec.meta.load_jobs
+    assert rec.outputs[-1].finished_loading == ("r",)  # the harness checked the bytes
+    client = b.sched.node_pool
+    assert client.loads_after_loss == 1 and not client.attached
+    b.drain()
+    assert b.sched.stats()["hit_tokens"] == 12 and b.sched.pin_count(load.keys[0]) == 0
+
+
+def test_a_load_the_pool_refuses_after_the_lookup_changes_nothing(pool: Served) -> None:
+    """The pool goes away between a request's look-up (a hit, not leased: a multi-key look-up)
+    and the pin of its load: the pin raises NodePoolError and changes nothing, and the request
+    can then load nothing (KvoffConnector's scheduler role does that and has vLLM recompute
+    it)."""
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
+    b.sched.node_pool.lookahead = 0  # look-ups without a lease
     prompt = list(range(13))
     a.add_request("r", prompt)
     a.drain()
