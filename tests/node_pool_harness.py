@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -70,3 +72,16 @@ def sim_engine(pool: Served, name: str, **kwargs):
     client = NodePoolClient(pool.socket, b"sim-layout", name=name, lookahead_s=0.0)
     return EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS,
                      node_pool=client, **kwargs)  # fmt: skip
+
+
+def start_pool_process(socket_path: str, region: str, slots: int) -> subprocess.Popen[bytes]:
+    """``kvoff pool serve`` in a child process (4 KiB slots), once it answers: a pool the
+    tests can SIGKILL and start again on the same region (it then adopts the region). A killed
+    pool leaves its socket file, so this waits for one that answers."""
+    from kvoff.node_pool import wait_for_pool
+
+    cmd = [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", socket_path,
+           "--slots", str(slots), "--slot-bytes", "4096", "--region", region]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    wait_for_pool(socket_path, proc)
+    return proc

@@ -20,9 +20,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from node_pool_harness import send_raw
+from node_pool_harness import send_raw, start_pool_process
 
-from kvoff.node_pool import NodePoolClient, NodePoolServer, wait_for_pool
+from kvoff.node_pool import NodePoolClient, NodePoolServer
 from kvoff.node_pool import protocol as p
 from kvoff.pinned import HostPool, SharedMemoryError
 
@@ -248,13 +248,9 @@ def test_a_pool_killed_and_restarted_under_an_engine_means_misses_then_hits(
 ) -> None:
     sock = str(tmp_path / "pool.sock")
     region = f"kvoff-test-np-restart-{os.getpid()}"
-    cmd = [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots", "16",
-           "--slot-bytes", "4096", "--region", region]  # fmt: skip
 
     def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        wait_for_pool(sock, proc)  # a killed pool leaves its socket file: one must answer
-        return proc
+        return start_pool_process(sock, region, 16)
 
     server = start()
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from node_pool_harness import SIM_SLOTS, Served, sim_engine
+from node_pool_harness import SIM_SLOTS, Served, sim_engine, start_pool_process
 from scheduler_harness import EngineSim
 
 from kvoff.node_pool import NodePoolClient, NodePoolError
@@ -155,22 +155,15 @@ def test_a_slot_a_restarted_pool_hands_out_again_never_stands_for_two_keys(tmp_p
     with an empty index: its first slots are the ones still being written. That store is
     refused (retried), so the old job's completion cannot end it; the retry stores."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    from kvoff.node_pool import wait_for_pool
     from kvoff.node_pool.block_manager import NodePoolBlockManager
 
     sock = str(tmp_path / "pool.sock")
     region = f"kvoff-test-np-slots-{os.getpid()}"
-    cmd = [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", sock, "--slots", "8",
-           "--slot-bytes", "4096", "--region", region]  # fmt: skip
 
-    def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        wait_for_pool(sock, proc)
-        return proc
+    def start():
+        return start_pool_process(sock, region, 8)
 
     old, new = [b"old-key-%d" % i for i in range(2)], [b"new-key-%d" % i for i in range(2)]
     server = start()
