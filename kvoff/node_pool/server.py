@@ -539,14 +539,15 @@ class NodePoolServer:
                 raise p.ProtocolError("complete_store needs a success byte and keys")
             keys, end = p.decode_keys(payload, 1)
             self._check_end(payload, end)
-            unknown = [k.hex() for k in keys if k not in eng.storing]
-            if unknown or len(set(keys)) != len(keys):
+            given = set(keys)
+            if len(given) != len(keys) or not given <= eng.storing:
+                unknown = [k.hex() for k in keys if k not in eng.storing]
                 raise ValueError(
                     f"keys {unknown[:4]} are not being stored by this engine (or repeat); "
                     "complete only the keys prepare_store gave it, once"
                 )
             m.complete_store(keys, bool(payload[0]))
-            eng.storing.difference_update(keys)
+            eng.storing -= given
             if payload[0]:
                 eng.stored_keys += len(keys)
             else:
@@ -629,14 +630,18 @@ class NodePoolServer:
             to_store = list(out.keys_to_store)  # in the call's order: a subsequence of keys
             eng.storing.update(to_store)
             self._chain(keys)
-            index, states, j = [], [p.STATE_PENDING] * len(keys), 0
+            states = [p.STATE_PENDING] * len(keys)
             others: list[int] = []
-            for i, k in enumerate(keys):
-                if j < len(to_store) and k == to_store[j]:
-                    index.append(i)
-                    j += 1
-                else:
-                    others.append(i)
+            if len(to_store) == len(keys):  # the usual case: every key is new
+                index = list(range(len(keys)))
+            else:
+                index, j = [], 0
+                for i, k in enumerate(keys):
+                    if j < len(to_store) and k == to_store[j]:
+                        index.append(i)
+                        j += 1
+                    else:
+                        others.append(i)
             if others:
                 for i, st in zip(others, self._states([keys[i] for i in others]), strict=True):
                     states[i] = st
