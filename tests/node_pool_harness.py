@@ -74,14 +74,16 @@ def sim_engine(pool: Served, name: str, **kwargs):
                      node_pool=client, **kwargs)  # fmt: skip
 
 
-def start_pool_process(socket_path: str, region: str, slots: int) -> subprocess.Popen[bytes]:
-    """``kvoff pool serve`` in a child process (4 KiB slots), once it answers: a pool the
-    tests can SIGKILL and start again on the same region (it then adopts the region). A killed
-    pool leaves its socket file, so this waits for one that answers."""
+def start_pool_process(
+    socket_path: str, region: str, slots: int, slot_bytes: int = 4096
+) -> subprocess.Popen[bytes]:
+    """``kvoff pool serve`` in a child process, once it answers: a pool the tests can SIGKILL
+    and start again on the same region (it then adopts the region). A killed pool leaves its
+    socket file, so this waits for one that answers."""
     from kvoff.node_pool import wait_for_pool
 
     cmd = [sys.executable, "-m", "kvoff", "pool", "serve", "--socket", socket_path,
-           "--slots", str(slots), "--slot-bytes", "4096", "--region", region]  # fmt: skip
+           "--slots", str(slots), "--slot-bytes", str(slot_bytes), "--region", region]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     wait_for_pool(socket_path, proc)
     return proc

@@ -9,9 +9,12 @@ import json
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from node_pool_harness import start_pool_process
 from test_vllm import (
     BLOCK,
     GPU_BLOCK_BYTES,
@@ -134,6 +137,62 @@ def test_kvoff_connectors_share_a_node_pool_and_a_restarted_engine_hits_at_once(
                  extra={**extra, "disk_path": "/tmp/kvoff-none"})  # fmt: skip
     err = run_engine(plan, expect_failure=True)["stderr"]
     assert "with node_pool the tiers are the node pool's" in err
+
+
+def _wait_for_file(path: Path, engine: Future) -> None:
+    """Waits until the engine process creates ``path`` (a phase's ``sync``); an engine that
+    ended first fails the test with its error."""
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        if engine.done():
+            engine.result()  # raises the engine's failure
+            raise AssertionError(f"the engine ended without reaching {path.name}")
+        assert time.monotonic() < deadline, f"the engine did not reach {path.name}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["spec", "kvoff"])
+def test_a_pool_killed_and_restarted_under_a_running_engine_means_misses_then_hits(
+    run_engine, tiny_models, reference, tmp_path: Path, way: str
+) -> None:
+    """One engine process runs four phases of the same prompts, each after a reset of vLLM's
+    own prefix cache: stored in the pool; the pool SIGKILLed: misses, with no error and
+    token-identical outputs; the pool restarted on the same region (it adopts the region,
+    with an empty index): misses, and the engine reattaches and stores again; then hits."""
+    model = str(tiny_models["llama"])
+    ref_a, _ = reference
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-vllm-np-restart-{os.getpid()}-{way}"
+
+    def sync(n: int) -> dict:
+        return {"ready": str(tmp_path / f"ready{n}"), "go": str(tmp_path / f"go{n}")}
+
+    phases = [{"prompts": PROMPTS_A, "max_tokens": MAX_TOKENS, "reset": i > 0} for i in range(4)]
+    phases[1]["sync"], phases[2]["sync"] = sync(1), sync(2)
+    plan = _plan(model, way, phases, extra={"node_pool": sock})
+    pool = start_pool_process(sock, region, 64, GPU_BLOCK_BYTES)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            engine = ex.submit(run_engine, plan)
+            _wait_for_file(tmp_path / "ready1", engine)
+            pool.kill()  # SIGKILL: the pool's socket file and region stay behind
+            pool.wait()
+            (tmp_path / "go1").touch()
+            _wait_for_file(tmp_path / "ready2", engine)
+            pool = start_pool_process(sock, region, 64, GPU_BLOCK_BYTES)  # adopts the region
+            (tmp_path / "go2").touch()
+            result = engine.result(timeout=900)
+        stored = _status(sock)["stored_blocks"]
+    finally:
+        pool.kill()
+        pool.wait()
+        Path("/dev/shm", region).unlink(missing_ok=True)
+    hits = [ph["metrics"].get("vllm:external_prefix_cache_hits", 0) for ph in result["phases"]]
+    assert [ph["outputs"] for ph in result["phases"]] == [ref_a] * 4  # no error, same tokens
+    assert hits[1] == hits[0] and hits[2] == hits[1]  # the pool dead, then restarted empty
+    assert hits[3] > hits[2] and min(result["phases"][3]["cached"]) >= 768  # hits again
+    assert stored >= 768 // BLOCK  # what the engine stored into the restarted pool
 
 
 def test_the_spec_manager_on_a_node_pool_leases_its_hits_and_hears_every_engines_events(

@@ -26,7 +26,10 @@ The plan (JSON):
         phase then has no outputs,
         idle_steps: N to run N engine steps without adding the prompts (requests of earlier
         phases the engine still holds, e.g. for a connector's store, are served); the phase
-        then has no outputs}
+        then has no outputs,
+        sync: {ready: path, go: path, timeout_s} to create the file ``ready`` before the
+        phase and wait for the test to create ``go`` (the test acts meanwhile: kills or
+        restarts a pool)}
 
 Faults act on kvoff's worker in this process for one phase: "fail_loads" and "fail_stores"
 report every load (store) as failed without copying (what a real failure does),
@@ -241,6 +244,8 @@ def main(plan_path: str, result_path: str) -> None:
     elif connector is not None and plan["connector"] == "spec":
         _watch_spec(connector, jobs, result)
     for phase in plan["phases"]:
+        if "sync" in phase:  # the test acts on the world (a pool killed, restarted) first
+            _handshake(phase["sync"])
         FAULT["mode"] = phase.get("fault")
         FAULT["slow_steps"] = phase.get("slow_steps", 2)
         if phase.get("reset_connector"):
@@ -301,6 +306,19 @@ def main(plan_path: str, result_path: str) -> None:
         result["shutdown"] = True
     with open(result_path, "w") as fh:
         json.dump(result, fh)
+
+
+def _handshake(sync: dict[str, Any]) -> None:
+    """Creates the file ``sync["ready"]``, then waits for the test to create ``sync["go"]``."""
+    import time
+
+    with open(sync["ready"], "w"):
+        pass
+    deadline = time.monotonic() + float(sync.get("timeout_s", 300))
+    while not os.path.exists(sync["go"]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test did not create {sync['go']} in time")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
