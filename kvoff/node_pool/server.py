@@ -737,9 +737,13 @@ class NodePoolServer:
         for a, b in itertools.pairwise(keys):
             if a != b:
                 succ[a] = b
-        excess = len(succ) - SUCCESSORS_PER_SLOT * self.num_slots
-        for _ in range(max(0, excess)):
-            del succ[next(iter(succ))]
+        cap = SUCCESSORS_PER_SLOT * self.num_slots
+        if len(succ) > cap:
+            # the oldest eighth goes at once: a dict's next(iter()) walks over the slots that
+            # earlier deletions left, so one oldest key at a time cost 2.3 µs per key stored
+            # once the map was full (with tiers, evictions do not shrink it)
+            for k in list(itertools.islice(succ, len(succ) - cap + cap // 8)):
+                del succ[k]
 
     def _forget(self, keys: Any) -> None:
         succ = self.successors

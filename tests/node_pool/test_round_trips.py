@@ -189,3 +189,22 @@ def test_bad_look_aheads_and_no_reply_calls_get_errors_and_change_nothing(served
     m = served.server.manager
     state = served.call(lambda s: (m.num_stored_blocks, m.num_evictable_blocks, len(s.engines)))
     assert state == (1, 1, 1) and good.lookup(_keys(1)) == 1
+
+
+def test_the_successor_map_keeps_the_newest_chains_within_its_bound(tmp_path: Path) -> None:
+    """The map LOOKUP_AHEAD walks holds at most SUCCESSORS_PER_SLOT x slots keys; beyond that
+    the oldest go first, so the newest chains are still answered whole."""
+    from kvoff.node_pool.server import SUCCESSORS_PER_SLOT, NodePoolServer
+
+    server = NodePoolServer(str(tmp_path / "pool.sock"), 16, 64,
+                            region=f"kvoff-test-np-succ-{os.getpid()}")  # fmt: skip
+    try:
+        cap = SUCCESSORS_PER_SLOT * 16
+        chains = [[b"chain-%03d-%d" % (c, i) for i in range(4)] for c in range(40)]
+        for chain in chains:
+            server._chain(chain)
+            assert len(server.successors) <= cap
+        assert server._walk(chains[-1][0], 8) == chains[-1]  # the newest: whole
+        assert server._walk(chains[0][0], 8) == chains[0][:1]  # the oldest: dropped
+    finally:
+        server.close()
