@@ -153,6 +153,7 @@ class NodePoolClient:
         self._unreported = [0, 0]  # look-ups answered from _known (and hits) not yet reported
         # leases the pool gave this connection: unprefixed key -> (slot, monotonic s received)
         self._leases: dict[bytes, tuple[int, float]] = {}
+        self._next_sweep = 0.0  # monotonic s: the next sweep of lapsed leases (_lease)
         # the last prepare_store's answer: unprefixed key -> state byte (for key_states)
         self._store_states: dict[bytes, int] = {}
         self.loads_on_lease = 0
@@ -422,7 +423,10 @@ class NodePoolClient:
         for k, st, slot in zip(prefixed, states, slots, strict=True):
             if st == p.STATE_READY and k[:8] == pre:
                 leases[k[8:]] = (slot, now)
-        if len(leases) > 4096:  # those the pool has let lapse by now
+        if len(leases) > 4096 and now >= self._next_sweep:  # those the pool let lapse
+            # at most one sweep per lease_s / 2: with more than 4,096 fresh leases (long
+            # chains looked up ahead and not loaded), a sweep per call cost 200-600 µs a call
+            self._next_sweep = now + self.lease_s / 2
             old = now - self.lease_s
             for k in [k for k, (_, t) in leases.items() if t < old]:
                 del leases[k]
@@ -481,12 +485,15 @@ class NodePoolClient:
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpins the keys of a finished load (those of a connection since lost are dropped:
         the pool released them)."""
-        held = []
+        held, pins = [], self._pins
         for k in map(bytes, keys):
-            if self._pins[k] > 0:
-                self._pins[k] -= 1
+            n = pins[k]
+            if n > 0:  # zero counts are dropped here, not by rebuilding the Counter
+                if n == 1:
+                    del pins[k]
+                else:
+                    pins[k] = n - 1
                 held.append(k)
-        self._pins += Counter()
         if held:
             self._send(p.COMPLETE_LOAD, self._keys(held))
 

@@ -617,8 +617,12 @@ class NodePoolServer:
                     "complete only the keys prepare_load pinned for it"
                 )
             m.complete_load(keys)
-            eng.pins.subtract(need)
-            eng.pins += Counter()  # drop the zero counts
+            pins = eng.pins
+            for k, c in need.items():  # the zero counts go (a rebuilt Counter costs O(pins))
+                if pins[k] == c:
+                    del pins[k]
+                else:
+                    pins[k] -= c
             return b""
         if op == p.PREPARE_STORE:  # reply: 0 (no room) and every key's state, or 1, the
             out = m.prepare_store(keys)  # stored keys' indices, their slots, evicted, states
