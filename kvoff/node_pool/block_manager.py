@@ -46,7 +46,7 @@ class NodePoolBlockManager:
         self.stores_refused_in_flight = 0
         self._storing: dict[int, bytes] = {}  # slot -> key this engine is storing there
         # slot -> [key, loads of this engine in flight from the slot]
-        self._loading: dict[int, list] = {}
+        self._loading: dict[int, list[Any]] = {}
         self._load_pins: Counter[bytes] = Counter()  # key -> loads of this engine in flight
 
     def states(self, keys: Sequence[bytes]) -> bytes:
