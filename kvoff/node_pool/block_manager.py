@@ -113,7 +113,7 @@ class NodePoolBlockManager:
         got = self.client.prepare_store(keys)
         if got is None:
             return None
-        if any(s in self._storing for s in got.block_ids):
+        if not self._storing.keys().isdisjoint(got.block_ids):
             # A pool restarted on the same region (after a crash) hands out slots this engine
             # is still writing for the old pool. The store is refused (retried by the
             # scheduler), so that a slot never stands for two keys here: the old job's
@@ -121,8 +121,7 @@ class NodePoolBlockManager:
             self.client.complete_store(got.keys_to_store, success=False)
             self.stores_refused_in_flight += 1
             return None
-        for k, s in zip(got.keys_to_store, got.block_ids, strict=True):
-            self._storing[s] = k
+        self._storing.update(zip(got.block_ids, got.keys_to_store, strict=True))
         return got.store_indices, got.block_ids, got.evicted_keys
 
     def complete_store_blocks(self, slots: Sequence[int], success: bool) -> None:

@@ -154,8 +154,10 @@ class NodePoolClient:
         # leases the pool gave this connection: unprefixed key -> (slot, monotonic s received)
         self._leases: dict[bytes, tuple[int, float]] = {}
         self._next_sweep = 0.0  # monotonic s: the next sweep of lapsed leases (_lease)
-        # the last prepare_store's answer: unprefixed key -> state byte (for key_states)
+        # the last prepare_store's answer: unprefixed key -> state byte (for key_states),
+        # made from (keys, state bytes) in _store_answer when first asked
         self._store_states: dict[bytes, int] = {}
+        self._store_answer: tuple[list[bytes], bytes] | None = None
         self.loads_on_lease = 0
         self.loads_after_loss = 0
         self._events_on = False
@@ -244,6 +246,7 @@ class NodePoolClient:
         client is changing the pool, or has lost it."""
         self._known.clear()
         self._store_states.clear()
+        self._store_answer = None
 
     def flush(self) -> None:
         """Sends the queued completions, touches and loads of leased keys (one write). The
@@ -499,23 +502,22 @@ class NodePoolClient:
 
     def prepare_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
         """Slots for the keys not held yet; None when the pool cannot make room or is gone."""
-        prefixed = [self.prefix + bytes(k) for k in keys]
-        reply = self._call(p.PREPARE_STORE, p.encode_keys(prefixed))
+        own = list(map(bytes, keys))
+        pre = self.prefix
+        reply = self._call(p.PREPARE_STORE, p.encode_keys([pre + k for k in own]))
         if reply is None:  # gone
             return None
         if reply[:1] != b"\x01":  # no room: the keys' states follow
-            self._store_states = dict(
-                zip(map(bytes, keys), p.decode_states(reply, 1, len(keys))[0], strict=True)
-            )
+            self._store_answer = (own, p.decode_states(reply, 1, len(own))[0])
             return None
         index, off = p.decode_slots(reply, 1)  # the stored keys' places in the call
         slots, off = p.decode_slots(reply, off)
         evicted, off = p.decode_keys(reply, off)
-        own = [bytes(k) for k in keys]
-        self._store_states = dict(zip(own, p.decode_states(reply, off, len(keys))[0], strict=True))
+        # kept as given: key_states makes a dict of it only when asked
+        self._store_answer = (own, p.decode_states(reply, off, len(own))[0])
         if len(index) != len(slots) or (index and not 0 <= min(index) <= max(index) < len(own)):
             raise p.ProtocolError(f"prepare_store reply: {len(index)} keys, {len(slots)} slots")
-        mine = [own[i] for i in index]
+        mine = own if len(index) == len(own) else [own[i] for i in index]
         self._storing.update(mine)
         return StoreSlots(mine, slots, evicted, list(index))
 
@@ -524,6 +526,9 @@ class NodePoolClient:
         being stored), without leasing anything: from the last :meth:`prepare_store`'s answer
         when it was about these keys and nothing changed since, else asked (one round trip
         per key)."""
+        if self._store_answer is not None:
+            self._store_states = dict(zip(*self._store_answer, strict=True))
+            self._store_answer = None
         known = self._store_states
         out: list[int | None] = []
         for k in map(bytes, keys):
