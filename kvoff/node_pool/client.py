@@ -154,9 +154,7 @@ class NodePoolClient:
         # leases the pool gave this connection: unprefixed key -> (slot, monotonic s received)
         self._leases: dict[bytes, tuple[int, float]] = {}
         self._next_sweep = 0.0  # monotonic s: the next sweep of lapsed leases (_lease)
-        # the last prepare_store's answer: unprefixed key -> state byte (for key_states),
-        # made from (keys, state bytes) in _store_answer when first asked
-        self._store_states: dict[bytes, int] = {}
+        # the last prepare_store's answer, for key_states: (unprefixed keys, a state byte each)
         self._store_answer: tuple[list[bytes], bytes] | None = None
         self.loads_on_lease = 0
         self.loads_after_loss = 0
@@ -245,7 +243,6 @@ class NodePoolClient:
         """Forgets the pool's kept answers (look-ahead, the last prepare_store's states): this
         client is changing the pool, or has lost it."""
         self._known.clear()
-        self._store_states.clear()
         self._store_answer = None
 
     def flush(self) -> None:
@@ -513,7 +510,7 @@ class NodePoolClient:
         index, off = p.decode_slots(reply, 1)  # the stored keys' places in the call
         slots, off = p.decode_slots(reply, off)
         evicted, off = p.decode_keys(reply, off)
-        # kept as given: key_states makes a dict of it only when asked
+        # kept as given: key_states makes a dict of it only when asked (once a refused store)
         self._store_answer = (own, p.decode_states(reply, off, len(own))[0])
         if len(index) != len(slots) or (index and not 0 <= min(index) <= max(index) < len(own)):
             raise p.ProtocolError(f"prepare_store reply: {len(index)} keys, {len(slots)} slots")
@@ -526,10 +523,7 @@ class NodePoolClient:
         being stored), without leasing anything: from the last :meth:`prepare_store`'s answer
         when it was about these keys and nothing changed since, else asked (one round trip
         per key)."""
-        if self._store_answer is not None:
-            self._store_states = dict(zip(*self._store_answer, strict=True))
-            self._store_answer = None
-        known = self._store_states
+        known = dict(zip(*self._store_answer, strict=True)) if self._store_answer else {}
         out: list[int | None] = []
         for k in map(bytes, keys):
             st = known.get(k)
