@@ -46,6 +46,9 @@ void bind_scheduler(py::module_& m);
 /// fast_hooks.cpp: the _FastHooks type (before bind_scheduler, whose fast_hooks() makes one).
 void bind_fast_hooks(py::module_& m);
 
+/// key_filter_bindings.cpp: KeyFilter over a Python buffer (a node pool's shared memory).
+void bind_key_filter(py::module_& m);
+
 /// node_pool_manager.cpp: the C++ scheduler's manager over a Python
 /// kvoff.node_pool.block_manager.NodePoolBlockManager (a node pool's client).
 std::shared_ptr<kvoff::BlockManager> node_pool_manager(py::object manager);

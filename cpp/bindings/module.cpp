@@ -5,6 +5,8 @@
 //   scheduler_hooks.h/.cpp     an engine step's arguments parsed for the scheduler's hooks
 //   scheduler_bindings.cpp     _OffloadingScheduler, COUNTER_NAMES
 //   fast_hooks.cpp             _FastHooks: the per-step hooks as plain CPython methods
+//   node_pool_manager.cpp      the scheduler's manager over a node pool's Python client
+//   key_filter_bindings.cpp    KeyFilter: a node pool's key filter in shared memory
 // Keys cross the boundary as bytes (ints are accepted and converted to 8 little-endian bytes);
 // C++ exceptions become ValueError (std::invalid_argument) and IndexError (std::out_of_range).
 #include <pybind11/pybind11.h>
@@ -31,4 +33,5 @@ PYBIND11_MODULE(_scheduler, m) {
   kvoff::bindings::bind_manager(m);     // eviction_policies, the manager and its records
   kvoff::bindings::bind_fast_hooks(m);  // _FastHooks, made by _OffloadingScheduler.fast_hooks
   kvoff::bindings::bind_scheduler(m);   // COUNTER_NAMES, _OffloadingScheduler
+  kvoff::bindings::bind_key_filter(m);  // KeyFilter
 }

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoff.node_pool import protocol as p
+from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
 
 __all__ = ["NodePoolClient", "NodePoolError", "NodePoolEvent", "StoreSlots", "wait_for_pool"]
 
@@ -106,6 +107,8 @@ class NodePoolClient:
         misses_while_detached: calls answered as misses because the pool was gone.
         round_trips: calls that waited for the pool's reply.
         answered_ahead: one-key look-ups answered from a look-ahead reply (no round trip).
+        answered_by_filter: look-ups answered as misses by the pool's key filter (no round
+            trip; :mod:`kvoff.node_pool.key_filter`).
         loads_on_lease: ``prepare_load`` calls answered from the look-up's leases (no round
             trip).
         loads_after_loss: ``prepare_load`` calls of leased keys made while the pool went away
@@ -146,6 +149,8 @@ class NodePoolClient:
         self.misses_while_detached = 0
         self.round_trips = 0
         self.answered_ahead = 0
+        self.answered_by_filter = 0
+        self._filter: EngineKeyFilter | None = None  # the pool's key filter, mapped
         self.async_errors = 0
         # look-ahead: unprefixed key -> state byte, valid until _known_until (monotonic s)
         self._known: dict[bytes, int] = {}
@@ -203,6 +208,9 @@ class NodePoolClient:
             self._sock = None
             sock.close()
             raise
+        if self._filter is not None:
+            self._filter.close()
+        self._filter = attach_key_filter(hello.get("key_filter"))
         return hello
 
     def _roundtrip(self, op: int, payload: bytes) -> bytes:
@@ -357,6 +365,9 @@ class NodePoolClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._filter is not None:  # the next pool makes a new one
+            self._filter.close()
+            self._filter = None
         self._rest = bytearray()
         self._outbox = bytearray()
         self._pins.clear()
@@ -388,6 +399,8 @@ class NodePoolClient:
         with its chain (module docstring)."""
         if len(keys) == 1 and self.lookahead:
             return self._lookup_one(bytes(keys[0]))
+        if keys and self._filtered_out(bytes(keys[0])):
+            return 0
         reply = self._call(p.LOOKUP, self._keys(keys))
         if reply is None:
             return 0
@@ -402,6 +415,8 @@ class NodePoolClient:
             self.answered_ahead += 1
             self._unreported[0] += 1
             self._unreported[1] += state == p.STATE_READY
+        elif self._filtered_out(key):
+            return 0
         else:
             answered, hits = self._unreported
             head = struct.pack("<HII", self.lookahead, answered, hits)
@@ -416,6 +431,26 @@ class NodePoolClient:
             self._lease(chain, states, slots)
             state = states[0]
         return _LOOKUP_OF_STATE[state]
+
+    def _filtered_out(self, key: bytes) -> bool:
+        """Whether the pool's key filter says ``key`` is not in the pool (a miss, counted and
+        reported to the pool like a look-ahead answer)."""
+        f = self._filter
+        if f is None or f.may_contain(self.prefix + key):
+            return False
+        self.answered_by_filter += 1
+        self._unreported[0] += 1
+        return True
+
+    def _queue_report(self) -> None:
+        """Queues the count of look-ups answered here since the last report, for the pool's
+        hit rates (not :meth:`_send`: a report changes nothing, so kept answers stay)."""
+        answered, hits = self._unreported
+        if answered and self._sock is not None:
+            self._unreported = [0, 0]
+            self._rid = (self._rid + 1) & 0xFFFFFFFF
+            body = struct.pack("<II", min(answered, 0xFFFFFFFF), min(hits, 0xFFFFFFFF))
+            self._outbox += p.frame(p.REPORT_LOOKUPS | p.NO_REPLY, self._rid, body)
 
     def _lease(self, prefixed: Sequence[bytes], states: bytes, slots: Sequence[int]) -> None:
         """Keeps the slots of the ready keys the pool leased to this connection."""
@@ -580,6 +615,7 @@ class NodePoolClient:
         :meth:`enable_events` was called, or while the pool is gone. Sends the queued calls
         (:meth:`flush`): vLLM takes the events once per engine step, after the step's
         completions, so what this engine stored is a hit for the others from then on."""
+        self._queue_report()
         if not self._events_on:
             self.flush()
             return []

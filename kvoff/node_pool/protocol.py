@@ -35,6 +35,7 @@ __all__ = [
     "PREPARE_LOAD",
     "PREPARE_STORE",
     "REPLY",
+    "REPORT_LOOKUPS",
     "STATE_MISSING",
     "STATE_PENDING",
     "STATE_READY",
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVNP"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sHHII")
 MAX_PAYLOAD_BYTES = 64 << 20
 """Largest payload accepted (64 MiB: about two million 16-byte keys)."""
@@ -78,6 +79,10 @@ TAKE_EVENTS = 10
 """The engine's KV events since its last call: ``prefix`` (8 bytes: the engine's layout, whose
 events it gets; the first call subscribes the connection). Reply: ``dropped u64`` (events
 lost to a full queue), ``count u32`` and per event ``removed u8`` and a key list."""
+REPORT_LOOKUPS = 11
+"""``answered u32, answered_hits u32``: look-ups the engine answered without the pool (from
+look-ahead replies and the pool's key filter) since its last report, for the pool's hit rates.
+Sent without a reply at the end of an engine step."""
 OPS = {
     HELLO: "hello",
     LOOKUP: "lookup",
@@ -89,12 +94,13 @@ OPS = {
     STATUS: "status",
     LOOKUP_AHEAD: "lookup_ahead",
     TAKE_EVENTS: "take_events",
+    REPORT_LOOKUPS: "report_lookups",
 }
 REPLY = 0x100
 ERROR = 0xFFFF
 NO_REPLY = 0x4000
 """Op bit: no reply on success (only with :data:`NO_REPLY_OPS`)."""
-NO_REPLY_OPS = frozenset({PREPARE_LOAD, COMPLETE_LOAD, COMPLETE_STORE, TOUCH})
+NO_REPLY_OPS = frozenset({PREPARE_LOAD, COMPLETE_LOAD, COMPLETE_STORE, TOUCH, REPORT_LOOKUPS})
 """The ops that may be sent with :data:`NO_REPLY`: those whose reply carries nothing, and
 ``PREPARE_LOAD`` of keys the engine holds leases on (it knows their slots)."""
 STATE_MISSING, STATE_READY, STATE_PENDING = 0, 1, 2

@@ -76,7 +76,9 @@ import torch
 
 from kvoff import _scheduler
 from kvoff.node_pool import protocol as p
-from kvoff.pinned import HostPool, SharedMemoryError
+from kvoff.node_pool.key_filter import SUFFIX as KEY_FILTER_SUFFIX
+from kvoff.node_pool.key_filter import PoolKeyFilter
+from kvoff.pinned import HostPool, SharedMemoryError, _shm_path, _unlink_if_same
 
 __all__ = ["DEFAULT_REGION", "NodePoolServer", "tier_format"]
 
@@ -136,7 +138,7 @@ class _Engine:
     stored_keys: int = 0
     loaded_keys: int = 0
     errors: int = 0
-    answered_ahead: int = 0  # look-ups the engine answered from look-ahead replies
+    answered_ahead: int = 0  # look-ups the engine answered itself (look-ahead, key filter)
     prefix: bytes | None = None  # its layout's key prefix, once it takes KV events
     events: deque[tuple[bool, list[bytes]]] = field(default_factory=deque)  # (removed, keys)
     event_keys: int = 0  # keys in events
@@ -237,6 +239,17 @@ class NodePoolServer:
             except BaseException:
                 self.pool.close()
                 raise
+        # which keys the index may hold, for the engines' look-ups (none with tiers: a key
+        # missing here may be a tier's hit; kvoff.node_pool.key_filter says why)
+        self.key_filter: PoolKeyFilter | None = None
+        if self.tiered is None:
+            try:
+                self.key_filter = PoolKeyFilter(_shm_path(region) + KEY_FILTER_SUFFIX,
+                                                self.num_slots, group)  # fmt: skip
+            except BaseException:
+                for pool in self.pools:
+                    pool.close()
+                raise
         self.engines: dict[int, _Engine] = {}  # by fd
         # key -> the key stored or touched after it (a request's chain), for LOOKUP_AHEAD;
         # insertion-ordered, so the oldest go first beyond SUCCESSORS_PER_SLOT x num_slots
@@ -268,7 +281,6 @@ class NodePoolServer:
             _pack_header,
             _parse_header,
             _pool_owner,
-            _shm_path,
         )
 
         owner = _pool_owner(_shm_path(name))
@@ -393,8 +405,8 @@ class NodePoolServer:
             os.unlink(self.socket_path)
         if self.tiered is not None:
             self.tiered.close()  # the writes in flight finish first
-        from kvoff.pinned import _shm_path, _unlink_if_same
-
+        if self.key_filter is not None:
+            self.key_filter.close()
         for name, pool in zip(self.regions, self.pools, strict=True):
             if getattr(pool, "inode", None) is not None:
                 _unlink_if_same(_shm_path(name), pool.inode)
@@ -503,6 +515,8 @@ class NodePoolServer:
         if eng.storing:
             self.manager.complete_store(list(eng.storing), False)
             self._forget(eng.storing)
+            if self.key_filter is not None:
+                self.key_filter.remove(eng.storing)
         self._publish()
         eng.pins.clear()
         eng.leases.clear()
@@ -552,9 +566,19 @@ class NodePoolServer:
                 eng.stored_keys += len(keys)
             else:
                 self._forget(keys)
+                if self.key_filter is not None:
+                    self.key_filter.remove(keys)
             return b""
         if op == p.LOOKUP_AHEAD:
             return self._lookup_ahead(eng, payload)
+        if op == p.REPORT_LOOKUPS:
+            if len(payload) != 8:
+                raise p.ProtocolError(f"report_lookups needs 8 bytes, got {len(payload)}")
+            answered, answered_hits = struct.unpack("<II", payload)
+            if answered_hits > answered:
+                raise p.ProtocolError(f"{answered_hits} hits of {answered} look-ups reported")
+            self._count_answered(eng, answered, answered_hits)
+            return b""
         if op == p.TAKE_EVENTS:
             if len(payload) != 8:
                 raise p.ProtocolError(
@@ -633,6 +657,9 @@ class NodePoolServer:
                 self._forget(out.evicted_keys)
             to_store = list(out.keys_to_store)  # in the call's order: a subsequence of keys
             eng.storing.update(to_store)
+            if self.key_filter is not None:  # before the reply: then no engine misses them
+                self.key_filter.remove(out.evicted_keys)
+                self.key_filter.add(to_store)
             self._chain(keys)
             states = [p.STATE_PENDING] * len(keys)
             others: list[int] = []
@@ -730,10 +757,17 @@ class NodePoolServer:
         slots = [leases[k][1] if st == p.STATE_READY else -1
                  for k, st in zip(chain, states, strict=True)]  # fmt: skip
         eng.lookups += 1
-        eng.looked_up_keys += 1 + answered
-        eng.hit_keys += (states[0] == p.STATE_READY) + answered_hits
-        eng.answered_ahead += answered
+        eng.looked_up_keys += 1
+        eng.hit_keys += states[0] == p.STATE_READY
+        self._count_answered(eng, answered, answered_hits)
         return p.encode_keys(chain) + p.encode_states(states) + p.encode_slots(slots)
+
+    @staticmethod
+    def _count_answered(eng: _Engine, answered: int, hits: int) -> None:
+        """Counts look-ups the engine answered itself (look-ahead, key filter)."""
+        eng.looked_up_keys += answered
+        eng.hit_keys += hits
+        eng.answered_ahead += answered
 
     def _chain(self, keys: list[bytes]) -> None:
         """Records that each key was followed by the next (a request's chain, head to tail)."""
@@ -773,6 +807,7 @@ class NodePoolServer:
             "policy": self.policy,
             "lease_s": self.lease_s,
             "pid": os.getpid(),
+            "key_filter": None if self.key_filter is None else self.key_filter.describe(),
         }
 
     def status(self) -> dict[str, Any]:
@@ -790,6 +825,7 @@ class NodePoolServer:
             "evictions": self.evictions,
             "leases_lapsed": self.leases_lapsed,
             "tiers": None if self.tiered is None else self.tiered.stats(),
+            "key_filter_status": None if self.key_filter is None else self.key_filter.status(),
             "engines_attached": len(self.engines),
             "engines_seen": self.engines_seen,
             "connections_refused": self.refused,

@@ -553,7 +553,8 @@ def _drive_engine(
             gc.enable()
     stats = {}
     manager = None  # the offloading manager behind the connector's scheduler role
-    names = ("misses_while_detached", "round_trips", "answered_ahead", "loads_on_lease",
+    names = ("misses_while_detached", "round_trips", "answered_ahead", "answered_by_filter",
+             "loads_on_lease",
              "async_errors")  # fmt: skip
     if connector == "kvoff":
         stats = dict(conn.scheduler.stats())
