@@ -18,7 +18,9 @@ look-up answers are leased to this connection (pinned by the pool for its ``leas
 another engine's store cannot evict them before this engine's ``prepare_load``, which then
 needs no reply and goes on even when the pool has just gone away; a ``prepare_load`` of keys
 not leased (a multi-key look-up, a lapsed lease) waits for the pool and raises
-:class:`NodePoolError` when a key has gone meanwhile or the pool is gone.
+:class:`NodePoolError` when a key has gone meanwhile or the pool is gone. A look-up whose first
+key the pool's key filter rules out (:mod:`kvoff.node_pool.key_filter`) is a miss with no round
+trip.
 
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None

@@ -40,7 +40,8 @@ class PoolKeyFilter:
         group: a group id that may read it too (mode 0640), else only this user (0600).
 
     Raises:
-        OSError: the file cannot be created or sized (a full ``/dev/shm``).
+        OSError: the file cannot be created or its pages reserved (a full ``/dev/shm``: give
+            it 16 bytes per slot more than the region).
     """
 
     def __init__(self, path: str, capacity: int, group: int | None = None) -> None:
@@ -54,6 +55,8 @@ class PoolKeyFilter:
             if group is not None:
                 os.fchown(fd, -1, group)
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # pages reserved now: a full /dev/shm fails here,
+            # not later with a SIGBUS in the pool's thread
             self.inode = os.fstat(fd).st_ino
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

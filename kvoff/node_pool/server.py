@@ -28,7 +28,9 @@ a time. So the pool remembers which key followed which when an engine stored or 
 up to the first missing key, which the engine keeps for its next look-ups of that step;
 ``PREPARE_STORE`` answers the state of every key it was given; completions and touches are
 sent without waiting for a reply (``NO_REPLY``). The successor map is a hint: a wrong guess
-costs one more round trip, never a wrong answer.
+costs one more round trip, never a wrong answer. Without tiers, the pool keeps a key filter of
+its index in shared memory (:mod:`kvoff.node_pool.key_filter`), updated before each reply, so
+that engines answer most misses without asking.
 
 **KV events.** A block any engine stores is a hit for every engine of its layout, and an
 eviction takes it from all of them, so every engine that asks for events (``TAKE_EVENTS``)
