@@ -77,10 +77,14 @@ def test_a_pool_outlives_its_engines(tmp_path: Path) -> None:
         assert st["stored_blocks"] > 0 and st["region"] == region
         text = _kvoff("pool", "status", "--socket", sock).stdout
         assert f"{st['stored_blocks']:,} stored" in text
+        kf = st["key_filter_status"]
+        assert kf["unknown_removals"] == 0 and kf["set_fraction"] > 0
+        assert f"{kf['set_fraction']:.2%} of {kf['cells']:,} cells set" in text
         stop = _kvoff("pool", "stop", "--socket", sock)
         assert stop.returncode == 0, stop.stderr
         server.wait(timeout=10)
         assert not os.path.exists(sock) and not Path("/dev/shm", region).exists()
+        assert not Path("/dev/shm", region + ".keys").exists()  # its key filter too
         gone = _kvoff("pool", "status", "--socket", sock)
         assert gone.returncode == 2 and "no node pool answers" in gone.stderr
     finally:

@@ -199,6 +199,12 @@ def run_status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             f"  engines      {st['engines_attached']:>10,} attached ({st['engines_seen']:,} "
             f"seen, {st['connections_refused']:,} refused); hit rate {st['hit_rate']:.2%}"
         )
+        kf = st.get("key_filter_status")
+        print(
+            f"  key filter   {kf['set_fraction']:>10.2%} of {kf['cells']:,} cells set"
+            if kf
+            else "  key filter   none (tiers below the pool answer its misses)"
+        )
         for e in st["engines"]:
             if e["name"] == "kvoff pool status":
                 continue
