@@ -391,8 +391,7 @@ class NodePoolClient:
 
     # ------------------------------------------------------------------ keys
     def _keys(self, keys: Sequence[bytes]) -> bytes:
-        pre = self.prefix
-        return p.encode_keys([pre + bytes(k) for k in keys])
+        return p.encode_prefixed_keys(self.prefix, keys)
 
     # ------------------------------------------------------------------ manager calls
     def lookup(self, keys: Sequence[bytes]) -> int | None:
@@ -537,8 +536,7 @@ class NodePoolClient:
     def prepare_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
         """Slots for the keys not held yet; None when the pool cannot make room or is gone."""
         own = list(map(bytes, keys))
-        pre = self.prefix
-        reply = self._call(p.PREPARE_STORE, p.encode_keys([pre + k for k in own]))
+        reply = self._call(p.PREPARE_STORE, p.encode_prefixed_keys(self.prefix, own))
         if reply is None:  # gone
             return None
         if reply[:1] != b"\x01":  # no room: the keys' states follow
@@ -585,8 +583,11 @@ class NodePoolClient:
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a
         connection since lost are dropped: the pool completed them as failed)."""
-        held = [k for k in dict.fromkeys(map(bytes, keys)) if k in self._storing]
-        self._storing.difference_update(held)
+        storing = self._storing
+        held = [k for k in map(bytes, keys) if k in storing]
+        if len(set(held)) != len(held):  # a key given twice is completed once
+            held = list(dict.fromkeys(held))
+        storing.difference_update(held)
         if held:
             self._send(p.COMPLETE_STORE, bytes([bool(success)]) + self._keys(held))
 

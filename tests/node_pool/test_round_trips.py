@@ -210,3 +210,19 @@ def test_the_successor_map_keeps_the_newest_chains_within_its_bound(tmp_path: Pa
         assert server._walk(chains[0][0], 8) == chains[0][:1]  # the oldest: dropped
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [[], [b"a" * 32] * 3, [b"a", b"bc", b"d"], [bytearray(b"x" * 16), memoryview(b"y" * 16)]],
+)
+def test_prefixed_keys_encode_as_the_keys_with_their_prefix(keys) -> None:
+    pre = b"P" * 8
+    assert p.encode_prefixed_keys(pre, keys) == p.encode_keys([pre + bytes(k) for k in keys])
+    assert p.decode_keys(p.encode_prefixed_keys(pre, keys))[0] == [pre + bytes(k) for k in keys]
+
+
+def test_a_prefixed_key_too_long_is_refused() -> None:
+    with pytest.raises(p.ProtocolError, match=r"keys are 1\.\.1024 bytes"):
+        p.encode_prefixed_keys(b"P" * 8, [b"k" * 1017])
+    assert p.encode_prefixed_keys(b"P" * 8, [b"k" * 1016])  # 1,024 with the prefix
