@@ -774,9 +774,9 @@ class NodePoolServer:
     def _chain(self, keys: list[bytes]) -> None:
         """Records that each key was followed by the next (a request's chain, head to tail)."""
         succ = self.successors
-        for a, b in itertools.pairwise(keys):
-            if a != b:
-                succ[a] = b
+        # one C call (a repeated key maps to itself, where _walk stops; vLLM's chained block
+        # hashes never repeat)
+        succ.update(itertools.pairwise(keys))
         cap = SUCCESSORS_PER_SLOT * self.num_slots
         if len(succ) > cap:
             # the oldest eighth goes at once: a dict's next(iter()) walks over the slots that
