@@ -3,6 +3,7 @@ lifetimes (engines killed at any point, the pool killed and restarted), hostile 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -211,8 +212,14 @@ def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None
         m = s.manager
         pins = sum(sum(e.pins.values()) + len(e.leases) for e in s.engines.values())
         storing = sum(len(e.storing) for e in s.engines.values())
+        # the key filter (invariant 9): every key in the index is "maybe", whoever died
+        assert s.key_filter is not None and s.key_filter.unknown_removals == 0
+        assert all(s.key_filter.filter.may_contain(k) for k in every_key if m.lookup([k]) != 0)
         return (m.num_pending_blocks, storing, m.num_stored_blocks, m.num_free_blocks,
                 m.num_evictable_blocks, pins)  # fmt: skip
+
+    prefix = hashlib.blake2b(FP, digest_size=8).digest()  # the engines' key prefix
+    every_key = [prefix + bytes([k]) * 16 for k in range(80)]
 
     survivors = [fork(1), fork(2)]
     try:
