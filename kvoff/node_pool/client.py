@@ -99,6 +99,8 @@ class NodePoolClient:
             the pool, at most).
         spin_s: seconds a call spins for its reply before it sleeps on the socket (a
             round trip takes tens of microseconds; waking a sleeping thread as long again).
+        key_filter: use the pool's key filter for misses (False: ask the pool for every
+            look-up, e.g. to measure the filter; the answers are the same).
 
     Attributes:
         region, num_slots, slot_bytes, inode: the pool's shared memory, from its hello.
@@ -136,6 +138,7 @@ class NodePoolClient:
         lookahead: int = 256,
         lookahead_s: float = 0.005,
         spin_s: float = 0.0002,
+        key_filter: bool = True,
     ) -> None:
         if not 0 <= lookahead <= 0xFFFF or lookahead_s < 0 or spin_s < 0:
             raise ValueError(
@@ -152,6 +155,7 @@ class NodePoolClient:
         self.round_trips = 0
         self.answered_ahead = 0
         self.answered_by_filter = 0
+        self.use_key_filter = key_filter
         self._filter: EngineKeyFilter | None = None  # the pool's key filter, mapped
         self.async_errors = 0
         # look-ahead: unprefixed key -> state byte, valid until _known_until (monotonic s)
@@ -212,7 +216,7 @@ class NodePoolClient:
             raise
         if self._filter is not None:
             self._filter.close()
-        self._filter = attach_key_filter(hello.get("key_filter"))
+        self._filter = attach_key_filter(hello.get("key_filter")) if self.use_key_filter else None
         return hello
 
     def _roundtrip(self, op: int, payload: bytes) -> bytes:

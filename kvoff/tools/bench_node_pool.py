@@ -7,6 +7,8 @@ side in one run.
 - **Calls**: one request's manager calls (``lookup``, ``prepare_store`` + ``complete_store``,
   ``touch`` of ``keys`` keys) through a :class:`kvoff.node_pool.NodePoolClient` against the
   same calls on an in-process manager: µs per call, median of rounds.
+- **Misses**: a one-key look-up of a key the pool does not hold (a new request's first block)
+  by a client that uses the pool's key filter and by one that asks the pool: µs per look-up.
 
 The pool is a process of its own (``kvoff pool serve``), as it is for engines: on a machine
 with few cores its round trips share them with the benchmark, as they would with an engine.
@@ -69,8 +71,9 @@ def run_node_pool_bench(
         device: ``cpu`` (CPU tensors) or ``cuda``.
 
     Returns:
-        ``{"copy": {...}, "calls": {...}}`` with per-round GB/s and µs, medians and the ratios
-        ``node_pool_vs_private`` (copies: GB/s over GB/s; calls: µs over µs).
+        ``{"copy": {...}, "calls": {...}, "misses": {...}}`` with per-round GB/s and µs,
+        medians and the ratios ``node_pool_vs_private`` (copies: GB/s over GB/s; calls: µs
+        over µs) and ``filter_vs_asking`` (misses: µs over µs).
 
     Raises:
         ValueError: ``rounds``, ``blocks`` or ``keys`` < 1, or an unknown model.
@@ -90,13 +93,17 @@ def run_node_pool_bench(
             )  # fmt: skip
             copy = _bench_copies(private, shared, blocks, rounds)
             calls = _bench_calls(client, keys, rounds)
+            asking = NodePoolClient(sock, b"kvoff bench node-pool", name="bench, no filter",
+                                    key_filter=False)  # fmt: skip
+            misses = _bench_misses(client, asking, rounds)
+            asking.close()
             client.close()
             shared.close()
     finally:
         private.close()
     return {
         "model": model, "blocks": blocks, "keys": keys, "rounds": rounds, "device": device,
-        "slot_bytes": private.slot_bytes, "copy": copy, "calls": calls,
+        "slot_bytes": private.slot_bytes, "copy": copy, "calls": calls, "misses": misses,
     }  # fmt: skip
 
 
@@ -163,4 +170,32 @@ def _bench_calls(client: NodePoolClient, num_keys: int, rounds: int) -> dict[str
         "node_pool_vs_private": med["node_pool"] / med["private"],
         "node_pool_us_per_call_median": med["node_pool"],
         "private_us_per_call_median": med["private"],
+    }
+
+
+def _bench_misses(filtered: NodePoolClient, asking: NodePoolClient, rounds: int) -> dict[str, Any]:
+    """µs per one-key look-up of a key not in the pool, with the key filter and without."""
+    serial = [0]
+    before = filtered.answered_by_filter
+
+    def miss(c: NodePoolClient) -> Callable[[], None]:
+        def once() -> None:
+            serial[0] += 1
+            assert c.lookup([b"miss" + serial[0].to_bytes(12, "little")]) == 0
+
+        return once
+
+    rows: dict[str, list[float]] = {"filter": [], "asking": []}
+    for rnd in range(rounds):
+        order = [("filter", filtered), ("asking", asking)]
+        for name, c in order if rnd % 2 == 0 else order[::-1]:
+            rows[name].append(_median_s(miss(c), 50) * 1e6)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "filter_us_per_lookup": rows["filter"],
+        "asking_us_per_lookup": rows["asking"],
+        "filter_us_per_lookup_median": med["filter"],
+        "asking_us_per_lookup_median": med["asking"],
+        "filter_vs_asking": med["filter"] / med["asking"],
+        "answered_by_filter": filtered.answered_by_filter - before,
     }

@@ -106,3 +106,8 @@ def test_bench_node_pool_measures_both_side_by_side() -> None:
     # a socket round trip costs more than a function call into the manager
     assert calls["node_pool_us_per_call_median"] > calls["private_us_per_call_median"]
     assert r["slot_bytes"] == 2 * 16 * 16  # tiny: 2 layers × 16 bytes a token × 16 tokens
+    misses = r["misses"]
+    assert len(misses["filter_us_per_lookup"]) == len(misses["asking_us_per_lookup"]) == 2
+    # the filter answered every miss without the socket, which costs more than a probe
+    assert misses["answered_by_filter"] == 2 * 50
+    assert misses["filter_us_per_lookup_median"] < misses["asking_us_per_lookup_median"]

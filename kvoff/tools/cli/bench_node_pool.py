@@ -57,6 +57,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         f"{c['node_pool_us_per_call_median']:7.2f} µs     ratio {c['node_pool_vs_private']:.2f}"
         f"   ({r['keys']} keys a call)"
     )
+    c = r["misses"]
+    lines.append(
+        f"  misses filter  {c['filter_us_per_lookup_median']:7.2f} µs     asking "
+        f"{c['asking_us_per_lookup_median']:7.2f} µs     ratio {c['filter_vs_asking']:.3f}"
+        "   (one-key look-ups of keys not in the pool)"
+    )
     print("\n".join(lines))
     if args.json is not None:
         write_json(args.json, {"run": run_info(argv), "result": r})
