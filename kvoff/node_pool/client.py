@@ -245,7 +245,8 @@ class NodePoolClient:
         it refuses it (an error frame ahead of a later reply). Queued calls go with the next
         call that waits for a reply, at :meth:`flush`, or at once with ``now``; dropped when
         the pool is gone."""
-        self._drop_answers()
+        if op not in _READ_ONLY_OPS:
+            self._drop_answers()
         if self._sock is None and not self._reconnect():
             return
         self._rid = (self._rid + 1) & 0xFFFFFFFF
@@ -329,7 +330,7 @@ class NodePoolClient:
 
     def _call(self, op: int, payload: bytes) -> bytes | None:
         """The reply's payload, or None when the pool is gone (the caller answers a miss)."""
-        if op not in (p.LOOKUP, p.LOOKUP_AHEAD, p.STATUS):  # it changes the pool
+        if op not in _READ_ONLY_OPS:
             self._drop_answers()
         if self._sock is None and not self._reconnect():
             self.misses_while_detached += 1
@@ -449,13 +450,12 @@ class NodePoolClient:
 
     def _queue_report(self) -> None:
         """Queues the count of look-ups answered here since the last report, for the pool's
-        hit rates (not :meth:`_send`: a report changes nothing, so kept answers stay)."""
+        hit rates."""
         answered, hits = self._unreported
         if answered and self._sock is not None:
             self._unreported = [0, 0]
-            self._rid = (self._rid + 1) & 0xFFFFFFFF
             body = struct.pack("<II", min(answered, 0xFFFFFFFF), min(hits, 0xFFFFFFFF))
-            self._outbox += p.frame(p.REPORT_LOOKUPS | p.NO_REPLY, self._rid, body)
+            self._send(p.REPORT_LOOKUPS, body)
 
     def _lease(self, prefixed: Sequence[bytes], states: bytes, slots: Sequence[int]) -> None:
         """Keeps the slots of the ready keys the pool leased to this connection."""
@@ -696,6 +696,8 @@ class NodePoolClient:
 
 _OUTBOX_BYTES = 1 << 16
 """Queued calls beyond this many bytes are sent at once."""
+_READ_ONLY_OPS = frozenset({p.LOOKUP, p.LOOKUP_AHEAD, p.STATUS, p.REPORT_LOOKUPS})
+"""Calls that change nothing in the pool: the answers this client keeps stay valid."""
 _LOOKUP_OF_STATE = {p.STATE_MISSING: 0, p.STATE_READY: 1, p.STATE_PENDING: None}
 
 

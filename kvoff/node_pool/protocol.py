@@ -149,12 +149,9 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     Raises:
         ProtocolError: an empty or too long key.
     """
-    widths = {len(k) for k in keys}
-    if len(widths) == 1:
-        (w,) = widths
-        if not 0 < w <= MAX_KEY_BYTES:
-            raise ProtocolError(f"a key of {w} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
-        return struct.pack("<IH", len(keys), w) + b"".join(keys)
+    same = _encode_one_width(b"", keys)
+    if same is not None:
+        return same
     parts = [struct.pack("<IH", len(keys), 0)]
     for k in keys:
         if not 0 < len(k) <= MAX_KEY_BYTES:
@@ -172,9 +169,20 @@ def encode_prefixed_keys(prefix: bytes, keys: Sequence[bytes]) -> bytes:
     Raises:
         ProtocolError: an empty or too long key.
     """
+    same = _encode_one_width(prefix, keys)
+    return same if same is not None else encode_keys([prefix + bytes(k) for k in keys])
+
+
+def _encode_one_width(prefix: bytes, keys: Sequence[bytes]) -> bytes | None:
+    """The key list of ``prefix + k`` for each key when all keys have one width (joined in one
+    call), else None.
+
+    Raises:
+        ProtocolError: an empty or too long key.
+    """
     widths = set(map(len, keys))
     if len(widths) != 1:
-        return encode_keys([prefix + bytes(k) for k in keys])
+        return None
     w = widths.pop() + len(prefix)
     if not 0 < w <= MAX_KEY_BYTES:
         raise ProtocolError(f"a key of {w} bytes; keys are 1..{MAX_KEY_BYTES} bytes")

@@ -42,6 +42,19 @@ def _median_s(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved(
+    rounds: int, first: tuple[str, Any], second: tuple[str, Any], measure: Callable[[Any], float]
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """``measure(thing)`` of two named things per round, the first one first in even rounds and
+    second in odd ones (so the machine's drift weighs on both); the values per round and their
+    medians, by name."""
+    rows: dict[str, list[float]] = {first[0]: [], second[0]: []}
+    for rnd in range(rounds):
+        for name, thing in (first, second) if rnd % 2 == 0 else (second, first):
+            rows[name].append(measure(thing))
+    return rows, {k: statistics.median(v) for k, v in rows.items()}
+
+
 def _worker(model: str, blocks: int, slots: int, device: torch.device, **kw: Any):
     preset = get_model_preset(model)
     page = preset.layer_spec(16).page_size_bytes
@@ -127,12 +140,9 @@ def _bench_copies(
 
     out: dict[str, Any] = {}
     for direction in ("store", "load"):
-        rows: dict[str, list[float]] = {"private": [], "node_pool": []}
-        for rnd in range(rounds):
-            order = [("private", private), ("node_pool", shared)]
-            for name, w in order if rnd % 2 == 0 else order[::-1]:
-                rows[name].append(run(w, direction))
-        med = {k: statistics.median(v) for k, v in rows.items()}
+        rows, med = _interleaved(
+            rounds, ("private", private), ("node_pool", shared), lambda w, d=direction: run(w, d)
+        )
         out[direction] = {
             "private_gbps": rows["private"],
             "node_pool_gbps": rows["node_pool"],
@@ -158,12 +168,10 @@ def _bench_calls(client: NodePoolClient, num_keys: int, rounds: int) -> dict[str
 
         return once
 
-    rows: dict[str, list[float]] = {"private": [], "node_pool": []}
-    for rnd in range(rounds):
-        order = [("private", manager), ("node_pool", client)]
-        for name, m in order if rnd % 2 == 0 else order[::-1]:
-            rows[name].append(_median_s(request(m), 50) / 4 * 1e6)  # 4 calls per request
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    rows, med = _interleaved(
+        rounds, ("private", manager), ("node_pool", client),
+        lambda m: _median_s(request(m), 50) / 4 * 1e6,  # 4 calls per request
+    )  # fmt: skip
     return {
         "private_us_per_call": rows["private"],
         "node_pool_us_per_call": rows["node_pool"],
@@ -185,12 +193,9 @@ def _bench_misses(filtered: NodePoolClient, asking: NodePoolClient, rounds: int)
 
         return once
 
-    rows: dict[str, list[float]] = {"filter": [], "asking": []}
-    for rnd in range(rounds):
-        order = [("filter", filtered), ("asking", asking)]
-        for name, c in order if rnd % 2 == 0 else order[::-1]:
-            rows[name].append(_median_s(miss(c), 50) * 1e6)
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    rows, med = _interleaved(
+        rounds, ("filter", filtered), ("asking", asking), lambda c: _median_s(miss(c), 50) * 1e6
+    )
     return {
         "filter_us_per_lookup": rows["filter"],
         "asking_us_per_lookup": rows["asking"],
