@@ -113,6 +113,21 @@ std::string doc(const char* head, const char* tail = "") {
   return std::string(head) + "\n\nArgs:" + kKeysNote + tail;
 }
 
+/// `obj` as CPU block ids (slots), for `op`; ValueError naming the first that is not one.
+std::vector<std::uint32_t> slot_ids(py::handle obj, const char* op, const char* fix) {
+  const std::vector<std::int64_t> given = to_ints(obj.ptr(), Where{"block_ids"});
+  std::vector<std::uint32_t> ids(given.size());
+  for (std::size_t i = 0; i < given.size(); ++i) {
+    if (given[i] < 0 || given[i] > 0xFFFFFFFFLL) {
+      throw std::invalid_argument(std::string(op) + ": block_ids[" + std::to_string(i) +
+                                  "] = " + std::to_string(given[i]) +
+                                  " is not a CPU block id; " + fix + ". Nothing was changed.");
+    }
+    ids[i] = static_cast<std::uint32_t>(given[i]);
+  }
+  return ids;
+}
+
 }  // namespace
 
 py::list events_to_py(std::vector<kvoff::OffloadingEvent> events) {
@@ -400,6 +415,63 @@ void bind_manager(py::module_& m) {
                       "\n    ValueError: a key is not pending (missing or already ready), naming "
                       "it in hex and its state; nothing is changed.")
                       .c_str()))
+      .def(
+          "reserve_blocks",
+          [](CPUOffloadingManager& self, std::int64_t count) -> py::object {
+            if (count < 0 || count > static_cast<std::int64_t>(self.num_blocks())) {
+              throw std::invalid_argument(
+                  "reserve_blocks: count=" + std::to_string(count) + " is outside [0, " +
+                  std::to_string(self.num_blocks()) + "] (the pool's blocks); nothing changed");
+            }
+            PrepareStoreResult result;
+            if (!self.reserve_blocks(static_cast<std::uint32_t>(count), result)) {
+              return py::none();
+            }
+            return py::make_tuple(to_int_list(result.block_ids),
+                                  to_bytes_list(result.evicted_keys));
+          },
+          py::arg("count"),
+          py::doc("reserve_blocks(self, count: int) -> tuple[list[int], list[bytes]] | None\n\n"
+                  "Reserves count slots for later stores (store_reserved): free slots first, "
+                  "then slots of ready, unpinned blocks evicted in policy order (a BlockRemoved "
+                  "event lists them). A reserved slot is held by no key: not a hit, not "
+                  "evictable, not free (num_reserved_blocks). Returns (the slots, the evicted "
+                  "keys), or None, changing nothing, when free plus evictable blocks are fewer "
+                  "than count.\n\nRaises:\n    ValueError: count is negative or above "
+                  "num_blocks; nothing is changed."))
+      .def(
+          "store_reserved",
+          [](CPUOffloadingManager& self, py::handle keys, py::handle block_ids) {
+            KeyBatch batch(keys);
+            const std::vector<std::uint32_t> ids =
+                slot_ids(block_ids, "store_reserved", "pass slots reserve_blocks gave");
+            return to_int_list(self.store_reserved(batch.span(), ids));
+          },
+          py::arg("keys"), py::arg("block_ids"),
+          py::doc(doc("store_reserved(self, keys: Sequence[bytes | int], block_ids: "
+                      "Sequence[int]) -> list[int]\n\n"
+                      "Gives keys[i] the reserved slot block_ids[i], pending (not a hit) until "
+                      "complete_store, as prepare_store gives a new key a slot, keys[0] the most "
+                      "recent of them; no admission filter, no eviction. A key held already, or "
+                      "repeating an earlier key of the call, is not stored and its slot stays "
+                      "reserved. Returns the positions of the keys stored, ascending.",
+                      "\n    ValueError: the lengths differ, a key is empty, or a slot is not "
+                      "reserved or repeats (naming it); nothing is changed.")
+                      .c_str()))
+      .def(
+          "release_reserved",
+          [](CPUOffloadingManager& self, py::handle block_ids) {
+            self.release_reserved(
+                slot_ids(block_ids, "release_reserved", "pass slots reserve_blocks gave"));
+          },
+          py::arg("block_ids"),
+          py::doc("release_reserved(self, block_ids: Sequence[int]) -> None\n\n"
+                  "Frees reserved slots that will not be stored into.\n\nRaises:\n"
+                  "    ValueError: a slot is not reserved or repeats (naming it); nothing is "
+                  "changed."))
+      .def_property_readonly("num_reserved_blocks", &CPUOffloadingManager::num_reserved_blocks,
+                             py::doc("int: slots reserve_blocks reserved that are not stored "
+                                     "into or released yet."))
       .def("set_write_through", &CPUOffloadingManager::set_write_through,
            py::arg("capacity_blocks"),
            py::doc("set_write_through(self, capacity_blocks: int) -> None\n\n"
@@ -440,19 +512,9 @@ void bind_manager(py::module_& m) {
       .def(
           "write_through_done",
           [](CPUOffloadingManager& self, py::handle ids_obj) {
-            const std::vector<std::int64_t> block_ids =
-                to_ints(ids_obj.ptr(), Where{"block_ids"});
-            std::vector<std::uint32_t> ids(block_ids.size());
-            for (std::size_t i = 0; i < block_ids.size(); ++i) {
-              if (block_ids[i] < 0 || block_ids[i] > 0xFFFFFFFFLL) {
-                throw std::invalid_argument(
-                    "write_through_done: block_ids[" + std::to_string(i) + "] = " +
-                    std::to_string(block_ids[i]) +
-                    " is not a CPU block id; pass the block_ids of a take_write_through batch. "
-                    "Nothing was changed.");
-              }
-              ids[i] = static_cast<std::uint32_t>(block_ids[i]);
-            }
+            const std::vector<std::uint32_t> ids =
+                slot_ids(ids_obj, "write_through_done",
+                         "pass the block_ids of a take_write_through batch");
             self.write_through_done(ids);
           },
           py::arg("block_ids"),
@@ -548,7 +610,8 @@ void bind_manager(py::module_& m) {
       .def_property_readonly("num_retired_blocks", &CPUOffloadingManager::num_retired_blocks,
                              py::doc("int: slots of blocks clear() or discard() dropped while "
                                      "a tier writer still reads them; freed when it hands them "
-                                     "back. free + stored + pending + retired = num_blocks."))
+                                     "back. free + stored + pending + retired + reserved = "
+                                     "num_blocks."))
       .def_property_readonly(
           "eviction_policy",
           [](const CPUOffloadingManager& self) { return std::string(self.eviction_policy_name()); },

@@ -603,6 +603,71 @@ void CPUOffloadingManager::filter_new_keys(KeySpan keys) {
   scratch_new_.resize(kept);
 }
 
+bool CPUOffloadingManager::find_victims(std::size_t to_evict, std::uint32_t stamp,
+                                        std::size_t num_protected) {
+  scratch_victims_.clear();
+  if (to_evict == 0) {
+    return true;
+  }
+  if (static_cast<std::size_t>(num_evictable_) - num_protected < to_evict) {
+    return false;  // cheap refusal: not enough candidates, nothing scanned
+  }
+  // A slot may be evicted when its block is ready, unpinned and not a key of this call (marked
+  // with `stamp`): one read of the slot's record, which the recency log has usually prefetched
+  // already. The walk itself drives a software pipeline over the recency log: each slot
+  // examined prefetches the policy node and record of the entry kVictimAhead positions further
+  // on, so the walk (a chain of dependent loads) mostly finds its next node in cache.
+  std::uint32_t predicted = predicted_victims_start();
+  for (std::size_t k = 0; k < kVictimAhead; ++k) {
+    prefetch_predicted(predicted + static_cast<std::uint32_t>(k));
+  }
+  const auto can_evict = [this, stamp, &predicted](std::uint32_t slot) {
+    prefetch_predicted(predicted + static_cast<std::uint32_t>(kVictimAhead));
+    ++predicted;
+    const std::uint64_t p = index_.payload(slot);
+    return evictable(p) && mark_bits(p) != stamp;
+  };
+  const std::size_t found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
+  if (found != to_evict) {
+    throw std::logic_error("kvoff internal error: eviction policy '" +
+                           std::string(policy_->name()) + "' found " + std::to_string(found) +
+                           " of " + std::to_string(to_evict) +
+                           " victims that the evictable count promised; nothing was changed");
+  }
+  // The next victims were probably used right after the last one (a hint only).
+  recent_tail_ = index_.extra(scratch_victims_.back()) + 1;
+  return true;
+}
+
+void CPUOffloadingManager::evict_victims(KeyList& evicted, std::size_t key_bytes) {
+  const std::size_t num_victims = scratch_victims_.size();
+  evicted.clear();
+  evicted.reserve(num_victims, num_victims * key_bytes);
+  // Software pipeline: the bucket of the victim kCommitAhead positions ahead is fetched while
+  // one is erased, so the misses overlap and the lines are still in L1 when they are used (a
+  // burst of hundreds of prefetches would evict its own first lines).
+  for (std::size_t k = 0; k < std::min(num_victims, kCommitAhead); ++k) {
+    index_.prefetch_erase(scratch_victims_[k]);
+    policy_->prefetch_evict(scratch_victims_[k]);
+  }
+  for (std::size_t k = 0; k < num_victims; ++k) {
+    if (k + kCommitAhead < num_victims) {
+      index_.prefetch_erase(scratch_victims_[k + kCommitAhead]);
+      policy_->prefetch_evict(scratch_victims_[k + kCommitAhead]);
+    }
+    const std::uint32_t victim = scratch_victims_[k];
+    const std::string_view key = index_.key(victim);
+    evicted.push_back(key);
+    policy_->erase(victim, key, /*evicted=*/true);
+    index_.erase(victim);
+  }
+  num_ready_ -= static_cast<std::uint32_t>(num_victims);
+  num_evictable_ -= static_cast<std::uint32_t>(num_victims);
+  if (enable_events_ && num_victims > 0) {
+    record(evicted.to_strings(), /*removed=*/true);
+  }
+}
+
 std::optional<PrepareStoreResult> CPUOffloadingManager::prepare_store(KeySpan keys,
                                                                       bool apply_threshold) {
   PrepareStoreResult result;
@@ -658,36 +723,8 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   // Pass 2 (no state change): find victims, or give up.
   const std::size_t need = scratch_new_.size();
   const std::size_t free = pool_.num_free();
-  scratch_victims_.clear();
-  if (need > free) {
-    const std::size_t to_evict = need - free;
-    if (static_cast<std::size_t>(num_evictable_) - num_protected < to_evict) {
-      return false;  // cheap refusal: not enough candidates, nothing scanned
-    }
-    // A slot may be evicted when its block is ready, unpinned and not a key of this call: one
-    // read of the slot's record, which the recency log has usually prefetched already.
-    // The walk itself drives a software pipeline over the recency log: each slot examined
-    // prefetches the policy node and record of the entry kVictimAhead positions further on, so
-    // the walk (a chain of dependent loads) mostly finds its next node in cache.
-    std::uint32_t predicted = predicted_victims_start();
-    for (std::size_t k = 0; k < kVictimAhead; ++k) {
-      prefetch_predicted(predicted + static_cast<std::uint32_t>(k));
-    }
-    const auto can_evict = [this, stamp, &predicted](std::uint32_t slot) {
-      prefetch_predicted(predicted + static_cast<std::uint32_t>(kVictimAhead));
-      ++predicted;
-      const std::uint64_t p = index_.payload(slot);
-      return evictable(p) && mark_bits(p) != stamp;
-    };
-    const std::size_t found = policy_->select_victims(to_evict, can_evict, scratch_victims_);
-    if (found != to_evict) {
-      throw std::logic_error("kvoff internal error: eviction policy '" +
-                             std::string(policy_->name()) + "' found " + std::to_string(found) +
-                             " of " + std::to_string(to_evict) +
-                             " victims that the evictable count promised; nothing was changed");
-    }
-    // The next victims were probably used right after the last one (a hint only).
-    recent_tail_ = index_.extra(scratch_victims_.back()) + 1;
+  if (!find_victims(need > free ? need - free : 0, stamp, num_protected)) {
+    return false;
   }
 
   // Pass 3: commit. Evicted slots go straight to new keys (never through the free list): the
@@ -698,32 +735,8 @@ bool CPUOffloadingManager::prepare_store(KeySpan keys, PrepareStoreResult& resul
   result.keys_to_store.reserve(need);
   result.block_ids.clear();
   result.block_ids.reserve(need);
-  result.evicted_keys.clear();
   const std::size_t num_victims = scratch_victims_.size();
-  result.evicted_keys.reserve(num_victims, keys.empty() ? 0 : num_victims * keys[0].size());
-  // Software pipelines: the bucket of the victim (new key) kCommitAhead positions ahead is
-  // fetched while one is erased (inserted), so the misses overlap and the lines are still in L1
-  // when they are used (a burst of hundreds of prefetches would evict its own first lines).
-  for (std::size_t k = 0; k < std::min(num_victims, kCommitAhead); ++k) {
-    index_.prefetch_erase(scratch_victims_[k]);
-    policy_->prefetch_evict(scratch_victims_[k]);
-  }
-  for (std::size_t k = 0; k < num_victims; ++k) {
-    if (k + kCommitAhead < num_victims) {
-      index_.prefetch_erase(scratch_victims_[k + kCommitAhead]);
-      policy_->prefetch_evict(scratch_victims_[k + kCommitAhead]);
-    }
-    const std::uint32_t victim = scratch_victims_[k];
-    const std::string_view key = index_.key(victim);
-    result.evicted_keys.push_back(key);
-    policy_->erase(victim, key, /*evicted=*/true);
-    index_.erase(victim);
-  }
-  num_ready_ -= static_cast<std::uint32_t>(num_victims);
-  num_evictable_ -= static_cast<std::uint32_t>(num_victims);
-  if (enable_events_ && num_victims > 0) {
-    record(result.evicted_keys.to_strings(), /*removed=*/true);
-  }
+  evict_victims(result.evicted_keys, keys.empty() ? 0 : keys[0].size());
   for (std::size_t j = 0; j < std::min(need, kCommitAhead); ++j) {
     index_.prefetch_insert(scratch_hashes_[scratch_new_[j]]);
     policy_->prefetch_key(scratch_hashes_[scratch_new_[need - 1 - j]]);  // entered last first

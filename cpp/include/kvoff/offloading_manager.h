@@ -226,6 +226,35 @@ class CPUOffloadingManager final : public BlockManager {
                              bool write_through = true,
                              std::span<const std::size_t> event_ends = {}) override;
 
+  /// Slot reservations (a node pool's engines store without waiting for the pool: they write
+  /// into slots granted ahead, kvoff/node_pool/server.py). A reserved slot is allocated but
+  /// held by no key: not in the index, not evictable, not free (num_reserved_blocks).
+  ///
+  /// reserve_blocks takes `count` slots, free ones first, then evicting ready, unpinned blocks
+  /// in policy order, as prepare_store does (BlockRemoved events with events on): the slots in
+  /// result.block_ids, the evicted keys in result.evicted_keys, the other fields empty. All or
+  /// nothing: false, and nothing changed, when free plus evictable blocks are fewer than
+  /// `count`. The first call allocates one byte per slot (the reserved flags).
+  bool reserve_blocks(std::uint32_t count, PrepareStoreResult& result);
+  /// Gives keys[i] the reserved slot block_ids[i], pending, as prepare_store gives a new key
+  /// its slot (keys[0] the most recent of them; no admission filter, no eviction). A key held
+  /// already, or repeating an earlier key of the call, is not stored: its slot stays reserved.
+  /// Returns the positions of the keys stored, ascending.
+  /// Throws std::invalid_argument, changing nothing, when the sizes differ, a key is empty, or
+  /// a slot is not reserved or occurs twice (naming it).
+  std::vector<std::uint32_t> store_reserved(KeySpan keys,
+                                            std::span<const std::uint32_t> block_ids);
+  /// Frees reserved slots (an engine's reservation it will not use).
+  /// Throws std::invalid_argument, changing nothing, when a slot is not reserved or occurs
+  /// twice (naming it).
+  void release_reserved(std::span<const std::uint32_t> block_ids);
+  /// Slots reserved (reserve_blocks) and not yet stored into or released.
+  std::uint32_t num_reserved_blocks() const noexcept { return num_reserved_; }
+  /// Whether slot `block_id` is reserved (false outside [0, num_blocks)).
+  bool is_reserved(std::uint32_t block_id) const noexcept {
+    return block_id < reserved_.size() && reserved_[block_id] != 0;
+  }
+
   /// Write-through to secondary tiers, with no work on the engine thread beyond a pin per
   /// block. With `capacity_blocks` > 0, each block a store makes ready (complete_store with
   /// write_through) is pinned, so it is not evicted while tiers read it, and queued for
@@ -402,6 +431,15 @@ class CPUOffloadingManager final : public BlockManager {
   void record(std::vector<std::string> keys, bool removed);
   /// Appends `slot` to the recency log (it was just inserted into or touched in the policy).
   void note_recent(std::uint32_t slot) noexcept;
+  // Finds `to_evict` victims into scratch_victims_ (ready, unpinned, not marked with `stamp`;
+  // `num_protected` of the evictable blocks are so marked): false, nothing changed, when there
+  // are too few.
+  bool find_victims(std::size_t to_evict, std::uint32_t stamp, std::size_t num_protected);
+  // Evicts scratch_victims_ (their slots stay allocated, for the caller), listing their keys
+  // in `evicted` (`key_bytes`: a guess of each key's size, to reserve room).
+  void evict_victims(KeyList& evicted, std::size_t key_bytes);
+  // Checks that `block_ids` are distinct reserved slots (throws naming `op` otherwise).
+  void check_reserved(std::span<const std::uint32_t> block_ids, const char* op);
   /// Position in the recency log of the predicted next victim.
   std::uint32_t predicted_victims_start() const noexcept;
   /// Prefetches the policy node and record of the slot logged at `position` (a hint: the
@@ -421,6 +459,8 @@ class CPUOffloadingManager final : public BlockManager {
   std::uint32_t num_evictable_ = 0;  // ready and unpinned
   std::uint32_t num_retired_ = 0;    // kWtRetired slots (see num_retired_blocks)
   std::uint32_t call_stamp_ = 0;
+  std::uint32_t num_reserved_ = 0;  // reserved slots (reserve_blocks)
+  std::vector<std::uint8_t> reserved_;  // per slot, 1 when reserved; empty until first used
   std::vector<OffloadingEvent> events_;
   // Recency log, for prefetching only: the slots in the order the manager inserted or touched
   // them in the policy (a ring of >= 2 x num_blocks entries, capped at kMaxRecentLog); each
