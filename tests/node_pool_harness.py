@@ -66,10 +66,12 @@ def send_raw(path: str, data: bytes) -> bytes:
 def sim_engine(pool: Served, name: str, **kwargs):
     """A simulated engine (tests/scheduler_harness.py, 4-token blocks) whose CPU pool is the
     node pool ``pool`` (served with :data:`SIM_SLOTS` slots of its block size); ``kwargs`` go
-    to ``EngineSim``. Look-ups are asked each time (no kept answers)."""
+    to ``EngineSim``. Look-ups are asked each time (no kept answers); stores go into reserved
+    slots where they can, as an engine's do."""
     from scheduler_harness import EngineSim
 
-    client = NodePoolClient(pool.socket, b"sim-layout", name=name, lookahead_s=0.0)
+    client = NodePoolClient(pool.socket, b"sim-layout", name=name, lookahead_s=0.0,
+                            reserve=True)  # fmt: skip
     return EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS,
                      node_pool=client, **kwargs)  # fmt: skip
 

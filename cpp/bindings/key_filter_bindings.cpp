@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <string_view>
 
 #include "bindings.h"
@@ -133,6 +134,26 @@ void bind_key_filter(py::module_& m) {
           py::doc("may_contain(self, key: bytes) -> bool\n\nFalse: the key is not in the "
                   "writer's index. True: it may be (ask the pool). Raises ValueError on a "
                   "released filter."))
+      .def(
+          "may_contain_any",
+          [](const PyKeyFilter& self, py::handle keys, py::bytes prefix) {
+            KeyBatch batch(keys);
+            const KeyFilter& f = self.get();
+            std::string joined(prefix);  // the prefix, then each key in turn
+            const std::size_t head = joined.size();
+            for (std::string_view k : batch.span()) {
+              joined.resize(head);
+              joined.append(k);
+              if (f.may_contain(joined)) return true;
+            }
+            return false;
+          },
+          py::arg("keys"), py::arg("prefix") = py::bytes(),
+          py::doc("may_contain_any(self, keys: Sequence[bytes], prefix: bytes = b'') -> bool\n\n"
+                  "False: no ``prefix + key`` is in the writer's index (each a miss, no round "
+                  "trip). True: one may be. One call for a batch (an engine's store of a "
+                  "step). Raises ValueError on a released filter; TypeError or ValueError for a "
+                  "bad key."))
       .def_property_readonly("epoch", [](const PyKeyFilter& self) { return self.get().epoch(); },
                              "The creator's epoch (int).")
       .def_property_readonly("num_cells",

@@ -469,6 +469,10 @@ void bind_manager(py::module_& m) {
                   "Frees reserved slots that will not be stored into.\n\nRaises:\n"
                   "    ValueError: a slot is not reserved or repeats (naming it); nothing is "
                   "changed."))
+      .def("is_reserved", &CPUOffloadingManager::is_reserved, py::arg("block_id"),
+           py::doc("is_reserved(self, block_id: int) -> bool\n\nWhether the slot is reserved "
+                   "(reserve_blocks) and not yet stored into or released; False outside "
+                   "[0, num_blocks)."))
       .def_property_readonly("num_reserved_blocks", &CPUOffloadingManager::num_reserved_blocks,
                              py::doc("int: slots reserve_blocks reserved that are not stored "
                                      "into or released yet."))

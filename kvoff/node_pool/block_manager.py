@@ -10,6 +10,7 @@ side (``cpp/bindings/node_pool_manager.cpp``) calls the methods below; their mea
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -127,13 +128,15 @@ class NodePoolBlockManager:
     def complete_store_blocks(self, slots: Sequence[int], success: bool) -> None:
         """Ends this engine's stores into ``slots``: hits for every engine (``success``) or
         freed."""
-        keys = [k for k in (self._storing.pop(s, None) for s in slots) if k is not None]
+        keys = list(map(self._storing.pop, slots, itertools.repeat(None, len(slots))))
+        if None in keys:  # a slot not stored by this engine (the scheduler never passes one)
+            keys = [k for k in keys if k is not None]
         if keys:
             self.client.complete_store(keys, success)
 
     def touch(self, keys: Sequence[bytes], reused: bytes) -> None:
         """Makes the keys the most recent (``keys[0]`` first); ``reused``: 1 per reused key."""
-        self.client.touch(keys, [bool(r) for r in reused])
+        self.client.touch(keys, bytes(reused))
 
     def clear(self) -> int:
         """Drops nothing (other engines use the pool; the client logs it once); 0."""

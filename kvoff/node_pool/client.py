@@ -101,6 +101,12 @@ class NodePoolClient:
             round trip takes tens of microseconds; waking a sleeping thread as long again).
         key_filter: use the pool's key filter for misses (False: ask the pool for every
             look-up, e.g. to measure the filter; the answers are the same).
+        reserve: store without waiting for the pool where it can (:meth:`prepare_store`):
+            the pool grants this connection free slots ahead of its stores, up to four times
+            the largest recent store and at most the pool's ``reserve_max`` (1/16 of its
+            slots by default).
+            Those slots hold no block meanwhile, so an engine's step gains a round trip and
+            the pool loses up to that many slots of capacity; engines set it, tools do not.
 
     Attributes:
         region, num_slots, slot_bytes, inode: the pool's shared memory, from its hello.
@@ -115,6 +121,8 @@ class NodePoolClient:
             trip; :mod:`kvoff.node_pool.key_filter`).
         loads_on_lease: ``prepare_load`` calls answered from the look-up's leases (no round
             trip).
+        stores_on_reservation: ``prepare_store`` calls answered from this connection's
+            reserved slots (no round trip; ``reserve``).
         loads_after_loss: ``prepare_load`` calls of leased keys made while the pool went away
             (the load goes on from the leased slots; :meth:`prepare_load`).
         lease_s: seconds the pool leases a look-up's ready keys to this engine.
@@ -139,6 +147,7 @@ class NodePoolClient:
         lookahead_s: float = 0.005,
         spin_s: float = 0.0002,
         key_filter: bool = True,
+        reserve: bool = False,
     ) -> None:
         if not 0 <= lookahead <= 0xFFFF or lookahead_s < 0 or spin_s < 0:
             raise ValueError(
@@ -169,6 +178,15 @@ class NodePoolClient:
         self._store_answer: tuple[list[bytes], bytes] | None = None
         self.loads_on_lease = 0
         self.loads_after_loss = 0
+        # reserved slots (reserve): the pool's grant, the refill asked for and not yet
+        # answered (its request id), the reservation aimed at (slots), and the keys the pool
+        # evicted for refills, handed to the next store that uses the reservation
+        self.reserve = reserve
+        self.stores_on_reservation = 0
+        self._reserved: list[int] = []
+        self._refill_rid: int | None = None
+        self._reserve_goal = _MIN_RESERVE
+        self._refill_evicted: list[bytes] = []
         self._events_on = False
         self.events_dropped = 0
         self._sock: socket.socket | None = None
@@ -197,6 +215,7 @@ class NodePoolClient:
         self.num_slots: int = int(hello["num_slots"])
         self.slot_bytes: int = int(hello["slot_bytes"])
         self.lease_s: float = float(hello.get("lease_s", 0.0))
+        self.reserve_max = int(hello.get("reserve_max", 0))
 
     # ------------------------------------------------------------------ transport
     def _connect(self) -> dict[str, Any]:
@@ -230,15 +249,65 @@ class NodePoolClient:
             head = self._recv(p.HEADER.size)
             rop, rid, length = p.parse_header(head)
             body = self._recv(length)
-            if rop == p.ERROR and rid != self._rid:  # a call sent without a reply failed
-                self.async_errors += 1
-                logger.error("kvoff node pool refused a call: %s", body.decode(errors="replace"))
+            if rid != self._rid and self._take_unawaited(rop, rid, body):
                 continue
             if rop == p.ERROR:
                 raise NodePoolError(body.decode(errors="replace"))
             if rid != self._rid or rop != op | p.REPLY:
                 raise ConnectionError(f"reply {rop}/{rid} to request {op}/{self._rid}")
             return body
+
+    def _take_unawaited(self, rop: int, rid: int, body: bytes) -> bool:
+        """Handles a frame no call waits for: the error of a call sent without a reply, or
+        the reply to a refill of the reservation. False: not one of them."""
+        if rid == self._refill_rid:
+            self._refill_rid = None
+            if rop == p.RESERVE | p.REPLY and body[:1] == b"\x01":
+                slots, off = p.decode_slots(body, 1)
+                self._refill_evicted += p.decode_keys(body, off)[0]
+                self._reserved += slots
+            elif rop == p.ERROR:
+                logger.warning("kvoff node pool refused a reservation: %s",
+                               body.decode(errors="replace"))  # fmt: skip
+            return True
+        if rop == p.ERROR:  # a call sent without a reply failed
+            self.async_errors += 1
+            logger.error("kvoff node pool refused a call: %s", body.decode(errors="replace"))
+            return True
+        return False
+
+    def _collect(self) -> None:
+        """Takes the frames that came without a call waiting (a refill's reply, errors),
+        without waiting for any."""
+        sock = self._sock
+        if sock is None or (self._refill_rid is None and not self._rest):
+            return
+        try:
+            while chunk := sock.recv(65536):
+                self._rest += chunk
+            raise ConnectionError("the node pool closed the connection")
+        except BlockingIOError:
+            pass
+        except (OSError, ConnectionError) as e:
+            self._lost(e)
+            return
+        buf, size = self._rest, p.HEADER.size
+        try:
+            while len(buf) >= size:
+                rop, rid, length = p.parse_header(bytes(buf[:size]))
+                if len(buf) < size + length:
+                    break
+                body = bytes(buf[size : size + length])
+                del buf[: size + length]
+                if not self._take_unawaited(rop, rid, body):
+                    raise ConnectionError(f"reply {rop}/{rid} to no call")
+        except (p.ProtocolError, ConnectionError) as e:
+            self._lost(e)
+
+    def _lost(self, e: BaseException) -> None:
+        logger.warning("kvoff node pool at %s is gone (%s): misses until it is back",
+                       self.socket_path, e)  # fmt: skip
+        self._close_socket()
 
     def _send(self, op: int, payload: bytes, *, now: bool = False) -> None:
         """Queues a call of :data:`protocol.NO_REPLY_OPS`, which the pool answers only when
@@ -270,9 +339,7 @@ class NodePoolClient:
         try:
             self._sendall(data)
         except OSError as e:
-            logger.warning("kvoff node pool at %s is gone (%s): misses until it is back",
-                           self.socket_path, e)  # fmt: skip
-            self._close_socket()
+            self._lost(e)
 
     def _recv(self, n: int) -> bytes:
         # one recv usually brings a whole reply: what is past n waits in self._rest
@@ -338,9 +405,7 @@ class NodePoolClient:
         try:
             return self._roundtrip(op, payload)
         except (OSError, ConnectionError, p.ProtocolError) as e:
-            logger.warning("kvoff node pool at %s is gone (%s): misses until it is back",
-                           self.socket_path, e)  # fmt: skip
-            self._close_socket()
+            self._lost(e)
             self.misses_while_detached += 1
             return None
 
@@ -365,6 +430,7 @@ class NodePoolClient:
             self._region_lost = True
             self._close_socket()
             return False
+        self.reserve_max = int(hello.get("reserve_max", 0))
         logger.info("kvoff node pool at %s is back", self.socket_path)
         return True
 
@@ -380,6 +446,9 @@ class NodePoolClient:
         self._pins.clear()
         self._storing.clear()
         self._leases.clear()
+        self._reserved.clear()  # the pool released them with the connection
+        self._refill_rid = None
+        self._refill_evicted.clear()
         self._drop_answers()
 
     def close(self) -> None:
@@ -538,8 +607,21 @@ class NodePoolClient:
             self._send(p.COMPLETE_LOAD, self._keys(held))
 
     def prepare_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
-        """Slots for the keys not held yet; None when the pool cannot make room or is gone."""
-        own = list(map(bytes, keys))
+        """Slots for the keys not held yet; None when the pool cannot make room or is gone.
+
+        With ``reserve``, keys that are all new (the pool's key filter rules each out, and
+        this connection is not storing it) go into reserved slots with no round trip: the
+        pool learns of them with the next flush. Should another engine store one first, the
+        pool keeps its copy and frees this one's slot at the completion, so the answer is
+        the one the pool would give, but for a wasted copy. Other calls ask the pool (one
+        round trip), and so does a call the reservation cannot cover; the reservation is
+        refilled ahead of need, its reply taken when it comes.
+        """
+        own = _as_bytes(keys)
+        if self.reserve and self.reserve_max and own:
+            got = self._store_on_reservation(own)
+            if got is not None:
+                return got
         reply = self._call(p.PREPARE_STORE, p.encode_prefixed_keys(self.prefix, own))
         if reply is None:  # gone
             return None
@@ -556,6 +638,52 @@ class NodePoolClient:
         mine = own if len(index) == len(own) else [own[i] for i in index]
         self._storing.update(mine)
         return StoreSlots(mine, slots, evicted, list(index))
+
+    def _store_on_reservation(self, own: list[bytes]) -> StoreSlots | None:
+        """:meth:`prepare_store` into reserved slots, or None: ask the pool (a refill is
+        queued ahead of that call when the reservation was short)."""
+        n = len(own)
+        if len(self._reserved) < n:  # a refill may have come (read only when needed: a
+            self._collect()  # recv costs 3-30 µs on a busy 2-core VM)
+        # aim at four times the largest recent store, refilled below half: a refill has a
+        # whole store's time to come back before a store finds the reservation short
+        goal = self._reserve_goal = min(
+            self.reserve_max, max(4 * n, self._reserve_goal - self._reserve_goal // 64)
+        )
+        f, reserved = self._filter, self._reserved
+        if (
+            f is None
+            or self._sock is None
+            or len(reserved) < n
+            or not self._storing.isdisjoint(own)
+            or f.may_contain_any(own, self.prefix)
+            or len(set(own)) != n
+        ):
+            if len(reserved) < n:
+                self._refill(max(goal, n))
+            return None
+        slots = reserved[:n]  # the pool takes them in the order it granted them
+        del reserved[:n]
+        self._send(p.STORE_RESERVED, p.encode_prefixed_keys(self.prefix, own))
+        if self._sock is None:  # lost with the flush: the reservation went with it
+            return None
+        self._storing.update(own)
+        self.stores_on_reservation += 1
+        if len(reserved) < goal // 2:  # sent with the step's flush: back before it is short
+            self._refill(goal)
+        evicted, self._refill_evicted = self._refill_evicted, []
+        return StoreSlots(own, slots, evicted, list(range(n)))
+
+    def _refill(self, goal: int) -> None:
+        """Asks the pool for slots up to ``goal`` reserved, unless a refill is on its way;
+        sent with the next call or flush, its reply taken when it comes."""
+        count = min(goal, self.reserve_max) - len(self._reserved)
+        if self._refill_rid is not None or count <= 0 or self._sock is None:
+            return
+        self._drop_answers()  # the pool evicts for it
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        self._refill_rid = self._rid
+        self._outbox += p.frame(p.RESERVE, self._rid, struct.pack("<I", count))
 
     def key_states(self, keys: Sequence[bytes]) -> list[int | None]:
         """Each key's state as a one-key :meth:`lookup` answers it (1 ready, 0 missing, None
@@ -588,17 +716,24 @@ class NodePoolClient:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a
         connection since lost are dropped: the pool completed them as failed)."""
         storing = self._storing
-        held = [k for k in map(bytes, keys) if k in storing]
-        if len(set(held)) != len(held):  # a key given twice is completed once
-            held = list(dict.fromkeys(held))
-        storing.difference_update(held)
+        keys = _as_bytes(keys)
+        mine = storing.intersection(keys)
+        # all held and distinct (the usual case): as given; else each held key once
+        held = keys if len(mine) == len(keys) else [k for k in dict.fromkeys(keys) if k in mine]
+        storing.difference_update(mine)
         if held:
             self._send(p.COMPLETE_STORE, bytes([bool(success)]) + self._keys(held))
 
-    def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | None = None) -> None:
+    def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | bytes | None = None) -> None:
         """Makes the keys the most recent, ``keys[0]`` first; ``reused``: per key, whether it
-        was a reuse (as :meth:`kvoff.CPUOffloadingManager.touch`)."""
-        flags = b"" if reused is None else bytes(1 if r else 0 for r in reused)
+        was a reuse (as :meth:`kvoff.CPUOffloadingManager.touch`; bytes: one byte per key,
+        nonzero for a reuse)."""
+        if reused is None:
+            flags = b""
+        elif isinstance(reused, bytes):  # one byte per key already (the scheduler's)
+            flags = reused
+        else:
+            flags = bytes(1 if r else 0 for r in reused)
         self._send(p.TOUCH, self._keys(keys) + flags)
 
     def sync(self) -> None:
@@ -694,6 +829,16 @@ class NodePoolClient:
         return p.decode_json(reply)
 
 
+def _as_bytes(keys: Sequence[bytes]) -> list[bytes]:
+    """``keys`` as a list of bytes: as given when it is one (the scheduler's calls: no copy of
+    200 keys a step), else converted (bytearray, memoryview)."""
+    if type(keys) is list and (not keys or type(keys[0]) is bytes):
+        return keys
+    return list(map(bytes, keys))
+
+
+_MIN_RESERVE = 16
+"""Slots a reservation aims at, at least (``reserve``)."""
 _OUTBOX_BYTES = 1 << 16
 """Queued calls beyond this many bytes are sent at once."""
 _READ_ONLY_OPS = frozenset({p.LOOKUP, p.LOOKUP_AHEAD, p.STATUS, p.REPORT_LOOKUPS})

@@ -116,6 +116,7 @@ class EngineKeyFilter:
 
     def __init__(self, view: KeyFilter, mapping: mmap.mmap) -> None:
         self.may_contain = view.may_contain
+        self.may_contain_any = view.may_contain_any
         self._view, self._map = view, mapping
 
     def close(self) -> None:

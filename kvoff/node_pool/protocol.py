@@ -36,10 +36,12 @@ __all__ = [
     "PREPARE_STORE",
     "REPLY",
     "REPORT_LOOKUPS",
+    "RESERVE",
     "STATE_MISSING",
     "STATE_PENDING",
     "STATE_READY",
     "STATUS",
+    "STORE_RESERVED",
     "TAKE_EVENTS",
     "TOUCH",
     "VERSION",
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVNP"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<4sHHII")
 MAX_PAYLOAD_BYTES = 64 << 20
 """Largest payload accepted (64 MiB: about two million 16-byte keys)."""
@@ -84,6 +86,17 @@ REPORT_LOOKUPS = 11
 """``answered u32, answered_hits u32``: look-ups the engine answered without the pool (from
 look-ahead replies and the pool's key filter) since its last report, for the pool's hit rates.
 Sent without a reply at the end of an engine step."""
+RESERVE = 12
+"""``count u32``: free slots for this engine's later stores (:data:`STORE_RESERVED`), evicting
+as ``PREPARE_STORE`` does. Reply: ``granted u8`` (0: too few slots can be freed now), then a
+slot list (the slots reserved) and a key list (the keys evicted for them). The engine sends it
+ahead of need and reads the reply when it comes, so it never waits for it."""
+STORE_RESERVED = 13
+"""A key list: the keys are being stored into the engine's first reserved slots, one each, in
+the order the ``RESERVE`` replies granted them (so no slot id is sent, and an engine cannot
+name a slot that is not its own). Sent without a reply. A key the pool holds already
+(another engine stored it first) is not stored: its slot stays the engine's until the
+engine's ``COMPLETE_STORE`` of the key, which then frees it."""
 OPS = {
     HELLO: "hello",
     LOOKUP: "lookup",
@@ -96,14 +109,19 @@ OPS = {
     LOOKUP_AHEAD: "lookup_ahead",
     TAKE_EVENTS: "take_events",
     REPORT_LOOKUPS: "report_lookups",
+    RESERVE: "reserve",
+    STORE_RESERVED: "store_reserved",
 }
 REPLY = 0x100
 ERROR = 0xFFFF
 NO_REPLY = 0x4000
 """Op bit: no reply on success (only with :data:`NO_REPLY_OPS`)."""
-NO_REPLY_OPS = frozenset({PREPARE_LOAD, COMPLETE_LOAD, COMPLETE_STORE, TOUCH, REPORT_LOOKUPS})
+NO_REPLY_OPS = frozenset(
+    {PREPARE_LOAD, COMPLETE_LOAD, COMPLETE_STORE, TOUCH, REPORT_LOOKUPS, STORE_RESERVED}
+)
 """The ops that may be sent with :data:`NO_REPLY`: those whose reply carries nothing, and
-``PREPARE_LOAD`` of keys the engine holds leases on (it knows their slots)."""
+``PREPARE_LOAD`` of keys the engine holds leases on, ``STORE_RESERVED`` into slots it holds (it
+knows their slots)."""
 STATE_MISSING, STATE_READY, STATE_PENDING = 0, 1, 2
 """A key's state byte: not held, ready (a hit), being stored (retry later)."""
 

@@ -101,6 +101,9 @@ MAX_RANKS = 64
 MAX_PROBE_BLOCKS = 64
 """Keys of a chain the tiers are asked for at once (a look-up that misses the slots)."""
 EVENT_KEYS_PER_SLOT = 4
+RESERVE_SHARE = 16
+"""An engine may hold at most 1/RESERVE_SHARE of the slots reserved (``RESERVE``): enough for
+a few steps of stores, never enough for a few engines to starve the index."""
 """Keys of KV events queued per engine and slot at most (module docstring)."""
 """Successor-map entries kept per slot at most (a chain per held block, and room for keys
 touched that are not held); beyond, the oldest are dropped."""
@@ -133,6 +136,10 @@ class _Engine:
     pins: Counter[bytes] = field(default_factory=Counter)  # key -> loads in flight
     leases: dict[bytes, tuple[float, int]] = field(default_factory=dict)  # key -> (until, slot)
     storing: set[bytes] = field(default_factory=set)  # keys it is storing
+    reserved: deque[int] = field(default_factory=deque)  # slots reserved for it, in grant order
+    # keys it stores into a reserved slot that another engine had stored already: the slot,
+    # freed at the key's completion
+    duplicates: dict[bytes, int] = field(default_factory=dict)
     calls: int = 0
     lookups: int = 0
     looked_up_keys: int = 0
@@ -172,6 +179,9 @@ class NodePoolServer:
         ranks: the engines' tensor-parallel size: one region of ``num_slots`` slots of
             ``slot_bytes`` (one rank's bytes of a block) per rank, ``<region>-rank<r>``
             (``<region>`` itself with one rank); a slot id names a block in every region.
+        reserve_blocks: slots one engine may hold reserved for stores that do not wait for a
+            reply (``RESERVE``; default ``num_slots // RESERVE_SHARE``; 0: none). Always 0
+            with tiers or ``store_threshold`` >= 2.
 
     Raises:
         ValueError: a bad size, policy or name, or another server answering on
@@ -194,9 +204,15 @@ class NodePoolServer:
         tiers: Sequence[Any] = (),
         write_queue_blocks: int | None = None,
         ranks: int = 1,
+        reserve_blocks: int | None = None,
     ) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
+        if reserve_blocks is not None and not 0 <= reserve_blocks <= num_slots:
+            raise ValueError(
+                f"reserve_blocks must be 0..num_slots ({num_slots}) slots per engine, got "
+                f"{reserve_blocks}"
+            )
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError(
                 f"a node pool needs num_slots >= 1 and slot_bytes >= 1, got {num_slots} and "
@@ -252,6 +268,10 @@ class NodePoolServer:
                 for pool in self.pools:
                     pool.close()
                 raise
+        # slots an engine may hold reserved: none with tiers (their promotions need the
+        # manager's prepare_store) or an admission filter (which reserved stores would skip)
+        share = self.num_slots // RESERVE_SHARE if reserve_blocks is None else reserve_blocks
+        self.reserve_max = share if self.tiered is None and store_threshold < 2 else 0
         self.engines: dict[int, _Engine] = {}  # by fd
         # key -> the key stored or touched after it (a request's chain), for LOOKUP_AHEAD;
         # insertion-ordered, so the oldest go first beyond SUCCESSORS_PER_SLOT x num_slots
@@ -261,6 +281,7 @@ class NodePoolServer:
         self.leases_lapsed = 0
         self._next_lapse = 0.0
         self.evictions = 0
+        self.reserved_stores = 0  # keys stored into reserved slots (STORE_RESERVED)
         self.engines_seen = 0
         self.refused = 0
         self.started = time.time()
@@ -519,10 +540,15 @@ class NodePoolServer:
             self._forget(eng.storing)
             if self.key_filter is not None:
                 self.key_filter.remove(eng.storing)
+        spare = [*eng.reserved, *eng.duplicates.values()]
+        if spare:
+            self.manager.release_reserved(spare)
         self._publish()
         eng.pins.clear()
         eng.leases.clear()
         eng.storing.clear()
+        eng.reserved.clear()
+        eng.duplicates.clear()
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(eng.sock)
         eng.sock.close()
@@ -555,22 +581,11 @@ class NodePoolServer:
                 raise p.ProtocolError("complete_store needs a success byte and keys")
             keys, end = p.decode_keys(payload, 1)
             self._check_end(payload, end)
-            given = set(keys)
-            if len(given) != len(keys) or not given <= eng.storing:
-                unknown = [k.hex() for k in keys if k not in eng.storing]
-                raise ValueError(
-                    f"keys {unknown[:4]} are not being stored by this engine (or repeat); "
-                    "complete only the keys prepare_store gave it, once"
-                )
-            m.complete_store(keys, bool(payload[0]))
-            eng.storing -= given
-            if payload[0]:
-                eng.stored_keys += len(keys)
-            else:
-                self._forget(keys)
-                if self.key_filter is not None:
-                    self.key_filter.remove(keys)
-            return b""
+            return self._complete_store(eng, keys, bool(payload[0]))
+        if op == p.RESERVE:
+            return self._reserve(eng, payload)
+        if op == p.STORE_RESERVED:
+            return self._store_reserved(eng, payload)
         if op == p.LOOKUP_AHEAD:
             return self._lookup_ahead(eng, payload)
         if op == p.REPORT_LOOKUPS:
@@ -686,6 +701,95 @@ class NodePoolServer:
                 + p.encode_states(states)
             )
         raise p.ProtocolError(f"unknown op {op}")
+
+    def _complete_store(self, eng: _Engine, keys: list[bytes], success: bool) -> bytes:
+        """Ends the engine's stores of ``keys``; a key it stored into a reserved slot while
+        another engine's copy was held frees that slot."""
+        given = set(keys)
+        dups = eng.duplicates
+        if len(given) != len(keys) or not given <= (eng.storing | dups.keys()):
+            unknown = [k.hex() for k in keys if k not in eng.storing and k not in dups]
+            raise ValueError(
+                f"keys {unknown[:4]} are not being stored by this engine (or repeat); "
+                "complete only the keys prepare_store or store_reserved gave it, once"
+            )
+        mine = keys if not dups else [k for k in keys if k not in dups]
+        if len(mine) != len(keys):
+            self.manager.release_reserved([dups.pop(k) for k in keys if k in dups])
+        if mine:
+            self.manager.complete_store(mine, success)
+            eng.storing.difference_update(mine)
+        if success:
+            eng.stored_keys += len(mine)
+        else:
+            self._forget(mine)
+            if self.key_filter is not None:
+                self.key_filter.remove(mine)
+        return b""
+
+    def _reserve(self, eng: _Engine, payload: bytes) -> bytes:
+        """``RESERVE``: up to the engine's share of free slots (:data:`RESERVE_SHARE`)."""
+        if len(payload) != 4:
+            raise p.ProtocolError(f"reserve needs count u32, got {len(payload)} bytes")
+        (count,) = struct.unpack("<I", payload)
+        room = self.reserve_max - len(eng.reserved) - len(eng.duplicates)
+        if self.reserve_max == 0:
+            raise ValueError(
+                "this pool reserves no slots (it has tiers, an admission filter or "
+                "--reserve-blocks 0); store with prepare_store"
+            )
+        got = self.manager.reserve_blocks(min(count, room)) if count and room > 0 else None
+        if got is None:
+            return b"\x00"
+        slots, evicted = got
+        eng.reserved.extend(slots)
+        if evicted:
+            self.evictions += len(evicted)
+            self._forget(evicted)
+            if self.key_filter is not None:
+                self.key_filter.remove(evicted)
+        return b"\x01" + p.encode_slots(slots) + p.encode_keys(evicted)
+
+    def _store_reserved(self, eng: _Engine, payload: bytes) -> bytes:
+        """``STORE_RESERVED``: the keys become pending in the engine's first reserved slots,
+        in grant order (the engine took them in that order); a key held already keeps its
+        slot reserved until the engine completes the key."""
+        keys, end = p.decode_keys(payload)
+        self._check_end(payload, end)
+        n, reserved, dups = len(keys), eng.reserved, eng.duplicates
+        if n > len(reserved):
+            raise p.ProtocolError(
+                f"store_reserved of {n} keys with {len(reserved)} slots reserved; store only "
+                "into slots a reserve reply gave"
+            )
+        if not eng.storing.isdisjoint(keys) or (dups and not dups.keys().isdisjoint(keys)):
+            raise ValueError("a key this engine is storing already is given again; complete "
+                             "its store first")  # fmt: skip
+        slots = [reserved[i] for i in range(n)]
+        stored = self.manager.store_reserved(keys, slots)  # raises: nothing changed
+        for _ in range(n):
+            reserved.popleft()
+        if len(stored) == n:
+            new = keys
+        else:
+            taken = set(stored)
+            new = [keys[i] for i in stored]
+            new_keys, spare = set(new), []
+            for i, (k, slot) in enumerate(zip(keys, slots, strict=True)):
+                if i in taken:
+                    continue
+                if k in new_keys or k in dups:  # a repeat within the call: free it now
+                    spare.append(slot)
+                else:
+                    dups[k] = slot
+            if spare:
+                self.manager.release_reserved(spare)
+        eng.storing.update(new)
+        self.reserved_stores += len(new)
+        if self.key_filter is not None:  # before the engine's next call: no engine misses them
+            self.key_filter.add(new)
+        self._chain(keys)
+        return b""
 
     def _states(self, keys: list[bytes]) -> list[int]:
         """Each key's state byte: batched look-ups while they stop at a missing key (a few),
@@ -808,6 +912,7 @@ class NodePoolServer:
             "slot_bytes": self.slot_bytes,
             "policy": self.policy,
             "lease_s": self.lease_s,
+            "reserve_max": self.reserve_max,
             "pid": os.getpid(),
             "key_filter": None if self.key_filter is None else self.key_filter.describe(),
         }
@@ -823,8 +928,10 @@ class NodePoolServer:
             "stored_blocks": m.num_stored_blocks,
             "free_blocks": m.num_free_blocks,
             "pending_blocks": m.num_pending_blocks,
+            "reserved_blocks": m.num_reserved_blocks,
             "evictable_blocks": m.num_evictable_blocks,
             "evictions": self.evictions,
+            "reserved_stores": self.reserved_stores,
             "leases_lapsed": self.leases_lapsed,
             "tiers": None if self.tiered is None else self.tiered.stats(),
             "key_filter_status": None if self.key_filter is None else self.key_filter.status(),
@@ -848,6 +955,7 @@ class NodePoolServer:
                     "leased_blocks": len(e.leases),
                     "takes_events": e.prefix is not None,
                     "storing_blocks": len(e.storing),
+                    "reserved_blocks": len(e.reserved),
                     "errors": e.errors,
                 }
                 for e in self.engines.values()

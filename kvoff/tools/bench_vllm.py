@@ -554,7 +554,7 @@ def _drive_engine(
     stats = {}
     manager = None  # the offloading manager behind the connector's scheduler role
     names = ("misses_while_detached", "round_trips", "answered_ahead", "answered_by_filter",
-             "loads_on_lease",
+             "loads_on_lease", "stores_on_reservation",
              "async_errors")  # fmt: skip
     if connector == "kvoff":
         stats = dict(conn.scheduler.stats())

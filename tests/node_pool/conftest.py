@@ -14,7 +14,7 @@ from node_pool_harness import SIM_SLOTS, Served
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
     region = f"kvoff-test-np-{os.getpid()}-{tmp_path.name}"[:200]
-    s = Served(tmp_path / "pool.sock", region)
+    s = Served(tmp_path / "pool.sock", region, reserve_blocks=4)
     yield s
     s.stop()
     path = Path("/dev/shm") / region
@@ -30,7 +30,8 @@ def pool(tmp_path: Path) -> Iterator[Served]:
 
     probe = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS)
     region = f"kvoff-test-sched-{os.getpid()}-{tmp_path.name}"[:200]
-    s = Served(tmp_path / "pool.sock", region, SIM_SLOTS, probe.worker.slot_bytes)
+    s = Served(tmp_path / "pool.sock", region, SIM_SLOTS, probe.worker.slot_bytes,
+               reserve_blocks=4)  # fmt: skip
     yield s
     s.stop()
     path = Path("/dev/shm") / region

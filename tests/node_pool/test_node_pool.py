@@ -149,7 +149,8 @@ _RANDOM_ENGINES = textwrap.dedent(
     def engine(seed):
         # seeds >= 100 are victims: they load the others' blocks (keys 0-39) but never finish
         # a store of their own (keys 40-79), so none of those may ever be a hit
-        c = NodePoolClient(sys.argv[1], b"model=tiny;layout=layer_major;rank=0", name="random")
+        c = NodePoolClient(sys.argv[1], b"model=tiny;layout=layer_major;rank=0", name="random",
+                           reserve=True)  # stores into reserved slots too
         rnd = random.Random(seed)
         victim = seed >= 100
         print(os.getpid(), flush=True)
@@ -215,7 +216,9 @@ def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None
         # the key filter (invariant 9): every key in the index is "maybe", whoever died
         assert s.key_filter is not None and s.key_filter.unknown_removals == 0
         assert all(s.key_filter.filter.may_contain(k) for k in every_key if m.lookup([k]) != 0)
-        return (m.num_pending_blocks, storing, m.num_stored_blocks, m.num_free_blocks,
+        reserved = sum(len(e.reserved) + len(e.duplicates) for e in s.engines.values())
+        assert m.num_reserved_blocks == reserved  # only the living engines hold reservations
+        return (m.num_pending_blocks, storing, m.num_stored_blocks, m.num_free_blocks + reserved,
                 m.num_evictable_blocks, pins)  # fmt: skip
 
     prefix = hashlib.blake2b(FP, digest_size=8).digest()  # the engines' key prefix
@@ -236,12 +239,13 @@ def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None
                 time.sleep(0.01)
             pending, storing, stored, free, evictable, pins = served.call(held)
             assert pending == storing  # only the living engines' stores are in flight
-            assert stored + free + pending == 16  # no slot leaked
+            assert stored + free + pending == 16  # no slot leaked (free: or reserved)
             assert stored - evictable <= pins  # only the living engines pin (or lease) blocks
             assert all(checker.lookup([k]) == 0 for k in theirs)  # never served
             for pid in survivors:
                 os.kill(pid, signal.SIGCONT)
         assert served.call(lambda s: s.engines_seen) == 103  # and 3 live: survivors, checker
+        assert served.call(lambda s: s.reserved_stores) > 0  # stores into reserved slots too
         assert served.call(lambda s: len(s.engines)) == 3
     finally:
         for pid in survivors:
@@ -359,7 +363,9 @@ def test_random_messages_never_crash_or_corrupt_the_pool(served, op, payload, ta
     afterwards every slot is accounted for and a good engine is served."""
     _raw(served, p.frame(op, 9, payload) + tail)
     stored, free, pending, _ = _counts(served)
-    assert stored + free + pending == 16 and pending == 0  # the dead connection's stores dropped
+    # the dead connection's stores dropped, its reservation released
+    assert stored + free + pending == 16 and pending == 0
+    assert served.call(lambda s: s.manager.num_reserved_blocks) == 0
     assert served.thread.is_alive()
     good = NodePoolClient(served.socket, FP)
     assert good.lookup(_keys(99)) == 0

@@ -48,6 +48,26 @@ def test_a_block_one_engine_stored_is_a_hit_with_its_bytes_for_another(pool: Ser
     assert _pins_and_pending(pool, a, b) == (0, 0)  # every pin and store of both ended
 
 
+def test_stores_into_reserved_slots_carry_the_bytes_to_another_engine(pool: Served) -> None:
+    """KvoffConnector's scheduler on a node pool stores a request's new blocks into the slots
+    the pool reserved for it, with no round trip; another engine loads those bytes."""
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
+    a.add_request("first", list(range(100, 109)))  # asks the pool, which grants a reservation
+    a.drain()
+    client = a.sched.node_pool
+    prompt = list(range(9))
+    a.add_request("r", prompt)
+    (store,) = a.step().meta.store_jobs
+    assert client.stores_on_reservation == 1  # (look-ups and events still ask the pool)
+    a.drain()
+    b.add_request("r", prompt)
+    rec = b.step()
+    assert rec.lookups == {"r": (0, 8)}
+    (load,) = rec.meta.load_jobs
+    assert load.cpu.block_ids == store.cpu.block_ids
+    assert rec.outputs[-1].finished_loading == ("r",)  # and the harness checked the bytes
+
+
 def test_a_block_another_engine_is_storing_is_retried_then_hit(pool: Served) -> None:
     a = sim_engine(pool, "a", auto_complete=False)
     b = sim_engine(pool, "b", auto_complete=False)

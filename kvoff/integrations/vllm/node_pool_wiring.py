@@ -50,7 +50,8 @@ def connector_node_pool(
     path = str(config.node_pool)
     probe = cpu_spec(vllm_config, kv_cache_config, config, cpu_bytes_to_use=_PROBE_BYTES)
     world = probe.world_size
-    client = NodePoolClient(path, tier_fingerprint(vllm_config, probe, 0), name=name)
+    # an engine: its stores go into reserved slots where they can (no round trip)
+    client = NodePoolClient(path, tier_fingerprint(vllm_config, probe, 0), name=name, reserve=True)
     need = probe.bytes_per_offloaded_block
     detail = (f"{probe.kv_bytes_per_block} bytes per GPU block x block_size_factor "
               f"{probe.block_size_factor}")  # fmt: skip

@@ -251,8 +251,11 @@ def _attach_node_pool(socket_path: str, config: Any, blocks_per_chunk: int) -> A
     from kvoff.node_pool import NodePoolClient
 
     rank = int(config.parallel.rank)
-    client = NodePoolClient(
-        socket_path, spec_fingerprint(config, rank), name=f"{config.engine_id}-rank{rank}"
+    client = NodePoolClient(  # an engine: its stores go into reserved slots where they can
+        socket_path,
+        spec_fingerprint(config, rank),
+        name=f"{config.engine_id}-rank{rank}",
+        reserve=True,
     )
     need = int(config.worker_kv_bytes_per_block) * blocks_per_chunk
     detail = (f"{config.worker_kv_bytes_per_block} bytes per block x {blocks_per_chunk} blocks "

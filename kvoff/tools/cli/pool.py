@@ -88,6 +88,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="microseconds the pool polls without sleeping after a call: lower round-trip "
         "latency for a core while engines call (default: 500; 0: never)",
     )
+    serve.add_argument(
+        "--reserve-blocks",
+        type=non_negative_int,
+        default=None,
+        help="slots each engine may hold reserved, so that its stores need no round trip "
+        "(default: 1/16 of the slots; 0: none; none with tiers; docs/node-pool.md)",
+    )
     tiers = serve.add_argument_group(
         "tiers below the pool (every block written through; a look-up that misses the slots "
         "promotes from them; KVOFF_SHARED_SECRET, if set, is the blocks' MAC key)"
@@ -130,6 +137,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         args.socket, slots, args.slot_bytes, policy=args.policy,
         region=args.region or DEFAULT_REGION, group=args.group, lease_s=args.lease_ms / 1000,
         spin_s=args.spin_us / 1e6, tiers=tiers, ranks=args.ranks,
+        reserve_blocks=args.reserve_blocks,
     )  # fmt: skip
     gib = slots * args.slot_bytes * args.ranks / 2**30
     print(
@@ -194,7 +202,8 @@ def run_status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             f"of {st['slot_bytes']} bytes ({gib:.2f} GiB, {st['policy']}) in "
             f"/dev/shm/{st['region']}\n"
             f"  blocks       {st['stored_blocks']:>10,} stored, {st['free_blocks']:,} free, "
-            f"{st['pending_blocks']:,} being stored\n"
+            f"{st['pending_blocks']:,} being stored, {st['reserved_blocks']:,} reserved for "
+            f"engines' stores (at most {st['reserve_max']:,} each)\n"
             f"  evictions    {st['evictions']:>10,}; leases lapsed {st['leases_lapsed']:,}\n"
             f"  engines      {st['engines_attached']:>10,} attached ({st['engines_seen']:,} "
             f"seen, {st['connections_refused']:,} refused); hit rate {st['hit_rate']:.2%}"
