@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "bindings.h"
 #include "convert.h"
@@ -139,14 +140,24 @@ void bind_key_filter(py::module_& m) {
           [](const PyKeyFilter& self, py::handle keys, py::bytes prefix) {
             KeyBatch batch(keys);
             const KeyFilter& f = self.get();
-            std::string joined(prefix);  // the prefix, then each key in turn
-            const std::size_t head = joined.size();
+            const std::string_view head(prefix);
+            // every prefix + key in one buffer, viewed key by key
+            std::size_t total = 0;
+            for (std::string_view k : batch.span()) total += head.size() + k.size();
+            std::string joined;
+            joined.reserve(total);
+            std::vector<std::string_view> views;
+            views.reserve(batch.span().size());
             for (std::string_view k : batch.span()) {
-              joined.resize(head);
+              joined.append(head);
               joined.append(k);
-              if (f.may_contain(joined)) return true;
             }
-            return false;
+            std::size_t at = 0;
+            for (std::string_view k : batch.span()) {
+              views.emplace_back(joined.data() + at, head.size() + k.size());
+              at += head.size() + k.size();
+            }
+            return f.first_maybe(views) < views.size();
           },
           py::arg("keys"), py::arg("prefix") = py::bytes(),
           py::doc("may_contain_any(self, keys: Sequence[bytes], prefix: bytes = b'') -> bool\n\n"

@@ -1,5 +1,7 @@
 #include "kvoff/key_filter.h"
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -98,8 +100,7 @@ std::atomic_ref<std::uint8_t> KeyFilter::cell(std::size_t i) const noexcept {
 }
 
 template <typename F>
-void KeyFilter::for_each_cell(std::string_view key, F&& f) const noexcept {
-  const std::uint64_t h1 = hash_key(key);
+void KeyFilter::for_each_cell(std::uint64_t h1, F&& f) const noexcept {
   const std::uint64_t h2 = detail::avalanche64(h1 ^ 0x5851f42d4c957f2dULL) | 1;  // odd: distinct
   for (std::uint32_t i = 0; i < kProbes; ++i) {
     if (!f(reduce(h1 + i * h2, cells_))) return;
@@ -132,12 +133,38 @@ bool KeyFilter::remove(std::string_view key) noexcept {
 }
 
 bool KeyFilter::may_contain(std::string_view key) const noexcept {
+  return may_contain_hash(hash_key(key));
+}
+
+bool KeyFilter::may_contain_hash(std::uint64_t h1) const noexcept {
   bool maybe = true;
-  for_each_cell(key, [this, &maybe](std::size_t i) {
+  for_each_cell(h1, [this, &maybe](std::size_t i) {
     maybe = cell(i).load(std::memory_order_acquire) != 0;
     return maybe;
   });
   return maybe;
+}
+
+std::size_t KeyFilter::first_maybe(std::span<const std::string_view> keys) const noexcept {
+  // A ring of the hashes of the keys kAhead positions ahead, whose first cells are fetched
+  // while earlier keys are checked (most absent keys need only their first cell).
+  constexpr std::size_t kAhead = 8;
+  std::array<std::uint64_t, kAhead> ahead{};
+  const std::size_t n = keys.size();
+  const auto fetch = [&](std::size_t k) {
+    const std::uint64_t h = hash_key(keys[k]);
+    ahead[k % kAhead] = h;
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(base_ + kHeaderBytes + reduce(h, cells_));
+#endif
+  };
+  for (std::size_t k = 0; k < std::min(n, kAhead); ++k) fetch(k);
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::uint64_t h1 = ahead[k % kAhead];
+    if (k + kAhead < n) fetch(k + kAhead);
+    if (may_contain_hash(h1)) return k;
+  }
+  return n;
 }
 
 std::uint64_t KeyFilter::epoch() const noexcept {

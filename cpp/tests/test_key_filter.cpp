@@ -8,6 +8,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvoff/key.h"
@@ -74,6 +75,30 @@ TEST(KeyFilter, FalsePositivesAtCapacityAreRare) {
 }
 
 // Removing a key never added changes nothing: no other key may turn "no".
+// first_maybe answers as may_contain key by key would, at every batch size and position (its
+// prefetch ring wraps past 8 keys).
+TEST(KeyFilter, FirstMaybeIsTheFirstKeyMayContainWouldSayMaybeFor) {
+  Memory mem(2000);
+  KeyFilter f = KeyFilter::create(mem.span(), 3);
+  for (std::uint64_t i = 0; i < 2000; i += 7) f.add(key_of(i));
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<std::string> keys;
+    const std::size_t n = rng() % 40;
+    for (std::size_t i = 0; i < n; ++i) keys.push_back(key_of(rng() % 4000));
+    std::vector<std::string_view> views(keys.begin(), keys.end());
+    std::size_t expected = n;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (f.may_contain(keys[i])) {
+        expected = i;
+        break;
+      }
+    }
+    ASSERT_EQ(f.first_maybe(views), expected) << "trial " << trial;
+  }
+  EXPECT_EQ(f.first_maybe({}), 0u);
+}
+
 TEST(KeyFilter, RemovingAKeyNeverAddedChangesNothing) {
   Memory mem(4);
   KeyFilter f = KeyFilter::create(mem.span(), 1);

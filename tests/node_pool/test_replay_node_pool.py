@@ -77,6 +77,8 @@ def test_a_pool_outlives_its_engines(tmp_path: Path) -> None:
         assert st["stored_blocks"] > 0 and st["region"] == region
         text = _kvoff("pool", "status", "--socket", sock).stdout
         assert f"{st['stored_blocks']:,} stored" in text
+        # the replay's engines do not reserve; the pool says how many each may
+        assert st["reserved_blocks"] == 0 and f"at most {st['reserve_max']:,} each" in text
         kf = st["key_filter_status"]
         assert kf["unknown_removals"] == 0 and kf["set_fraction"] > 0
         assert f"{kf['set_fraction']:.2%} of {kf['cells']:,} cells set" in text

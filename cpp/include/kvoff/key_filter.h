@@ -23,6 +23,8 @@
 #include <span>
 #include <string_view>
 
+#include "kvoff/key.h"
+
 namespace kvoff {
 
 class KeyFilter {
@@ -62,6 +64,12 @@ class KeyFilter {
   /// this thread can see). True: it may be.
   bool may_contain(std::string_view key) const noexcept;
 
+  /// may_contain of a batch: the position of the first key that may be in the writer's
+  /// index, or keys.size() when none may. The first cell of the keys a few positions ahead is
+  /// prefetched, so the cache misses of many keys overlap (an engine checks a step's stores,
+  /// hundreds of keys, in one call).
+  std::size_t first_maybe(std::span<const std::string_view> keys) const noexcept;
+
   std::size_t num_cells() const noexcept { return cells_; }
   std::uint64_t epoch() const noexcept;
   /// Cells not 0 (a scan of every cell: for status, not for the hot path).
@@ -70,7 +78,13 @@ class KeyFilter {
  private:
   KeyFilter(std::byte* base, std::size_t cells) noexcept : base_(base), cells_(cells) {}
   template <typename F>
-  void for_each_cell(std::string_view key, F&& f) const noexcept;
+  void for_each_cell(std::string_view key, F&& f) const noexcept {
+    for_each_cell(hash_key(key), f);
+  }
+  // The cells of the key whose hash_key is `h1`; `f(cell index)` returns false to stop.
+  template <typename F>
+  void for_each_cell(std::uint64_t h1, F&& f) const noexcept;
+  bool may_contain_hash(std::uint64_t h1) const noexcept;
   std::atomic_ref<std::uint8_t> cell(std::size_t i) const noexcept;
 
   std::byte* base_;  // the header; the cells follow it
