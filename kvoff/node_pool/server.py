@@ -287,7 +287,11 @@ class NodePoolServer:
         self.started = time.time()
         self._stop = False
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._listener = self._listen()
+        try:
+            self._listener = self._listen()
+        except BaseException:  # (another pool answers there): leave no region or filter behind
+            self._release_memory()
+            raise
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
 
@@ -337,15 +341,23 @@ class NodePoolServer:
                     "another --socket"
                 )
         old = os.umask(0o117 if self.group is not None else 0o177)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
         finally:
             os.umask(old)
-        if self.group is not None:
-            os.chown(path, -1, self.group)
-        sock.listen(128)
-        sock.setblocking(False)
+        try:
+            if self.group is not None:
+                os.chown(path, -1, self.group)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:  # (a group this user may not give the socket to)
+            sock.close()
+            os.unlink(path)
+            raise
         return sock
 
     # ------------------------------------------------------------------ loop
@@ -426,6 +438,11 @@ class NodePoolServer:
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Closes the tiers, removes the key filter's and the regions' names and lets go of
+        their memory (engines keep their mappings)."""
         if self.tiered is not None:
             self.tiered.close()  # the writes in flight finish first
         if self.key_filter is not None:

@@ -290,6 +290,15 @@ def test_a_pool_killed_and_restarted_under_an_engine_means_misses_then_hits(
     assert not os.path.exists(sock) and not Path("/dev/shm", region).exists()  # clean stop
 
 
+def test_a_second_pool_on_a_served_socket_is_refused_and_leaves_nothing(served) -> None:
+    region = f"{served.region}-second"
+    with pytest.raises(ValueError, match="already serves"):
+        NodePoolServer(served.socket, 16, 4096, region=region)
+    assert not Path("/dev/shm", region).exists()  # its region and key filter are gone
+    assert not Path("/dev/shm", region + ".keys").exists()
+    assert NodePoolClient(served.socket, FP).lookup(_keys(1)) == 0  # the first serves on
+
+
 def test_socket_is_private_to_the_user(served) -> None:
     assert stat.S_IMODE(os.stat(served.socket).st_mode) == 0o600
 
