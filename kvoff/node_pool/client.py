@@ -102,9 +102,9 @@ class NodePoolClient:
         key_filter: use the pool's key filter for misses (False: ask the pool for every
             look-up, e.g. to measure the filter; the answers are the same).
         reserve: store without waiting for the pool where it can (:meth:`prepare_store`):
-            the pool grants this connection free slots ahead of its stores, up to four times
-            the largest recent store and at most the pool's ``reserve_max`` (1/16 of its
-            slots by default).
+            the pool grants this connection free slots ahead of its stores, up to twice the
+            largest recent store and at most the pool's ``reserve_max`` (1/16 of its slots
+            by default).
             Those slots hold no block meanwhile, so an engine's step gains a round trip and
             the pool loses up to that many slots of capacity; engines set it, tools do not.
 
@@ -645,20 +645,21 @@ class NodePoolClient:
         n = len(own)
         if len(self._reserved) < n:  # a refill may have come (read only when needed: a
             self._collect()  # recv costs 3-30 µs on a busy 2-core VM)
-        # aim at four times the largest recent store, refilled below half: a refill has a
-        # whole store's time to come back before a store finds the reservation short
+        # aim at twice the largest recent store, refilled below half: the refill goes with
+        # the step's flush and is back long before the next step's store (a reserved slot
+        # holds no block, so the reservation is kept as small as that allows)
         goal = self._reserve_goal = min(
-            self.reserve_max, max(4 * n, self._reserve_goal - self._reserve_goal // 64)
+            self.reserve_max, max(2 * n, self._reserve_goal - self._reserve_goal // 64)
         )
         f, reserved = self._filter, self._reserved
-        if (
-            f is None
-            or self._sock is None
-            or len(reserved) < n
-            or not self._storing.isdisjoint(own)
-            or f.may_contain_any(own, self.prefix)
-            or len(set(own)) != n
-        ):
+        given: set[bytes] = set()  # one set for the checks and the bookkeeping
+        if f is not None and self._sock is not None and len(reserved) >= n:
+            given = set(own)
+            new = (len(given) == n and given.isdisjoint(self._storing)
+                   and not f.may_contain_any(own, self.prefix))  # fmt: skip
+        else:
+            new = False
+        if not new:
             if len(reserved) < n:
                 self._refill(max(goal, n))
             return None
@@ -667,7 +668,7 @@ class NodePoolClient:
         self._send(p.STORE_RESERVED, p.encode_prefixed_keys(self.prefix, own))
         if self._sock is None:  # lost with the flush: the reservation went with it
             return None
-        self._storing.update(own)
+        self._storing |= given
         self.stores_on_reservation += 1
         if len(reserved) < goal // 2:  # sent with the step's flush: back before it is short
             self._refill(goal)

@@ -215,7 +215,8 @@ def _make_engine(
     if config.node_pool is not None:  # the node pool's index, its slots mapped here
         from kvoff.node_pool import NodePoolClient
 
-        manager = NodePoolClient(config.node_pool, fingerprint, name=f"replay-engine-{index}")
+        manager = NodePoolClient(config.node_pool, fingerprint, name=f"replay-engine-{index}",
+                                 reserve=config.node_pool_reserve)  # fmt: skip
         worker = OffloadingWorker(
             num_gpu_blocks, manager.num_slots, factor, pin_memory=device.type == "cuda",
             mechanism=config.mechanism, shared_memory_name=manager.region,

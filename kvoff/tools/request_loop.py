@@ -106,6 +106,9 @@ class ReplayConfig:
             blocks without a valid one are misses (docs/tiers.md); never shown in a repr.
         node_pool: the socket of a node pool (:mod:`kvoff.node_pool`) to use instead of a
             private CPU pool (its size and policy are the pool's).
+        node_pool_reserve: on a node pool, store into slots the pool reserves for each engine
+            (``NodePoolClient(reserve=True)``, as the vLLM connectors do): stores that need no
+            round trip, for slots the index cannot use meanwhile.
         engines: engines the trace is split across (each with its own GPU cache, CPU pool and
             disk tier; all share the remote tier), served one request at a time in trace order.
         assign: ``"round_robin"`` (request ``i`` to engine ``i mod N``) or ``"session"`` (by
@@ -142,6 +145,7 @@ class ReplayConfig:
     remote_namespace: str = "kvoff-replay"
     remote_timeout_s: float = 0.25
     node_pool: str | None = None
+    node_pool_reserve: bool = False
     shared_secret: bytes | None = field(default=None, repr=False)
     engines: int = 1
     assign: str = "round_robin"

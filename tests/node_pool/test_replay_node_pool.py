@@ -41,6 +41,25 @@ def test_engines_in_processes_on_a_node_pool_hit_as_one_engine_on_that_pool(
     assert "on 3 engine processes sharing one node pool" in proc.stdout
 
 
+def test_engines_that_reserve_slots_hit_as_one_engine_with_every_byte_checked(
+    tmp_path: Path,
+) -> None:
+    """``--node-pool-reserve``: the engines store into slots the pool reserved for them. With
+    room to spare (no eviction), the hits are one engine's to the token, and every block
+    loaded from a reserved slot's store has its bytes."""
+    out = tmp_path / "np.json"
+    proc = _kvoff("replay", "--engines", "3", "--node-pool", "--node-pool-reserve", "--limit",
+                  "150", "--cpu-blocks", "6000", "--no-progress", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    total = doc["result"]
+    one = run_replay(ReplayConfig(limit=150, cpu_blocks=6000))
+    assert one.evictions == 0 and doc["pool"]["evictions"] == 0
+    assert total["hit_tokens"] == one.hit_tokens and total["corrupted_blocks"] == 0
+    assert total["blocks_verified"] == total["blocks_loaded"] == one.blocks_loaded > 0
+    assert doc["pool"]["reserved_stores"] > 0  # the stores went into reserved slots
+
+
 def test_a_pool_outlives_its_engines(tmp_path: Path) -> None:
     """Served by ``kvoff pool serve``: a second replay (engines restarted) hits the blocks the
     first stored at once; status counts; ``kvoff pool stop`` removes the socket and region."""

@@ -266,6 +266,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run the --engines as separate processes on one node pool (kvoff pool serve): "
         "the one at SOCKET, or one of --cpu-blocks/--cpu-bytes started for the run",
     )
+    tg.add_argument(
+        "--node-pool-reserve",
+        action="store_true",
+        help="with --node-pool: the engines store into slots the pool reserves for them, as "
+        "the vLLM connectors do (no round trip per store; the slots are capacity the index "
+        "cannot use meanwhile)",
+    )
     vg = rp.add_argument_group("--engine vllm")
     vg.add_argument(
         "--tokens-per-hash",
@@ -422,6 +429,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         remote_timeout_s=args.remote_timeout,
         engines=args.engines,
         assign=args.assign,
+        node_pool_reserve=args.node_pool_reserve,
     )
     if sweeping:
         return _sweep(args, argv, config)
