@@ -103,8 +103,9 @@ class NodePoolClient:
             look-up, e.g. to measure the filter; the answers are the same).
         reserve: store without waiting for the pool where it can (:meth:`prepare_store`):
             the pool grants this connection free slots ahead of its stores, up to twice the
-            largest recent store and at most the pool's ``reserve_max`` (1/16 of its slots
-            by default).
+            keys of its largest recent step (between two :meth:`take_events`; of its largest
+            store for a client that takes no events) and at most the pool's ``reserve_max``
+            (1/16 of its slots by default).
             Those slots hold no block meanwhile, so an engine's step gains a round trip and
             the pool loses up to that many slots of capacity; engines set it, tools do not.
 
@@ -185,7 +186,11 @@ class NodePoolClient:
         self.stores_on_reservation = 0
         self._reserved: list[int] = []
         self._refill_rid: int | None = None
-        self._reserve_goal = _MIN_RESERVE
+        # the largest store of a call and of a step (keys between two take_events, which an
+        # engine calls once a step), both decaying slowly: the reservation's aim
+        self._call_peak = 0
+        self._step_peak = 0
+        self._step_stores = 0
         self._refill_evicted: list[bytes] = []
         self._events_on = False
         self.events_dropped = 0
@@ -618,6 +623,7 @@ class NodePoolClient:
         refilled ahead of need, its reply taken when it comes.
         """
         own = _as_bytes(keys)
+        self._step_stores += len(own)
         if self.reserve and self.reserve_max and own:
             got = self._store_on_reservation(own)
             if got is not None:
@@ -645,12 +651,13 @@ class NodePoolClient:
         n = len(own)
         if len(self._reserved) < n:  # a refill may have come (read only when needed: a
             self._collect()  # recv costs 3-30 µs on a busy 2-core VM)
-        # aim at twice the largest recent store, refilled below half: the refill goes with
-        # the step's flush and is back long before the next step's store (a reserved slot
-        # holds no block, so the reservation is kept as small as that allows)
-        goal = self._reserve_goal = min(
-            self.reserve_max, max(2 * n, self._reserve_goal - self._reserve_goal // 64)
-        )
+        # aim at twice the largest recent step's stores (or call's, for a client that takes
+        # no events), refilled below half: the refill goes with the step's flush and is back
+        # long before the next step's stores (a reserved slot holds no block, so the
+        # reservation is kept as small as that allows)
+        self._call_peak = max(n, self._call_peak - self._call_peak // 64)
+        need = max(self._call_peak, self._step_peak)
+        goal = min(self.reserve_max, max(_MIN_RESERVE, 2 * need))
         f, reserved = self._filter, self._reserved
         given: set[bytes] = set()  # one set for the checks and the bookkeeping
         if f is not None and self._sock is not None and len(reserved) >= n:
@@ -759,6 +766,9 @@ class NodePoolClient:
         (:meth:`flush`): vLLM takes the events once per engine step, after the step's
         completions, so what this engine stored is a hit for the others from then on."""
         self._queue_report()
+        # a step ends here: its stores size the reservation (_store_on_reservation)
+        self._step_peak = max(self._step_stores, self._step_peak - self._step_peak // 64)
+        self._step_stores = 0
         if not self._events_on:
             self.flush()
             return []
