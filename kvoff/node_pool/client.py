@@ -106,8 +106,8 @@ class NodePoolClient:
             keys of its largest recent step (between two :meth:`take_events`; of its largest
             store for a client that takes no events) and at most the pool's ``reserve_max``
             (1/16 of its slots by default).
-            Those slots hold no block meanwhile, so an engine's step gains a round trip and
-            the pool loses up to that many slots of capacity; engines set it, tools do not.
+            Those slots hold no block meanwhile: an engine's store saves a round trip, the
+            pool's index gives up that many slots of capacity; engines set it, tools do not.
 
     Attributes:
         region, num_slots, slot_bytes, inode: the pool's shared memory, from its hello.

@@ -96,17 +96,17 @@ in bursts microseconds apart, and a sleeping thread takes tens of microseconds t
 the 2-core EPYC box an empty round trip took 36 µs without, 16 µs with). It costs a core
 only while engines call."""
 SUCCESSORS_PER_SLOT = 2
+"""Successor-map entries kept per slot at most (a chain per held block, and room for keys
+touched that are not held); beyond, the oldest are dropped."""
 MAX_RANKS = 64
 """Tensor-parallel ranks a node pool serves at most (a region each)."""
 MAX_PROBE_BLOCKS = 64
 """Keys of a chain the tiers are asked for at once (a look-up that misses the slots)."""
 EVENT_KEYS_PER_SLOT = 4
-RESERVE_SHARE = 16
-"""An engine may hold at most 1/RESERVE_SHARE of the slots reserved (``RESERVE``): enough for
-a few steps of stores, never enough for a few engines to starve the index."""
 """Keys of KV events queued per engine and slot at most (module docstring)."""
-"""Successor-map entries kept per slot at most (a chain per held block, and room for keys
-touched that are not held); beyond, the oldest are dropped."""
+RESERVE_SHARE = 16
+"""By default an engine may hold at most 1/RESERVE_SHARE of the slots reserved (``RESERVE``):
+enough for a few steps of stores, never enough for a few engines to starve the index."""
 
 
 def tier_format(slot_bytes: int, shared_secret: bytes | None = None) -> Any:
@@ -749,12 +749,12 @@ class NodePoolServer:
         if len(payload) != 4:
             raise p.ProtocolError(f"reserve needs count u32, got {len(payload)} bytes")
         (count,) = struct.unpack("<I", payload)
-        room = self.reserve_max - len(eng.reserved) - len(eng.duplicates)
         if self.reserve_max == 0:
             raise ValueError(
                 "this pool reserves no slots (it has tiers, an admission filter or "
                 "--reserve-blocks 0); store with prepare_store"
             )
+        room = self.reserve_max - len(eng.reserved) - len(eng.duplicates)
         got = self.manager.reserve_blocks(min(count, room)) if count and room > 0 else None
         if got is None:
             return b"\x00"

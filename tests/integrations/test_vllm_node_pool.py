@@ -27,6 +27,7 @@ from test_vllm import (
 )
 
 from kvoff.node_pool import NodePoolClient
+from kvoff.node_pool.key_filter import SUFFIX as KEY_FILTER_SUFFIX
 from kvoff.node_pool.process import pool_process
 
 pytestmark = pytest.mark.vllm
@@ -185,9 +186,10 @@ def test_a_pool_killed_and_restarted_under_a_running_engine_means_misses_then_hi
             result = engine.result(timeout=900)
         stored = _status(sock)["stored_blocks"]
     finally:
-        pool.kill()
+        pool.kill()  # SIGKILL again: its region and key filter are this test's to remove
         pool.wait()
         Path("/dev/shm", region).unlink(missing_ok=True)
+        Path("/dev/shm", region + KEY_FILTER_SUFFIX).unlink(missing_ok=True)
     hits = [ph["metrics"].get("vllm:external_prefix_cache_hits", 0) for ph in result["phases"]]
     assert [ph["outputs"] for ph in result["phases"]] == [ref_a] * 4  # no error, same tokens
     assert hits[1] == hits[0] and hits[2] == hits[1]  # the pool dead, then restarted empty
