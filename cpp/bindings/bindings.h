@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kvoff/key_filter.h"
 #include "kvoff/offloading_manager.h"
 
 namespace kvoff::bindings {
@@ -48,6 +49,13 @@ void bind_fast_hooks(py::module_& m);
 
 /// key_filter_bindings.cpp: KeyFilter over a Python buffer (a node pool's shared memory).
 void bind_key_filter(py::module_& m);
+
+/// The KeyFilter a Python KeyFilter object holds. Raises TypeError for another object,
+/// ValueError for a released filter.
+const kvoff::KeyFilter& key_filter_of(py::handle filter);
+
+/// node_pool_stores_bindings.cpp: NodePoolStores (an engine's side of its node pool stores).
+void bind_node_pool_stores(py::module_& m);
 
 /// node_pool_manager.cpp: the C++ scheduler's manager over a Python
 /// kvoff.node_pool.block_manager.NodePoolBlockManager (a node pool's client).

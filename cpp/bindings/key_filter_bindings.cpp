@@ -76,6 +76,13 @@ class PyKeyFilter {
 
 }  // namespace
 
+const KeyFilter& key_filter_of(py::handle filter) {
+  if (!py::isinstance<PyKeyFilter>(filter)) {
+    throw py::type_error("expected a kvoff._scheduler.KeyFilter, got " + short_repr(filter.ptr()));
+  }
+  return filter.cast<const PyKeyFilter&>().get();
+}
+
 void bind_key_filter(py::module_& m) {
   py::class_<PyKeyFilter>(m, "KeyFilter", kFilterDoc)
       .def_static("bytes_for", &KeyFilter::bytes_for, py::arg("capacity"),

@@ -1,7 +1,10 @@
 // A node pool as the C++ scheduler's manager: kvoff::BlockManager over a Python
 // kvoff.node_pool.block_manager.NodePoolBlockManager (the pool's client, which speaks the
-// pool's protocol). The scheduler's hooks run with the GIL held, so each call goes straight to
-// Python. State queries never throw: a failure there is a miss (the pool gone is a miss).
+// pool's protocol). The scheduler's hooks run with the GIL held, so calls go straight to
+// Python, except the per-key work of stores and touches: that goes through the client's
+// NodePoolStores (C++), and Python only queues the payload it makes (an engine stores about
+// 200 keys a step; per key in Python, that was most of a node pool's step). State queries
+// never throw: a failure there is a miss (the pool gone is a miss).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -15,6 +18,7 @@
 
 #include "bindings.h"
 #include "kvoff/block_manager.h"
+#include "kvoff/node_pool_stores.h"
 
 namespace kvoff::bindings {
 
@@ -42,10 +46,17 @@ std::vector<std::uint32_t> ids_from_py(py::handle list) {
 
 class NodePoolManager final : public BlockManager {
  public:
-  explicit NodePoolManager(py::object manager) : py_(std::move(manager)) {}
+  explicit NodePoolManager(py::object manager)
+      : py_(std::move(manager)),
+        client_(py_.attr("client")),
+        stores_(client_.attr("_stores").cast<std::shared_ptr<NodePoolStores>>()) {
+    py::module_ protocol = py::module_::import("kvoff.node_pool.protocol");
+    complete_store_op_ = protocol.attr("COMPLETE_STORE");
+    touch_op_ = protocol.attr("TOUCH");
+  }
   ~NodePoolManager() override {
     py::gil_scoped_acquire gil;  // the last reference may go from a thread without it
-    py_ = py::object();
+    py_ = client_ = complete_store_op_ = touch_op_ = py::object();
   }
 
   std::pair<BlockState, std::uint32_t> state_and_load_pins(std::string_view key) const override {
@@ -90,7 +101,32 @@ class NodePoolManager final : public BlockManager {
   }
 
   bool prepare_store(KeySpan keys, PrepareStoreResult& result, bool) override {
-    py::object got = py_.attr("prepare_store")(keys_to_py(keys));
+    // NodePoolClient.prepare_store's steps, with the keys kept in C++
+    py::object filter = client_.attr("_reservation_filter")(keys.size());
+    if (!filter.is_none()) {
+      std::vector<std::uint32_t> slots;
+      std::string payload;
+      if (stores_->store_reserved(keys, key_filter_of(filter), slots, payload)) {
+        const py::bytes sent(payload.data(), payload.size());
+        if (!client_.attr("_sent_on_reservation")(sent).cast<bool>()) {
+          stores_->forget(slots);  // the connection went with the send
+          return false;
+        }
+        result.keys_to_store.assign(keys.begin(), keys.end());
+        result.store_indices.resize(keys.size());
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          result.store_indices[i] = static_cast<std::uint32_t>(i);
+        }
+        result.block_ids = std::move(slots);
+        result.key_block_ids.clear();
+        result.skipped_indices.clear();
+        result.evicted_keys.clear();
+        for (const std::string& k : stores_->take_evicted()) result.evicted_keys.push_back(k);
+        return true;
+      }
+      client_.attr("_reservation_missed")(keys.size());
+    }
+    py::object got = py_.attr("ask_store")(keys_to_py(keys));
     if (got.is_none()) return false;
     auto t = got.cast<py::tuple>();
     std::vector<std::uint32_t> index = ids_from_py(t[0]);
@@ -115,12 +151,18 @@ class NodePoolManager final : public BlockManager {
 
   void complete_store_blocks(std::span<const std::uint32_t> block_ids, bool success, bool,
                              std::span<const std::size_t>) override {
-    py_.attr("complete_store_blocks")(ids_to_py(block_ids), success);
+    std::string payload;
+    if (stores_->complete_slots(block_ids, success, payload) > 0) {
+      client_.attr("_send")(complete_store_op_, py::bytes(payload.data(), payload.size()));
+    }
   }
 
   void touch(KeySpan keys, std::span<const std::uint8_t> reused) override {
-    py_.attr("touch")(keys_to_py(keys),
-                      py::bytes(reinterpret_cast<const char*>(reused.data()), reused.size()));
+    // NodePoolClient.touch's payload: the prefixed keys, then a flag byte per key
+    std::string payload;
+    append_prefixed_keys(payload, stores_->prefix(), keys);
+    payload.append(reinterpret_cast<const char*>(reused.data()), reused.size());
+    client_.attr("_send")(touch_op_, py::bytes(payload.data(), payload.size()));
   }
 
   std::size_t discard(KeySpan) override { return 0; }  // other engines may read the blocks
@@ -142,6 +184,10 @@ class NodePoolManager final : public BlockManager {
 
  private:
   py::object py_;
+  py::object client_;                       // py_.client, a NodePoolClient
+  std::shared_ptr<NodePoolStores> stores_;  // client_._stores
+  py::object complete_store_op_;
+  py::object touch_op_;
 };
 
 }  // namespace

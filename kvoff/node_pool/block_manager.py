@@ -3,25 +3,30 @@ one :class:`kvoff.integrations.vllm.KvoffConnector` runs): :class:`NodePoolBlock
 
 The scheduler calls its manager by CPU block ids (slots) where it can: it completes a job's
 loads and stores by the slots ``prepare_load`` and ``prepare_store`` gave. The node pool's
-calls take keys, so this keeps which key each of this engine's slots in flight holds. The C++
-side (``cpp/bindings/node_pool_manager.cpp``) calls the methods below; their meaning is
+calls take keys, so this keeps which key each of this engine's slots in flight holds (the
+stores' in the client's ``NodePoolStores``, in C++). The C++ side
+(``cpp/bindings/node_pool_manager.cpp``) calls the methods below, and stores, completes stores
+and touches through the client's ``NodePoolStores`` itself; their meaning is
 ``kvoff::BlockManager``'s (``cpp/include/kvoff/block_manager.h``).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvoff.node_pool.client import NodePoolClient, NodePoolError
+from kvoff.node_pool import protocol as p
+from kvoff.node_pool.client import NodePoolClient, NodePoolError, StoreSlots
 
 __all__ = ["NodePoolBlockManager"]
 
 # state codes the C++ side reads (BlockManager's BlockState, with a load pin of this engine)
 _MISSING, _PENDING, _READY, _READY_LOADING = 0, 1, 2, 3
-_CODE_OF_LOOKUP = {0: _MISSING, 1: _READY, None: _PENDING}
+# the pool's state bytes (protocol.STATE_*) as those codes
+_CODE_OF_STATE = bytes.maketrans(
+    bytes((p.STATE_MISSING, p.STATE_READY, p.STATE_PENDING)), bytes((_MISSING, _READY, _PENDING))
+)
 
 
 class NodePoolBlockManager:
@@ -37,15 +42,11 @@ class NodePoolBlockManager:
         client: the connection.
         load_failures: loads the pool refused (the pool gone, or a key evicted since it was
             looked up); the scheduler's hook raised for each (vLLM then recomputes).
-        stores_refused_in_flight: stores refused because the pool, restarted on the same
-            region, handed out a slot this engine was still writing for the pool before.
     """
 
     def __init__(self, client: NodePoolClient) -> None:
         self.client = client
         self.load_failures = 0
-        self.stores_refused_in_flight = 0
-        self._storing: dict[int, bytes] = {}  # slot -> key this engine is storing there
         # slot -> [key, loads of this engine in flight from the slot]
         self._loading: dict[int, list[Any]] = {}
         self._load_pins: Counter[bytes] = Counter()  # key -> loads of this engine in flight
@@ -53,16 +54,15 @@ class NodePoolBlockManager:
     def states(self, keys: Sequence[bytes]) -> bytes:
         """A state code per key (0 missing, 1 pending, 2 ready, 3 ready and being loaded by
         this engine) up to and including the first missing key. The pool gone: missing."""
-        out = bytearray()
-        lookup, pins = self.client.lookup, self._load_pins
-        for k in keys:
-            code = _CODE_OF_LOOKUP[lookup((k,))]
-            if code == _READY and pins[k]:
-                code = _READY_LOADING
-            out.append(code)
-            if code == _MISSING:
-                break
-        return bytes(out)
+        codes = self.client.lookup_states(keys).translate(_CODE_OF_STATE)
+        pins = self._load_pins
+        if pins and _READY in codes:
+            out = bytearray(codes)
+            for i, c in enumerate(codes):
+                if c == _READY and pins[keys[i]]:
+                    out[i] = _READY_LOADING
+            codes = bytes(out)
+        return codes
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         """Pins the keys for a load; their slots (region block ids), in order.
@@ -110,29 +110,19 @@ class NodePoolBlockManager:
     ) -> tuple[list[int], list[int], list[bytes]] | None:
         """Slots for the keys the pool does not hold: (their positions in ``keys``, their
         slots, the keys evicted for them), or None when the pool has no room or is gone, or
-        gave a slot this engine is still writing (all or nothing)."""
-        got = self.client.prepare_store(keys)
-        if got is None:
-            return None
-        if not self._storing.keys().isdisjoint(got.block_ids):
-            # A pool restarted on the same region (after a crash) hands out slots this engine
-            # is still writing for the old pool. The store is refused (retried by the
-            # scheduler), so that a slot never stands for two keys here: the old job's
-            # completion must not end the new store.
-            self.client.complete_store(got.keys_to_store, success=False)
-            self.stores_refused_in_flight += 1
-            return None
-        self._storing.update(zip(got.block_ids, got.keys_to_store, strict=True))
-        return got.store_indices, got.block_ids, got.evicted_keys
+        gave a slot this engine is still writing (all or nothing;
+        :meth:`NodePoolClient.prepare_store`)."""
+        return _as_tuple(self.client.prepare_store(keys))
+
+    def ask_store(self, keys: Sequence[bytes]) -> tuple[list[int], list[int], list[bytes]] | None:
+        """:meth:`prepare_store` asked of the pool, not from the reservation (the C++ side
+        tries the reservation itself first)."""
+        return _as_tuple(self.client.ask_store(keys))
 
     def complete_store_blocks(self, slots: Sequence[int], success: bool) -> None:
         """Ends this engine's stores into ``slots``: hits for every engine (``success``) or
         freed."""
-        keys = list(map(self._storing.pop, slots, itertools.repeat(None, len(slots))))
-        if None in keys:  # a slot not stored by this engine (the scheduler never passes one)
-            keys = [k for k in keys if k is not None]
-        if keys:
-            self.client.complete_store(keys, success)
+        self.client.complete_store_slots(slots, success)
 
     def touch(self, keys: Sequence[bytes], reused: bytes) -> None:
         """Makes the keys the most recent (``keys[0]`` first); ``reused``: 1 per reused key."""
@@ -157,9 +147,9 @@ class NodePoolBlockManager:
 
     def slot_in_flight(self, key: bytes) -> int | None:
         """The slot this engine is storing ``key`` into or loading it from, else None."""
-        for s, k in self._storing.items():
-            if k == key:
-                return s
+        slot = self.client.storing_slot(key)
+        if slot is not None:
+            return slot
         for s, (k, _) in self._loading.items():
             if k == key:
                 return s
@@ -171,4 +161,14 @@ class NodePoolBlockManager:
 
     def in_flight(self) -> dict[str, Any]:
         """This engine's slots in flight: ``{"storing": n, "loading": n}`` (tests, metrics)."""
-        return {"storing": len(self._storing), "loading": sum(self._load_pins.values())}
+        return {"storing": self.client.num_storing, "loading": sum(self._load_pins.values())}
+
+    @property
+    def stores_refused_in_flight(self) -> int:
+        """Stores refused because the pool, restarted on the same region, handed out a slot
+        this engine was still writing for the pool before."""
+        return self.client.stores_refused_in_flight
+
+
+def _as_tuple(got: StoreSlots | None) -> tuple[list[int], list[int], list[bytes]] | None:
+    return None if got is None else (got.store_indices, got.block_ids, got.evicted_keys)

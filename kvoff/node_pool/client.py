@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoff._scheduler import KeyFilter, NodePoolStores
 from kvoff.node_pool import protocol as p
 from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
 
@@ -184,14 +185,13 @@ class NodePoolClient:
         # evicted for refills, handed to the next store that uses the reservation
         self.reserve = reserve
         self.stores_on_reservation = 0
-        self._reserved: list[int] = []
+        self.stores_refused_in_flight = 0
         self._refill_rid: int | None = None
         # the largest store of a call and of a step (keys between two take_events, which an
         # engine calls once a step), both decaying slowly: the reservation's aim
         self._call_peak = 0
         self._step_peak = 0
         self._step_stores = 0
-        self._refill_evicted: list[bytes] = []
         self._events_on = False
         self.events_dropped = 0
         self._sock: socket.socket | None = None
@@ -203,7 +203,10 @@ class NodePoolClient:
         # what this connection holds: a pool that went away released it, so completions of
         # what an earlier connection held are dropped, not sent
         self._pins: Counter[bytes] = Counter()
-        self._storing: set[bytes] = set()
+        # the reservation, the stores in flight (slot and key) and their payloads, in C++:
+        # an engine stores ~200 keys a step, and the C++ scheduler's node pool manager
+        # (cpp/bindings/node_pool_manager.cpp) stores through this object without Python
+        self._stores = NodePoolStores(self.prefix)
         self._warned_clear = False
         self._counts_at = -1e9
         self._counts_cache: dict[str, Any] = {}
@@ -269,8 +272,8 @@ class NodePoolClient:
             self._refill_rid = None
             if rop == p.RESERVE | p.REPLY and body[:1] == b"\x01":
                 slots, off = p.decode_slots(body, 1)
-                self._refill_evicted += p.decode_keys(body, off)[0]
-                self._reserved += slots
+                self._stores.add_evicted(p.decode_keys(body, off)[0])
+                self._stores.add_reserved(slots)
             elif rop == p.ERROR:
                 logger.warning("kvoff node pool refused a reservation: %s",
                                body.decode(errors="replace"))  # fmt: skip
@@ -449,11 +452,9 @@ class NodePoolClient:
         self._rest = bytearray()
         self._outbox = bytearray()
         self._pins.clear()
-        self._storing.clear()
+        self._stores.lose()  # the pool released the reservation and stores with the connection
         self._leases.clear()
-        self._reserved.clear()  # the pool released them with the connection
         self._refill_rid = None
-        self._refill_evicted.clear()
         self._drop_answers()
 
     def close(self) -> None:
@@ -486,6 +487,36 @@ class NodePoolClient:
             return 0
         (n,) = struct.unpack("<q", reply)
         return None if n < 0 else n
+
+    def lookup_states(self, keys: Sequence[bytes]) -> bytes:
+        """Each key's state byte (``protocol.STATE_*``) as one-key :meth:`lookup` calls of
+        the keys in turn answer them, up to and including the first missing key: the first
+        key not known from a look-ahead is asked with its chain, the rest of a chain the pool
+        holds is answered from that reply (one round trip per request, not per key)."""
+        out = bytearray()
+        if not self.lookahead:
+            for k in keys:
+                out.append(_STATE_OF_LOOKUP[self.lookup((bytes(k),))])
+                if out[-1] == p.STATE_MISSING:
+                    break
+            return bytes(out)
+        if self._known and time.monotonic() > self._known_until:
+            self._known.clear()
+        ahead = hits = 0
+        for k in keys:
+            st = self._known.get(k)
+            if st is None:
+                st = _STATE_OF_LOOKUP[self._lookup_one(bytes(k))]
+            else:
+                ahead += 1
+                hits += st == p.STATE_READY
+            out.append(st)
+            if st == p.STATE_MISSING:
+                break
+        self.answered_ahead += ahead
+        self._unreported[0] += ahead
+        self._unreported[1] += hits
+        return bytes(out)
 
     def _lookup_one(self, key: bytes) -> int | None:
         if self._known and time.monotonic() > self._known_until:
@@ -615,19 +646,36 @@ class NodePoolClient:
         """Slots for the keys not held yet; None when the pool cannot make room or is gone.
 
         With ``reserve``, keys that are all new (the pool's key filter rules each out, and
-        this connection is not storing it) go into reserved slots with no round trip: the
+        this engine is not storing it) go into reserved slots with no round trip: the
         pool learns of them with the next flush. Should another engine store one first, the
         pool keeps its copy and frees this one's slot at the completion, so the answer is
         the one the pool would give, but for a wasted copy. Other calls ask the pool (one
-        round trip), and so does a call the reservation cannot cover; the reservation is
-        refilled ahead of need, its reply taken when it comes.
+        round trip, :meth:`ask_store`), and so does a call the reservation cannot cover; the
+        reservation is refilled ahead of need, its reply taken when it comes.
+
+        Raises:
+            ValueError: an empty key, or one over ``protocol.MAX_KEY_BYTES`` with the prefix
+                (nothing changed).
         """
         own = _as_bytes(keys)
-        self._step_stores += len(own)
-        if self.reserve and self.reserve_max and own:
-            got = self._store_on_reservation(own)
+        view = self._reservation_filter(len(own))
+        if view is not None:
+            got = self._stores.store_reserved(own, view)
             if got is not None:
-                return got
+                slots, payload = got
+                if not self._sent_on_reservation(payload):
+                    self._stores.forget(slots)
+                    return None
+                return StoreSlots(own, slots, self._stores.take_evicted(), list(range(len(own))))
+            self._reservation_missed(len(own))
+        return self.ask_store(own)
+
+    def ask_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
+        """:meth:`prepare_store` asked of the pool (one round trip), not from the reservation.
+        None also when the pool, restarted on the same region, gave a slot or key this engine
+        is still storing for the old pool (the store is refused, counted in
+        ``stores_refused_in_flight``; the caller retries later)."""
+        own = _as_bytes(keys)
         reply = self._call(p.PREPARE_STORE, p.encode_prefixed_keys(self.prefix, own))
         if reply is None:  # gone
             return None
@@ -642,50 +690,62 @@ class NodePoolClient:
         if len(index) != len(slots) or (index and not 0 <= min(index) <= max(index) < len(own)):
             raise p.ProtocolError(f"prepare_store reply: {len(index)} keys, {len(slots)} slots")
         mine = own if len(index) == len(own) else [own[i] for i in index]
-        self._storing.update(mine)
+        if not self._stores.begin(mine, slots):
+            # A pool restarted on the same region (after a crash) handed out a slot this
+            # engine is still writing for the old pool: refused, so that a slot never stands
+            # for two keys here (the old store's completion must not end the new one).
+            self._send(p.COMPLETE_STORE, b"\x00" + self._keys(mine))
+            self.stores_refused_in_flight += 1
+            return None
         return StoreSlots(mine, slots, evicted, list(index))
 
-    def _store_on_reservation(self, own: list[bytes]) -> StoreSlots | None:
-        """:meth:`prepare_store` into reserved slots, or None: ask the pool (a refill is
-        queued ahead of that call when the reservation was short)."""
-        n = len(own)
-        if len(self._reserved) < n:  # a refill may have come (read only when needed: a
+    def _reservation_filter(self, n: int) -> KeyFilter | None:
+        """Counts a store of ``n`` keys for the reservation's aim; the pool's key filter when
+        the store may go into reserved slots (``reserve``, attached, enough reserved), else
+        None (a refill is queued when the reservation is short). The C++ scheduler's node pool
+        manager calls it, then :meth:`_sent_on_reservation` or :meth:`_reservation_missed`."""
+        self._step_stores += n
+        if not (self.reserve and self.reserve_max and n):
+            return None
+        if self._stores.num_reserved < n:  # a refill may have come (read only when needed: a
             self._collect()  # recv costs 3-30 µs on a busy 2-core VM)
-        # aim at twice the largest recent step's stores (or call's, for a client that takes
-        # no events), refilled below half: the refill goes with the step's flush and is back
+        self._call_peak = max(n, self._call_peak - self._call_peak // 64)
+        f = self._filter
+        if f is None or self._sock is None or self._stores.num_reserved < n:
+            self._reservation_missed(n)
+            return None
+        return f.view
+
+    def _reservation_goal(self) -> int:
+        # twice the largest recent step's stores (or call's, for a client that takes no
+        # events), refilled below half: the refill goes with the step's flush and is back
         # long before the next step's stores (a reserved slot holds no block, so the
         # reservation is kept as small as that allows)
-        self._call_peak = max(n, self._call_peak - self._call_peak // 64)
         need = max(self._call_peak, self._step_peak)
-        goal = min(self.reserve_max, max(_MIN_RESERVE, 2 * need))
-        f, reserved = self._filter, self._reserved
-        given: set[bytes] = set()  # one set for the checks and the bookkeeping
-        if f is not None and self._sock is not None and len(reserved) >= n:
-            given = set(own)
-            new = (len(given) == n and given.isdisjoint(self._storing)
-                   and not f.may_contain_any(own, self.prefix))  # fmt: skip
-        else:
-            new = False
-        if not new:
-            if len(reserved) < n:
-                self._refill(max(goal, n))
-            return None
-        slots = reserved[:n]  # the pool takes them in the order it granted them
-        del reserved[:n]
-        self._send(p.STORE_RESERVED, p.encode_prefixed_keys(self.prefix, own))
-        if self._sock is None:  # lost with the flush: the reservation went with it
-            return None
-        self._storing |= given
+        return min(self.reserve_max, max(_MIN_RESERVE, 2 * need))
+
+    def _reservation_missed(self, n: int) -> None:
+        """A store of ``n`` keys that goes to the pool: refills a reservation too short for it."""
+        if self._stores.num_reserved < n:
+            self._refill(max(self._reservation_goal(), n))
+
+    def _sent_on_reservation(self, payload: bytes) -> bool:
+        """Queues a STORE_RESERVED ``payload`` (:meth:`NodePoolStores.store_reserved`'s) and
+        refills the reservation when it is below half its aim. False: the connection went
+        with the send (the reservation with it; the caller forgets the store)."""
+        self._send(p.STORE_RESERVED, payload)
+        if self._sock is None:
+            return False
         self.stores_on_reservation += 1
-        if len(reserved) < goal // 2:  # sent with the step's flush: back before it is short
+        goal = self._reservation_goal()
+        if self._stores.num_reserved < goal // 2:  # sent with the step's flush: back in time
             self._refill(goal)
-        evicted, self._refill_evicted = self._refill_evicted, []
-        return StoreSlots(own, slots, evicted, list(range(n)))
+        return True
 
     def _refill(self, goal: int) -> None:
         """Asks the pool for slots up to ``goal`` reserved, unless a refill is on its way;
         sent with the next call or flush, its reply taken when it comes."""
-        count = min(goal, self.reserve_max) - len(self._reserved)
+        count = min(goal, self.reserve_max) - self._stores.num_reserved
         if self._refill_rid is not None or count <= 0 or self._sock is None:
             return
         self._drop_answers()  # the pool evicts for it
@@ -723,14 +783,25 @@ class NodePoolClient:
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a
         connection since lost are dropped: the pool completed them as failed)."""
-        storing = self._storing
-        keys = _as_bytes(keys)
-        mine = storing.intersection(keys)
-        # all held and distinct (the usual case): as given; else each held key once
-        held = keys if len(mine) == len(keys) else [k for k in dict.fromkeys(keys) if k in mine]
-        storing.difference_update(mine)
-        if held:
-            self._send(p.COMPLETE_STORE, bytes([bool(success)]) + self._keys(held))
+        payload = self._stores.complete_keys(_as_bytes(keys), bool(success))
+        if payload:
+            self._send(p.COMPLETE_STORE, payload)
+
+    def complete_store_slots(self, slots: Sequence[int], success: bool = True) -> None:
+        """:meth:`complete_store` by the slots :meth:`prepare_store` gave (slots not in
+        flight are skipped)."""
+        payload = self._stores.complete_slots(slots, bool(success))
+        if payload:
+            self._send(p.COMPLETE_STORE, payload)
+
+    def storing_slot(self, key: bytes) -> int | None:
+        """The slot this engine is storing ``key`` into, else None."""
+        return self._stores.slot_of(bytes(key))
+
+    @property
+    def num_storing(self) -> int:
+        """This engine's stores in flight (of any connection)."""
+        return self._stores.num_storing
 
     def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | bytes | None = None) -> None:
         """Makes the keys the most recent, ``keys[0]`` first; ``reused``: per key, whether it
@@ -855,6 +926,7 @@ _OUTBOX_BYTES = 1 << 16
 _READ_ONLY_OPS = frozenset({p.LOOKUP, p.LOOKUP_AHEAD, p.STATUS, p.REPORT_LOOKUPS})
 """Calls that change nothing in the pool: the answers this client keeps stay valid."""
 _LOOKUP_OF_STATE = {p.STATE_MISSING: 0, p.STATE_READY: 1, p.STATE_PENDING: None}
+_STATE_OF_LOOKUP = {0: p.STATE_MISSING, 1: p.STATE_READY, None: p.STATE_PENDING}
 
 
 def wait_for_pool(socket_path: str, process: Any = None, timeout_s: float = 60.0) -> None:

@@ -112,17 +112,21 @@ class EngineKeyFilter:
     """An engine's read-only view of the pool's filter (see the module docstring).
 
     Use :func:`attach_key_filter`, which answers None when it cannot be used.
+
+    Attributes:
+        view: the filter itself (``kvoff._scheduler.KeyFilter``), for C++ callers
+            (``NodePoolStores.store_reserved``); released by :meth:`close`.
     """
 
     def __init__(self, view: KeyFilter, mapping: mmap.mmap) -> None:
         self.may_contain = view.may_contain
         self.may_contain_any = view.may_contain_any
-        self._view, self._map = view, mapping
+        self.view, self._map = view, mapping
 
     def close(self) -> None:
         """Lets the mapping go. Idempotent."""
         if not self._map.closed:
-            self._view.release()
+            self.view.release()
             self._map.close()
 
 

@@ -89,7 +89,7 @@ def test_an_engine_completes_only_its_own_loads_and_stores(served, caplog) -> No
     before = _counts(served)
     # b sends a completion of a's store, bypassing its client's bookkeeping: refused (sent
     # without a reply, the refusal comes back ahead of b's next reply, counted and logged)
-    b._storing.update(keys)
+    assert b._stores.begin(keys, [10_000, 10_001])
     with caplog.at_level(logging.ERROR, "kvoff.node_pool.client"):
         b.complete_store(keys)
         b.sync()

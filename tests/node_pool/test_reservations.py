@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import pytest
 from node_pool_harness import Served, send_raw
 
 from kvoff.node_pool import NodePoolClient
@@ -51,7 +52,7 @@ def _with_reservation(served: Served, name: str = "a") -> NodePoolClient:
     assert out is not None
     c.complete_store(out.keys_to_store)
     c.sync()
-    assert c._reserved, "the first store's round trip brought the reservation"
+    assert c._stores.num_reserved, "the first store's round trip brought the reservation"
     return c
 
 
@@ -80,14 +81,14 @@ def test_stores_into_reserved_slots_need_no_round_trip_and_are_hits_for_all(serv
 
 def test_a_store_the_reservation_cannot_cover_asks_the_pool_and_refills(served) -> None:
     a = _with_reservation(served)
-    held = len(a._reserved)
+    held = a._stores.num_reserved
     trips = a.round_trips
     out = a.prepare_store(_keys(*range(10, 10 + held + 1)))  # one more key than reserved
     assert out is not None and len(out.block_ids) == held + 1
     assert a.round_trips == trips + 1 and a.stores_on_reservation == 0
     a.complete_store(out.keys_to_store)
     a.sync()
-    assert a._reserved  # the refill went with the round trip
+    assert a._stores.num_reserved  # the refill went with the round trip
     _slots(served)
 
 
@@ -112,11 +113,12 @@ def test_a_key_another_engine_stored_first_keeps_its_copy_and_frees_the_slot(ser
     a completes the key, and nothing errs."""
     a = _with_reservation(served)
     b = NodePoolClient(served.socket, FP, name="b")
-    out = b.prepare_store(_keys(7))
+    got = a._stores.store_reserved(_keys(7), a._filter.view)  # the filter rules 7 out
+    assert got is not None
+    (slot,), payload = got
+    out = b.prepare_store(_keys(7))  # b's store lands first
     b.sync()
-    slot = a._reserved.pop(0)  # what a's store of key 7 into its reservation sends
-    a._storing.add(_keys(7)[0])
-    a._send(p.STORE_RESERVED, p.encode_prefixed_keys(a.prefix, _keys(7)), now=True)
+    a._send(p.STORE_RESERVED, payload, now=True)  # then a's
     a.sync()
     assert served.call(lambda s: s.manager.is_reserved(slot))  # a's, until a completes
     a.complete_store(_keys(7))
@@ -178,3 +180,38 @@ def test_a_pool_that_reserves_nothing_is_asked_for_every_store(tmp_path) -> None
         region = Path("/dev/shm") / served.region
         if region.exists():
             region.unlink()
+
+
+def test_the_engine_side_ledger_refuses_bad_calls_and_changes_nothing() -> None:
+    """NodePoolStores (the C++ ledger the client and the C++ scheduler share): bad input is a
+    clear error and leaves the reservation and the stores in flight as they were."""
+    import mmap
+
+    from kvoff._scheduler import KeyFilter, NodePoolStores
+
+    s = NodePoolStores(b"PREFIX08")
+    s.add_reserved([5, 6])
+    assert s.begin([b"k1"], [9])
+    mem = mmap.mmap(-1, KeyFilter.bytes_for(16))
+    f = KeyFilter.create(mem, 1)
+    with pytest.raises(TypeError, match=r"expected a kvoff\._scheduler\.KeyFilter"):
+        s.store_reserved([b"k2"], object())
+    with pytest.raises(ValueError, match=r"keys\[1\] is b'' \(empty\)"):
+        s.store_reserved([b"k2", b""], f)
+    with pytest.raises(ValueError, match="a node pool key of 1020 bytes"):
+        s.store_reserved([b"k2", b"x" * 1020], f)
+    with pytest.raises(ValueError, match="-1 is not a slot"):
+        s.begin([b"k3"], [-1])
+    with pytest.raises(ValueError, match="1 keys but 2 slots"):
+        s.begin([b"k3"], [1, 2])
+    with pytest.raises(ValueError, match="one slot to two keys"):
+        s.begin([b"k3", b"k4"], [1, 1])
+    assert (s.num_reserved, s.num_storing, s.slot_of(b"k1")) == (2, 1, 9)
+    assert s.store_reserved([b"k1"], f) is None  # in flight already: the pool decides
+    slots, payload = s.store_reserved([b"k2"], f)
+    assert slots == [5] and p.decode_keys(payload)[0] == [b"PREFIX08k2"]
+    assert s.complete_slots([9, 9, 77], True) == b"\x01" + p.encode_keys([b"PREFIX08k1"])
+    f.release()
+    with pytest.raises(ValueError, match="released"):
+        s.store_reserved([b"k5"], f)
+    assert (s.num_reserved, s.num_storing) == (1, 1)

@@ -1,0 +1,147 @@
+// NodePoolStores (kvoff/node_pool_stores.h): an engine's side of its node pool stores, shared
+// by the Python client (kvoff.node_pool.NodePoolClient) and the C++ scheduler's node pool
+// manager (node_pool_manager.cpp), which reach the same object.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "convert.h"
+#include "kvoff/node_pool_stores.h"
+
+namespace kvoff::bindings {
+
+namespace {
+
+constexpr const char* kStoresDoc = R"doc(An engine's stores into a node pool, on the engine's side.
+
+It holds the slots the pool reserved for this connection, the stores in flight (slot and key),
+and builds the payloads that tell the pool of them (``kvoff.node_pool.protocol``'s key lists,
+every key with ``prefix``). The reservation, and the right to complete a store, go with the
+connection (``lose``); a store's slot stays in flight until the engine completes the store
+(its copy may still write it), so a pool restarted on the same region cannot hand it to this
+engine for another key (``begin`` returns False).
+
+Keys are ``bytes`` (this engine's, without the prefix); slots are CPU block ids of the pool's
+region (ints in [0, 2**32)).
+)doc";
+
+std::vector<std::uint32_t> slots_from(py::handle obj) {
+  std::vector<std::uint32_t> out;
+  for (const std::int64_t v : to_ints(obj.ptr(), Where{"slots"})) {
+    if (v < 0 || v > 0xFFFFFFFFLL) {
+      throw std::invalid_argument("slots: " + std::to_string(v) + " is not a slot (0..2**32-1)");
+    }
+    out.push_back(static_cast<std::uint32_t>(v));
+  }
+  return out;
+}
+
+py::bytes as_bytes(const std::string& s) { return py::bytes(s.data(), s.size()); }
+
+}  // namespace
+
+void bind_node_pool_stores(py::module_& m) {
+  py::class_<NodePoolStores, std::shared_ptr<NodePoolStores>>(m, "NodePoolStores", kStoresDoc)
+      .def(py::init([](py::bytes prefix) { return std::make_shared<NodePoolStores>(prefix); }),
+           py::arg("prefix"),
+           py::doc("NodePoolStores(prefix: bytes)\n\n``prefix``: the bytes every key of this "
+                   "engine carries in the pool. Raises ValueError for one of 1024 bytes or "
+                   "more."))
+      .def("add_reserved",
+           [](NodePoolStores& s, py::handle slots) { s.add_reserved(slots_from(slots)); },
+           py::arg("slots"),
+           py::doc("add_reserved(self, slots: Sequence[int]) -> None\n\nSlots the pool granted "
+                   "(a RESERVE reply), in grant order."))
+      .def("add_evicted",
+           [](NodePoolStores& s, py::handle keys) {
+             KeyBatch batch(keys);
+             s.add_evicted({batch.span().begin(), batch.span().end()});
+           },
+           py::arg("keys"),
+           py::doc("add_evicted(self, keys: Sequence[bytes]) -> None\n\nKeys (prefixed) the "
+                   "pool evicted to grant a reservation, handed to the next reserved store."))
+      .def("take_evicted",
+           [](NodePoolStores& s) { return to_bytes_list(s.take_evicted()); },
+           py::doc("take_evicted(self) -> list[bytes]\n\nThe evicted keys not handed out yet "
+                   "(emptied)."))
+      .def_property_readonly("num_reserved", &NodePoolStores::num_reserved,
+                             "Slots reserved for this connection (int).")
+      .def_property_readonly("num_storing", &NodePoolStores::num_storing,
+                             "Stores in flight, of any connection of this engine (int).")
+      .def(
+          "store_reserved",
+          [](NodePoolStores& s, py::handle keys, py::handle filter) -> py::object {
+            KeyBatch batch(keys);
+            std::vector<std::uint32_t> slots;
+            std::string payload;
+            if (!s.store_reserved(batch.span(), key_filter_of(filter), slots, payload)) {
+              return py::none();
+            }
+            return py::make_tuple(to_int_list(slots), as_bytes(payload));
+          },
+          py::arg("keys"), py::arg("filter"),
+          py::doc("store_reserved(self, keys: Sequence[bytes], filter: KeyFilter) -> "
+                  "tuple[list[int], bytes] | None\n\nStores the keys into the next reserved "
+                  "slots when every key is new (distinct, not in flight here, and ruled out by "
+                  "the pool's key filter ``filter``): (their slots, the STORE_RESERVED payload). "
+                  "None, and nothing changed, otherwise (ask the pool). Raises ValueError for an "
+                  "empty or too long key, or a released filter (nothing changed)."))
+      .def(
+          "begin",
+          [](NodePoolStores& s, py::handle keys, py::handle slots) {
+            KeyBatch batch(keys);
+            return s.begin(batch.span(), slots_from(slots));
+          },
+          py::arg("keys"), py::arg("slots"),
+          py::doc("begin(self, keys: Sequence[bytes], slots: Sequence[int]) -> bool\n\nStores "
+                  "the pool granted: ``keys[i]`` into ``slots[i]``. False, nothing changed, "
+                  "when a slot or key is in flight here already (refuse the store). Raises "
+                  "ValueError when the lengths differ or a slot repeats (nothing changed)."))
+      .def(
+          "complete_slots",
+          [](NodePoolStores& s, py::handle slots, bool success) {
+            std::string payload;
+            s.complete_slots(slots_from(slots), success, payload);
+            return as_bytes(payload);
+          },
+          py::arg("slots"), py::arg("success"),
+          py::doc("complete_slots(self, slots: Sequence[int], success: bool) -> bytes\n\nEnds "
+                  "the stores in ``slots``: the COMPLETE_STORE payload of those this connection "
+                  "made, b'' when none (nothing to send). Slots not in flight are skipped."))
+      .def(
+          "complete_keys",
+          [](NodePoolStores& s, py::handle keys, bool success) {
+            KeyBatch batch(keys);
+            std::string payload;
+            s.complete_keys(batch.span(), success, payload);
+            return as_bytes(payload);
+          },
+          py::arg("keys"), py::arg("success"),
+          py::doc("complete_keys(self, keys: Sequence[bytes], success: bool) -> bytes\n\n"
+                  "complete_slots by key (each key once; keys not in flight are skipped)."))
+      .def("forget", [](NodePoolStores& s, py::handle slots) { s.forget(slots_from(slots)); },
+           py::arg("slots"),
+           py::doc("forget(self, slots: Sequence[int]) -> None\n\nDrops the stores in "
+                   "``slots`` without a word to the pool (a reserved store whose payload never "
+                   "reached it)."))
+      .def("lose", &NodePoolStores::lose,
+           py::doc("lose(self) -> None\n\nThe connection is gone: its reservation and the "
+                   "right to complete its stores went with it (their slots stay in flight "
+                   "until completed)."))
+      .def("storing",
+           [](const NodePoolStores& s, py::bytes key) { return s.storing(std::string_view(key)); },
+           py::arg("key"), py::doc("storing(self, key: bytes) -> bool\n\nWhether ``key`` is in "
+                                   "flight."))
+      .def("slot_of",
+           [](const NodePoolStores& s, py::bytes key) { return s.slot_of(std::string_view(key)); },
+           py::arg("key"), py::doc("slot_of(self, key: bytes) -> int | None\n\nThe slot ``key`` "
+                                   "is being stored into, if it is."));
+}
+
+}  // namespace kvoff::bindings

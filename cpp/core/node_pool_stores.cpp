@@ -1,0 +1,233 @@
+#include "kvoff/node_pool_stores.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+namespace kvoff {
+
+namespace {
+
+void append_u16(std::string& out, std::size_t v) {
+  out.push_back(static_cast<char>(v & 0xFF));
+  out.push_back(static_cast<char>((v >> 8) & 0xFF));
+}
+
+void append_u32(std::string& out, std::size_t v) {
+  for (int shift = 0; shift < 32; shift += 8) out.push_back(static_cast<char>((v >> shift) & 0xFF));
+}
+
+}  // namespace
+
+void append_prefixed_keys(std::string& out, std::string_view prefix, KeySpan keys) {
+  bool one_width = true;
+  for (const std::string_view k : keys) {
+    if (k.empty() || prefix.size() + k.size() > kNodePoolMaxKeyBytes) {
+      throw std::invalid_argument("a node pool key of " + std::to_string(k.size()) +
+                                  " bytes (with a prefix of " + std::to_string(prefix.size()) +
+                                  "); keys are 1.." + std::to_string(kNodePoolMaxKeyBytes) +
+                                  " bytes with the prefix");
+    }
+    one_width = one_width && k.size() == keys[0].size();
+  }
+  if (keys.size() > 0xFFFFFFFFu) throw std::invalid_argument("over 2**32 keys in one list");
+  const std::size_t width = keys.empty() ? prefix.size() : prefix.size() + keys[0].size();
+  out.reserve(out.size() + 6 + keys.size() * (width + (one_width ? 0 : 2)));
+  append_u32(out, keys.size());
+  append_u16(out, one_width ? width : 0);
+  for (const std::string_view k : keys) {
+    if (!one_width) append_u16(out, prefix.size() + k.size());
+    out.append(prefix);
+    out.append(k);
+  }
+}
+
+NodePoolStores::NodePoolStores(std::string prefix) : prefix_(std::move(prefix)) {
+  if (prefix_.size() >= kNodePoolMaxKeyBytes) {
+    throw std::invalid_argument("a key prefix of " + std::to_string(prefix_.size()) +
+                                " bytes leaves no room for a key");
+  }
+}
+
+void NodePoolStores::add_reserved(std::span<const std::uint32_t> slots) {
+  reserved_.insert(reserved_.end(), slots.begin(), slots.end());
+}
+
+void NodePoolStores::add_evicted(std::vector<std::string> keys) {
+  if (evicted_.empty()) {
+    evicted_ = std::move(keys);
+  } else {
+    std::move(keys.begin(), keys.end(), std::back_inserter(evicted_));
+  }
+}
+
+std::vector<std::string> NodePoolStores::take_evicted() { return std::exchange(evicted_, {}); }
+
+std::uint64_t NodePoolStores::slot_hash(std::uint32_t slot) noexcept {
+  return (static_cast<std::uint64_t>(slot) + 1) * 0x9e3779b97f4a7c15ULL | 1;  // never 0
+}
+
+std::uint32_t NodePoolStores::find_slot(std::uint32_t slot) const noexcept {
+  const std::uint32_t* e =
+      by_slot_.find(slot_hash(slot), [&](std::uint32_t i) { return entries_[i].slot == slot; });
+  return e == nullptr ? kNone : *e;
+}
+
+std::uint32_t NodePoolStores::find_key(std::string_view key) const noexcept {
+  const std::uint64_t h = hash_key(key) | 1;
+  const std::uint32_t* e =
+      by_key_.find(h, [&](std::uint32_t i) { return entries_[i].key == key; });
+  return e == nullptr ? kNone : *e;
+}
+
+void NodePoolStores::add(std::string_view key, std::uint32_t slot) {
+  by_slot_.reserve_one();
+  by_key_.reserve_one();
+  std::uint32_t e;
+  if (free_.empty()) {
+    entries_.emplace_back();
+    e = static_cast<std::uint32_t>(entries_.size() - 1);
+  } else {
+    e = free_.back();
+    free_.pop_back();
+  }
+  InFlight& f = entries_[e];
+  f.key.assign(key);  // the entry's memory from an earlier store: no allocation
+  f.connection = connection_;
+  f.slot = slot;
+  by_slot_.insert(slot_hash(slot), e);  // cannot throw: reserved above
+  by_key_.insert(hash_key(key) | 1, e);
+}
+
+bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
+                                    std::vector<std::uint32_t>& slots, std::string& payload) {
+  const std::size_t n = keys.size();
+  if (n == 0 || n > reserved_.size()) return false;
+  for (const std::string_view k : keys) {
+    if (find_key(k) != kNone) return false;
+  }
+  std::string body;
+  append_prefixed_keys(body, prefix_, keys);  // throws before anything changes
+  // the prefixed keys are in `body` already: check them there (no copy per key)
+  std::vector<std::string_view> prefixed;
+  prefixed.reserve(n);
+  const bool one_width = body[4] != 0 || body[5] != 0;
+  std::size_t at = 6;
+  for (const std::string_view k : keys) {
+    if (!one_width) at += 2;
+    prefixed.emplace_back(body.data() + at, prefix_.size() + k.size());
+    at += prefix_.size() + k.size();
+  }
+  if (filter.first_maybe(prefixed) < n) return false;  // maybe held: the pool decides
+  entries_.reserve(entries_.size() + n);  // the adds below then allocate only table growth
+  for (std::size_t i = 0; i < n; ++i) {
+    // a key repeated in the call, or (a pool restarted on the same region) a reserved slot
+    // still being written: undo, and let the pool decide
+    if (find_key(keys[i]) != kNone || find_slot(reserved_[i]) != kNone) {
+      for (std::size_t j = 0; j < i; ++j) {
+        const std::uint32_t e = find_slot(reserved_[j]);
+        by_key_.erase(hash_key(keys[j]) | 1, [&](std::uint32_t x) { return x == e; });
+        by_slot_.erase(slot_hash(reserved_[j]), [&](std::uint32_t x) { return x == e; });
+        free_.push_back(e);
+      }
+      return false;
+    }
+    add(keys[i], reserved_[i]);
+  }
+  slots.assign(reserved_.begin(), reserved_.begin() + static_cast<std::ptrdiff_t>(n));
+  reserved_.erase(reserved_.begin(), reserved_.begin() + static_cast<std::ptrdiff_t>(n));
+  payload = std::move(body);
+  return true;
+}
+
+bool NodePoolStores::begin(KeySpan keys, std::span<const std::uint32_t> slots) {
+  if (keys.size() != slots.size()) {
+    throw std::invalid_argument("node pool stores: " + std::to_string(keys.size()) +
+                                " keys but " + std::to_string(slots.size()) + " slots");
+  }
+  std::unordered_set<std::uint32_t> given(slots.begin(), slots.end());
+  if (given.size() != slots.size()) {
+    throw std::invalid_argument("node pool stores: the pool gave one slot to two keys");
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (find_slot(slots[i]) != kNone || find_key(keys[i]) != kNone) return false;
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (find_key(keys[i]) == kNone) add(keys[i], slots[i]);  // a key twice: its first slot
+  }
+  return true;
+}
+
+void NodePoolStores::end(std::uint32_t e) {
+  const InFlight& f = entries_[e];
+  by_key_.erase(hash_key(f.key) | 1, [&](std::uint32_t x) { return x == e; });
+  by_slot_.erase(slot_hash(f.slot), [&](std::uint32_t x) { return x == e; });
+  if (f.connection == connection_) {
+    ended_.push_back(e);  // freed once its key is in the payload
+  } else {
+    free_.push_back(e);
+  }
+}
+
+std::size_t NodePoolStores::completion(bool success, std::string& payload) {
+  payload.clear();
+  const std::size_t n = ended_.size();
+  if (n > 0) {
+    std::vector<std::string_view> views;
+    views.reserve(n);
+    for (const std::uint32_t e : ended_) views.emplace_back(entries_[e].key);
+    payload.push_back(success ? 1 : 0);
+    append_prefixed_keys(payload, prefix_, views);  // keys begin() or store_reserved() took
+    free_.insert(free_.end(), ended_.begin(), ended_.end());
+  }
+  ended_.clear();
+  return n;
+}
+
+std::size_t NodePoolStores::complete_slots(std::span<const std::uint32_t> slots, bool success,
+                                           std::string& payload) {
+  ended_.clear();
+  for (const std::uint32_t s : slots) {
+    const std::uint32_t e = find_slot(s);
+    if (e != kNone) end(e);
+  }
+  return completion(success, payload);
+}
+
+std::size_t NodePoolStores::complete_keys(KeySpan keys, bool success, std::string& payload) {
+  ended_.clear();
+  for (const std::string_view k : keys) {
+    const std::uint32_t e = find_key(k);
+    if (e != kNone) end(e);
+  }
+  return completion(success, payload);
+}
+
+void NodePoolStores::forget(std::span<const std::uint32_t> slots) {
+  for (const std::uint32_t s : slots) {
+    const std::uint32_t e = find_slot(s);
+    if (e == kNone) continue;
+    const InFlight& f = entries_[e];
+    by_key_.erase(hash_key(f.key) | 1, [&](std::uint32_t x) { return x == e; });
+    by_slot_.erase(slot_hash(s), [&](std::uint32_t x) { return x == e; });
+    free_.push_back(e);
+  }
+}
+
+void NodePoolStores::lose() noexcept {
+  ++connection_;
+  reserved_.clear();
+  evicted_.clear();
+}
+
+bool NodePoolStores::storing(std::string_view key) const { return find_key(key) != kNone; }
+
+std::optional<std::uint32_t> NodePoolStores::slot_of(std::string_view key) const {
+  const std::uint32_t e = find_key(key);
+  if (e == kNone) return std::nullopt;
+  return entries_[e].slot;
+}
+
+}  // namespace kvoff

@@ -1,0 +1,122 @@
+// One engine's stores into a node pool, kept on the engine's side: the slots the pool reserved
+// for this engine's connection, the stores in flight (slot <-> key), and the payloads that tell
+// the pool of them (the wire format of kvoff/node_pool/protocol.py). An engine stores about
+// 200 keys a step; keeping this per-key work here, not in Python, is what keeps a node pool's
+// step near a private pool's (kvoff bench scheduler --vs-vllm --node-pool).
+//
+// Two lifetimes meet here. The reservation and the right to complete a store belong to the
+// connection: a pool that goes away releases them (lose()). A store's slot belongs to the
+// engine until the engine completes the store, since its copy may still be writing the slot:
+// a pool restarted on the same region must not hand that slot to this engine for another key
+// (begin() refuses it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvoff/block_manager.h"
+#include "kvoff/flat_hash_table.h"
+#include "kvoff/key.h"
+#include "kvoff/key_filter.h"
+
+namespace kvoff {
+
+/// Longest key on the wire, prefix included (protocol.MAX_KEY_BYTES).
+inline constexpr std::size_t kNodePoolMaxKeyBytes = 1024;
+
+/// Appends the node pool's key list of `prefix` + each key: count u32, width u16, then the keys
+/// back to back when they all have one width, else width 0 and per key length u16 and its bytes
+/// (little-endian; protocol.encode_prefixed_keys). Throws std::invalid_argument, appending
+/// nothing, for an empty key or one longer than kNodePoolMaxKeyBytes with the prefix.
+void append_prefixed_keys(std::string& out, std::string_view prefix, KeySpan keys);
+
+class NodePoolStores {
+ public:
+  /// `prefix`: the bytes every key of this engine carries in the pool (its layout
+  /// fingerprint's digest, 8 bytes in kvoff).
+  explicit NodePoolStores(std::string prefix);
+
+  const std::string& prefix() const noexcept { return prefix_; }
+
+  /// Slots the pool granted this connection (a RESERVE reply), in grant order.
+  void add_reserved(std::span<const std::uint32_t> slots);
+  /// Keys (prefixed) the pool evicted to grant them; handed to the next reserved store.
+  void add_evicted(std::vector<std::string> keys);
+  std::size_t num_reserved() const noexcept { return reserved_.size(); }
+  /// The evicted keys not yet handed out, emptied.
+  std::vector<std::string> take_evicted();
+
+  /// Stores `keys` into the next keys.size() reserved slots, the order the pool takes them in.
+  /// Only when every key is new: the keys are distinct, none is in flight here, and `filter`
+  /// (the pool's key filter) rules out each prefixed key. Then `slots` gets the slots (in key
+  /// order), `payload` the STORE_RESERVED payload, and the stores are in flight; true.
+  /// Otherwise false and nothing changes (the caller asks the pool). Throws
+  /// std::invalid_argument, changing nothing, for a key append_prefixed_keys refuses.
+  bool store_reserved(KeySpan keys, const KeyFilter& filter, std::vector<std::uint32_t>& slots,
+                      std::string& payload);
+
+  /// Records stores the pool granted in a reply: keys[i] into slots[i]. False, and nothing
+  /// changes, when a slot or key is in flight here already (the pool was restarted on the same
+  /// region and handed out a slot an old store may still be writing): the caller refuses the
+  /// store. Throws std::invalid_argument when the sizes differ or `slots` repeats a slot.
+  bool begin(KeySpan keys, std::span<const std::uint32_t> slots);
+
+  /// Ends the stores in `slots`. `payload` gets the COMPLETE_STORE payload (`success` u8 and
+  /// the prefixed keys) of those this connection made; the count of those keys is returned (0:
+  /// nothing to send). Slots not in flight are skipped.
+  std::size_t complete_slots(std::span<const std::uint32_t> slots, bool success,
+                             std::string& payload);
+  /// complete_slots by key (each key once; keys not in flight are skipped).
+  std::size_t complete_keys(KeySpan keys, bool success, std::string& payload);
+  /// Drops the stores in `slots` without a word to the pool: a store_reserved whose payload
+  /// never reached it (the connection went with the send).
+  void forget(std::span<const std::uint32_t> slots);
+
+  /// The connection is gone: its reservation and stores went with it. The stores in flight
+  /// stay so until completed (their slots are still written), but their completions send
+  /// nothing.
+  void lose() noexcept;
+
+  /// Whether `key` is in flight (stored by any connection of this engine's).
+  bool storing(std::string_view key) const;
+  /// The slot `key` is being stored into, if it is.
+  std::optional<std::uint32_t> slot_of(std::string_view key) const;
+  /// Stores in flight.
+  std::size_t num_storing() const noexcept { return by_slot_.size(); }
+
+ private:
+  // A store in flight. Entries are reused (a free list), so their keys' memory serves later
+  // stores: an engine stores ~200 keys a step, and a node-based map cost 35 us for that.
+  struct InFlight {
+    std::string key;
+    std::uint64_t connection = 0;
+    std::uint32_t slot = 0;
+  };
+  static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
+  static std::uint64_t slot_hash(std::uint32_t slot) noexcept;
+  std::uint32_t find_slot(std::uint32_t slot) const noexcept;
+  std::uint32_t find_key(std::string_view key) const noexcept;
+  // Puts a store in flight (tables grown first, so nothing is half done on bad_alloc).
+  void add(std::string_view key, std::uint32_t slot);
+  // Takes entry `e` out of flight; it is added to `ended_` when this connection made it.
+  void end(std::uint32_t e);
+  std::size_t completion(bool success, std::string& payload);
+
+  std::string prefix_;
+  std::uint64_t connection_ = 0;  // counts lose()
+  std::deque<std::uint32_t> reserved_;
+  std::vector<std::string> evicted_;
+  std::vector<InFlight> entries_;
+  std::vector<std::uint32_t> free_;                // entries not in flight
+  detail::FlatHashTable<std::uint32_t> by_slot_;  // entry by slot
+  detail::FlatHashTable<std::uint32_t> by_key_;   // entry by key
+  std::vector<std::uint32_t> ended_;              // entries of the completion being made
+};
+
+}  // namespace kvoff
