@@ -291,9 +291,14 @@ class NodePoolClient:
         if sock is None or (self._refill_rid is None and not self._rest):
             return
         try:
-            while chunk := sock.recv(65536):
+            # one recv, usually: a chunk short of the buffer is all there was (a refill's
+            # reply is a few hundred bytes), and a second recv to hear EAGAIN costs as much
+            # again (a refill's reply is read about every third store)
+            while len(chunk := sock.recv(65536)) == 65536:
                 self._rest += chunk
-            raise ConnectionError("the node pool closed the connection")
+            if not chunk:
+                raise ConnectionError("the node pool closed the connection")
+            self._rest += chunk
         except BlockingIOError:
             pass
         except (OSError, ConnectionError) as e:
@@ -871,10 +876,11 @@ class NodePoolClient:
 
     def _counts(self) -> dict[str, Any]:
         """The pool's block counts, asked at most once a second (metrics read them each
-        step); zeros while the pool is gone."""
+        step; the counts alone, not the status with its key filter scan); zeros while the pool
+        is gone."""
         now = time.monotonic()
         if now - self._counts_at > 1.0:
-            reply = self._call(p.STATUS, b"")
+            reply = self._call(p.STATUS, p.STATUS_COUNTS)
             self._counts_cache = {} if reply is None else p.decode_json(reply)
             self._counts_at = now
         return self._counts_cache

@@ -592,7 +592,7 @@ class NodePoolServer:
             eng.name = str(hello.get("name", ""))[:200]
             return p.encode_json(self.describe())
         if op == p.STATUS:
-            return p.encode_json(self.status())
+            return p.encode_json(self.counts() if payload == p.STATUS_COUNTS else self.status())
         if op == p.COMPLETE_STORE:
             if len(payload) < 1:
                 raise p.ProtocolError("complete_store needs a success byte and keys")
@@ -932,6 +932,18 @@ class NodePoolServer:
             "reserve_max": self.reserve_max,
             "pid": os.getpid(),
             "key_filter": None if self.key_filter is None else self.key_filter.describe(),
+        }
+
+    def counts(self) -> dict[str, int]:
+        """The block counts alone (``protocol.STATUS_COUNTS``: engines' usage gauges), in
+        blocks; no scan."""
+        m = self.manager
+        return {
+            "stored_blocks": m.num_stored_blocks,
+            "free_blocks": m.num_free_blocks,
+            "pending_blocks": m.num_pending_blocks,
+            "reserved_blocks": m.num_reserved_blocks,
+            "evictable_blocks": m.num_evictable_blocks,
         }
 
     def status(self) -> dict[str, Any]:

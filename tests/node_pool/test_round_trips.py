@@ -226,3 +226,21 @@ def test_a_prefixed_key_too_long_is_refused() -> None:
     with pytest.raises(p.ProtocolError, match=r"keys are 1\.\.1024 bytes"):
         p.encode_prefixed_keys(b"P" * 8, [b"k" * 1017])
     assert p.encode_prefixed_keys(b"P" * 8, [b"k" * 1016])  # 1,024 with the prefix
+
+
+def test_usage_gauges_ask_for_the_counts_alone(served) -> None:
+    """An engine's usage gauges (read every step, asked once a second) get the block counts
+    alone: the whole status scans the key filter on the pool's one thread."""
+    a = NodePoolClient(served.socket, FP, name="a")
+    _stored(a, _keys(1, 2))
+    a.prepare_store(_keys(3))  # pending
+    trips = a.round_trips
+    gauges = (a.num_stored_blocks, a.num_free_blocks, a.num_pending_blocks)
+    assert a.num_evictable_blocks == 2 and a.round_trips == trips + 1  # one ask a second
+    full = a.status()
+    assert gauges == (full["stored_blocks"], full["free_blocks"], full["pending_blocks"])
+    assert (gauges[0], gauges[2]) == (2, 1)
+    counts = p.decode_json(a._call(p.STATUS, p.STATUS_COUNTS))
+    assert counts == {k: full[k] for k in counts}
+    assert set(counts) == {"stored_blocks", "free_blocks", "pending_blocks",
+                           "reserved_blocks", "evictable_blocks"}  # fmt: skip
