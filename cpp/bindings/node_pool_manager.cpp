@@ -1,10 +1,11 @@
 // A node pool as the C++ scheduler's manager: kvoff::BlockManager over a Python
 // kvoff.node_pool.block_manager.NodePoolBlockManager (the pool's client, which speaks the
 // pool's protocol). The scheduler's hooks run with the GIL held, so calls go straight to
-// Python, except the per-key work of stores and touches: that goes through the client's
-// NodePoolStores (C++), and Python only queues the payload it makes (an engine stores about
-// 200 keys a step; per key in Python, that was most of a node pool's step). State queries
-// never throw: a failure there is a miss (the pool gone is a miss).
+// Python, except stores, their completions and touches: those go through the client's
+// NodePoolStores (C++), which also queues their frames, so a step's completions and touches
+// make no Python call and a store one (an engine stores about 200 keys a step; per key in
+// Python, that was most of a node pool's step). State queries never throw: a failure there is
+// a miss (the pool gone is a miss).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -51,12 +52,17 @@ class NodePoolManager final : public BlockManager {
         client_(py_.attr("client")),
         stores_(client_.attr("_stores").cast<std::shared_ptr<NodePoolStores>>()) {
     py::module_ protocol = py::module_::import("kvoff.node_pool.protocol");
-    complete_store_op_ = protocol.attr("COMPLETE_STORE");
-    touch_op_ = protocol.attr("TOUCH");
+    const auto no_reply = protocol.attr("NO_REPLY").cast<std::uint16_t>();
+    complete_store_op_ = protocol.attr("COMPLETE_STORE").cast<std::uint16_t>() | no_reply;
+    touch_op_ = protocol.attr("TOUCH").cast<std::uint16_t>() | no_reply;
+    store_reserved_op_ = protocol.attr("STORE_RESERVED").cast<std::uint16_t>() | no_reply;
+    outbox_limit_ = py::module_::import("kvoff.node_pool.client")
+                        .attr("_OUTBOX_BYTES")
+                        .cast<std::size_t>();
   }
   ~NodePoolManager() override {
     py::gil_scoped_acquire gil;  // the last reference may go from a thread without it
-    py_ = client_ = complete_store_op_ = touch_op_ = py::object();
+    py_ = client_ = py::object();
   }
 
   std::pair<BlockState, std::uint32_t> state_and_load_pins(std::string_view key) const override {
@@ -107,11 +113,10 @@ class NodePoolManager final : public BlockManager {
       std::vector<std::uint32_t> slots;
       std::string payload;
       if (stores_->store_reserved(keys, key_filter_of(filter), slots, payload)) {
-        const py::bytes sent(payload.data(), payload.size());
-        if (!client_.attr("_sent_on_reservation")(sent).cast<bool>()) {
-          stores_->forget(slots);  // the connection went with the send
-          return false;
-        }
+        // A pool lost before this frame reaches it never hears of the store; the copy and
+        // its completion go on (the completion then sends nothing), as for any store in
+        // flight when a pool goes (the client tops the reservation up at the step's end).
+        queue(store_reserved_op_, payload);
         result.keys_to_store.assign(keys.begin(), keys.end());
         result.store_indices.resize(keys.size());
         for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -153,7 +158,7 @@ class NodePoolManager final : public BlockManager {
                              std::span<const std::size_t>) override {
     std::string payload;
     if (stores_->complete_slots(block_ids, success, payload) > 0) {
-      client_.attr("_send")(complete_store_op_, py::bytes(payload.data(), payload.size()));
+      queue(complete_store_op_, payload);
     }
   }
 
@@ -162,7 +167,7 @@ class NodePoolManager final : public BlockManager {
     std::string payload;
     append_prefixed_keys(payload, stores_->prefix(), keys);
     payload.append(reinterpret_cast<const char*>(reused.data()), reused.size());
-    client_.attr("_send")(touch_op_, py::bytes(payload.data(), payload.size()));
+    queue(touch_op_, payload);
   }
 
   std::size_t discard(KeySpan) override { return 0; }  // other engines may read the blocks
@@ -183,11 +188,20 @@ class NodePoolManager final : public BlockManager {
   }
 
  private:
+  // Queues a frame that changes the pool (dropped while detached: the client's stores are
+  // lost then too); a full outbox goes at once, as NodePoolClient._send sends it.
+  void queue(std::uint16_t op, const std::string& payload) {
+    stores_->queue(op, payload, true);
+    if (stores_->outbox_bytes() >= outbox_limit_) client_.attr("flush")();
+  }
+
   py::object py_;
   py::object client_;                       // py_.client, a NodePoolClient
   std::shared_ptr<NodePoolStores> stores_;  // client_._stores
-  py::object complete_store_op_;
-  py::object touch_op_;
+  std::uint16_t complete_store_op_ = 0;
+  std::uint16_t touch_op_ = 0;
+  std::uint16_t store_reserved_op_ = 0;
+  std::size_t outbox_limit_ = 0;
 };
 
 }  // namespace

@@ -21,8 +21,10 @@ namespace {
 constexpr const char* kStoresDoc = R"doc(An engine's stores into a node pool, on the engine's side.
 
 It holds the slots the pool reserved for this connection, the stores in flight (slot and key),
-and builds the payloads that tell the pool of them (``kvoff.node_pool.protocol``'s key lists,
-every key with ``prefix``). The reservation, and the right to complete a store, go with the
+builds the payloads that tell the pool of them (``kvoff.node_pool.protocol``'s key lists,
+every key with ``prefix``), and keeps the connection's outbox (the frames queued without a
+reply) and request ids, so that the C++ scheduler queues its completions and touches with no
+Python call. The reservation, and the right to complete a store, go with the
 connection (``lose``); a store's slot stays in flight until the engine completes the store
 (its copy may still write it), so a pool restarted on the same region cannot hand it to this
 engine for another key (``begin`` returns False).
@@ -48,11 +50,45 @@ py::bytes as_bytes(const std::string& s) { return py::bytes(s.data(), s.size());
 
 void bind_node_pool_stores(py::module_& m) {
   py::class_<NodePoolStores, std::shared_ptr<NodePoolStores>>(m, "NodePoolStores", kStoresDoc)
-      .def(py::init([](py::bytes prefix) { return std::make_shared<NodePoolStores>(prefix); }),
-           py::arg("prefix"),
-           py::doc("NodePoolStores(prefix: bytes)\n\n``prefix``: the bytes every key of this "
-                   "engine carries in the pool. Raises ValueError for one of 1024 bytes or "
-                   "more."))
+      .def(py::init([](py::bytes prefix, std::uint16_t version) {
+             return std::make_shared<NodePoolStores>(prefix, version);
+           }),
+           py::arg("prefix"), py::arg("version"),
+           py::doc("NodePoolStores(prefix: bytes, version: int)\n\n``prefix``: the bytes every "
+                   "key of this engine carries in the pool; ``version``: the protocol version "
+                   "its frames carry. Detached at first (``set_attached``). Raises ValueError "
+                   "for a prefix of 1024 bytes or more."))
+      .def(
+          "queue",
+          [](NodePoolStores& s, std::uint16_t op, py::bytes payload, bool changes) {
+            return s.queue(op, std::string_view(payload), changes);
+          },
+          py::arg("op"), py::arg("payload"), py::arg("changes"),
+          py::doc("queue(self, op: int, payload: bytes, changes: bool) -> int\n\nQueues a "
+                  "frame (op 0..65535) with the next request id, which it returns; 0, and "
+                  "nothing queued, while detached. ``changes``: the call changes the pool "
+                  "(``take_changed``)."))
+      .def("next_request_id", &NodePoolStores::next_request_id,
+           py::doc("next_request_id(self) -> int\n\nThe next request id (1..2**32-1), for a "
+                   "frame the caller sends itself."))
+      .def("take_outbox",
+           [](NodePoolStores& s) {
+             const std::string out = s.take_outbox();
+             return as_bytes(out);
+           },
+           py::doc("take_outbox(self) -> bytes\n\nThe queued frames, in order; emptied."))
+      .def_property_readonly("outbox_bytes", &NodePoolStores::outbox_bytes,
+                             "Bytes queued (int).")
+      .def("take_changed", &NodePoolStores::take_changed,
+           py::doc("take_changed(self) -> bool\n\nWhether a call that changes the pool was "
+                   "queued since the last call (answers kept from the pool are stale)."))
+      .def("set_attached", &NodePoolStores::set_attached, py::arg("attached"),
+           py::doc("set_attached(self, attached: bool) -> None\n\nWhether a pool is there "
+                   "to send to; False drops the outbox."))
+      .def_property_readonly("attached", &NodePoolStores::attached,
+                             "Whether a pool is there to send to (bool).")
+      .def_property_readonly("num_reserved_stores", &NodePoolStores::num_reserved_stores,
+                             "Stores made into reserved slots (int).")
       .def("add_reserved",
            [](NodePoolStores& s, py::handle slots) { s.add_reserved(slots_from(slots)); },
            py::arg("slots"),
@@ -125,11 +161,6 @@ void bind_node_pool_stores(py::module_& m) {
           py::arg("keys"), py::arg("success"),
           py::doc("complete_keys(self, keys: Sequence[bytes], success: bool) -> bytes\n\n"
                   "complete_slots by key (each key once; keys not in flight are skipped)."))
-      .def("forget", [](NodePoolStores& s, py::handle slots) { s.forget(slots_from(slots)); },
-           py::arg("slots"),
-           py::doc("forget(self, slots: Sequence[int]) -> None\n\nDrops the stores in "
-                   "``slots`` without a word to the pool (a reserved store whose payload never "
-                   "reached it)."))
       .def("lose", &NodePoolStores::lose,
            py::doc("lose(self) -> None\n\nThe connection is gone: its reservation and the "
                    "right to complete its stores went with it (their slots stay in flight "

@@ -44,11 +44,42 @@ void append_prefixed_keys(std::string& out, std::string_view prefix, KeySpan key
   }
 }
 
-NodePoolStores::NodePoolStores(std::string prefix) : prefix_(std::move(prefix)) {
+NodePoolStores::NodePoolStores(std::string prefix, std::uint16_t version)
+    : prefix_(std::move(prefix)), version_(version) {
   if (prefix_.size() >= kNodePoolMaxKeyBytes) {
     throw std::invalid_argument("a key prefix of " + std::to_string(prefix_.size()) +
                                 " bytes leaves no room for a key");
   }
+}
+
+std::uint32_t NodePoolStores::next_request_id() noexcept {
+  request_id_ = request_id_ == 0xFFFFFFFFu ? 1 : request_id_ + 1;  // 0: no call
+  return request_id_;
+}
+
+std::uint32_t NodePoolStores::queue(std::uint16_t op, std::string_view payload, bool changes) {
+  if (payload.size() > 0xFFFFFFFFu) {
+    throw std::invalid_argument("a node pool payload of " + std::to_string(payload.size()) +
+                                " bytes (at most 2**32 - 1)");
+  }
+  if (!attached_) return 0;
+  const std::uint32_t id = next_request_id();
+  outbox_.reserve(outbox_.size() + kHeaderBytes + payload.size());
+  outbox_.append("KVNP", 4);
+  append_u16(outbox_, version_);
+  append_u16(outbox_, op);
+  append_u32(outbox_, id);
+  append_u32(outbox_, payload.size());
+  outbox_.append(payload);
+  changed_ = changed_ || changes;
+  return id;
+}
+
+std::string NodePoolStores::take_outbox() { return std::exchange(outbox_, {}); }
+
+void NodePoolStores::set_attached(bool attached) {
+  attached_ = attached;
+  if (!attached) outbox_.clear();
 }
 
 void NodePoolStores::add_reserved(std::span<const std::uint32_t> slots) {
@@ -139,6 +170,7 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
   slots.assign(reserved_.begin(), reserved_.begin() + static_cast<std::ptrdiff_t>(n));
   reserved_.erase(reserved_.begin(), reserved_.begin() + static_cast<std::ptrdiff_t>(n));
   payload = std::move(body);
+  ++reserved_stores_;
   return true;
 }
 
@@ -205,21 +237,11 @@ std::size_t NodePoolStores::complete_keys(KeySpan keys, bool success, std::strin
   return completion(success, payload);
 }
 
-void NodePoolStores::forget(std::span<const std::uint32_t> slots) {
-  for (const std::uint32_t s : slots) {
-    const std::uint32_t e = find_slot(s);
-    if (e == kNone) continue;
-    const InFlight& f = entries_[e];
-    by_key_.erase(hash_key(f.key) | 1, [&](std::uint32_t x) { return x == e; });
-    by_slot_.erase(slot_hash(s), [&](std::uint32_t x) { return x == e; });
-    free_.push_back(e);
-  }
-}
-
 void NodePoolStores::lose() noexcept {
   ++connection_;
   reserved_.clear();
   evicted_.clear();
+  outbox_.clear();
 }
 
 bool NodePoolStores::storing(std::string_view key) const { return find_key(key) != kNone; }

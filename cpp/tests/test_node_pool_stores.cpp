@@ -84,7 +84,7 @@ TEST(NodePoolStores, KeyListsAreTheWireFormat) {
 
 TEST(NodePoolStores, AReservedStoreTakesSlotsInGrantOrderAndCompletesOnce) {
   Filter f(100);
-  NodePoolStores s(kPrefix);
+  NodePoolStores s(kPrefix, 4);
   const std::vector<std::uint32_t> granted = {9, 4, 7};
   s.add_reserved(granted);
   s.add_evicted({"old"});
@@ -116,7 +116,7 @@ TEST(NodePoolStores, AReservedStoreTakesSlotsInGrantOrderAndCompletesOnce) {
 
 TEST(NodePoolStores, OnlyKeysNewEverywhereGoIntoReservedSlots) {
   Filter f(100);
-  NodePoolStores s(kPrefix);
+  NodePoolStores s(kPrefix, 4);
   const std::vector<std::uint32_t> granted = {1, 2, 3, 4};
   s.add_reserved(granted);
   std::vector<std::uint32_t> slots;
@@ -143,7 +143,7 @@ TEST(NodePoolStores, OnlyKeysNewEverywhereGoIntoReservedSlots) {
 
 TEST(NodePoolStores, ALostConnectionsSlotsStayInFlightAndItsCompletionsSendNothing) {
   Filter f(100);
-  NodePoolStores s(kPrefix);
+  NodePoolStores s(kPrefix, 4);
   const std::vector<std::uint32_t> granted = {1, 2};
   s.add_reserved(granted);
   s.add_evicted({"x"});
@@ -168,8 +168,8 @@ TEST(NodePoolStores, ALostConnectionsSlotsStayInFlightAndItsCompletionsSendNothi
   EXPECT_EQ(s.complete_keys(views(b), true, payload), 1u);
 }
 
-TEST(NodePoolStores, BadGrantsChangeNothingAndForgetDropsSilently) {
-  NodePoolStores s(kPrefix);
+TEST(NodePoolStores, BadGrantsChangeNothing) {
+  NodePoolStores s(kPrefix, 4);
   const std::vector<std::string> keys = {key_of(1), key_of(2)};
   const std::vector<std::uint32_t> short_slots = {1};
   EXPECT_THROW(s.begin(views(keys), short_slots), std::invalid_argument);
@@ -178,10 +178,33 @@ TEST(NodePoolStores, BadGrantsChangeNothingAndForgetDropsSilently) {
   EXPECT_EQ(s.num_storing(), 0u);
   const std::vector<std::uint32_t> good = {3, 4};
   ASSERT_TRUE(s.begin(views(keys), good));
-  s.forget(good);
-  EXPECT_EQ(s.num_storing(), 0u);
-  EXPECT_FALSE(s.storing(key_of(1)));
-  EXPECT_THROW(NodePoolStores(std::string(kvoff::kNodePoolMaxKeyBytes, 'p')), std::invalid_argument);
+  EXPECT_EQ(s.num_storing(), 2u);
+  EXPECT_THROW(NodePoolStores(std::string(kvoff::kNodePoolMaxKeyBytes, 'p'), 4), std::invalid_argument);
+}
+
+TEST(NodePoolStores, TheOutboxQueuesFramesInOrderOnlyWhileAttached) {
+  NodePoolStores s(kPrefix, 4);
+  EXPECT_EQ(s.queue(7, "dropped", true), 0u);  // detached at first: no pool to send to
+  EXPECT_EQ(s.outbox_bytes(), 0u);
+  EXPECT_FALSE(s.take_changed());
+  s.set_attached(true);
+  EXPECT_EQ(s.queue(0x4006, "ab", true), 1u);
+  EXPECT_EQ(s.next_request_id(), 2u);  // a frame the caller sends itself
+  EXPECT_EQ(s.queue(12, "", false), 3u);
+  const std::string want = std::string("KVNP\x04\x00\x06\x40\x01\x00\x00\x00\x02\x00\x00\x00" "ab", 18) +
+                           std::string("KVNP\x04\x00\x0c\x00\x03\x00\x00\x00\x00\x00\x00\x00", 16);
+  EXPECT_EQ(s.outbox_bytes(), want.size());
+  EXPECT_EQ(s.take_outbox(), want);
+  EXPECT_EQ(s.outbox_bytes(), 0u);
+  EXPECT_TRUE(s.take_changed());
+  EXPECT_FALSE(s.take_changed());
+  s.queue(6, "x", false);
+  s.lose();  // the connection's queued frames go with it
+  EXPECT_EQ(s.outbox_bytes(), 0u);
+  s.queue(6, "x", false);
+  s.set_attached(false);
+  EXPECT_EQ(s.outbox_bytes(), 0u);
+  EXPECT_EQ(s.num_reserved_stores(), 0u);
 }
 
 // Random reserved and granted stores, completions by slot and by key, and lost connections,
@@ -189,7 +212,7 @@ TEST(NodePoolStores, BadGrantsChangeNothingAndForgetDropsSilently) {
 // exactly the keys the current connection stores, and every key maps back to its slot.
 TEST(NodePoolStores, MatchesAModelOfSlotsAndConnections) {
   Filter f(4096);
-  NodePoolStores s(kPrefix);
+  NodePoolStores s(kPrefix, 4);
   std::mt19937_64 rng(11);
   struct Held {
     std::string key;

@@ -180,11 +180,9 @@ class NodePoolClient:
         self._store_answer: tuple[list[bytes], bytes] | None = None
         self.loads_on_lease = 0
         self.loads_after_loss = 0
-        # reserved slots (reserve): the pool's grant, the refill asked for and not yet
-        # answered (its request id), the reservation aimed at (slots), and the keys the pool
-        # evicted for refills, handed to the next store that uses the reservation
+        # reserved slots (reserve): the refill asked for and not yet answered (its request
+        # id); the grant and the keys evicted for it are in self._stores
         self.reserve = reserve
-        self.stores_on_reservation = 0
         self.stores_refused_in_flight = 0
         self._refill_rid: int | None = None
         # the largest store of a call and of a step (keys between two take_events, which an
@@ -196,17 +194,17 @@ class NodePoolClient:
         self.events_dropped = 0
         self._sock: socket.socket | None = None
         self._rest = bytearray()
-        self._outbox = bytearray()  # calls queued without a reply (see _send)
         self._next_try = 0.0
-        self._rid = 0
         self._region_lost = False
         # what this connection holds: a pool that went away released it, so completions of
         # what an earlier connection held are dropped, not sent
         self._pins: Counter[bytes] = Counter()
-        # the reservation, the stores in flight (slot and key) and their payloads, in C++:
-        # an engine stores ~200 keys a step, and the C++ scheduler's node pool manager
-        # (cpp/bindings/node_pool_manager.cpp) stores through this object without Python
-        self._stores = NodePoolStores(self.prefix)
+        # the reservation, the stores in flight (slot and key), their payloads, and the
+        # outbox (calls queued without a reply, see _send) with the request ids, in C++: an
+        # engine stores ~200 keys a step, and the C++ scheduler's node pool manager
+        # (cpp/bindings/node_pool_manager.cpp) stores, completes and touches through this
+        # object without Python
+        self._stores = NodePoolStores(self.prefix, p.VERSION)
         self._warned_clear = False
         self._counts_at = -1e9
         self._counts_cache: dict[str, Any] = {}
@@ -236,9 +234,11 @@ class NodePoolClient:
             self._poll = select.poll()
             self._poll.register(sock, select.POLLIN)
             self._sock = sock
+            self._stores.set_attached(True)
             hello = p.decode_json(self._roundtrip(p.HELLO, p.encode_json({"name": self.name})))
         except BaseException:
             self._sock = None
+            self._stores.set_attached(False)
             sock.close()
             raise
         if self._filter is not None:
@@ -248,21 +248,21 @@ class NodePoolClient:
 
     def _roundtrip(self, op: int, payload: bytes) -> bytes:
         assert self._sock is not None
-        self._rid = (self._rid + 1) & 0xFFFFFFFF
-        out, self._outbox = self._outbox, bytearray()  # the queued calls go first, in order
-        out += p.frame(op, self._rid, payload)
-        self._sendall(bytes(out))
+        stores = self._stores
+        want = stores.next_request_id()
+        # the queued calls go first, in order
+        self._sendall(stores.take_outbox() + p.frame(op, want, payload))
         self.round_trips += 1
         while True:
             head = self._recv(p.HEADER.size)
             rop, rid, length = p.parse_header(head)
             body = self._recv(length)
-            if rid != self._rid and self._take_unawaited(rop, rid, body):
+            if rid != want and self._take_unawaited(rop, rid, body):
                 continue
             if rop == p.ERROR:
                 raise NodePoolError(body.decode(errors="replace"))
-            if rid != self._rid or rop != op | p.REPLY:
-                raise ConnectionError(f"reply {rop}/{rid} to request {op}/{self._rid}")
+            if rid != want or rop != op | p.REPLY:
+                raise ConnectionError(f"reply {rop}/{rid} to request {op}/{want}")
             return body
 
     def _take_unawaited(self, rop: int, rid: int, body: bytes) -> bool:
@@ -331,9 +331,8 @@ class NodePoolClient:
             self._drop_answers()
         if self._sock is None and not self._reconnect():
             return
-        self._rid = (self._rid + 1) & 0xFFFFFFFF
-        self._outbox += p.frame(op | p.NO_REPLY, self._rid, payload)
-        if now or len(self._outbox) >= _OUTBOX_BYTES:
+        self._stores.queue(op | p.NO_REPLY, payload, False)
+        if now or self._stores.outbox_bytes >= _OUTBOX_BYTES:
             self.flush()
 
     def _drop_answers(self) -> None:
@@ -342,13 +341,19 @@ class NodePoolClient:
         self._known.clear()
         self._store_answer = None
 
+    def _check_answers(self) -> None:
+        """Forgets the kept answers when the C++ scheduler queued a call that changes the pool
+        (a completion or touch it queues itself) since they were kept."""
+        if self._stores.take_changed():
+            self._drop_answers()
+
     def flush(self) -> None:
         """Sends the queued completions, touches and loads of leased keys (one write). The
         engine calls it at the end of every step (:meth:`take_events`), so what it stored is a
         hit for the other engines from then on."""
-        if not self._outbox or self._sock is None:
+        if self._sock is None or not self._stores.outbox_bytes:
             return
-        data, self._outbox = bytes(self._outbox), bytearray()
+        data = self._stores.take_outbox()
         try:
             self._sendall(data)
         except OSError as e:
@@ -455,9 +460,11 @@ class NodePoolClient:
             self._filter.close()
             self._filter = None
         self._rest = bytearray()
-        self._outbox = bytearray()
         self._pins.clear()
-        self._stores.lose()  # the pool released the reservation and stores with the connection
+        # the pool released the reservation and stores with the connection; the queued calls
+        # go too
+        self._stores.lose()
+        self._stores.set_attached(False)
         self._leases.clear()
         self._refill_rid = None
         self._drop_answers()
@@ -505,6 +512,7 @@ class NodePoolClient:
                 if out[-1] == p.STATE_MISSING:
                     break
             return bytes(out)
+        self._check_answers()
         if self._known and time.monotonic() > self._known_until:
             self._known.clear()
         ahead = hits = 0
@@ -524,6 +532,7 @@ class NodePoolClient:
         return bytes(out)
 
     def _lookup_one(self, key: bytes) -> int | None:
+        self._check_answers()
         if self._known and time.monotonic() > self._known_until:
             self._known.clear()
         state = self._known.get(key)
@@ -668,9 +677,10 @@ class NodePoolClient:
             got = self._stores.store_reserved(own, view)
             if got is not None:
                 slots, payload = got
-                if not self._sent_on_reservation(payload):
-                    self._stores.forget(slots)
-                    return None
+                # a pool lost before this reaches it never hears of the store: the copy and
+                # its completion go on (the completion then sends nothing)
+                self._send(p.STORE_RESERVED, payload)
+                self._top_up()
                 return StoreSlots(own, slots, self._stores.take_evicted(), list(range(len(own))))
             self._reservation_missed(len(own))
         return self.ask_store(own)
@@ -708,7 +718,8 @@ class NodePoolClient:
         """Counts a store of ``n`` keys for the reservation's aim; the pool's key filter when
         the store may go into reserved slots (``reserve``, attached, enough reserved), else
         None (a refill is queued when the reservation is short). The C++ scheduler's node pool
-        manager calls it, then :meth:`_sent_on_reservation` or :meth:`_reservation_missed`."""
+        manager calls it before each store, then queues a reserved store itself or calls
+        :meth:`_reservation_missed` and :meth:`ask_store`."""
         self._step_stores += n
         if not (self.reserve and self.reserve_max and n):
             return None
@@ -734,18 +745,21 @@ class NodePoolClient:
         if self._stores.num_reserved < n:
             self._refill(max(self._reservation_goal(), n))
 
-    def _sent_on_reservation(self, payload: bytes) -> bool:
-        """Queues a STORE_RESERVED ``payload`` (:meth:`NodePoolStores.store_reserved`'s) and
-        refills the reservation when it is below half its aim. False: the connection went
-        with the send (the reservation with it; the caller forgets the store)."""
-        self._send(p.STORE_RESERVED, payload)
-        if self._sock is None:
-            return False
-        self.stores_on_reservation += 1
-        goal = self._reservation_goal()
-        if self._stores.num_reserved < goal // 2:  # sent with the step's flush: back in time
-            self._refill(goal)
-        return True
+    def _top_up(self) -> None:
+        """Refills the reservation when it is below half its aim: after a reserved store, and
+        at the end of a step (:meth:`take_events`), so the refill goes with the step's flush
+        and is back long before the next step's stores."""
+        stored = self._call_peak or self._step_peak  # an engine that never stored reserves none
+        if self.reserve and self.reserve_max and stored and self._sock is not None:
+            goal = self._reservation_goal()
+            if self._stores.num_reserved < goal // 2:
+                self._refill(goal)
+
+    @property
+    def stores_on_reservation(self) -> int:
+        """``prepare_store`` calls answered from this connection's reserved slots (no round
+        trip; ``reserve``), by this client or the C++ scheduler over it."""
+        return self._stores.num_reserved_stores
 
     def _refill(self, goal: int) -> None:
         """Asks the pool for slots up to ``goal`` reserved, unless a refill is on its way;
@@ -754,15 +768,14 @@ class NodePoolClient:
         if self._refill_rid is not None or count <= 0 or self._sock is None:
             return
         self._drop_answers()  # the pool evicts for it
-        self._rid = (self._rid + 1) & 0xFFFFFFFF
-        self._refill_rid = self._rid
-        self._outbox += p.frame(p.RESERVE, self._rid, struct.pack("<I", count))
+        self._refill_rid = self._stores.queue(p.RESERVE, struct.pack("<I", count), False)
 
     def key_states(self, keys: Sequence[bytes]) -> list[int | None]:
         """Each key's state as a one-key :meth:`lookup` answers it (1 ready, 0 missing, None
         being stored), without leasing anything: from the last :meth:`prepare_store`'s answer
         when it was about these keys and nothing changed since, else asked (one round trip
         per key)."""
+        self._check_answers()
         known = dict(zip(*self._store_answer, strict=True)) if self._store_answer else {}
         out: list[int | None] = []
         for k in map(bytes, keys):
@@ -842,9 +855,10 @@ class NodePoolClient:
         (:meth:`flush`): vLLM takes the events once per engine step, after the step's
         completions, so what this engine stored is a hit for the others from then on."""
         self._queue_report()
-        # a step ends here: its stores size the reservation (_store_on_reservation)
+        # a step ends here: its stores size the reservation (_reservation_goal)
         self._step_peak = max(self._step_stores, self._step_peak - self._step_peak // 64)
         self._step_stores = 0
+        self._top_up()
         if not self._events_on:
             self.flush()
             return []

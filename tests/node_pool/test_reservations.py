@@ -189,7 +189,7 @@ def test_the_engine_side_ledger_refuses_bad_calls_and_changes_nothing() -> None:
 
     from kvoff._scheduler import KeyFilter, NodePoolStores
 
-    s = NodePoolStores(b"PREFIX08")
+    s = NodePoolStores(b"PREFIX08", p.VERSION)
     s.add_reserved([5, 6])
     assert s.begin([b"k1"], [9])
     mem = mmap.mmap(-1, KeyFilter.bytes_for(16))

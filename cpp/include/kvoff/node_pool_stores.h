@@ -1,6 +1,7 @@
 // One engine's stores into a node pool, kept on the engine's side: the slots the pool reserved
-// for this engine's connection, the stores in flight (slot <-> key), and the payloads that tell
-// the pool of them (the wire format of kvoff/node_pool/protocol.py). An engine stores about
+// for this engine's connection, the stores in flight (slot <-> key), the payloads that tell
+// the pool of them (the wire format of kvoff/node_pool/protocol.py), and the connection's
+// outbox: the frames queued without a reply, sent with the engine's next call or flush. An engine stores about
 // 200 keys a step; keeping this per-key work here, not in Python, is what keeps a node pool's
 // step near a private pool's (kvoff bench scheduler --vs-vllm --node-pool).
 //
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <utility>
 #include <span>
 #include <string>
 #include <string_view>
@@ -39,8 +41,30 @@ void append_prefixed_keys(std::string& out, std::string_view prefix, KeySpan key
 class NodePoolStores {
  public:
   /// `prefix`: the bytes every key of this engine carries in the pool (its layout
-  /// fingerprint's digest, 8 bytes in kvoff).
-  explicit NodePoolStores(std::string prefix);
+  /// fingerprint's digest, 8 bytes in kvoff); `version`: the protocol version frames carry.
+  explicit NodePoolStores(std::string prefix, std::uint16_t version);
+
+  /// Bytes of a frame's header: magic "KVNP", version u16, op u16, request id u32, payload
+  /// length u32 (protocol.HEADER).
+  static constexpr std::size_t kHeaderBytes = 16;
+
+  /// Queues a frame of `op` with `payload` and the next request id, which it returns. Nothing
+  /// is queued (0 is returned) while detached (set_attached(false)): the pool that would
+  /// answer is gone. `changes`: the call changes the pool, so answers kept from it are stale
+  /// (take_changed). Throws std::invalid_argument for a payload over 2**32 - 1 bytes.
+  std::uint32_t queue(std::uint16_t op, std::string_view payload, bool changes);
+  /// The next request id (for a frame the caller sends itself).
+  std::uint32_t next_request_id() noexcept;
+  /// The queued frames, in order, emptied.
+  std::string take_outbox();
+  std::size_t outbox_bytes() const noexcept { return outbox_.size(); }
+  /// Whether a call that changes the pool was queued since the last take_changed().
+  bool take_changed() noexcept { return std::exchange(changed_, false); }
+  /// Whether a pool is there to send to (false at first); detaching drops the outbox.
+  void set_attached(bool attached);
+  /// Stores store_reserved() made (into reserved slots, with no round trip).
+  std::uint64_t num_reserved_stores() const noexcept { return reserved_stores_; }
+  bool attached() const noexcept { return attached_; }
 
   const std::string& prefix() const noexcept { return prefix_; }
 
@@ -74,13 +98,10 @@ class NodePoolStores {
                              std::string& payload);
   /// complete_slots by key (each key once; keys not in flight are skipped).
   std::size_t complete_keys(KeySpan keys, bool success, std::string& payload);
-  /// Drops the stores in `slots` without a word to the pool: a store_reserved whose payload
-  /// never reached it (the connection went with the send).
-  void forget(std::span<const std::uint32_t> slots);
 
-  /// The connection is gone: its reservation and stores went with it. The stores in flight
-  /// stay so until completed (their slots are still written), but their completions send
-  /// nothing.
+  /// The connection is gone: its reservation, stores and queued frames went with it. The
+  /// stores in flight stay so until completed (their slots are still written), but their
+  /// completions send nothing.
   void lose() noexcept;
 
   /// Whether `key` is in flight (stored by any connection of this engine's).
@@ -109,7 +130,13 @@ class NodePoolStores {
   std::size_t completion(bool success, std::string& payload);
 
   std::string prefix_;
+  std::uint16_t version_;
   std::uint64_t connection_ = 0;  // counts lose()
+  std::string outbox_;
+  std::uint32_t request_id_ = 0;
+  bool changed_ = false;
+  bool attached_ = false;
+  std::uint64_t reserved_stores_ = 0;
   std::deque<std::uint32_t> reserved_;
   std::vector<std::string> evicted_;
   std::vector<InFlight> entries_;
