@@ -136,9 +136,6 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
                                     std::vector<std::uint32_t>& slots, std::string& payload) {
   const std::size_t n = keys.size();
   if (n == 0 || n > reserved_.size()) return false;
-  for (const std::string_view k : keys) {
-    if (find_key(k) != kNone) return false;
-  }
   std::string body;
   append_prefixed_keys(body, prefix_, keys);  // throws before anything changes
   // the prefixed keys are in `body` already: check them there (no copy per key)
@@ -154,8 +151,8 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
   if (filter.first_maybe(prefixed) < n) return false;  // maybe held: the pool decides
   entries_.reserve(entries_.size() + n);  // the adds below then allocate only table growth
   for (std::size_t i = 0; i < n; ++i) {
-    // a key repeated in the call, or (a pool restarted on the same region) a reserved slot
-    // still being written: undo, and let the pool decide
+    // a key in flight already or repeated in the call, or (a pool restarted on the same
+    // region) a reserved slot still being written: undo, and let the pool decide
     if (find_key(keys[i]) != kNone || find_slot(reserved_[i]) != kNone) {
       for (std::size_t j = 0; j < i; ++j) {
         const std::uint32_t e = find_slot(reserved_[j]);

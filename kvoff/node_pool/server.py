@@ -948,17 +948,12 @@ class NodePoolServer:
 
     def status(self) -> dict[str, Any]:
         """Blocks, engines attached, hit rates, evictions (``kvoff pool status``)."""
-        m = self.manager
         looked = sum(e.looked_up_keys for e in self.engines.values())
         hits = sum(e.hit_keys for e in self.engines.values())
         return {
             **self.describe(),
             "uptime_s": round(time.time() - self.started, 3),
-            "stored_blocks": m.num_stored_blocks,
-            "free_blocks": m.num_free_blocks,
-            "pending_blocks": m.num_pending_blocks,
-            "reserved_blocks": m.num_reserved_blocks,
-            "evictable_blocks": m.num_evictable_blocks,
+            **self.counts(),
             "evictions": self.evictions,
             "reserved_stores": self.reserved_stores,
             "leases_lapsed": self.leases_lapsed,
