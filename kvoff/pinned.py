@@ -29,11 +29,19 @@ of ``SIGBUS`` on first touch. A file of the same name whose creator still runs (
 given one engine id) is an error; one whose creator is gone is replaced. The name is removed
 when the pool is closed or collected, or at process exit; mappings stay valid until the last
 view goes away.
+
+**Pools that outlive their creator** (a node pool's regions, ``kvoff pool serve``). Every process
+that maps such a pool holds a shared ``flock(2)`` lock on its file for as long as it maps it
+(the kernel drops it when the process dies, however it dies). Closing the pool drops the lock and
+removes the name only when an exclusive lock can then be taken: when no other process maps it.
+So a node pool stopped cleanly under running engines leaves its region for the next pool to
+adopt (the engines' mappings stay its memory), and the last engine to let it go removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import mmap
 import os
@@ -96,6 +104,44 @@ def _unlink_if_same(path: str, ino: int) -> None:
         pass
 
 
+def _unlink_if_last(fd: int, path: str, ino: int) -> None:
+    """Lets go of this process's hold on a shared pool (the shared lock on ``fd``, then ``fd``)
+    and removes ``path`` when no other process holds the file (an exclusive lock is free) and
+    the name is still the file of inode ``ino``. Two processes letting go at once: the one
+    that takes the exclusive lock second sees it free (the first closed its descriptor), or
+    the first one removed the name."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another process maps it: it stays for them (and for the next owner)
+        _unlink_if_same(path, ino)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _hold(fd: int, path: str) -> int:
+    """A descriptor of ``fd``'s file holding a shared lock on it (for :func:`_unlink_if_last`),
+    checked to be the file ``path`` names still (a process that let the last hold go may have
+    removed the name between our open and our lock).
+
+    Raises:
+        SharedMemoryError: the name was removed or replaced meanwhile.
+    """
+    held = os.dup(fd)
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        if os.stat(path).st_ino != os.fstat(held).st_ino:
+            raise FileNotFoundError(path)
+    except OSError as e:
+        os.close(held)
+        raise SharedMemoryError(f"the shared pool {path} was removed while it was mapped") from e
+    return held
+
+
 def _shm_free() -> str:
     try:
         st = os.statvfs(SHM_DIR)
@@ -147,8 +193,9 @@ def _pool_owner(path: str) -> int | None:
 
 def _create_shared(name: str, total: int, layout: list[list[int]], description: str):
     """Creates ``/dev/shm/<name>`` of header + ``total`` bytes with its pages reserved; returns
-    (mmap, inode). The header (with this process's id) is written first, so that a file of the
-    same name is known to be live (its creator runs: an error) or stale (replaced)."""
+    (mmap, inode, a descriptor holding a shared lock on it). The header (with this process's
+    id) is written first, so that a file of the same name is known to be live (its creator
+    runs: an error) or stale (replaced)."""
     path = _shm_path(name)
     size = SHM_HEADER_BYTES + total
     header = _pack_header({"tensors": layout, "pid": os.getpid(), "bytes": total})
@@ -176,31 +223,38 @@ def _create_shared(name: str, total: int, layout: list[list[int]], description: 
             ) from e
     try:
         ino = os.fstat(fd).st_ino
+        held = _hold(fd, path)
         try:
-            os.pwrite(fd, header, 0)
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            os.unlink(path)
-            raise SharedMemoryError(
-                f"{SHM_DIR} has no room for {description}: {size} bytes ({size / 2**30:.2f} GiB) "
-                f"asked for, {_shm_free()} free ({e.strerror}). Give the container more shared "
-                "memory (docker run --ipc=host, or --shm-size larger than the pool) or lower "
-                "the pool size (cpu_bytes_to_use)"
-            ) from e
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                os.pwrite(fd, header, 0)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(path)
+                raise SharedMemoryError(
+                    f"{SHM_DIR} has no room for {description}: {size} bytes "
+                    f"({size / 2**30:.2f} GiB) asked for, {_shm_free()} free ({e.strerror}). "
+                    "Give the container more shared memory (docker run --ipc=host, or "
+                    "--shm-size larger than the pool) or lower the pool size (cpu_bytes_to_use)"
+                ) from e
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(held)
+            raise
     finally:
         os.close(fd)
-    return mm, ino
+    return mm, ino, held
 
 
 def _attach_shared(
     name: str, total: int, layout: list[list[int]], description: str
-) -> tuple[mmap.mmap, int]:
+) -> tuple[mmap.mmap, int, int]:
     """Maps the existing shared pool ``name``, which must hold exactly ``layout`` (``total``
-    bytes after the header); returns the mapping and the file's inode.
+    bytes after the header); returns the mapping, the file's inode and a descriptor holding a
+    shared lock on the file (see the module docstring).
 
     Raises:
-        SharedMemoryError: no such file, not a kvoff pool of this format, or another layout.
+        SharedMemoryError: no such file (or it was removed while being mapped), not a kvoff
+            pool of this format, or another layout.
     """
     path = _shm_path(name)
     try:
@@ -214,18 +268,24 @@ def _attach_shared(
         st = os.fstat(fd)
         if st.st_size < SHM_HEADER_BYTES:
             raise SharedMemoryError(f"{path} is {st.st_size} bytes, too short for a kvoff pool")
-        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        held = _hold(fd, path)
+        try:
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(held)
+            raise
     finally:
         os.close(fd)
     meta = _parse_header(bytes(mm[:SHM_HEADER_BYTES]))
     if meta is None or meta.get("tensors") != layout or st.st_size < SHM_HEADER_BYTES + total:
         have = None if meta is None else meta.get("tensors")
         mm.close()
+        os.close(held)  # (the name is another pool's: never removed here)
         raise SharedMemoryError(
             f"{path} holds tensors {have} ([offset, rows, row bytes]), but {description} needs "
             f"{layout}: the pool was made for another layout or size"
         )
-    return mm, st.st_ino
+    return mm, st.st_ino, held
 
 
 def _memlock_limit() -> str:
@@ -290,8 +350,13 @@ class HostPool:
             that :class:`SharedHostPool` can map it from another process; ``None`` (default):
             private memory from torch's CPU allocator.
         attach: with ``shared_name``, map the existing pool of that name instead of creating
-            it (a node pool that ``kvoff pool serve`` owns); it must hold exactly ``shapes``,
-            and closing this pool never removes it. Pinning pins this process's mapping.
+            it (a node pool that ``kvoff pool serve`` owns); it must hold exactly ``shapes``.
+            Closing it removes the name only when no other process maps the pool any more
+            (module docstring, "Pools that outlive their creator"). Pinning pins this
+            process's mapping.
+        outlive_creator: with ``shared_name`` and not ``attach``: closing this pool removes
+            the name only when no other process maps it, as for an attached one (a node pool's
+            regions); by default the creator's close removes it.
 
     Attributes:
         tensors: the ``(rows, row_bytes)`` uint8 tensors, in ``shapes`` order.
@@ -322,6 +387,7 @@ class HostPool:
         description: str = "the CPU pool",
         shared_name: str | None = None,
         attach: bool = False,
+        outlive_creator: bool = False,
         _registrar: _Registrar | None = None,
     ) -> None:
         offsets = []
@@ -351,13 +417,16 @@ class HostPool:
             self._base = raw[shift : shift + total]
         else:
             layout = [[off, rows, rb] for off, (rows, rb) in zip(offsets, shapes, strict=True)]
-            if attach:  # another process owns it (a node pool): map it, never remove it
-                mm, self.inode = _attach_shared(shared_name, total, layout, description)
+            path = _shm_path(shared_name)
+            if attach:  # another process made it (a node pool): map it
+                mm, self.inode, held = _attach_shared(shared_name, total, layout, description)
             else:
-                mm, self.inode = _create_shared(shared_name, total, layout, description)
-                self._unlinker = weakref.finalize(
-                    self, _unlink_if_same, _shm_path(shared_name), self.inode
-                )
+                mm, self.inode, held = _create_shared(shared_name, total, layout, description)
+            if attach or outlive_creator:  # removed by the last process to let it go
+                self._unlinker = weakref.finalize(self, _unlink_if_last, held, path, self.inode)
+            else:
+                os.close(held)  # the creator's pool: its close removes the name
+                self._unlinker = weakref.finalize(self, _unlink_if_same, path, self.inode)
             whole = torch.frombuffer(mm, dtype=torch.uint8)
             self._storage = whole
             self._base = whole[SHM_HEADER_BYTES:]
@@ -398,8 +467,9 @@ class HostPool:
 
     def close(self) -> None:
         """Unregister the memory now (it is freed when the last tensor view goes away) and
-        remove a shared pool's name. Idempotent; the pool's tensors must not be used for GPU
-        copies afterwards."""
+        remove a shared pool's name (an attached or ``outlive_creator`` pool's only when no
+        other process maps it). Idempotent; the pool's tensors must not be used for GPU copies
+        afterwards."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()

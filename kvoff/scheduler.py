@@ -931,11 +931,13 @@ class OffloadingScheduler:
         (stores in flight, loads, write-through to the tiers) and the pending stores among
         them, in blocks. A cheap read for usage gauges (vLLM's
         ``vllm:kv_offload_cpu_cache_usage_perc`` is ``pinned / num_blocks``). On a node
-        pool: the whole pool's, refreshed at most once a second."""
+        pool: the whole pool's, refreshed at most once a second; slots reserved for the
+        engines' stores and not taken yet are not pinned (no transfer uses them)."""
         pool = self.node_pool
         if pool is not None:
             n = pool.num_slots
-            return n, n - pool.num_free_blocks - pool.num_evictable_blocks, pool.num_pending_blocks
+            idle = pool.num_free_blocks + pool.num_evictable_blocks + pool.num_reserved_blocks
+            return n, n - idle, pool.num_pending_blocks
         return self._core.pool_usage()
 
     def counters(self) -> tuple[int, ...]:

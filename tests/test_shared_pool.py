@@ -4,6 +4,7 @@ worker process allocates and the engine-core process maps, for the secondary tie
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import subprocess
 import sys
@@ -124,3 +125,62 @@ def test_a_worker_with_a_shared_name_puts_its_cpu_pool_there() -> None:
     assert torch.equal(seen, worker.cpu_pool)
     worker.close()
     assert int(seen[1].sum()) == 3 * seen.shape[1]  # the mapping outlives the worker's close
+
+
+def test_a_pool_that_outlives_its_creator_goes_with_the_last_process_that_maps_it() -> None:
+    """A node pool's region: every mapping holds a shared lock on the file. Closing removes the
+    name only when no other process maps it, however the others died (the kernel drops the
+    lock of a killed process); a creator's own pool (the default) goes at its close."""
+    name = fresh_name()
+    path = os.path.join(SHM_DIR, name)
+    shape = [(2, 4096)]
+    creator = HostPool(shape, pin=False, shared_name=name, outlive_creator=True)
+    creator.tensors[0][1].fill_(3)
+    engine = HostPool(shape, pin=False, shared_name=name, attach=True)
+    creator.close()  # the engine still maps it: kept, for the next owner to adopt
+    assert os.path.exists(path)
+    adopter = HostPool(shape, pin=False, shared_name=name, attach=True)
+    assert int(adopter.tensors[0][1].sum()) == 3 * 4096  # the same memory
+    engine.close()
+    assert os.path.exists(path)  # the adopter maps it
+    # a process that maps it and is killed holds nothing after death
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from kvoff.pinned import HostPool
+        p = HostPool({shape!r}, pin=False, shared_name={name!r}, attach=True)
+        sys.stdout.write("mapped\\n"); sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False)  # fmt: skip
+    assert killed.stdout == "mapped\n" and killed.returncode == -9, killed.stderr[-2000:]
+    adopter.close()  # the last one: the name goes
+    assert not os.path.exists(path)
+    # the creator's own pool (default): its close removes the name even while others map it
+    own = HostPool(shape, pin=False, shared_name=name)
+    other = HostPool(shape, pin=False, shared_name=name, attach=True)
+    own.close()
+    assert not os.path.exists(path)
+    other.close()  # nothing left to remove, and a newer file of the name is not touched
+    assert not os.path.exists(path)
+
+
+def test_a_pool_removed_while_it_is_being_attached_is_not_adopted(monkeypatch) -> None:
+    """An attach that races the last holder's removal must not hold a file that no longer has
+    the name (a node pool would then serve memory no engine can find)."""
+    name = fresh_name()
+    path = os.path.join(SHM_DIR, name)
+    creator = HostPool([(1, 4096)], pin=False, shared_name=name, outlive_creator=True)
+    real_flock = fcntl.flock
+
+    def remove_first(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH and os.path.exists(path):
+            os.unlink(path)  # what the last holder's close does in between
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", remove_first)
+    with pytest.raises(SharedMemoryError, match="was removed while it was mapped"):
+        HostPool([(1, 4096)], pin=False, shared_name=name, attach=True)
+    monkeypatch.undo()
+    creator.close()
+    assert not os.path.exists(path)

@@ -25,9 +25,11 @@ trip.
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None
 (nothing stored), completions dropped; the client tries to reconnect at most every
-``retry_s`` seconds. A reconnected pool that serves another region (a new shared-memory file:
-the pool was restarted cleanly, not adopted) cannot be used with this engine's mapping: the
-client stays detached (misses) and says so once.
+``retry_s`` seconds. A pool restarted on the same region adopts it (after a crash or a clean
+stop alike), and the client attaches again. A reconnected pool that serves another region (a
+new shared-memory file: another ``--region`` or size, or the old region was let go by every
+process) cannot be used with this engine's mapping: the client stays detached (misses) and
+says so once.
 """
 
 from __future__ import annotations
@@ -918,6 +920,13 @@ class NodePoolClient:
     def num_stored_blocks(self) -> int:
         """Blocks held (refreshed at most once a second)."""
         return int(self._counts().get("stored_blocks", 0))
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Slots reserved for the engines' stores that need no reply, not taken yet: in use
+        by no transfer, and in neither the index nor the eviction order (refreshed at most
+        once a second)."""
+        return int(self._counts().get("reserved_blocks", 0))
 
     def status(self) -> dict[str, Any]:
         """The pool's status (``kvoff pool status``).

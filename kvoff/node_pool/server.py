@@ -53,9 +53,10 @@ look-up that misses the slots asks the tiers for the key and the chain stored af
 engine is told to retry (``STATE_PENDING``) until the run is promoted into the slots. Blocks on
 a disk outlive the pool: a pool started again on the same disk serves them.
 
-A restarted server adopts the region of a server that died (same name and layout, owner
-gone): engines that still map it keep working and hit again as they store; the index starts
-empty.
+A restarted server adopts the region of the server before it (same name and layout, owner
+gone), whether that one died or stopped cleanly while engines mapped the region (a clean stop
+keeps a region that is still mapped: :mod:`kvoff.pinned`, "Pools that outlive their creator"):
+engines that still map it keep working and hit again as they store; the index starts empty.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ from kvoff import _scheduler
 from kvoff.node_pool import protocol as p
 from kvoff.node_pool.key_filter import SUFFIX as KEY_FILTER_SUFFIX
 from kvoff.node_pool.key_filter import PoolKeyFilter
-from kvoff.pinned import HostPool, SharedMemoryError, _shm_path, _unlink_if_same
+from kvoff.node_pool.pool_tiers import tier_format
+from kvoff.pinned import HostPool, SharedMemoryError, _shm_path
 
 __all__ = ["DEFAULT_REGION", "NodePoolServer", "tier_format"]
 
@@ -107,20 +109,6 @@ EVENT_KEYS_PER_SLOT = 4
 RESERVE_SHARE = 16
 """By default an engine may hold at most 1/RESERVE_SHARE of the slots reserved (``RESERVE``):
 enough for a few steps of stores, never enough for a few engines to starve the index."""
-
-
-def tier_format(slot_bytes: int, shared_secret: bytes | None = None) -> Any:
-    """The block format of a node pool's secondary tiers: blocks of ``slot_bytes`` bytes
-    whose keys carry the engines' layout prefixes, so the fingerprint names the pool's slot
-    size only (:class:`kvoff.tiers.block_format.BlockFormat`; ``shared_secret``: the MAC key).
-
-    Raises:
-        ValueError: as :class:`~kvoff.tiers.block_format.BlockFormat`.
-    """
-    from kvoff.tiers.block_format import BlockFormat, layout_fingerprint
-
-    fingerprint = layout_fingerprint(kind="kvoff node pool", slot_bytes=int(slot_bytes))
-    return BlockFormat(fingerprint, int(slot_bytes), shared_secret=shared_secret)
 
 
 @dataclass
@@ -172,8 +160,9 @@ class NodePoolServer:
             (:data:`DEFAULT_LEASE_S`; module docstring).
         spin_s: seconds the serving thread polls without sleeping after a call
             (:data:`DEFAULT_SPIN_S`; 0: it always sleeps until a socket is ready).
-        tiers: secondary tiers below the slots (:func:`tier_format` is their block format;
-            :func:`kvoff.tiers.coordinator.make_tiers` makes them); the server closes them.
+        tiers: secondary tiers below the slots (:func:`kvoff.node_pool.pool_tiers.pool_tiers`
+            makes them, on :func:`tier_format`; with several ranks, ranked tiers whose rank
+            ``r`` holds region ``r``'s parts); the server closes them.
         write_queue_blocks: blocks pinned for write-through at most (default: a quarter of
             the slots, :func:`kvoff.tiers.coordinator.default_write_queue_blocks`).
         ranks: the engines' tensor-parallel size: one region of ``num_slots`` slots of
@@ -227,15 +216,11 @@ class NodePoolServer:
         self.policy = policy
         if not 1 <= ranks <= MAX_RANKS:
             raise ValueError(f"ranks must be 1..{MAX_RANKS} (the engines' tensor-parallel size)")
-        if tiers and ranks > 1:
-            raise ValueError(
-                "tiers below a node pool of several ranks are not built yet; give --ranks 1 or "
-                "drop the tiers"
-            )
         self.region = region
         # one region per tensor-parallel rank: slot i of every region is one block's parts
         self.regions = [region] if ranks == 1 else [f"{region}-rank{r}" for r in range(ranks)]
         self.adopted = False
+        self.regions_kept: list[str] = []  # at close: the regions engines still mapped
         self.pools: list[HostPool] = []
         try:
             for name in self.regions:
@@ -249,13 +234,21 @@ class NodePoolServer:
         if tiers:
             from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
 
-            view = self.pool.tensors[0].numpy()
+            views = [pool.tensors[0].numpy() for pool in self.pools]
+            if ranks == 1:
+                slot: Callable[[int], Any] = views[0].__getitem__
+            else:  # a block is every rank's part (kvoff.node_pool.pool_tiers)
+
+                def slot(block_id: int) -> tuple[Any, ...]:
+                    return tuple(v[block_id] for v in views)
+
             cap = write_queue_blocks or default_write_queue_blocks(self.num_slots)
             try:
-                self.tiered = TieredPool(self.manager, view.__getitem__, list(tiers),
+                self.tiered = TieredPool(self.manager, slot, list(tiers),
                                          write_queue_blocks=cap)  # fmt: skip
             except BaseException:
-                self.pool.close()
+                for pool in self.pools:
+                    pool.close()
                 raise
         # which keys the index may hold, for the engines' look-ups (none with tiers: a key
         # missing here may be a tier's hit; kvoff.node_pool.key_filter says why)
@@ -301,8 +294,10 @@ class NodePoolServer:
         desc = f"the node pool ({self.num_slots} slots of {self.slot_bytes} bytes)"
         try:  # a server that died left its region: adopt it, engines still map it
             pool = HostPool(shape, pin=False, shared_name=name, attach=True, description=desc)
-        except SharedMemoryError:
-            return HostPool(shape, pin=False, shared_name=name, description=desc)
+        except SharedMemoryError:  # (kept while engines map it: see _release_memory)
+            return HostPool(
+                shape, pin=False, shared_name=name, description=desc, outlive_creator=True
+            )
         from kvoff.pinned import (
             SHM_HEADER_BYTES,
             _pack_header,
@@ -441,16 +436,20 @@ class NodePoolServer:
         self._release_memory()
 
     def _release_memory(self) -> None:
-        """Closes the tiers, removes the key filter's and the regions' names and lets go of
-        their memory (engines keep their mappings)."""
+        """Closes the tiers, removes the key filter's name and lets go of the regions: a region
+        no engine maps is removed; one that engines still map keeps its name, so that the next
+        pool started on it adopts it and the engines hit again without a restart (the last
+        engine to let it go removes it; :mod:`kvoff.pinned`, "Pools that outlive their
+        creator")."""
         if self.tiered is not None:
             self.tiered.close()  # the writes in flight finish first
         if self.key_filter is not None:
             self.key_filter.close()
         for name, pool in zip(self.regions, self.pools, strict=True):
-            if getattr(pool, "inode", None) is not None:
-                _unlink_if_same(_shm_path(name), pool.inode)
             pool.close()
+            with contextlib.suppress(OSError):
+                if os.stat(_shm_path(name)).st_ino == pool.inode:
+                    self.regions_kept.append(name)
 
     def _accept(self) -> None:
         try:

@@ -23,6 +23,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoff.tiers.block_format import BlockFormat
@@ -139,35 +140,59 @@ def tiers_on_pools(
         fmt = BlockFormat(fingerprint(0), int(views[0].shape[1]))
         return tiers_from_config(config, fmt), views[0].__getitem__
 
-    world = len(views)
-    per_rank: list[list[Any]] = []
-    try:
-        for r, v in enumerate(views):
-            update: dict[str, Any] = {}
-            rank_fmt = BlockFormat(fingerprint(r), int(v.shape[1]))
-            if config.disk_path is not None:
-                share = max(1, (config.disk_bytes or 0) // world)
-                need = SUPERBLOCK_BYTES + slot_bytes_for(rank_fmt)
-                if share < need:
-                    raise ValueError(
-                        f"disk_bytes={config.disk_bytes} is split over {world} ranks ({share} "
-                        f"bytes each), less than one block of rank {r} ({need} bytes with the "
-                        f"file header); raise disk_bytes to at least {need * world} (a useful "
-                        f"tier holds many blocks)"
-                    )
-                update = {"disk_path": config.disk_path / f"rank{r}", "disk_bytes": share}
-            per_rank.append(tiers_from_config(config.model_copy(update=update), rank_fmt))
-    except BaseException:
-        for ts in per_rank:
-            for t in ts:
-                t.close()
-        raise
-    tiers = [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
+    def rank_tiers(r: int) -> list[Any]:
+        rank_fmt = BlockFormat(fingerprint(r), int(views[r].shape[1]))
+        update: dict[str, Any] = {}
+        if config.disk_path is not None:
+            path, share = disk_share(config.disk_path, config.disk_bytes, len(views), r, rank_fmt)
+            update = {"disk_path": path, "disk_bytes": share}
+        return tiers_from_config(config.model_copy(update=update), rank_fmt)
+
+    tiers = ranked_tiers(len(views), rank_tiers)
 
     def slot(block_id: int) -> tuple[Any, ...]:
         return tuple(v[block_id] for v in views)
 
     return tiers, slot
+
+
+def disk_share(
+    disk_path: Any, disk_bytes: int | None, world: int, rank: int, fmt: BlockFormat
+) -> tuple[Path, int]:
+    """Rank ``rank``'s disk tier of a ``world``-rank pool: its folder ``disk_path/rank<r>`` and
+    its share of ``disk_bytes`` (``disk_bytes // world`` bytes).
+
+    Raises:
+        ValueError: the share holds no block of ``fmt`` (the message gives the bytes needed).
+    """
+    share = max(1, (disk_bytes or 0) // world)
+    need = SUPERBLOCK_BYTES + slot_bytes_for(fmt)
+    if share < need:
+        raise ValueError(
+            f"disk_bytes={disk_bytes} is split over {world} ranks ({share} bytes each), less "
+            f"than one block of rank {rank} ({need} bytes with the file header); raise "
+            f"disk_bytes to at least {need * world} (a useful tier holds many blocks)"
+        )
+    return Path(disk_path) / f"rank{rank}", share
+
+
+def ranked_tiers(world: int, rank_tiers: Callable[[int], list[Any]]) -> list[Any]:
+    """One :class:`~kvoff.tiers.ranked.RankedTier` per kind over the ``world`` ranks' own
+    tiers (``rank_tiers(r)``: rank ``r``'s, fastest first, the same kinds for every rank).
+
+    Raises:
+        ValueError / OSError: what ``rank_tiers`` raises; the tiers already made are closed.
+    """
+    per_rank: list[list[Any]] = []
+    try:
+        for r in range(world):
+            per_rank.append(rank_tiers(r))
+    except BaseException:
+        for ts in per_rank:
+            for t in ts:
+                t.close()
+        raise
+    return [RankedTier([ts[i] for ts in per_rank]) for i in range(len(per_rank[0]))]
 
 
 def attach_or_close(

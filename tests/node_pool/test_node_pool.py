@@ -3,6 +3,7 @@ lifetimes (engines killed at any point, the pool killed and restarted), hostile 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -288,6 +289,59 @@ def test_a_pool_killed_and_restarted_under_an_engine_means_misses_then_hits(
         server.terminate()
         server.wait()
     assert not os.path.exists(sock) and not Path("/dev/shm", region).exists()  # clean stop
+
+
+def test_a_pool_stopped_cleanly_under_an_engine_is_adopted_by_the_next_one(
+    tmp_path: Path,
+) -> None:
+    """A clean stop (SIGTERM: systemctl restart, an upgrade) keeps the region while an engine
+    maps it, so the next pool adopts it and the engine hits again without a restart; the last
+    mapping to go removes the region."""
+    sock = str(tmp_path / "pool.sock")
+    region = f"kvoff-test-np-stop-{os.getpid()}"
+    path = Path("/dev/shm", region)
+    server = start_pool_process(sock, region, 16)
+    mapping = None
+    try:
+        c = NodePoolClient(sock, FP, retry_s=0.05)
+        mapping = HostPool([(16, 4096)], pin=False, shared_name=region, attach=True)
+        out = c.prepare_store(_keys(1))
+        mapping.tensors[0][out.block_ids[0]].fill_(7)  # the engine's copy into the slot
+        c.complete_store(out.keys_to_store)
+        server.terminate()
+        assert server.wait(10) == 0
+        assert path.exists() and not os.path.exists(sock)  # kept: the engine maps it
+        # gone: misses, nothing stored, no error reaches the caller
+        assert c.lookup(_keys(1)) == 0 and c.prepare_store(_keys(3)) is None
+        assert not c.attached
+        server = start_pool_process(sock, region, 16)  # adopts it (index empty)
+        time.sleep(0.1)  # past retry_s
+        assert c.lookup(_keys(1)) == 0 and c.attached  # the same region: attached again
+        out = c.prepare_store(_keys(1))
+        mapping.tensors[0][out.block_ids[0]].fill_(9)
+        c.complete_store(out.keys_to_store)
+        c.flush()
+        other = NodePoolClient(sock, FP)
+        assert other.lookup(_keys(1)) == 1  # a hit again, for every engine
+        slot = other.prepare_load(_keys(1))[0]
+        other.complete_load(_keys(1))
+        seen = HostPool([(16, 4096)], pin=False, shared_name=region, attach=True)
+        assert int(seen.tensors[0][slot].sum()) == 9 * 4096  # the engine's bytes
+        seen.close()
+        server.terminate()
+        assert server.wait(10) == 0
+        assert path.exists()  # the engine still maps it
+        mapping.close()  # the last mapping: the region goes
+        mapping = None
+        assert not path.exists()
+    finally:
+        server.kill()
+        server.wait()
+        if mapping is not None:
+            mapping.close()
+        for leftover in (path, Path(f"{path}.keys")):  # (after a failure: a killed pool's)
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
 
 
 def test_a_second_pool_on_a_served_socket_is_refused_and_leaves_nothing(served) -> None:

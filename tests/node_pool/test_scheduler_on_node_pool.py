@@ -114,6 +114,19 @@ def test_the_pool_keeps_its_own_tiers_and_counts(pool: Served) -> None:
     assert (n, pinned, pending) == (SIM_SLOTS, 0, 0)
 
 
+def test_usage_gauges_do_not_count_reserved_slots_as_in_use(pool: Served) -> None:
+    """vLLM's ``cpu_cache_usage_perc`` is the share of blocks transfers pin: an engine's
+    reserved slots (held for stores that need no reply) are not in use until a store takes
+    them, so a drained engine with a reservation reads 0."""
+    a = sim_engine(pool, "a")
+    a.add_request("r", list(range(13)))
+    a.drain()  # its stores done: the reservation is topped up for the next ones
+    counts = pool.call(lambda s: s.counts())
+    assert counts["reserved_blocks"] > 0 and counts["pending_blocks"] == 0
+    n, pinned, pending = a.sched.pool_usage()
+    assert (n, pinned, pending) == (SIM_SLOTS, 0, 0)
+
+
 def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
     client = NodePoolClient(pool.socket, b"sim-layout", name="x")
     with pytest.raises(ValueError, match=f"has {SIM_SLOTS} slots but the spec has 8"):

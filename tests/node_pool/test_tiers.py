@@ -5,6 +5,7 @@ started again on the same disk serves the blocks its predecessor stored."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import pytest
 from node_pool_harness import Served
 
 from kvoff.node_pool import NodePoolClient
+from kvoff.node_pool.pool_tiers import pool_tiers
 from kvoff.node_pool.server import tier_format
 from kvoff.pinned import HostPool
 from kvoff.tiers.coordinator import make_tiers
@@ -101,6 +103,72 @@ def test_blocks_on_the_disk_below_a_node_pool_outlive_the_pool(tmp_path: Path) -
         assert d.round_trips == n  # the promoted chain answered ahead
     finally:
         second.stop()
+
+
+def test_a_pool_of_two_ranks_keeps_each_ranks_parts_in_its_own_tier(tmp_path: Path) -> None:
+    """A tensor-parallel engine's pool (``--ranks 2``): each rank's part of a block is written
+    through to its own disk folder, a pool started again promotes both parts into both regions,
+    and a block one rank's tier lost is a miss (never half a block)."""
+    with pytest.raises(ValueError, match=r"disk_bytes=8192 is split over 2 ranks"):
+        pool_tiers(SLOT, 2, disk_path=tmp_path / "small", disk_bytes=8192)
+    assert not (tmp_path / "small").exists()  # refused before any tier was made
+    chain = _keys(1, 2, 3)
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, (2, 3, SLOT), dtype=np.uint8)  # rank, block, bytes
+
+    def pool(name: str) -> Served:
+        tiers = pool_tiers(SLOT, 2, disk_path=tmp_path / "disk", disk_bytes=1 << 20)
+        return Served(tmp_path / f"{name}.sock", f"kvoff-test-np-tier2-{os.getpid()}-{name}",
+                      tiers=tiers, write_queue_blocks=16, ranks=2)  # fmt: skip
+
+    def regions(served: Served) -> list[HostPool]:
+        return [HostPool([(16, SLOT)], pin=False, shared_name=f"{served.region}-rank{r}",
+                         attach=True) for r in range(2)]  # fmt: skip
+
+    first = pool("first")
+    try:
+        a = NodePoolClient(first.socket, FP, name="a")
+        out = a.prepare_store(chain)
+        maps = regions(first)
+        for r in range(2):  # each rank's worker copies its part into its region
+            for i, slot in enumerate(out.block_ids):
+                maps[r].tensors[0][slot].numpy()[:] = data[r, i]
+        a.complete_store(chain)
+        a.sync()
+        first.call(lambda s: s.tiered.wait())
+        stats = first.call(lambda s: s.status()["tiers"])
+        assert stats["tiers"]["disk"]["written_blocks"] == 3
+        for m in maps:
+            m.close()
+        a.close()
+    finally:
+        first.stop()
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["rank0", "rank1"]
+    second = pool("second")
+    try:
+        b = NodePoolClient(second.socket, FP, name="b")
+        assert [b.lookup([k]) for k in chain] == [None] * 3  # asked of both ranks' tiers
+        _until(lambda: [b.lookup([k]) for k in chain] == [1] * 3, "not promoted")
+        got = b.prepare_load(chain)
+        maps = regions(second)
+        for r in range(2):
+            for i, slot in enumerate(got):
+                assert np.array_equal(maps[r].tensors[0][slot].numpy(), data[r, i]), (r, i)
+        b.complete_load(chain)
+        for m in maps:
+            m.close()
+        b.close()
+    finally:
+        second.stop()
+    shutil.rmtree(tmp_path / "disk" / "rank1")  # rank 1's tier lost its parts
+    third = pool("third")
+    try:
+        c = NodePoolClient(third.socket, FP, name="c")
+        assert c.lookup(chain[:1]) is None
+        _until(lambda: c.lookup(chain[:1]) == 0, "half a block was served")
+        c.close()
+    finally:
+        third.stop()
 
 
 def test_an_engine_on_a_node_pool_names_no_tiers_of_its_own(tmp_path: Path) -> None:

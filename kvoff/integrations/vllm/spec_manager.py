@@ -83,7 +83,7 @@ class _NoPool:
     bytes per block are 0): every key misses and nothing can be stored."""
 
     num_blocks = num_free_blocks = num_stored_blocks = num_pending_blocks = 0
-    num_evictable_blocks = num_retired_blocks = 0
+    num_evictable_blocks = num_retired_blocks = num_reserved_blocks = 0
     stores_skipped = 0
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -502,7 +502,8 @@ class KvoffOffloadingManager(OffloadingManager):
 
         * ``vllm:kv_offload_cpu_cache_usage_perc``: the fraction of the pool's blocks that
           transfers pin now (stores in flight, blocks being loaded or written through to the
-          tiers; 0.0 with 0 blocks), ``..._write_usage_perc`` the stores' share,
+          tiers; not a node pool's slots reserved for stores and not taken yet; 0.0 with 0
+          blocks), ``..._write_usage_perc`` the stores' share,
           ``..._read_usage_perc`` the rest (blocks being read);
         * ``vllm:kv_offload_cpu_allocation_size``: one histogram sample per
           :meth:`prepare_store` since the last call that needed slots (keys needing one);
@@ -519,8 +520,9 @@ class KvoffOffloadingManager(OffloadingManager):
 
         m, n = self.manager, self.num_blocks
         stats = OffloadingConnectorStats()
-        # pending stores, loads, and blocks the tiers' write-through reads
-        pinned = n - m.num_free_blocks - m.num_evictable_blocks
+        # pending stores, loads, and blocks the tiers' write-through reads (a node pool's
+        # reserved slots are in use by no transfer)
+        pinned = n - m.num_free_blocks - m.num_evictable_blocks - m.num_reserved_blocks
         usage = pinned / n if n > 0 else 0.0
         write = m.num_pending_blocks / n if n > 0 else 0.0
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)

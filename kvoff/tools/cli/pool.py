@@ -149,7 +149,18 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         flush=True,
     )
     server.serve_forever()
-    print("kvoff pool: stopped", file=sys.stderr)
+    kept = server.regions_kept
+    print(
+        "kvoff pool: stopped"
+        + (
+            f"; /dev/shm/{', /dev/shm/'.join(kept)} kept: engines still map it. A pool started "
+            f"with --region {server.region} adopts it (they hit again at once); the last engine "
+            "to let it go removes it"
+            if kept
+            else ""
+        ),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -164,12 +175,11 @@ def _tiers(args: argparse.Namespace) -> list:
         raise ValueError("--disk-path and --disk-bytes go together: give both, or neither")
     if args.disk_path is None and args.remote_url is None:
         return []
-    from kvoff.node_pool.server import tier_format
-    from kvoff.tiers.coordinator import make_tiers
+    from kvoff.node_pool.pool_tiers import pool_tiers
 
     secret = os.environ.get("KVOFF_SHARED_SECRET")
-    return make_tiers(
-        tier_format(args.slot_bytes), disk_path=args.disk_path, disk_bytes=args.disk_bytes,
+    return pool_tiers(
+        args.slot_bytes, args.ranks, disk_path=args.disk_path, disk_bytes=args.disk_bytes,
         remote_url=args.remote_url, remote_namespace=args.remote_namespace,
         shared_secret=None if secret is None else secret.encode(),
     )  # fmt: skip
