@@ -63,6 +63,7 @@ EXTRAS: dict[str, Extra] = {
         "vllm",
         "vLLM's CPU build; on a GPU machine install vllm==0.32.0 itself instead",
     ),
+    "prometheus_client": Extra("prometheus-client", "metrics"),
     "blake3": Extra("blake3", None, "a dependency of kvoff", requirement="blake3>=1"),
 }
 """The top-level modules kvoff imports lazily, by module name: ``pyproject.toml``'s

@@ -945,8 +945,10 @@ class NodePoolServer:
             "evictable_blocks": m.num_evictable_blocks,
         }
 
-    def status(self) -> dict[str, Any]:
-        """Blocks, engines attached, hit rates, evictions (``kvoff pool status``)."""
+    def status(self, scan_key_filter: bool = True) -> dict[str, Any]:
+        """Blocks, engines attached, hit rates, evictions (``kvoff pool status``);
+        ``scan_key_filter=False`` leaves out the key filter's scan (``key_filter_status``
+        None: the metrics' scrapes, which must not stall the engines' calls)."""
         looked = sum(e.looked_up_keys for e in self.engines.values())
         hits = sum(e.hit_keys for e in self.engines.values())
         return {
@@ -957,7 +959,11 @@ class NodePoolServer:
             "reserved_stores": self.reserved_stores,
             "leases_lapsed": self.leases_lapsed,
             "tiers": None if self.tiered is None else self.tiered.stats(),
-            "key_filter_status": None if self.key_filter is None else self.key_filter.status(),
+            "key_filter_status": (
+                self.key_filter.status()
+                if self.key_filter is not None and scan_key_filter
+                else None
+            ),
             "engines_attached": len(self.engines),
             "engines_seen": self.engines_seen,
             "connections_refused": self.refused,

@@ -107,6 +107,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tiers.add_argument(
         "--remote-namespace", default="kvoff", help="key prefix in Redis (default: kvoff)"
     )
+    metrics = serve.add_argument_group("Prometheus metrics (the metrics extra)")
+    metrics.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve the pool's metrics (blocks; per engine: looked up, hit, stored, loaded) on "
+        "http://HOST:PORT/metrics (default: none; 0: a free port, printed)",
+    )
+    metrics.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address to serve them on (default: 127.0.0.1)"
+    )
     serve.set_defaults(run=run_serve)
     status = ps.add_parser("status", help="blocks, engines attached, hit rates, evictions")
     status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default: {DEFAULT_SOCKET})")
@@ -122,7 +133,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``kvoff pool serve``: serves until SIGTERM or SIGINT; returns 0.
 
     Raises:
-        ValueError: a pool smaller than one slot, or a server already on the socket.
+        ValueError: a pool smaller than one slot, a server already on the socket, or a
+            metrics address that cannot be served (``--metrics-port`` taken).
+        kvoff._optional.MissingExtraError: ``--metrics-port`` without prometheus-client.
     """
     from kvoff.node_pool import DEFAULT_REGION, NodePoolServer
 
@@ -139,16 +152,40 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         spin_s=args.spin_us / 1e6, tiers=tiers, ranks=args.ranks,
         reserve_blocks=args.reserve_blocks,
     )  # fmt: skip
+    httpd = None
+    if args.metrics_port is not None:
+        from kvoff.node_pool.metrics import serve_metrics
+
+        try:
+            httpd, _ = serve_metrics(server, args.metrics_port, args.metrics_host)
+        except BaseException as e:  # leave no region or socket behind
+            server.close()
+            if isinstance(e, OSError):  # (the port is taken, or not this machine's address)
+                raise ValueError(
+                    f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+                    f"{e.strerror or e}; give another --metrics-port (0: a free one) or "
+                    "--metrics-host"
+                ) from e
+            raise
     gib = slots * args.slot_bytes * args.ranks / 2**30
     print(
         f"kvoff pool: serving {slots} slots of {args.slot_bytes} bytes ({gib:.2f} GiB, "
         f"{args.policy}) in /dev/shm/{', /dev/shm/'.join(server.regions)}"
         f"{' (adopted)' if server.adopted else ''} on {server.socket_path}"
-        + "".join(f"; tier {t.name}" for t in tiers),
+        + "".join(f"; tier {t.name}" for t in tiers)
+        + (
+            ""
+            if httpd is None
+            else f"; metrics on http://{args.metrics_host}:{httpd.server_port}/metrics"
+        ),
         file=sys.stderr,
         flush=True,
     )
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if httpd is not None:
+            httpd.shutdown()
     kept = server.regions_kept
     print(
         "kvoff pool: stopped"
@@ -162,6 +199,21 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0..65535 (argparse type).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value and the range.
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+    return port
 
 
 def _tiers(args: argparse.Namespace) -> list:
