@@ -95,8 +95,12 @@ def _shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _unlink_if_same(path: str, ino: int) -> None:
-    """Removes ``path`` if it is still the file of inode ``ino`` (not a newer pool's)."""
+def _unlink_if_same(path: str, ino: int, owner_pid: int | None = None) -> None:
+    """Removes ``path`` if it is still the file of inode ``ino`` (not a newer pool's); with
+    ``owner_pid``, only in that process (a child forked from it that exits runs its finalizers
+    too, and must not remove its parent's pool)."""
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return
     try:
         if os.stat(path).st_ino == ino:
             os.unlink(path)
@@ -104,12 +108,17 @@ def _unlink_if_same(path: str, ino: int) -> None:
         pass
 
 
-def _unlink_if_last(fd: int, path: str, ino: int) -> None:
+def _unlink_if_last(fd: int, path: str, ino: int, owner_pid: int) -> None:
     """Lets go of this process's hold on a shared pool (the shared lock on ``fd``, then ``fd``)
     and removes ``path`` when no other process holds the file (an exclusive lock is free) and
     the name is still the file of inode ``ino``. Two processes letting go at once: the one
     that takes the exclusive lock second sees it free (the first closed its descriptor), or
-    the first one removed the name."""
+    the first one removed the name. In a child forked from ``owner_pid``, which shares the
+    lock with its parent, only the child's descriptor is closed (the parent's hold stays)."""
+    if os.getpid() != owner_pid:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_UN)
         try:
@@ -423,10 +432,14 @@ class HostPool:
             else:
                 mm, self.inode, held = _create_shared(shared_name, total, layout, description)
             if attach or outlive_creator:  # removed by the last process to let it go
-                self._unlinker = weakref.finalize(self, _unlink_if_last, held, path, self.inode)
+                self._unlinker = weakref.finalize(
+                    self, _unlink_if_last, held, path, self.inode, os.getpid()
+                )
             else:
                 os.close(held)  # the creator's pool: its close removes the name
-                self._unlinker = weakref.finalize(self, _unlink_if_same, path, self.inode)
+                self._unlinker = weakref.finalize(
+                    self, _unlink_if_same, path, self.inode, os.getpid()
+                )
             whole = torch.frombuffer(mm, dtype=torch.uint8)
             self._storage = whole
             self._base = whole[SHM_HEADER_BYTES:]

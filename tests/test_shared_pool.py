@@ -184,3 +184,26 @@ def test_a_pool_removed_while_it_is_being_attached_is_not_adopted(monkeypatch) -
     monkeypatch.undo()
     creator.close()
     assert not os.path.exists(path)
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_hold_and_name() -> None:
+    """A child forked from a process that maps a pool shares that process's lock; its exit
+    (which runs the pool's finalizer) must not drop the parent's hold or remove the name."""
+    name = fresh_name()
+    path = os.path.join(SHM_DIR, name)
+    for kw in ({"outlive_creator": True}, {}):
+        engine = HostPool([(1, 4096)], pin=False, shared_name=name, **kw)
+        pid = os.fork()
+        if pid == 0:  # the child: its clean-up at exit, then out without pytest's
+            try:
+                engine.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert os.path.exists(path), kw  # the child removed nothing
+        if kw:  # and the parent still holds it: another process's close keeps it
+            other = HostPool([(1, 4096)], pin=False, shared_name=name, attach=True)
+            other.close()
+            assert os.path.exists(path)
+        engine.close()
+        assert not os.path.exists(path)
