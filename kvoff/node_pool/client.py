@@ -63,10 +63,14 @@ class NodePoolError(RuntimeError):
 @dataclass(frozen=True)
 class NodePoolEvent:
     """A KV event of the node pool for this engine's layout: ``kind`` ``"BlockStored"`` (the
-    keys became hits) or ``"BlockRemoved"`` (evicted), ``keys`` this engine's (unprefixed)."""
+    keys became hits) or ``"BlockRemoved"`` (evicted), ``keys`` this engine's (unprefixed),
+    ``by`` the name of the engine whose call made it (the engine that stored the keys, or whose
+    store evicted them; this engine's own name for its own; ``""`` for blocks the pool
+    promoted from its tiers)."""
 
     kind: str
     keys: list[bytes]
+    by: str = ""
 
     @property
     def removed(self) -> bool:
@@ -872,10 +876,11 @@ class NodePoolClient:
         events, off = [], 12
         for _ in range(count):
             removed = reply[off] == 1
-            keys, off = p.decode_keys(reply, off + 1)
-            events.append(
-                NodePoolEvent("BlockRemoved" if removed else "BlockStored", [k[8:] for k in keys])
-            )
+            n = reply[off + 1]
+            by = bytes(reply[off + 2 : off + 2 + n]).decode(errors="replace")
+            keys, off = p.decode_keys(reply, off + 2 + n)
+            kind = "BlockRemoved" if removed else "BlockStored"
+            events.append(NodePoolEvent(kind, [k[8:] for k in keys], by))
         return events
 
     def clear(self, include_in_flight: bool = False) -> int:

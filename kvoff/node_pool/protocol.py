@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVNP"
-VERSION = 4
+VERSION = 5
 HEADER = struct.Struct("<4sHHII")
 MAX_PAYLOAD_BYTES = 64 << 20
 """Largest payload accepted (64 MiB: about two million 16-byte keys)."""
@@ -82,7 +82,9 @@ hit rates)."""
 TAKE_EVENTS = 10
 """The engine's KV events since its last call: ``prefix`` (8 bytes: the engine's layout, whose
 events it gets; the first call subscribes the connection). Reply: ``dropped u64`` (events
-lost to a full queue), ``count u32`` and per event ``removed u8`` and a key list."""
+lost to a full queue), ``count u32`` and per event ``removed u8``, ``by``: the name of the engine
+whose call made it (``length u8`` and UTF-8 bytes; empty: the pool's own, a promotion from its
+tiers), and a key list."""
 REPORT_LOOKUPS = 11
 """``answered u32, answered_hits u32``: look-ups the engine answered without the pool (from
 look-ahead replies and the pool's key filter) since its last report, for the pool's hit rates.

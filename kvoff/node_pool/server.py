@@ -34,8 +34,10 @@ that engines answer most misses without asking.
 
 **KV events.** A block any engine stores is a hit for every engine of its layout, and an
 eviction takes it from all of them, so every engine that asks for events (``TAKE_EVENTS``)
-gets the ``BlockStored`` / ``BlockRemoved`` events of its layout, whoever caused them; which
-engine stored and loaded what is in the status (per engine). An engine's queue holds
+gets the ``BlockStored`` / ``BlockRemoved`` events of its layout, whoever caused them, each
+with the name of the engine whose call made it (its store, or the store whose room evicted the
+blocks; none for blocks promoted from the tiers); how much each engine stored and loaded is in
+the status and the metrics (per engine). An engine's queue holds
 :data:`EVENT_KEYS_PER_SLOT` keys per slot at most; beyond, the oldest events are dropped and
 counted.
 
@@ -137,7 +139,8 @@ class _Engine:
     errors: int = 0
     answered_ahead: int = 0  # look-ups the engine answered itself (look-ahead, key filter)
     prefix: bytes | None = None  # its layout's key prefix, once it takes KV events
-    events: deque[tuple[bool, list[bytes]]] = field(default_factory=deque)  # (removed, keys)
+    # (removed, keys, the name of the engine whose call made the event: "" the pool's own)
+    events: deque[tuple[bool, list[bytes], str]] = field(default_factory=deque)
     event_keys: int = 0  # keys in events
     events_dropped: int = 0
     since: float = field(default_factory=time.time)
@@ -388,6 +391,7 @@ class NodePoolServer:
                 self._flush(eng)
         if self.tiered is not None:  # promotions into the slots, written blocks unpinned
             self.tiered.poll()
+            self._publish("")  # the pool's own: blocks promoted from the tiers
         now = time.monotonic()
         if now >= self._next_lapse:
             self._next_lapse = now + min(0.05, self.lease_s / 4)
@@ -495,7 +499,7 @@ class NodePoolServer:
             payload = bytes(eng.inbox[p.HEADER.size : end])
             del eng.inbox[:end]
             self._send(eng, self._handle(eng, op, rid, payload))
-            self._publish()
+            self._publish(eng.name)
         self._flush(eng)
 
     def _send(self, eng: _Engine, data: bytes) -> None:
@@ -518,8 +522,10 @@ class NodePoolServer:
             self._selector.modify(eng.sock, mask, eng)
             eng.mask = mask
 
-    def _publish(self) -> None:
-        """Hands the index's new KV events to the engines of their layout that take events."""
+    def _publish(self, by: str) -> None:
+        """Hands the index's new KV events to the engines of their layout that take events;
+        ``by`` is the name of the engine whose call made them ("": the pool's own, such as
+        promotions from the tiers)."""
         events = self.manager.take_events()
         if not events:
             return
@@ -536,10 +542,10 @@ class NodePoolServer:
                 keys = by_prefix.get(eng.prefix or b"")
                 if not keys:
                     continue
-                eng.events.append((removed, keys))
+                eng.events.append((removed, keys, by))
                 eng.event_keys += len(keys)
                 while eng.event_keys > cap:  # an engine that does not drain: oldest go
-                    _, old = eng.events.popleft()
+                    _, old, _ = eng.events.popleft()
                     eng.event_keys -= len(old)
                     eng.events_dropped += 1
 
@@ -559,7 +565,7 @@ class NodePoolServer:
         spare = [*eng.reserved, *eng.duplicates.values()]
         if spare:
             self.manager.release_reserved(spare)
-        self._publish()
+        self._publish(eng.name)
         eng.pins.clear()
         eng.leases.clear()
         eng.storing.clear()
@@ -620,9 +626,13 @@ class NodePoolServer:
             eng.prefix = payload
             out, size = [], 0
             while eng.events and size < p.MAX_PAYLOAD_BYTES // 4:  # the rest: next call
-                removed, keys = eng.events.popleft()
+                removed, keys, by = eng.events.popleft()
                 eng.event_keys -= len(keys)
-                out.append((b"\x01" if removed else b"\x00") + p.encode_keys(keys))
+                name = by.encode()[:255]
+                out.append(
+                    (b"\x01" if removed else b"\x00") + bytes([len(name)]) + name
+                    + p.encode_keys(keys)
+                )  # fmt: skip
                 size += len(out[-1])
             head = struct.pack("<QI", eng.events_dropped, len(out))
             eng.events_dropped = 0

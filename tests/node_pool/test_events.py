@@ -1,5 +1,6 @@
 """KV events of a node pool: every engine of a layout that takes events gets its layout's
-BlockStored / BlockRemoved, whoever caused them; other layouts get none; a queue that is not
+BlockStored / BlockRemoved, whoever caused them (each names the engine whose call made it);
+other layouts get none; a queue that is not
 drained drops its oldest events and says how many."""
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def test_every_engine_of_the_layout_gets_the_pools_events(served) -> None:
     assert out is not None
     a.complete_store(keys)
     stored = [("BlockStored", keys)]
-    assert _events(a) == stored  # take_events sends the queued completion first
+    evs = a.take_events()  # take_events sends the queued completion first
+    assert [(e.kind, e.keys, e.by) for e in evs] == [("BlockStored", keys, "a")]  # a stored
     assert _events(b) == stored and _events(b) == []  # once
     assert _events(other) == [] and _events(quiet) == []
     # b's stores evict a's blocks (LRU, 16 slots): both hear of it, and of b's stores
@@ -44,9 +46,12 @@ def test_every_engine_of_the_layout_gets_the_pools_events(served) -> None:
     b.complete_store(fill)
     b.sync()
     for c in (a, b):
-        evs = _events(c)
-        assert ("BlockRemoved", keys) in [(k, sorted(v)) for k, v in evs]
-        assert ("BlockStored", fill) in evs
+        evs = c.take_events()
+        flat = [(e.kind, sorted(e.keys), e.by) for e in evs]
+        # which engine made each: b stored the fill, and its store evicted a's blocks
+        assert ("BlockRemoved", keys, "b") in flat
+        assert ("BlockStored", fill, "b") in flat
+        assert {e.by for e in evs} == {"b"}
     assert a.events_dropped == 0
     st = {e["name"]: e for e in a.status()["engines"]}
     assert st["a"]["takes_events"] and not st["quiet"]["takes_events"]

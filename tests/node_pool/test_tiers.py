@@ -69,10 +69,14 @@ def test_blocks_on_the_disk_below_a_node_pool_outlive_the_pool(tmp_path: Path) -
     second = _pool(tmp_path, "second")
     try:
         b = NodePoolClient(second.socket, FP, name="b")
+        b.enable_events()
         # not in the slots: the disk is asked, retry later (vLLM asks on past a pending key;
         # this pool has not seen the chain stored, so each key is asked for on its own)
         assert [b.lookup([k]) for k in chain] == [None] * 4
         _until(lambda: [b.lookup([k]) for k in chain] == [1] * 4, "not promoted from the disk")
+        evs = b.take_events()  # promotions are stores the pool made, by no engine
+        assert sorted(k for e in evs for k in e.keys) == chain
+        assert {(e.kind, e.by) for e in evs} == {("BlockStored", "")}
         got = b.prepare_load(chain)
         slots = _slots(second)
         assert all(np.array_equal(slots.tensors[0][s].numpy(), data[i])
