@@ -129,15 +129,11 @@ class PoolCollector:
         yield core.GaugeMetricFamily("kvoff_pool_engines_attached", "Engines connected now",
                                      value=st["engines_attached"])  # fmt: skip
         engines = [e for e in st["engines"] if e["name"] != "kvoff pool status"]
-        for field, doc in _ENGINE_COUNTERS:
-            family = core.CounterMetricFamily(f"kvoff_pool_engine_{field}", doc,
-                                              labels=["engine", "pid"])  # fmt: skip
-            for e in engines:
-                family.add_metric([e["name"], str(e["pid"])], e[field])
-            yield family
-        for field, doc in _ENGINE_GAUGES:
-            family = core.GaugeMetricFamily(f"kvoff_pool_engine_{field}", doc,
-                                            labels=["engine", "pid"])  # fmt: skip
+        per_engine = [(core.CounterMetricFamily, f, d) for f, d in _ENGINE_COUNTERS] + [
+            (core.GaugeMetricFamily, f, d) for f, d in _ENGINE_GAUGES
+        ]
+        for kind, field, doc in per_engine:
+            family = kind(f"kvoff_pool_engine_{field}", doc, labels=["engine", "pid"])
             for e in engines:
                 family.add_metric([e["name"], str(e["pid"])], e[field])
             yield family

@@ -64,7 +64,6 @@ engines that still map it keep working and hit again as they store; the index st
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import queue
 import selectors
@@ -75,6 +74,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +84,7 @@ from kvoff.node_pool import protocol as p
 from kvoff.node_pool.key_filter import SUFFIX as KEY_FILTER_SUFFIX
 from kvoff.node_pool.key_filter import PoolKeyFilter
 from kvoff.node_pool.pool_tiers import tier_format
+from kvoff.node_pool.successors import SuccessorMap
 from kvoff.pinned import HostPool, SharedMemoryError, _shm_path
 
 __all__ = ["DEFAULT_REGION", "NodePoolServer", "tier_format"]
@@ -174,6 +175,10 @@ class NodePoolServer:
         reserve_blocks: slots one engine may hold reserved for stores that do not wait for a
             reply (``RESERVE``; default ``num_slots // RESERVE_SHARE``; 0: none). Always 0
             with tiers or ``store_threshold`` >= 2.
+        successors_path: with tiers, the file the successor map is read from at start and
+            written to at a clean stop (:mod:`kvoff.node_pool.successors`; ``kvoff pool serve``
+            puts it in the disk tier's folder), so a pool started again on the same disk
+            promotes whole chains at once; None: the map starts empty.
 
     Raises:
         ValueError: a bad size, policy or name, or another server answering on
@@ -197,6 +202,7 @@ class NodePoolServer:
         write_queue_blocks: int | None = None,
         ranks: int = 1,
         reserve_blocks: int | None = None,
+        successors_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0 seconds, got {lease_s}")
@@ -224,6 +230,7 @@ class NodePoolServer:
         self.regions = [region] if ranks == 1 else [f"{region}-rank{r}" for r in range(ranks)]
         self.adopted = False
         self.regions_kept: list[str] = []  # at close: the regions engines still mapped
+        self.successors_save_error: str | None = None  # at close: why the map was not saved
         self.pools: list[HostPool] = []
         try:
             for name in self.regions:
@@ -270,8 +277,13 @@ class NodePoolServer:
         self.reserve_max = share if self.tiered is None and store_threshold < 2 else 0
         self.engines: dict[int, _Engine] = {}  # by fd
         # key -> the key stored or touched after it (a request's chain), for LOOKUP_AHEAD;
-        # insertion-ordered, so the oldest go first beyond SUCCESSORS_PER_SLOT x num_slots
-        self.successors: dict[bytes, bytes] = {}
+        # with tiers, read back from successors_path (a disk tier's blocks outlive the pool)
+        self.successors = SuccessorMap(SUCCESSORS_PER_SLOT * self.num_slots)
+        self.successors_path = (
+            None if successors_path is None or self.tiered is None else Path(successors_path)
+        )
+        if self.successors_path is not None:
+            self.successors.load(self.successors_path)
         self.lease_s = float(lease_s)
         self.spin_s = max(0.0, float(spin_s))
         self.leases_lapsed = 0
@@ -432,6 +444,11 @@ class NodePoolServer:
         the region's name (engines keep their mappings). Idempotent."""
         for eng in list(self.engines.values()):
             self._drop(eng)
+        if self.successors_path is not None:  # for the next pool on this disk
+            try:
+                self.successors.save(self.successors_path)
+            except OSError as e:
+                self.successors_save_error = str(e)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(self._listener)
         self._listener.close()
@@ -559,7 +576,7 @@ class NodePoolServer:
             self.manager.complete_load(pins)
         if eng.storing:
             self.manager.complete_store(list(eng.storing), False)
-            self._forget(eng.storing)
+            self.successors.forget(eng.storing)
             if self.key_filter is not None:
                 self.key_filter.remove(eng.storing)
         spare = [*eng.reserved, *eng.duplicates.values()]
@@ -646,7 +663,7 @@ class NodePoolServer:
                 m.touch(keys, [b != 0 for b in rest])
             else:
                 m.touch(keys)
-            self._chain(keys)
+            self.successors.record(keys)
             return b""
         self._check_end(payload, end)
         if op == p.LOOKUP:
@@ -697,13 +714,13 @@ class NodePoolServer:
                 return b"\x00" + p.encode_states(self._states(keys))
             self.evictions += len(out.evicted_keys)
             if self.tiered is None:  # with tiers the evicted keys' chains stay for probes
-                self._forget(out.evicted_keys)
+                self.successors.forget(out.evicted_keys)
             to_store = list(out.keys_to_store)  # in the call's order: a subsequence of keys
             eng.storing.update(to_store)
             if self.key_filter is not None:  # before the reply: then no engine misses them
                 self.key_filter.remove(out.evicted_keys)
                 self.key_filter.add(to_store)
-            self._chain(keys)
+            self.successors.record(keys)
             states = [p.STATE_PENDING] * len(keys)
             others: list[int] = []
             if len(to_store) == len(keys):  # the usual case: every key is new
@@ -748,7 +765,7 @@ class NodePoolServer:
         if success:
             eng.stored_keys += len(mine)
         else:
-            self._forget(mine)
+            self.successors.forget(mine)
             if self.key_filter is not None:
                 self.key_filter.remove(mine)
         return b""
@@ -771,7 +788,7 @@ class NodePoolServer:
         eng.reserved.extend(slots)
         if evicted:
             self.evictions += len(evicted)
-            self._forget(evicted)
+            self.successors.forget(evicted)
             if self.key_filter is not None:
                 self.key_filter.remove(evicted)
         return b"\x01" + p.encode_slots(slots) + p.encode_keys(evicted)
@@ -814,7 +831,7 @@ class NodePoolServer:
         self.reserved_stores += len(new)
         if self.key_filter is not None:  # before the engine's next call: no engine misses them
             self.key_filter.add(new)
-        self._chain(keys)
+        self.successors.record(keys)
         return b""
 
     def _states(self, keys: list[bytes]) -> list[int]:
@@ -836,14 +853,6 @@ class NodePoolServer:
             r = m.lookup([k])
             out.append(p.STATE_PENDING if r is None else p.STATE_READY if r else p.STATE_MISSING)
         return out
-
-    def _walk(self, key: bytes, limit: int) -> list[bytes]:
-        """``key`` and the keys that followed it (the successor map), ``limit`` keys at most."""
-        chain, seen, succ = [key], {key}, self.successors
-        while len(chain) < limit and (nxt := succ.get(chain[-1])) is not None and nxt not in seen:
-            chain.append(nxt)
-            seen.add(nxt)
-        return chain
 
     def _states_until_missing(self, chain: list[bytes]) -> list[int]:
         """The state bytes of ``chain``'s keys up to and including its first missing key (one
@@ -869,12 +878,12 @@ class NodePoolServer:
                 f"lookup_ahead of {len(keys)} keys with {answered_hits} of {answered} answered "
                 "hits; send one key and hits <= answered"
             )
-        chain = self._walk(keys[0], ahead + 1)
+        chain = self.successors.walk(keys[0], ahead + 1)
         states = self._states_until_missing(chain)
         if states[0] == p.STATE_MISSING and self.tiered is not None:
             # ask the tiers for the key and what followed it (the map outlives evictions
             # with tiers): "retry later" until the run is promoted, or a miss once answered
-            run = self._walk(keys[0], MAX_PROBE_BLOCKS)
+            run = self.successors.walk(keys[0], MAX_PROBE_BLOCKS)
             if self.tiered.lookup_groups([run], poll=False) is None:
                 states = [p.STATE_PENDING]
         chain = chain[: len(states)]
@@ -900,25 +909,6 @@ class NodePoolServer:
         eng.looked_up_keys += answered
         eng.hit_keys += hits
         eng.answered_ahead += answered
-
-    def _chain(self, keys: list[bytes]) -> None:
-        """Records that each key was followed by the next (a request's chain, head to tail)."""
-        succ = self.successors
-        # one C call (a repeated key maps to itself, where _walk stops; vLLM's chained block
-        # hashes never repeat)
-        succ.update(itertools.pairwise(keys))
-        cap = SUCCESSORS_PER_SLOT * self.num_slots
-        if len(succ) > cap:
-            # the oldest eighth goes at once: a dict's next(iter()) walks over the slots that
-            # earlier deletions left, so one oldest key at a time cost 2.3 µs per key stored
-            # once the map was full (with tiers, evictions do not shrink it)
-            for k in list(itertools.islice(succ, len(succ) - cap + cap // 8)):
-                del succ[k]
-
-    def _forget(self, keys: Any) -> None:
-        succ = self.successors
-        for k in keys:
-            succ.pop(k, None)
 
     @staticmethod
     def _check_end(payload: bytes, end: int) -> None:

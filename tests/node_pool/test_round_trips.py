@@ -204,10 +204,10 @@ def test_the_successor_map_keeps_the_newest_chains_within_its_bound(tmp_path: Pa
         cap = SUCCESSORS_PER_SLOT * 16
         chains = [[b"chain-%03d-%d" % (c, i) for i in range(4)] for c in range(40)]
         for chain in chains:
-            server._chain(chain)
+            server.successors.record(chain)
             assert len(server.successors) <= cap
-        assert server._walk(chains[-1][0], 8) == chains[-1]  # the newest: whole
-        assert server._walk(chains[0][0], 8) == chains[0][:1]  # the oldest: dropped
+        assert server.successors.walk(chains[-1][0], 8) == chains[-1]  # the newest: whole
+        assert server.successors.walk(chains[0][0], 8) == chains[0][:1]  # the oldest: dropped
     finally:
         server.close()
 

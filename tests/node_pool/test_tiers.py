@@ -109,6 +109,53 @@ def test_blocks_on_the_disk_below_a_node_pool_outlive_the_pool(tmp_path: Path) -
         second.stop()
 
 
+def test_a_pool_started_again_on_the_disk_promotes_whole_chains_from_the_saved_map(
+    tmp_path: Path, caplog
+) -> None:
+    """The successor map is saved next to the disk tier at a clean stop and read back at the
+    start: the next pool promotes a chain from its first key, and answers the rest ahead,
+    where without the map it promotes a key at a time. A corrupt map is ignored."""
+    chain = _keys(1, 2, 3, 4)
+    saved = tmp_path / "disk" / "successors.kvoff"
+
+    def pool(name: str) -> Served:
+        tiers = make_tiers(tier_format(SLOT), disk_path=tmp_path / "disk", disk_bytes=1 << 20)
+        return Served(tmp_path / f"{name}.sock", f"kvoff-test-np-succ-{os.getpid()}-{name}",
+                      tiers=tiers, write_queue_blocks=16, successors_path=saved)  # fmt: skip
+
+    first = pool("first")
+    try:
+        a = NodePoolClient(first.socket, FP, name="a")
+        out = a.prepare_store(chain)
+        a.complete_store(out.keys_to_store)
+        a.sync()
+        first.call(lambda s: s.tiered.wait())
+        a.close()
+    finally:
+        first.stop()
+    assert saved.exists()
+    second = pool("second")
+    try:
+        assert second.call(lambda s: len(s.successors)) == 3  # 1->2->3->4
+        b = NodePoolClient(second.socket, FP, name="b")
+        assert b.lookup(chain[:1]) is None  # the tiers are asked for the whole run
+        _until(lambda: b.lookup(chain[:1]) == 1, "not promoted")
+        n = b.round_trips
+        assert [b.lookup([k]) for k in chain[1:]] == [1] * 3  # promoted with the head
+        assert b.round_trips == n  # and answered ahead
+        b.close()
+    finally:
+        second.stop()
+    saved.write_bytes(b"KVOFFSUC" + b"\x00" * 40)  # torn or corrupt: a hint, ignored
+    with caplog.at_level("WARNING", logger="kvoff.node_pool.successors"):
+        third = pool("third")
+    try:
+        assert third.call(lambda s: len(s.successors)) == 0
+        assert "successor map" in caplog.text and "is ignored" in caplog.text
+    finally:
+        third.stop()
+
+
 def test_a_pool_of_two_ranks_keeps_each_ranks_parts_in_its_own_tier(tmp_path: Path) -> None:
     """A tensor-parallel engine's pool (``--ranks 2``): each rank's part of a block is written
     through to its own disk folder, a pool started again promotes both parts into both regions,

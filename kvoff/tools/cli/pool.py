@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvoff.tools.cli.common import (
     add_format_option,
@@ -138,6 +139,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         kvoff._optional.MissingExtraError: ``--metrics-port`` without prometheus-client.
     """
     from kvoff.node_pool import DEFAULT_REGION, NodePoolServer
+    from kvoff.node_pool.successors import FILE_NAME as SUCCESSORS_FILE
 
     # --bytes is the whole pool's, every rank's region together
     slots = args.slots if args.slots is not None else args.bytes // (args.slot_bytes * args.ranks)
@@ -151,6 +153,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         region=args.region or DEFAULT_REGION, group=args.group, lease_s=args.lease_ms / 1000,
         spin_s=args.spin_us / 1e6, tiers=tiers, ranks=args.ranks,
         reserve_blocks=args.reserve_blocks,
+        successors_path=(
+            None if args.disk_path is None else Path(args.disk_path) / SUCCESSORS_FILE
+        ),
     )  # fmt: skip
     httpd = None
     if args.metrics_port is not None:
@@ -187,6 +192,12 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         if httpd is not None:
             httpd.shutdown()
     kept = server.regions_kept
+    if server.successors_save_error is not None:
+        print(
+            f"kvoff pool: the successor map was not saved ({server.successors_save_error}): "
+            "the next pool promotes chains from the disk a key at a time",
+            file=sys.stderr,
+        )
     print(
         "kvoff pool: stopped"
         + (
