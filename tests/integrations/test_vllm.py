@@ -288,17 +288,18 @@ def _disk_files(disk, tp: int) -> list:  # type: ignore[no-untyped-def]
     return [disk / f"rank{r}" / "kvoff-blocks.slots" for r in range(tp)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
 def test_tiers_with_the_workers_in_processes_of_their_own(
-    run_engine, tiny_models, llama_reference, tmp_path, tp: int
+    run_engine, tiny_models, llama_reference, tmp_path
 ) -> None:
     """vLLM's default process layout (engine core and each rank's worker in processes of their
-    own, the "mp" executor), one rank and two (tensor parallel): the workers put their CPU
+    own, the "mp" executor) with two tensor-parallel ranks, which takes every step one rank
+    in processes of its own takes, and the per-rank folders too: the workers put their CPU
     pools in shared memory and the engine core's tiers read and write them there. Engine 1
     writes the prefix through to disk (one folder per rank with two); engine 2, a new process
     tree, promotes it and loads it (hits, token-identical outputs). One rank's file with a
     flipped payload byte in every slot makes every block a miss on all ranks (a block is served
     only when every rank's part is), so engine 3 recomputes. No shared pool is left behind."""
+    tp = 2
     env = _ranks_env(tp, 16 << 20)
     ref_a, _ = llama_reference
     model = str(tiny_models["llama"])
@@ -333,14 +334,12 @@ def test_tiers_with_the_workers_in_processes_of_their_own(
     assert _shm_pools() == before  # every pool's name was removed
 
 
-@pytest.mark.parametrize(
-    ("multiprocessing", "tp"), [(False, 1), (True, 1), (True, 2)], ids=["uni", "mp", "mp-tp2"]
-)
+@pytest.mark.parametrize(("multiprocessing", "tp"), [(False, 1), (True, 2)], ids=["uni", "mp-tp2"])
 def test_a_disk_tier_through_vllms_offloading_connector(
     run_engine, tiny_models, llama_reference, tmp_path, multiprocessing: bool, tp: int
 ) -> None:
     """vLLM's OffloadingConnector with KvoffOffloadingSpec and disk_path, with the worker in the
-    engine core ("uni"), in a process of its own ("mp"), and two tensor-parallel ranks: every
+    engine core ("uni") and in processes of their own with two tensor-parallel ranks: every
     rank's CPU pool is in shared memory and the engine core's tiers read and write it. Engine 1
     writes the prefix through to disk (a folder per rank with two); engine 2 (a new process, an
     empty CPU pool) is told to retry while vLLM's scheduler asks kvoff one key at a time, then
