@@ -4,7 +4,11 @@ and runs the smoke test there (import, a CPU block copy through torch.ops.kvoff,
 trip, `kvoff replay --limit 50`, `kvoff info`).
 
 One wheel is built per session (about half a minute on 2 cores: the build tree
-build/wheel-<label>-<tag>/ is kept between runs). Marked `wheel`: `pytest -m "not wheel"` skips it.
+build/wheel-<label>-<tag>/ is kept between runs). It is built under ``LDFLAGS=-static-libstdc++``,
+as a packager's toolchain may link (issue 12: such a build once carried its own copy of
+libstdc++ and crashed on the first bad input), so the same build also checks that kvoff links
+the shared C++ runtime whatever the flags (tests/build/test_cxx_runtime.py has the rest).
+Marked `wheel`: `pytest -m "not wheel"` skips it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cxx_runtime import _cxx_runtime  # (tests/build is on sys.path, as for pytest)
 
 from kvoff import _build_metadata as meta
 
@@ -25,16 +30,30 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.wheel
 
 
+STATIC_LDFLAGS = "-static-libstdc++"
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHON": sys.executable}
 
 
+def _build_caches() -> list[Path]:
+    label = meta.local_label(torch.version.cuda)
+    return sorted(ROOT.glob(f"build/wheel-{label}-*/CMakeCache.txt"))
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # LDFLAGS only seeds a build tree's first configure: a kept tree configured without them
+    # is configured again (its objects stay; only the links are redone)
+    for cache in _build_caches():
+        if STATIC_LDFLAGS not in cache.read_text():
+            cache.unlink()
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
         ["bash", str(ROOT / ".ci/build-wheel"), str(out)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, check=False,
+        cwd=ROOT, env={**_env(), "LDFLAGS": STATIC_LDFLAGS},
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (whl,) = out.glob("kvoff-*.whl")
@@ -192,3 +211,41 @@ def test_wheel_smoke_offline_from_a_venv_interpreter(wheel: Path, tmp_path: Path
     assert proc.returncode == 0, out[-6000:]
     assert f"kvoff {meta.full_version(torch.version.cuda)} from {smoke_dir / 'venv' / 'lib'}" in out
     assert "kvoff wheel-smoke: OK" in out
+
+
+_BAD_CALL = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+src = [torch.zeros(4, 8, dtype=torch.uint8)]
+dst = [torch.zeros(4, 8, dtype=torch.uint8)]
+try:
+    torch.ops.kvoff.copy_blocks(src, dst, torch.tensor([0]), torch.tensor([7]), "auto", 0)
+except IndexError as exc:
+    print(exc)
+"""
+
+
+def test_a_wheel_built_under_static_libstdcxx_ldflags_keeps_the_shared_runtime(
+    wheel: Path, tmp_path: Path
+) -> None:
+    """The reproduction of issue 12: before the fix, a build under these LDFLAGS linked
+    libstdc++ into _C and the message below came out as "kvoff.copy_blocks: dst_block_ids["
+    (a SIGSEGV on the H100 machine)."""
+    caches = _build_caches()
+    assert caches and all(
+        f"CMAKE_MODULE_LINKER_FLAGS:STRING={STATIC_LDFLAGS}" in c.read_text() for c in caches
+    ), "the wheel was not linked under the static LDFLAGS"
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.startswith("kvoff/") and n.endswith(".so")]
+        zf.extractall(tmp_path, members=names)
+    modules = {Path(n).name.split(".")[0]: tmp_path / n for n in names}
+    assert {"_C", "_scheduler", "_bench"} <= set(modules), names
+    check = _cxx_runtime()
+    for module in modules.values():
+        assert check.runtime_problems(module) == [], module.name
+    run = subprocess.run(
+        [sys.executable, "-c", _BAD_CALL, str(modules["_C"])],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "dst_block_ids[0] = 7 is out of range for dst[0] with 4 blocks" in run.stdout

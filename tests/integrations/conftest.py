@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_engine.py"
@@ -43,18 +44,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random-weight models (kvoff.tools.tiny_models: llama, mistral with a 384-token
-    window, gemma3 hybrid), written once per session."""
+    window, gemma3 hybrid), written once per test run into the folder every xdist worker
+    shares (tiny_model writes each one atomically), so that the workers' engine plans name the
+    same model folders and identical plans run once (:class:`EngineRunner`)."""
     reason = vllm_skip_reason()
     if reason:
         pytest.skip(reason)
     from kvoff.tools.tiny_models import TINY_MODELS, tiny_model
 
-    root = tmp_path_factory.mktemp("models")
+    root = _shared_folder(tmp_path_factory, "models")
     return {kind: tiny_model(kind, root) for kind in TINY_MODELS}
 
 
+def _shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """``name`` in the folder shared by every xdist worker of this run (the parent of each
+    worker's base temp folder), or in this session's base temp folder without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 class EngineRunner:
-    """Runs plans in fresh processes (one vLLM engine each); identical plans run once."""
+    """Runs plans in fresh processes (one vLLM engine each); identical plans run once per test
+    session, across xdist workers too: ``root`` is shared by the workers, and the first worker
+    to take a plan's lock runs it while the others wait for its result file."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -67,9 +83,22 @@ class EngineRunner:
             return self.cache[key]
         plan_path = self.root / f"{key}.plan.json"
         result_path = self.root / f"{key}.result.json"
+        # (an expected failure leaves no result file: each caller runs it, and it is cheap)
+        with FileLock(str(self.root / f"{key}.lock"), timeout=1800):
+            if expect_failure or not result_path.exists():
+                result = self._run(text, plan_path, result_path, expect_failure)
+                if expect_failure:
+                    return result
+        result = json.loads(result_path.read_text())
+        self.cache[key] = result
+        return result
+
+    @staticmethod
+    def _run(text: str, plan_path: Path, result_path: Path, expect_failure: bool) -> dict:
         plan_path.write_text(text)
+        partial = result_path.with_suffix(".partial")
         proc = subprocess.run(
-            [sys.executable, str(RUNNER), str(plan_path), str(result_path)],
+            [sys.executable, str(RUNNER), str(plan_path), str(partial)],
             capture_output=True, text=True, check=False, timeout=900,
             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
@@ -77,11 +106,10 @@ class EngineRunner:
             assert proc.returncode != 0, "the engine was expected to refuse this plan"
             return {"stderr": proc.stderr}
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        result = json.loads(result_path.read_text())
-        self.cache[key] = result
-        return result
+        partial.replace(result_path)  # only a whole result is ever seen by another worker
+        return {}
 
 
 @pytest.fixture(scope="session")
 def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> EngineRunner:
-    return EngineRunner(tmp_path_factory.mktemp("engines"))
+    return EngineRunner(_shared_folder(tmp_path_factory, "engine-runs"))

@@ -161,10 +161,11 @@ def model_min_replay(reqs: list[dict], bs: int, obs: int, gpu_cap: int, cpu_cap:
         gkeys = [ident(p) for p in range(length // bs)]
         okeys = [ident((j + 1) * f - 1) for j in range(length // obs)]
         requests.append((gkeys, okeys))
+    used = [frozenset(okeys) for _, okeys in requests]  # (a set per request: the scan's test)
 
     def next_use(key, after):
         for i in range(after + 1, len(requests)):
-            if key in requests[i][1]:
+            if key in used[i]:
                 return i
         return len(requests) + 1
 
