@@ -16,11 +16,12 @@ Completions and touches are queued and sent with the next call that waits for a 
 :meth:`NodePoolClient.flush`). A kept answer is at most ``lookahead_s`` old. The ready keys a
 look-up answers are leased to this connection (pinned by the pool for its ``lease_s``), so
 another engine's store cannot evict them before this engine's ``prepare_load``, which then
-needs no reply and goes on even when the pool has just gone away; a ``prepare_load`` of keys
-not leased (a multi-key look-up, a lapsed lease) waits for the pool and raises
-:class:`NodePoolError` when a key has gone meanwhile or the pool is gone. A look-up whose first
-key the pool's key filter rules out (:mod:`kvoff.node_pool.key_filter`) is a miss with no round
-trip.
+needs no reply and goes on even when the pool has just gone away (a lease older than
+``lease_s / 2`` waits for the pool's reply, and still loads if the pool is gone and the lease
+was held when it died); a ``prepare_load`` of keys not leased (a multi-key look-up, a lapsed
+lease) waits for the pool and raises :class:`NodePoolError` when a key has gone meanwhile or
+the pool is gone. A look-up whose first key the pool's key filter rules out
+(:mod:`kvoff.node_pool.key_filter`) is a miss with no round trip.
 
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None
@@ -606,13 +607,14 @@ class NodePoolClient:
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         """Pins the keys (looked up as ready) and returns their slots. Keys a one-key look-up
-        leased less than ``lease_s / 2`` ago need no reply, and they load even when the pool
-        goes away now (the lease kept their slots; the code comment says why that is safe).
+        leased less than ``lease_s / 2`` ago need no reply. When the pool is gone, keys
+        leased more recently than :meth:`_load_after_loss` allows load from their leased slots
+        all the same (it says why that is safe).
 
         Raises:
             NodePoolError: a key not leased and not ready any more, or the pool is gone before
-                a load of keys not leased (the load cannot happen: the caller counts it as a
-                failed load). Nothing is pinned.
+                a load of keys not leased or leased too long ago (the load cannot happen: the
+                caller counts it as a failed load). Nothing is pinned.
         """
         keys = [bytes(k) for k in keys]
         leases = self._leases
@@ -623,29 +625,51 @@ class NodePoolClient:
             and all(k in leases and leases[k][1] > fresh_after for k in keys)
             and len(set(keys)) == len(keys)
         ):  # every key is leased to this connection: the pool cannot refuse, no reply needed
-            slots = [leases.pop(k)[0] for k in keys]
+            leased = [leases.pop(k) for k in keys]
             self._send(p.PREPARE_LOAD, self._keys(keys), now=True)  # the lease is running
-            if self._sock is None:
-                # The pool died after leasing the keys, less than lease_s / 2 ago. Their bytes
-                # are still in this engine's mapping, and no pool can hand the slots to a
-                # writer before a new one starts on the region (over a second, it imports
-                # torch). So the load goes on, with nothing to pin or unpin. Refusing it
-                # would leave vLLM's OffloadingConnector without an answer: it has no path
-                # for a failed load.
-                self.loads_after_loss += 1
-                logger.warning("kvoff node pool at %s went away after leasing %d keys; "
-                               "they load from its slots", self.socket_path, len(keys))  # fmt: skip
-                return slots
-            self._pins.update(keys)
-            self.loads_on_lease += 1
-            return slots
-        reply = self._call(p.PREPARE_LOAD, self._keys(keys))
-        if reply is None:
+            if self._sock is not None:
+                self._pins.update(keys)
+                self.loads_on_lease += 1
+                return [slot for slot, _ in leased]
+        else:
+            # (taken before the call: losing the pool drops the leases)
+            leased = [leases.get(k) for k in keys] if len(set(keys)) == len(keys) else [None]
+            reply = self._call(p.PREPARE_LOAD, self._keys(keys))
+            if reply is not None:
+                for k in keys:  # the pool used this connection's leases of them
+                    leases.pop(k, None)
+                self._pins.update(keys)
+                return p.decode_slots(reply)[0]
+        slots = self._load_after_loss(leased)  # the pool is gone
+        if slots is None:
             raise NodePoolError("the node pool is gone: the load cannot be made")
-        for k in keys:  # the pool used this connection's leases of them
-            leases.pop(k, None)
-        self._pins.update(keys)
-        return p.decode_slots(reply)[0]
+        return slots
+
+    def _load_after_loss(self, leased: list[tuple[int, float] | None]) -> list[int] | None:
+        """The slots of a load asked for after the pool went away, from its keys' leases
+        (``(slot, time leased)`` each, None for a key not leased, as they were before the
+        call that found the pool gone); None when one was not leased, or leased
+        ``min(LEASE_HELD_SHARE * lease_s, LOSS_LOAD_MAX_S)`` seconds ago or more.
+
+        Why this is safe: the pool pinned each key for ``lease_s`` from its look-up, and it
+        answered before this client stamped the lease, so a lease younger than
+        ``LEASE_HELD_SHARE * lease_s`` now was still held when the pool died: the key was not
+        evicted and its bytes are in this engine's mapping of the region. Only a new pool
+        started on the region could hand the slot to a writer, and starting one takes longer
+        than ``LOSS_LOAD_MAX_S`` (its import of torch alone took 2.6 s on the 2-core CI box).
+        Refusing the load instead would leave vLLM's OffloadingConnector without an answer:
+        it has no path for a failed load."""
+        held_after = time.monotonic() - min(LEASE_HELD_SHARE * self.lease_s, LOSS_LOAD_MAX_S)
+        held = [x for x in leased if x is not None and x[1] > held_after]
+        if not leased or len(held) != len(leased):
+            return None
+        self._count_load_after_loss(len(held))
+        return [slot for slot, _ in held]
+
+    def _count_load_after_loss(self, n: int) -> None:
+        self.loads_after_loss += 1
+        logger.warning("kvoff node pool at %s went away after leasing %d keys; they load "
+                       "from its slots", self.socket_path, n)  # fmt: skip
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpins the keys of a finished load (those of a connection since lost are dropped:
@@ -952,6 +976,13 @@ def _as_bytes(keys: Sequence[bytes]) -> list[bytes]:
         return keys
     return list(map(bytes, keys))
 
+
+# A lease counts as held by a pool that has since died when it is younger than this share of
+# lease_s: the rest is a margin for the time between the pool's lease and this client's stamp.
+LEASE_HELD_SHARE = 0.9
+# Seconds after a look-up within which its leased keys may load once the pool is gone: below
+# the time a new pool takes to start on the region (NodePoolClient._load_after_loss).
+LOSS_LOAD_MAX_S = 0.5
 
 _MIN_RESERVE = 16
 """Slots a reservation aims at, at least (``reserve``)."""

@@ -5,12 +5,14 @@ and the harness checks every loaded byte (tests/scheduler_harness.py)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from node_pool_harness import SIM_SLOTS, Served, sim_engine, start_pool_process
 from scheduler_harness import EngineSim
 
 from kvoff.node_pool import NodePoolClient, NodePoolError
+from kvoff.node_pool.client import LEASE_HELD_SHARE, LOSS_LOAD_MAX_S
 
 
 def _pins_and_pending(pool: Served, *engines: EngineSim) -> tuple[int, int]:
@@ -160,6 +162,67 @@ def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
     assert client.loads_after_loss == 1 and not client.attached
     b.drain()
     assert b.sched.stats()["hit_tokens"] == 12 and b.sched.pin_count(load.keys[0]) == 0
+
+
+def _age_leases(client: NodePoolClient, share: float) -> None:
+    """Makes every lease the client holds ``share * lease_s`` seconds old."""
+    then = time.monotonic() - share * client.lease_s
+    client._leases = {k: (slot, then) for k, (slot, _) in client._leases.items()}
+
+
+def test_a_lease_older_than_half_its_time_loads_when_the_pool_is_gone_before_the_load(
+    pool: Served,
+) -> None:
+    """A leased hit whose lease is past lease_s / 2 (so the pin waits for the pool's reply)
+    and the pool goes away before the pin: the pool held the lease when it died, so the load
+    goes on from the leased slots, and the harness checks every loaded byte. (Without this,
+    KvoffOffloadingSpec's prepare_load raised: vLLM's OffloadingConnector has no failed-load
+    path.)"""
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
+    prompt = list(range(13))
+    a.add_request("r", prompt)
+    a.drain()
+    client = b.sched.node_pool
+    assert 0.6 * client.lease_s < min(LEASE_HELD_SHARE * client.lease_s, LOSS_LOAD_MAX_S) - 0.1
+    lookup = b.sched.get_num_new_matched_tokens
+
+    def lookup_then_stop(req, computed):
+        out = lookup(req, computed)
+        pool.stop()  # gone after the look-up, before the load's pin
+        _age_leases(client, 0.6)
+        return out
+
+    b.sched.get_num_new_matched_tokens = lookup_then_stop
+    b.add_request("r", prompt)
+    rec = b.step()
+    assert rec.lookups == {"r": (0, 12)}
+    (load,) = rec.meta.load_jobs
+    assert rec.outputs[-1].finished_loading == ("r",)  # the harness checked the bytes
+    assert client.loads_after_loss == 1 and client.loads_on_lease == 0 and not client.attached
+    b.drain()
+    assert b.sched.stats()["hit_tokens"] == 12 and b.sched.pin_count(load.keys[0]) == 0
+
+
+def test_a_lease_the_pool_may_have_let_lapse_is_not_loaded_when_the_pool_is_gone(
+    pool: Served,
+) -> None:
+    """The same with a lease past LEASE_HELD_SHARE of lease_s: the pool may have let it lapse
+    and evicted the block before it died, so the pin raises and changes nothing."""
+    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
+    prompt = list(range(13))
+    a.add_request("r", prompt)
+    a.drain()
+    client = b.sched.node_pool
+    b.add_request("r", prompt)
+    req = b.requests["r"].req
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    before = b.sched.stats()
+    pool.stop()
+    _age_leases(client, LEASE_HELD_SHARE + 0.05)
+    with pytest.raises(NodePoolError, match="the node pool is gone"):
+        b.sched.update_state_after_alloc(req, [[1, 2, 3, 4]], 12)
+    assert b.sched.stats() == before and b.sched.pin_count(a.key_of("r", 0)) == 0
+    assert client.loads_after_loss == 0
 
 
 def test_a_load_the_pool_refuses_after_the_lookup_changes_nothing(pool: Served) -> None:
