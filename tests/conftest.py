@@ -2,10 +2,13 @@
 Clusters (3 masters, no replicas, free ports) for the tier tests and the engine tests:
 ``redis_cluster`` is one cluster for the whole session, flushed before each test that asks for
 ``redis_url``; ``private_redis_cluster`` is a cluster of its own for a test that kills a node.
-Both skip (with the reason) only when redis-server / redis-cli are not installed."""
+Both skip (with the reason) only when redis-server / redis-cli are not installed.
+``run_tmp_path`` is a folder every xdist worker of one test run shares, for work done once per
+run (a wheel, engine runs)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +62,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def run_tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder shared by every xdist worker of this test run (the parent of each worker's base
+    temp folder holds it), or in this session's base temp folder without xdist. Work done in
+    it once per run takes a file lock (filelock) so that one worker does it."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / "shared"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 # ------------------------------------------------------------------------- Redis Clusters

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from test_cxx_runtime import _cxx_runtime  # (tests/build is on sys.path, as for pytest)
 
 from kvoff import _build_metadata as meta
@@ -43,21 +44,27 @@ def _build_caches() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # LDFLAGS only seeds a build tree's first configure: a kept tree configured without them
-    # is configured again (its objects stay; only the links are redone)
-    for cache in _build_caches():
-        if STATIC_LDFLAGS not in cache.read_text():
-            cache.unlink()
-    out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run(
-        ["bash", str(ROOT / ".ci/build-wheel"), str(out)],
-        cwd=ROOT, env={**_env(), "LDFLAGS": STATIC_LDFLAGS},
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    (whl,) = out.glob("kvoff-*.whl")
-    return whl
+def wheel(run_tmp_path: Path) -> Path:
+    """The wheel, built once per test run: xdist workers that run this module's tests share
+    it (one build tree, so one build at a time)."""
+    out = run_tmp_path / "dist"
+    with FileLock(str(run_tmp_path / "wheel.lock")):
+        found = list(out.glob("kvoff-*.whl"))
+        if found:
+            return found[0]
+        # LDFLAGS only seeds a build tree's first configure: a kept tree configured without
+        # them is configured again (its objects stay; only the links are redone)
+        for cache in _build_caches():
+            if STATIC_LDFLAGS not in cache.read_text():
+                cache.unlink()
+        proc = subprocess.run(
+            ["bash", str(ROOT / ".ci/build-wheel"), str(out)],
+            cwd=ROOT, env={**_env(), "LDFLAGS": STATIC_LDFLAGS},
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        (whl,) = out.glob("kvoff-*.whl")
+        return whl
 
 
 def _check(whl: Path, tmp_path: Path) -> tuple[int, dict]:

@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def tiny_models(run_tmp_path: Path) -> dict[str, Path]:
     """Tiny random-weight models (kvoff.tools.tiny_models: llama, mistral with a 384-token
     window, gemma3 hybrid), written once per test run into the folder every xdist worker
     shares (tiny_model writes each one atomically), so that the workers' engine plans name the
@@ -52,19 +52,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pytest.skip(reason)
     from kvoff.tools.tiny_models import TINY_MODELS, tiny_model
 
-    root = _shared_folder(tmp_path_factory, "models")
+    root = run_tmp_path / "models"
     return {kind: tiny_model(kind, root) for kind in TINY_MODELS}
-
-
-def _shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """``name`` in the folder shared by every xdist worker of this run (the parent of each
-    worker's base temp folder), or in this session's base temp folder without xdist."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    path = base / name
-    path.mkdir(exist_ok=True)
-    return path
 
 
 class EngineRunner:
@@ -111,5 +100,7 @@ class EngineRunner:
 
 
 @pytest.fixture(scope="session")
-def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> EngineRunner:
-    return EngineRunner(_shared_folder(tmp_path_factory, "engine-runs"))
+def run_engine(run_tmp_path: Path, tiny_models) -> EngineRunner:
+    root = run_tmp_path / "engine-runs"
+    root.mkdir(exist_ok=True)
+    return EngineRunner(root)
