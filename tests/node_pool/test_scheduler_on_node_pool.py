@@ -135,61 +135,34 @@ def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
         EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, node_pool=client)
 
 
-def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
-    pool: Served,
-) -> None:
-    """The pool goes away between a request's look-up (a hit, leased to this engine) and the
-    pin of its load: the load goes on from the leased slots, and the harness checks that every
-    loaded byte is the block's."""
-    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
-    prompt = list(range(13))
-    a.add_request("r", prompt)
-    a.drain()
-    lookup = b.sched.get_num_new_matched_tokens
-
-    def lookup_then_stop(req, computed):
-        out = lookup(req, computed)
-        pool.stop()  # gone after the look-up, before the load's pin
-        return out
-
-    b.sched.get_num_new_matched_tokens = lookup_then_stop
-    b.add_request("r", prompt)
-    rec = b.step()
-    assert rec.lookups == {"r": (0, 12)}
-    (load,) = rec.meta.load_jobs
-    assert rec.outputs[-1].finished_loading == ("r",)  # the harness checked the bytes
-    client = b.sched.node_pool
-    assert client.loads_after_loss == 1 and not client.attached
-    b.drain()
-    assert b.sched.stats()["hit_tokens"] == 12 and b.sched.pin_count(load.keys[0]) == 0
-
-
 def _age_leases(client: NodePoolClient, share: float) -> None:
     """Makes every lease the client holds ``share * lease_s`` seconds old."""
     then = time.monotonic() - share * client.lease_s
     client._leases = {k: (slot, then) for k, (slot, _) in client._leases.items()}
 
 
-def test_a_lease_older_than_half_its_time_loads_when_the_pool_is_gone_before_the_load(
-    pool: Served,
+@pytest.mark.parametrize("lease_age", [0.0, 0.6], ids=["fresh-lease", "lease-past-half"])
+def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
+    pool: Served, lease_age: float
 ) -> None:
-    """A leased hit whose lease is past lease_s / 2 (so the pin waits for the pool's reply)
-    and the pool goes away before the pin: the pool held the lease when it died, so the load
-    goes on from the leased slots, and the harness checks every loaded byte. (Without this,
-    KvoffOffloadingSpec's prepare_load raised: vLLM's OffloadingConnector has no failed-load
-    path.)"""
+    """The pool goes away between a request's look-up (a hit, leased to this engine) and the
+    pin of its load: the pool held the lease when it died, so the load goes on from the leased
+    slots, and the harness checks that every loaded byte is the block's. Both pin paths: a
+    lease younger than lease_s / 2 (the pin needs no reply) and one past it (the pin waits for
+    the pool's reply and finds it gone; without this, KvoffOffloadingSpec's prepare_load
+    raised: vLLM's OffloadingConnector has no failed-load path)."""
     a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
     prompt = list(range(13))
     a.add_request("r", prompt)
     a.drain()
     client = b.sched.node_pool
-    assert 0.6 * client.lease_s < min(LEASE_HELD_SHARE * client.lease_s, LOSS_LOAD_MAX_S) - 0.1
+    assert lease_age * client.lease_s < min(LEASE_HELD_SHARE * client.lease_s, LOSS_LOAD_MAX_S)
     lookup = b.sched.get_num_new_matched_tokens
 
     def lookup_then_stop(req, computed):
         out = lookup(req, computed)
         pool.stop()  # gone after the look-up, before the load's pin
-        _age_leases(client, 0.6)
+        _age_leases(client, lease_age)
         return out
 
     b.sched.get_num_new_matched_tokens = lookup_then_stop
