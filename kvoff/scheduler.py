@@ -935,9 +935,7 @@ class OffloadingScheduler:
         engines' stores and not taken yet are not pinned (no transfer uses them)."""
         pool = self.node_pool
         if pool is not None:
-            n = pool.num_slots
-            idle = pool.num_free_blocks + pool.num_evictable_blocks + pool.num_reserved_blocks
-            return n, n - idle, pool.num_pending_blocks
+            return pool.num_slots, pool.num_pinned_blocks, pool.num_pending_blocks
         return self._core.pool_usage()
 
     def counters(self) -> tuple[int, ...]:

@@ -611,6 +611,11 @@ void bind_manager(py::module_& m) {
       .def_property_readonly("num_evictable_blocks", &CPUOffloadingManager::num_evictable_blocks,
                              py::doc("int: ready blocks that no load pins (could be evicted "
                                      "now)."))
+      .def_property_readonly("num_pinned_blocks", &CPUOffloadingManager::num_pinned_blocks,
+                             py::doc("int: slots a transfer uses now (pending stores, ready "
+                                     "blocks pinned by loads or write-through, retired slots "
+                                     "a writer still reads): num_blocks less the free, "
+                                     "evictable and reserved ones."))
       .def_property_readonly("num_retired_blocks", &CPUOffloadingManager::num_retired_blocks,
                              py::doc("int: slots of blocks clear() or discard() dropped while "
                                      "a tier writer still reads them; freed when it hands them "

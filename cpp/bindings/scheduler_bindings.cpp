@@ -218,8 +218,7 @@ void bind_scheduler(py::module_& m) {
              // (blocks, pinned by transfers, pending stores), for usage gauges every step
              const auto& mgr = self.manager();
              const std::uint32_t n = mgr.num_blocks();
-             return py::make_tuple(n, n - mgr.num_free_blocks() - mgr.num_evictable_blocks(),
-                                   mgr.num_pending_blocks());
+             return py::make_tuple(n, mgr.num_pinned_blocks(), mgr.num_pending_blocks());
            })
       .def("counters",
            [](const OffloadingScheduler& self) {

@@ -99,6 +99,25 @@ TEST(Reservations, StoreReservedMakesNewKeysPendingAndLeavesHeldOnesSlotsReserve
   EXPECT_EQ(accounted(m), 6u);
 }
 
+TEST(Reservations, PinnedBlocksCountTransfersAndNeverAnIdleReservation) {
+  // num_pinned_blocks is the numerator of vLLM's cpu_cache_usage_perc: slots a transfer uses
+  CPUOffloadingManager m(8);
+  store(m, K({"a", "b"}));
+  EXPECT_EQ(m.num_pinned_blocks(), 0u);  // ready and unpinned: evictable
+  ASSERT_EQ(m.prepare_load(K({"a"})).size(), 1u);
+  ASSERT_TRUE(m.prepare_store(K({"p"})).has_value());
+  EXPECT_EQ(m.num_pinned_blocks(), 2u);  // the load's pin and the pending store
+  PrepareStoreResult r;
+  ASSERT_TRUE(m.reserve_blocks(3, r));
+  EXPECT_EQ(m.num_pinned_blocks(), 2u);  // reserved slots: no transfer uses them yet
+  m.store_reserved(K({"q"}), std::vector<std::uint32_t>{r.block_ids[0]});
+  EXPECT_EQ(m.num_pinned_blocks(), 3u);  // now a pending store
+  m.complete_load(K({"a"}));
+  m.complete_store(K({"p", "q"}));
+  EXPECT_EQ(m.num_pinned_blocks(), 0u);
+  EXPECT_EQ(accounted(m), 8u);
+}
+
 TEST(Reservations, StoredKeysEnterThePolicyAsPrepareStoreWouldKeysZeroMostRecent) {
   CPUOffloadingManager m(4);
   PrepareStoreResult r;

@@ -957,6 +957,12 @@ class NodePoolClient:
         once a second)."""
         return int(self._counts().get("reserved_blocks", 0))
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Slots some transfer of any engine uses now (the pool's
+        ``CPUOffloadingManager.num_pinned_blocks``; refreshed at most once a second)."""
+        return int(self._counts().get("pinned_blocks", 0))
+
     def status(self) -> dict[str, Any]:
         """The pool's status (``kvoff pool status``).
 

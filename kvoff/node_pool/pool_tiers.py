@@ -70,23 +70,21 @@ def pool_tiers(
             than one block of a rank; the tiers already made are closed first.
     """
     from kvoff.tiers.coordinator import make_tiers
-    from kvoff.tiers.engine_tiers import disk_share, ranked_tiers
+    from kvoff.tiers.engine_tiers import tiers_per_rank
 
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1 (the pool's tensor-parallel ranks), got {ranks}")
-    remote = {"remote_url": remote_url, "remote_namespace": remote_namespace}
-    if ranks == 1:
+
+    def make(fmt: Any, path: Any, nbytes: int | None) -> list[Any]:
         return make_tiers(
-            tier_format(slot_bytes), disk_path=disk_path, disk_bytes=disk_bytes,
-            shared_secret=shared_secret, **remote,
+            fmt, disk_path=path, disk_bytes=nbytes, remote_url=remote_url,
+            remote_namespace=remote_namespace, shared_secret=shared_secret,
         )  # fmt: skip
 
-    def rank_tiers(r: int) -> list[Any]:
-        fmt = tier_format(slot_bytes, rank=r)
-        disk: dict[str, Any] = {}
-        if disk_path is not None:
-            path, share = disk_share(disk_path, disk_bytes, ranks, r, fmt)
-            disk = {"disk_path": path, "disk_bytes": share}
-        return make_tiers(fmt, shared_secret=shared_secret, **disk, **remote)
-
-    return ranked_tiers(ranks, rank_tiers)
+    return tiers_per_rank(
+        ranks,
+        lambda r: tier_format(slot_bytes, rank=None if ranks == 1 else r),
+        make,
+        disk_path,
+        disk_bytes,
+    )

@@ -243,15 +243,10 @@ class NodePoolServer:
         self.tiered: Any = None  # kvoff.tiers.coordinator.TieredPool, with tiers
         if tiers:
             from kvoff.tiers.coordinator import TieredPool, default_write_queue_blocks
+            from kvoff.tiers.engine_tiers import rank_slots
 
-            views = [pool.tensors[0].numpy() for pool in self.pools]
-            if ranks == 1:
-                slot: Callable[[int], Any] = views[0].__getitem__
-            else:  # a block is every rank's part (kvoff.node_pool.pool_tiers)
-
-                def slot(block_id: int) -> tuple[Any, ...]:
-                    return tuple(v[block_id] for v in views)
-
+            # a block is every rank's part (kvoff.node_pool.pool_tiers)
+            slot = rank_slots([pool.tensors[0].numpy() for pool in self.pools])
             cap = write_queue_blocks or default_write_queue_blocks(self.num_slots)
             try:
                 self.tiered = TieredPool(self.manager, slot, list(tiers),
@@ -943,6 +938,7 @@ class NodePoolServer:
             "pending_blocks": m.num_pending_blocks,
             "reserved_blocks": m.num_reserved_blocks,
             "evictable_blocks": m.num_evictable_blocks,
+            "pinned_blocks": m.num_pinned_blocks,
         }
 
     def status(self, scan_key_filter: bool = True) -> dict[str, Any]:

@@ -136,24 +136,71 @@ def tiers_on_pools(
     Raises:
         ValueError / OSError: what the tiers' constructors raise (nothing is left open).
     """
+
+    def make(fmt: BlockFormat, disk_path: Any, disk_bytes: int | None) -> list[Any]:
+        update = {"disk_path": disk_path, "disk_bytes": disk_bytes}
+        return tiers_from_config(config.model_copy(update=update), fmt)
+
+    tiers = tiers_per_rank(
+        len(views),
+        lambda r: BlockFormat(fingerprint(r), int(views[r].shape[1])),
+        make,
+        config.disk_path,
+        config.disk_bytes,
+    )
+    return tiers, rank_slots(views)
+
+
+def rank_slots(views: Sequence[Any]) -> Callable[[int], Any]:
+    """The slot function of :class:`kvoff.tiers.coordinator.TieredPool` over the ranks' CPU
+    pools ``views`` (rank ``r``'s ``(num_blocks, slot_bytes)`` uint8 array at position ``r``):
+    block id -> the slot's row with one rank, else the tuple of every rank's row (what a
+    :class:`~kvoff.tiers.ranked.RankedTier` reads and writes)."""
     if len(views) == 1:
-        fmt = BlockFormat(fingerprint(0), int(views[0].shape[1]))
-        return tiers_from_config(config, fmt), views[0].__getitem__
-
-    def rank_tiers(r: int) -> list[Any]:
-        rank_fmt = BlockFormat(fingerprint(r), int(views[r].shape[1]))
-        update: dict[str, Any] = {}
-        if config.disk_path is not None:
-            path, share = disk_share(config.disk_path, config.disk_bytes, len(views), r, rank_fmt)
-            update = {"disk_path": path, "disk_bytes": share}
-        return tiers_from_config(config.model_copy(update=update), rank_fmt)
-
-    tiers = ranked_tiers(len(views), rank_tiers)
+        return views[0].__getitem__
 
     def slot(block_id: int) -> tuple[Any, ...]:
         return tuple(v[block_id] for v in views)
 
-    return tiers, slot
+    return slot
+
+
+def tiers_per_rank(
+    ranks: int,
+    fmt_of: Callable[[int], BlockFormat],
+    make: Callable[[BlockFormat, Any, int | None], list[Any]],
+    disk_path: Any,
+    disk_bytes: int | None,
+) -> list[Any]:
+    """The secondary tiers of a CPU pool of ``ranks`` tensor-parallel ranks, for a private
+    pool (:func:`tiers_on_pools`) and a node pool (:mod:`kvoff.node_pool.pool_tiers`) alike.
+    One rank: ``make(fmt_of(0), disk_path, disk_bytes)``. Several: rank ``r``'s own tiers are
+    ``make(fmt_of(r), disk_path/rank<r>, disk_bytes // ranks)`` (:func:`disk_share`), one
+    :class:`~kvoff.tiers.ranked.RankedTier` per kind over them (:func:`ranked_tiers`).
+
+    Args:
+        ranks: the pool's ranks (>= 1).
+        fmt_of: rank -> the block format of its part of a block.
+        make: (format, disk folder or None, disk bytes or None) -> that rank's tiers, fastest
+            first.
+        disk_path, disk_bytes: the whole disk tier's folder (a path or str; None: no disk
+            tier) and its size in bytes.
+
+    Raises:
+        ValueError / OSError: what ``make`` raises, or a disk share smaller than one block of
+            a rank; the tiers already made are closed first.
+    """
+    if ranks == 1:
+        return make(fmt_of(0), disk_path, disk_bytes)
+
+    def rank_tiers(r: int) -> list[Any]:
+        fmt = fmt_of(r)
+        if disk_path is None:
+            return make(fmt, None, disk_bytes)
+        path, share = disk_share(disk_path, disk_bytes, ranks, r, fmt)
+        return make(fmt, path, share)
+
+    return ranked_tiers(ranks, rank_tiers)
 
 
 def disk_share(

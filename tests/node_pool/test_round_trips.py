@@ -243,4 +243,5 @@ def test_usage_gauges_ask_for_the_counts_alone(served) -> None:
     counts = p.decode_json(a._call(p.STATUS, p.STATUS_COUNTS))
     assert counts == {k: full[k] for k in counts}
     assert set(counts) == {"stored_blocks", "free_blocks", "pending_blocks",
-                           "reserved_blocks", "evictable_blocks"}  # fmt: skip
+                           "reserved_blocks", "evictable_blocks", "pinned_blocks"}  # fmt: skip
+    assert a.num_pinned_blocks == 1  # the pending store; the two stored blocks are evictable

@@ -156,7 +156,9 @@ def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
     a.add_request("r", prompt)
     a.drain()
     client = b.sched.node_pool
-    assert lease_age * client.lease_s < min(LEASE_HELD_SHARE * client.lease_s, LOSS_LOAD_MAX_S)
+    # 0.1 s of room for the time between ageing the lease and its pin
+    held_until = min(LEASE_HELD_SHARE * client.lease_s, LOSS_LOAD_MAX_S) - 0.1
+    assert lease_age * client.lease_s < held_until
     lookup = b.sched.get_num_new_matched_tokens
 
     def lookup_then_stop(req, computed):

@@ -367,8 +367,15 @@ class CPUOffloadingManager final : public BlockManager {
   std::uint32_t num_evictable_blocks() const noexcept { return num_evictable_; }
   /// Slots of blocks that clear() or discard() dropped while a tier writer still reads them
   /// (write-through): in no key's name any more, freed when the writer hands them back. So
-  /// free + stored + pending + retired = num_blocks at every moment.
+  /// free + stored + pending + retired + reserved = num_blocks at every moment.
   std::uint32_t num_retired_blocks() const noexcept { return num_retired_; }
+  /// Slots some transfer uses now: pending stores, ready blocks pinned by loads or by the
+  /// tiers' write-through, and retired slots a writer still reads. That is num_blocks less
+  /// the free, evictable and reserved slots (a reserved slot is in use by no transfer until
+  /// store_reserved). The numerator of vLLM's vllm:kv_offload_cpu_cache_usage_perc.
+  std::uint32_t num_pinned_blocks() const noexcept {
+    return num_blocks() - num_free_blocks() - num_evictable_ - num_reserved_;
+  }
   /// The eviction policy's registered name.
   std::string_view eviction_policy_name() const noexcept { return policy_->name(); }
   /// Whether events are recorded.

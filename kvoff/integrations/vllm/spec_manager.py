@@ -83,7 +83,7 @@ class _NoPool:
     bytes per block are 0): every key misses and nothing can be stored."""
 
     num_blocks = num_free_blocks = num_stored_blocks = num_pending_blocks = 0
-    num_evictable_blocks = num_retired_blocks = num_reserved_blocks = 0
+    num_evictable_blocks = num_retired_blocks = num_reserved_blocks = num_pinned_blocks = 0
     stores_skipped = 0
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -520,10 +520,7 @@ class KvoffOffloadingManager(OffloadingManager):
 
         m, n = self.manager, self.num_blocks
         stats = OffloadingConnectorStats()
-        # pending stores, loads, and blocks the tiers' write-through reads (a node pool's
-        # reserved slots are in use by no transfer)
-        pinned = n - m.num_free_blocks - m.num_evictable_blocks - m.num_reserved_blocks
-        usage = pinned / n if n > 0 else 0.0
+        usage = m.num_pinned_blocks / n if n > 0 else 0.0
         write = m.num_pending_blocks / n if n > 0 else 0.0
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
