@@ -12,7 +12,6 @@ and touches through the client's ``NodePoolStores`` itself; their meaning is
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +48,9 @@ class NodePoolBlockManager:
         self.load_failures = 0
         # slot -> [key, loads of this engine in flight from the slot]
         self._loading: dict[int, list[Any]] = {}
-        self._load_pins: Counter[bytes] = Counter()  # key -> loads of this engine in flight
+        # key -> loads of this engine in flight (a dict: Counter's __delitem__ is Python code,
+        # and a step's load completions unpin hundreds of keys)
+        self._load_pins: dict[bytes, int] = {}
 
     def states(self, keys: Sequence[bytes]) -> bytes:
         """A state code per key (0 missing, 1 pending, 2 ready, 3 ready and being loaded by
@@ -59,7 +60,7 @@ class NodePoolBlockManager:
         if pins and _READY in codes:
             out = bytearray(codes)
             for i, c in enumerate(codes):
-                if c == _READY and pins[keys[i]]:
+                if c == _READY and keys[i] in pins:
                     out[i] = _READY_LOADING
             codes = bytes(out)
         return codes
@@ -76,9 +77,9 @@ class NodePoolBlockManager:
         except NodePoolError:
             self.load_failures += 1
             raise
-        loading = self._loading
+        loading, pins = self._loading, self._load_pins
         for k, s in zip(keys, slots, strict=True):
-            self._load_pins[k] += 1
+            pins[k] = pins.get(k, 0) + 1
             held = loading.get(s)
             if held is None or held[0] != k:  # a new load of the slot (or a new pool's key)
                 loading[s] = [k, 1]
@@ -96,11 +97,14 @@ class NodePoolBlockManager:
                 continue  # not a load of this engine's (the scheduler never passes one)
             k = held[0]
             keys.append(k)
-            pins[k] -= 1
-            if pins[k] <= 0:
+            n = pins[k]
+            if n > 1:
+                pins[k] = n - 1
+            else:
                 del pins[k]
-            held[1] -= 1
-            if held[1] <= 0:
+            if held[1] > 1:
+                held[1] -= 1
+            else:
                 del loading[s]
         if keys:
             self.client.complete_load(keys)
@@ -141,7 +145,7 @@ class NodePoolBlockManager:
         (its load pins it; a leased load outlives a pool that went away, see
         :meth:`NodePoolClient.prepare_load`); any other key: the pool's answer now (one round
         trip, after this engine's queued calls; "missing" while the pool is gone)."""
-        if self._load_pins[key]:
+        if key in self._load_pins:
             return "ready"
         return ("missing", "ready", "pending")[self.client.key_state(key)]
 
@@ -157,7 +161,7 @@ class NodePoolBlockManager:
 
     def load_pins(self, key: bytes) -> int:
         """This engine's loads of ``key`` in flight."""
-        return self._load_pins[key]
+        return self._load_pins.get(key, 0)
 
     def in_flight(self) -> dict[str, Any]:
         """This engine's slots in flight: ``{"storing": n, "loading": n}`` (tests, metrics)."""

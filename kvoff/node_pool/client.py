@@ -42,7 +42,6 @@ import select
 import socket
 import struct
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,7 +204,9 @@ class NodePoolClient:
         self._region_lost = False
         # what this connection holds: a pool that went away released it, so completions of
         # what an earlier connection held are dropped, not sent
-        self._pins: Counter[bytes] = Counter()
+        # key -> this connection's loads of it in flight (a dict: Counter's __delitem__ is
+        # Python code, and a step's load completions unpin hundreds of keys)
+        self._pins: dict[bytes, int] = {}
         # the reservation, the stores in flight (slot and key), their payloads, and the
         # outbox (calls queued without a reply, see _send) with the request ids, in C++: an
         # engine stores ~200 keys a step, and the C++ scheduler's node pool manager
@@ -628,7 +629,7 @@ class NodePoolClient:
             leased = [leases.pop(k) for k in keys]
             self._send(p.PREPARE_LOAD, self._keys(keys), now=True)  # the lease is running
             if self._sock is not None:
-                self._pins.update(keys)
+                self._pin(keys)
                 self.loads_on_lease += 1
                 return [slot for slot, _ in leased]
         else:
@@ -638,7 +639,7 @@ class NodePoolClient:
             if reply is not None:
                 for k in keys:  # the pool used this connection's leases of them
                     leases.pop(k, None)
-                self._pins.update(keys)
+                self._pin(keys)
                 return p.decode_slots(reply)[0]
         slots = self._load_after_loss(leased)  # the pool is gone
         if slots is None:
@@ -671,13 +672,18 @@ class NodePoolClient:
         logger.warning("kvoff node pool at %s went away after leasing %d keys; they load "
                        "from its slots", self.socket_path, n)  # fmt: skip
 
+    def _pin(self, keys: Sequence[bytes]) -> None:
+        pins = self._pins
+        for k in keys:
+            pins[k] = pins.get(k, 0) + 1
+
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpins the keys of a finished load (those of a connection since lost are dropped:
         the pool released them)."""
         held, pins = [], self._pins
         for k in map(bytes, keys):
-            n = pins[k]
-            if n > 0:  # zero counts are dropped here, not by rebuilding the Counter
+            n = pins.get(k, 0)
+            if n > 0:
                 if n == 1:
                     del pins[k]
                 else:

@@ -98,7 +98,7 @@ def test_an_engine_completes_only_its_own_loads_and_stores(served, caplog) -> No
     assert _counts(served) == before and b.lookup(keys) is None and b.attached
     a.complete_store(keys)
     a.prepare_load(keys)
-    b._pins.update(keys)
+    b._pin(keys)  # as if b had pinned them: the pool says it did not
     b.complete_load(keys)
     b.sync()
     assert b.async_errors == 2 and "not being loaded by this engine" in caplog.text
