@@ -96,9 +96,10 @@ slot list (the slots reserved) and a key list (the keys evicted for them). The e
 ahead of need and reads the reply when it comes, so it never waits for it."""
 STATUS_COUNTS = b"counts"
 """``STATUS``'s payload for the pool's block counts only (``stored_blocks``, ``free_blocks``,
-``pending_blocks``, ``reserved_blocks``, ``evictable_blocks``): what an engine's usage gauges
-read once a second. An empty payload asks for the whole status, whose key filter scan costs
-the pool's thread about a millisecond per 100,000 slots, while every engine's calls wait."""
+``pending_blocks``, ``reserved_blocks``, ``evictable_blocks``, and ``pinned_blocks``: the
+slots transfers of any engine use now): what an engine's usage gauges read once a second.
+An empty payload asks for the whole status, whose key filter scan costs the pool's thread
+about a millisecond per 100,000 slots, while every engine's calls wait."""
 STORE_RESERVED = 13
 """A key list: the keys are being stored into the engine's first reserved slots, one each, in
 the order the ``RESERVE`` replies granted them (so no slot id is sent, and an engine cannot
