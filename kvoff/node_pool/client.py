@@ -18,10 +18,11 @@ look-up answers are leased to this connection (pinned by the pool for its ``leas
 another engine's store cannot evict them before this engine's ``prepare_load``, which then
 needs no reply and goes on even when the pool has just gone away (a lease older than
 ``lease_s / 2`` waits for the pool's reply, and still loads if the pool is gone and the lease
-was held when it died); a ``prepare_load`` of keys not leased (a multi-key look-up, a lapsed
-lease) waits for the pool and raises :class:`NodePoolError` when a key has gone meanwhile or
-the pool is gone. A look-up whose first key the pool's key filter rules out
-(:mod:`kvoff.node_pool.key_filter`) is a miss with no round trip.
+was held when it died). Multi-key look-ups, and one-key look-ups with ``lookahead`` 0, lease
+their ready keys too. A ``prepare_load`` of keys not leased (a lease that lapsed) waits for the
+pool and raises :class:`NodePoolError` when a key has gone meanwhile or the pool is gone. A
+look-up whose first key the pool's key filter rules out (:mod:`kvoff.node_pool.key_filter`) is
+a miss with no round trip.
 
 **A pool that is gone is a miss, never an error.** When the socket fails (the pool was stopped
 or crashed), every call answers as an empty pool would: ``lookup`` 0, ``prepare_store`` None
@@ -497,16 +498,34 @@ class NodePoolClient:
     def lookup(self, keys: Sequence[bytes]) -> int | None:
         """Leading keys ready in the pool; None: retry later (one is being stored); 0 when
         the pool is gone. One key: answered from the look-ahead when it is known, else asked
-        with its chain (module docstring)."""
+        with its chain (module docstring). Several keys (or ``lookahead`` 0): asked as they
+        are, one round trip. Either way the ready keys the pool answers are leased to this
+        connection, so their :meth:`prepare_load` survives the pool's going away."""
         if len(keys) == 1 and self.lookahead:
             return self._lookup_one(bytes(keys[0]))
-        if keys and self._filtered_out(bytes(keys[0])):
+        if not keys:
             return 0
-        reply = self._call(p.LOOKUP, self._keys(keys))
+        own = _as_bytes(keys)
+        if self._filtered_out(own[0]):
+            return 0
+        answered, hits = self._unreported
+        head = struct.pack("<HII", 0, answered, hits)
+        reply = self._call(p.LOOKUP_AHEAD, head + self._keys(own))
         if reply is None:
             return 0
-        (n,) = struct.unpack("<q", reply)
-        return None if n < 0 else n
+        self._unreported = [0, 0]
+        chain, off = p.decode_keys(reply)
+        states, off = p.decode_states(reply, off, len(chain))
+        slots, _ = p.decode_slots(reply, off)
+        self._lease(chain, states, slots)
+        if p.STATE_PENDING in states:
+            return None
+        if len(own) == 1:
+            return 1 if states[0] == p.STATE_READY else 0
+        pre = self.prefix
+        ready = {k[8:] for k, st in zip(chain, states, strict=True)
+                 if st == p.STATE_READY and k[:8] == pre}  # fmt: skip
+        return next((i for i, k in enumerate(own) if k not in ready), len(own))
 
     def lookup_states(self, keys: Sequence[bytes]) -> bytes:
         """Each key's state byte (``protocol.STATE_*``) as one-key :meth:`lookup` calls of
@@ -607,7 +626,7 @@ class NodePoolClient:
         self._known_until = time.monotonic() + self.lookahead_s
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        """Pins the keys (looked up as ready) and returns their slots. Keys a one-key look-up
+        """Pins the keys (looked up as ready) and returns their slots. Keys a look-up
         leased less than ``lease_s / 2`` ago need no reply. When the pool is gone, keys
         leased more recently than :meth:`_load_after_loss` allows load from their leased slots
         all the same (it says why that is safe).

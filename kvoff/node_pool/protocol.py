@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVNP"
-VERSION = 5
+VERSION = 6
 HEADER = struct.Struct("<4sHHII")
 MAX_PAYLOAD_BYTES = 64 << 20
 """Largest payload accepted (64 MiB: about two million 16-byte keys)."""
@@ -72,10 +72,11 @@ HELLO, LOOKUP, PREPARE_LOAD, COMPLETE_LOAD, PREPARE_STORE, COMPLETE_STORE, TOUCH
     1, 9
 )
 LOOKUP_AHEAD = 9
-"""One key's state and those of the keys that followed it when they were stored (its chain),
-up to a count: ``ahead u16, answered u32, answered_hits u32`` and a key list of one key;
-the reply is a key list (the key, then its chain up to the first missing key), one state
-byte per key and a slot list (the slot of each ready key, which the pool leases to the engine
+"""Keys' states, and those of the keys that followed the last one when they were stored (its
+chain), up to a count: ``ahead u16, answered u32, answered_hits u32`` and a key list (one key,
+or an engine's chain of several, head to tail); the reply is a key list (the given keys, each
+once, then the chain after them, up to the first missing key), one state byte per key and a
+slot list (the slot of each ready key, which the pool leases to the engine
 for ``lease_s``; -1 for the others). ``answered`` / ``answered_hits``: look-ups the engine
 answered from earlier replies since its last report, and how many were hits (for the pool's
 hit rates)."""

@@ -864,23 +864,33 @@ class NodePoolServer:
 
     def _lookup_ahead(self, eng: _Engine, payload: bytes) -> bytes:
         if len(payload) < 10:
-            raise p.ProtocolError("lookup_ahead needs ahead u16, answered u32, hits u32, a key")
+            raise p.ProtocolError("lookup_ahead needs ahead u16, answered u32, hits u32, keys")
         ahead, answered, answered_hits = struct.unpack_from("<HII", payload)
         keys, end = p.decode_keys(payload, 10)
         self._check_end(payload, end)
-        if len(keys) != 1 or answered_hits > answered:
+        if not keys or answered_hits > answered:
             raise p.ProtocolError(
                 f"lookup_ahead of {len(keys)} keys with {answered_hits} of {answered} answered "
-                "hits; send one key and hits <= answered"
+                "hits; send at least one key and hits <= answered"
             )
-        chain = self.successors.walk(keys[0], ahead + 1)
+        if len(keys) == 1:
+            chain = self.successors.walk(keys[0], ahead + 1)
+            given_n = 1
+        else:  # the engine's chain (each key once), then what followed its last key
+            chain = list(dict.fromkeys(keys))
+            given_n = len(chain)
+            if ahead:
+                given = set(chain)
+                chain += [k for k in self.successors.walk(chain[-1], ahead + 1)[1:]
+                          if k not in given]  # fmt: skip
         states = self._states_until_missing(chain)
-        if states[0] == p.STATE_MISSING and self.tiered is not None:
-            # ask the tiers for the key and what followed it (the map outlives evictions
-            # with tiers): "retry later" until the run is promoted, or a miss once answered
-            run = self.successors.walk(keys[0], MAX_PROBE_BLOCKS)
+        if self.tiered is not None and len(states) <= given_n and states[-1] == p.STATE_MISSING:
+            # a given key missing from the slots: ask the tiers for it and what followed it
+            # (the map outlives evictions with tiers): "retry later" until the run is
+            # promoted, or a miss once answered
+            run = self.successors.walk(keys[0], MAX_PROBE_BLOCKS) if len(keys) == 1 else chain
             if self.tiered.lookup_groups([run], poll=False) is None:
-                states = [p.STATE_PENDING]
+                states = [*states[:-1], p.STATE_PENDING]
         chain = chain[: len(states)]
         # lease the ready keys (module docstring): pinned now, renewed when leased already
         leases, until = eng.leases, time.monotonic() + self.lease_s
@@ -893,8 +903,12 @@ class NodePoolServer:
         slots = [leases[k][1] if st == p.STATE_READY else -1
                  for k, st in zip(chain, states, strict=True)]  # fmt: skip
         eng.lookups += 1
-        eng.looked_up_keys += 1
-        eng.hit_keys += states[0] == p.STATE_READY
+        eng.looked_up_keys += len(keys)
+        if states[0] == p.STATE_READY:  # the given keys' leading hits, as LOOKUP counts them
+            state_of = dict(zip(chain, states, strict=True))
+            eng.hit_keys += next(
+                (i for i, k in enumerate(keys) if state_of.get(k) != p.STATE_READY), len(keys)
+            )
         self._count_answered(eng, answered, answered_hits)
         return p.encode_keys(chain) + p.encode_states(states) + p.encode_slots(slots)
 

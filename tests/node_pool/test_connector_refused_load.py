@@ -10,11 +10,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from node_pool_harness import SIM_SLOTS, Served, sim_engine
+from node_pool_harness import SIM_SLOTS, Served, age_leases, sim_engine
 from scheduler_harness import EngineSim
 
 from kvoff.config import OffloadingConfig
 from kvoff.node_pool import NodePoolClient
+from kvoff.node_pool.client import LEASE_HELD_SHARE
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -47,13 +48,14 @@ def test_a_refused_load_is_reported_failed_by_every_worker(pool: Served) -> None
     a.drain()  # the prompt's blocks are in the pool
     b = EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS)  # b's plan only
     config = OffloadingConfig.from_dict({"node_pool": pool.socket})
-    # look-ups without a lease (a leased hit loads even from a pool that is gone)
-    client = NodePoolClient(pool.socket, b"sim-layout", name="b", lookahead=0)
+    client = NodePoolClient(pool.socket, b"sim-layout", name="b")
     role = KvoffConnectorScheduler(_vllm_config(), config, b.spec, "b", node_pool=client)
     b.add_request("r", prompt)
     req = b.requests["r"].req
     assert role.get_num_new_matched_tokens(req, 0) == (12, True)
     pool.stop()  # gone before vLLM allocates the request's blocks
+    # a lease the pool may have let lapse (a fresh one loads even from a pool that is gone)
+    age_leases(client, LEASE_HELD_SHARE + 0.05)
     blocks = SimpleNamespace(get_block_ids=lambda allow_none=False: ([1, 2, 3, 4],))
     role.update_state_after_alloc(req, blocks, 12)  # no error reaches vLLM
     meta = role.build_connector_meta(_step_output())

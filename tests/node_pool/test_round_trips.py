@@ -68,14 +68,15 @@ def test_the_look_ahead_is_dropped_after_lookahead_s_and_by_this_engines_changes
 
 def test_a_leased_block_outlives_another_engines_evictions_until_it_is_loaded(served) -> None:
     """Without the lease, the other engine's stores evict the looked-up blocks (LRU) before the
-    load, and the load fails; with it, the load gets the blocks, without a round trip."""
+    load, and the load fails; with it, the load gets the blocks, without a round trip. A
+    multi-key look-up and one without look-ahead lease their hits too."""
     a = NodePoolClient(served.socket, FP, name="a")
     chain = _keys(1, 2, 3, 4)
     slots = _stored(a, chain)
     other = NodePoolClient(served.socket, FP + b";other-engine-same-pool", name="other")
 
-    def flood() -> None:  # 12 new blocks, then 12 more: all 16 slots are wanted
-        for first in (100, 120):
+    def flood(base: int) -> None:  # 12 new blocks, then 12 more: all 16 slots are wanted
+        for first in (base, base + 20):
             out = other.prepare_store(_keys(*range(first, first + 12)))
             if out is not None:
                 other.complete_store(out.keys_to_store)
@@ -83,7 +84,7 @@ def test_a_leased_block_outlives_another_engines_evictions_until_it_is_loaded(se
 
     b = NodePoolClient(served.socket, FP, name="b")
     assert [b.lookup([k]) for k in chain] == [1] * 4
-    flood()
+    flood(60)
     n = b.round_trips
     assert b.prepare_load(chain) == slots and b.round_trips == n and b.loads_on_lease == 1
     b.complete_load(chain)
@@ -92,13 +93,26 @@ def test_a_leased_block_outlives_another_engines_evictions_until_it_is_loaded(se
     assert served.call(lambda s: (m.num_stored_blocks + m.num_free_blocks, len(s.engines))) == (
         16, 3,
     )  # fmt: skip
-    # the same without a lease: evicted, the load is refused, nothing is pinned
-    no_lease = NodePoolClient(served.socket, FP, name="no-lease", lookahead=0)
+    # the same without a lease (key_states leases nothing): evicted, the load is refused,
+    # nothing is pinned
+    no_lease = NodePoolClient(served.socket, FP, name="no-lease")
     _stored(a, _keys(9, 10))
-    assert no_lease.lookup(_keys(9, 10)) == 2
-    flood()
+    assert no_lease.key_states(_keys(9, 10)) == [1, 1]
+    flood(100)
     with pytest.raises(NodePoolError, match="is missing"):
         no_lease.prepare_load(_keys(9, 10))
+    assert served.call(lambda s: sum(sum(e.pins.values()) for e in s.engines.values())) == 0
+    # a multi-key look-up, and a one-key one without look-ahead, lease what they answer
+    multi = NodePoolClient(served.socket, FP, name="multi", lookahead=0)
+    kept = _stored(a, _keys(11, 12, 13))
+    assert multi.lookup(_keys(11, 12, 14)) == 2 and multi.lookup(_keys(13)) == 1
+    assert multi.lookup(_keys(11, 12, 11)) == 3  # as the manager counts a repeated key
+    flood(140)
+    n = multi.round_trips
+    assert multi.prepare_load(_keys(11, 12, 13)) == kept and multi.round_trips == n
+    assert multi.loads_on_lease == 1
+    multi.complete_load(_keys(11, 12, 13))
+    multi.sync()
     assert served.call(lambda s: sum(sum(e.pins.values()) for e in s.engines.values())) == 0
 
 
@@ -179,8 +193,8 @@ def test_bad_look_aheads_and_no_reply_calls_get_errors_and_change_nothing(served
     cases = {
         "always has a reply": p.frame(p.LOOKUP | p.NO_REPLY, 1, key),
         "needs ahead": p.frame(p.LOOKUP_AHEAD, 2, b"\x01"),
-        "send one key": p.frame(p.LOOKUP_AHEAD, 3, struct.pack("<HII", 4, 0, 0)
-                                + p.encode_keys(_keys(1, 2))),
+        "at least one key": p.frame(p.LOOKUP_AHEAD, 3, struct.pack("<HII", 4, 0, 0)
+                                    + p.encode_keys([])),
         "hits <= answered": p.frame(p.LOOKUP_AHEAD, 4, struct.pack("<HII", 4, 1, 2) + key),
         "counted as hits": p.frame(p.PREPARE_LOAD | p.NO_REPLY, 5, p.encode_keys(_keys(9))),
     }  # fmt: skip

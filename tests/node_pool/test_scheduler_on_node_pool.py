@@ -5,10 +5,9 @@ and the harness checks every loaded byte (tests/scheduler_harness.py)."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
-from node_pool_harness import SIM_SLOTS, Served, sim_engine, start_pool_process
+from node_pool_harness import SIM_SLOTS, Served, age_leases, sim_engine, start_pool_process
 from scheduler_harness import EngineSim
 
 from kvoff.node_pool import NodePoolClient, NodePoolError
@@ -135,27 +134,24 @@ def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
         EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, node_pool=client)
 
 
-def _age_leases(client: NodePoolClient, share: float) -> None:
-    """Makes every lease the client holds ``share * lease_s`` seconds old."""
-    then = time.monotonic() - share * client.lease_s
-    client._leases = {k: (slot, then) for k, (slot, _) in client._leases.items()}
-
-
+@pytest.mark.parametrize("lookahead", [256, 0], ids=["look-ahead", "no-look-ahead"])
 @pytest.mark.parametrize("lease_age", [0.0, 0.6], ids=["fresh-lease", "lease-past-half"])
 def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
-    pool: Served, lease_age: float
+    pool: Served, lease_age: float, lookahead: int
 ) -> None:
     """The pool goes away between a request's look-up (a hit, leased to this engine) and the
     pin of its load: the pool held the lease when it died, so the load goes on from the leased
     slots, and the harness checks that every loaded byte is the block's. Both pin paths: a
     lease younger than lease_s / 2 (the pin needs no reply) and one past it (the pin waits for
     the pool's reply and finds it gone; without this, KvoffOffloadingSpec's prepare_load
-    raised: vLLM's OffloadingConnector has no failed-load path)."""
+    raised: vLLM's OffloadingConnector has no failed-load path). Look-ups without look-ahead
+    (one key per round trip) lease their hits as well."""
     a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
     prompt = list(range(13))
     a.add_request("r", prompt)
     a.drain()
     client = b.sched.node_pool
+    client.lookahead = lookahead
     # 0.1 s of room for the time between ageing the lease and its pin
     held_until = min(LEASE_HELD_SHARE * client.lease_s, LOSS_LOAD_MAX_S) - 0.1
     assert lease_age * client.lease_s < held_until
@@ -164,7 +160,7 @@ def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
     def lookup_then_stop(req, computed):
         out = lookup(req, computed)
         pool.stop()  # gone after the look-up, before the load's pin
-        _age_leases(client, lease_age)
+        age_leases(client, lease_age)
         return out
 
     b.sched.get_num_new_matched_tokens = lookup_then_stop
@@ -193,32 +189,12 @@ def test_a_lease_the_pool_may_have_let_lapse_is_not_loaded_when_the_pool_is_gone
     assert b.sched.get_num_new_matched_tokens(req, 0) == (12, True)
     before = b.sched.stats()
     pool.stop()
-    _age_leases(client, LEASE_HELD_SHARE + 0.05)
+    age_leases(client, LEASE_HELD_SHARE + 0.05)
     with pytest.raises(NodePoolError, match="the node pool is gone"):
         b.sched.update_state_after_alloc(req, [[1, 2, 3, 4]], 12)
     assert b.sched.stats() == before and b.sched.pin_count(a.key_of("r", 0)) == 0
     assert client.loads_after_loss == 0
-
-
-def test_a_load_the_pool_refuses_after_the_lookup_changes_nothing(pool: Served) -> None:
-    """The pool goes away between a request's look-up (a hit, not leased: a multi-key look-up)
-    and the pin of its load: the pin raises NodePoolError and changes nothing, and the request
-    can then load nothing (KvoffConnector's scheduler role does that and has vLLM recompute
-    it)."""
-    a, b = sim_engine(pool, "a"), sim_engine(pool, "b")
-    b.sched.node_pool.lookahead = 0  # look-ups without a lease
-    prompt = list(range(13))
-    a.add_request("r", prompt)
-    a.drain()
-    b.add_request("r", prompt)
-    req = b.requests["r"].req
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (12, True)
-    before = b.sched.stats()
-    pool.stop()
-    with pytest.raises(NodePoolError):
-        b.sched.update_state_after_alloc(req, [[1, 2, 3, 4]], 12)
-    assert b.sched.stats() == before and b.sched.pin_count(a.key_of("r", 0)) == 0
-    b.sched.update_state_after_alloc(req, (), 0)  # loads nothing: recomputed
+    b.sched.update_state_after_alloc(req, (), 0)  # loads nothing: KvoffConnector recomputes it
     assert b.sched.stats()["load_jobs"] == 0
 
 
