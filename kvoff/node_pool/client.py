@@ -675,10 +675,11 @@ class NodePoolClient:
         answered before this client stamped the lease, so a lease younger than
         ``LEASE_HELD_SHARE * lease_s`` now was still held when the pool died: the key was not
         evicted and its bytes are in this engine's mapping of the region. Only a new pool
-        started on the region could hand the slot to a writer, and starting one takes longer
-        than ``LOSS_LOAD_MAX_S`` (its import of torch alone took 2.6 s on the 2-core CI box).
-        Refusing the load instead would leave vLLM's OffloadingConnector without an answer:
-        it has no path for a failed load."""
+        started on the region could hand the slot to a writer, and one that adopts a region
+        listens only ``ADOPT_GRACE_S`` (1 s) after it, past ``LOSS_LOAD_MAX_S`` and the load's
+        copy (:data:`kvoff.node_pool.server.ADOPT_GRACE_S`). Refusing the load instead would
+        leave vLLM's OffloadingConnector without an answer: it has no path for a failed
+        load."""
         held_after = time.monotonic() - min(LEASE_HELD_SHARE * self.lease_s, LOSS_LOAD_MAX_S)
         held = [x for x in leased if x is not None and x[1] > held_after]
         if not leased or len(held) != len(leased):
@@ -1012,7 +1013,8 @@ def _as_bytes(keys: Sequence[bytes]) -> list[bytes]:
 # lease_s: the rest is a margin for the time between the pool's lease and this client's stamp.
 LEASE_HELD_SHARE = 0.9
 # Seconds after a look-up within which its leased keys may load once the pool is gone: below
-# the time a new pool takes to start on the region (NodePoolClient._load_after_loss).
+# the time a new pool on the region waits before it serves (server.ADOPT_GRACE_S), with room
+# for the load's copy (NodePoolClient._load_after_loss).
 LOSS_LOAD_MAX_S = 0.5
 
 _MIN_RESERVE = 16

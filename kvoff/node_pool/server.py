@@ -59,6 +59,8 @@ A restarted server adopts the region of the server before it (same name and layo
 gone), whether that one died or stopped cleanly while engines mapped the region (a clean stop
 keeps a region that is still mapped: :mod:`kvoff.pinned`, "Pools that outlive their creator"):
 engines that still map it keep working and hit again as they store; the index starts empty.
+It listens only :data:`ADOPT_GRACE_S` after adopting the region, so that no slot is handed to a
+writer while an engine still copies to or from it for the pool before.
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ MAX_PROBE_BLOCKS = 64
 """Keys of a chain the tiers are asked for at once (a look-up that misses the slots)."""
 EVENT_KEYS_PER_SLOT = 4
 """Keys of KV events queued per engine and slot at most (module docstring)."""
+ADOPT_GRACE_S = 1.0
+"""Seconds a server that adopted a region waits before it listens (and so before it hands out
+any slot): the copies engines began under the pool before it may still be running. An engine
+loads leased blocks for :data:`~kvoff.node_pool.client.LOSS_LOAD_MAX_S` (0.5 s) after its pool
+died, and its stores in flight at the death end with their job; the other 0.5 s is room for
+those copies (a step's job moves well under 1 GiB, tens of milliseconds over PCIe)."""
 RESERVE_SHARE = 16
 """By default an engine may hold at most 1/RESERVE_SHARE of the slots reserved (``RESERVE``):
 enough for a few steps of stores, never enough for a few engines to starve the index."""
@@ -180,6 +188,9 @@ class NodePoolServer:
             puts it in the disk tier's folder), so a pool started again on the same disk
             promotes whole chains at once; None: the map starts empty.
 
+    A server that adopts a region (module docstring) returns from its constructor, listening,
+    :data:`ADOPT_GRACE_S` after the adoption at the soonest.
+
     Raises:
         ValueError: a bad size, policy or name, or another server answering on
             ``socket_path``.
@@ -229,6 +240,7 @@ class NodePoolServer:
         # one region per tensor-parallel rank: slot i of every region is one block's parts
         self.regions = [region] if ranks == 1 else [f"{region}-rank{r}" for r in range(ranks)]
         self.adopted = False
+        self.adopted_at = 0.0  # time.monotonic() of the first region adopted
         self.regions_kept: list[str] = []  # at close: the regions engines still mapped
         self.successors_save_error: str | None = None  # at close: why the map was not saved
         self.pools: list[HostPool] = []
@@ -290,8 +302,11 @@ class NodePoolServer:
         self.started = time.time()
         self._stop = False
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        if self.adopted:  # engines' copies of the pool before may still run (ADOPT_GRACE_S)
+            time.sleep(max(0.0, self.adopted_at + ADOPT_GRACE_S - time.monotonic()))
         try:
             self._listener = self._listen()
+            self.listening_since = time.monotonic()
         except BaseException:  # (another pool answers there): leave no region or filter behind
             self._release_memory()
             raise
@@ -328,6 +343,8 @@ class NodePoolServer:
         meta["pid"] = os.getpid()  # this server owns it now
         packed = _pack_header(meta)
         head[: len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        if not self.adopted:
+            self.adopted_at = time.monotonic()
         self.adopted = True
         return pool
 

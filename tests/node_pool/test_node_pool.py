@@ -292,6 +292,39 @@ def test_a_pool_killed_and_restarted_under_an_engine_means_misses_then_hits(
     assert not os.path.exists(sock) and not Path("/dev/shm", region).exists()  # clean stop
 
 
+def test_a_pool_that_adopts_a_region_listens_only_after_the_grace(tmp_path: Path) -> None:
+    """A pool that adopts a region (an engine still maps it) hands out no slot for
+    ADOPT_GRACE_S: an engine may still copy to or from the slots for the pool before (a load of
+    a lease after the pool died, a store in flight). A pool that makes its region listens at
+    once."""
+    from node_pool_harness import Served
+
+    from kvoff.node_pool.server import ADOPT_GRACE_S
+
+    region = f"kvoff-test-np-grace-{os.getpid()}"
+    sock = tmp_path / "pool.sock"
+    first = Served(sock, region)
+    mapping = HostPool([(16, 4096)], pin=False, shared_name=region, attach=True)
+    try:
+        assert not first.server.adopted
+        first.stop()  # a clean stop: the engine's mapping keeps the region
+        before = time.monotonic()
+        second = Served(sock, region)
+        try:
+            srv = second.server
+            assert srv.adopted and before <= srv.adopted_at
+            assert srv.listening_since - srv.adopted_at >= ADOPT_GRACE_S
+            assert NodePoolClient(str(sock), FP).lookup(_keys(1)) == 0  # then it serves
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        mapping.close()
+        for leftover in (Path("/dev/shm", region), Path("/dev/shm", f"{region}.keys")):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
 def test_a_pool_stopped_cleanly_under_an_engine_is_adopted_by_the_next_one(
     tmp_path: Path,
 ) -> None:
