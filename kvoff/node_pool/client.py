@@ -701,7 +701,7 @@ class NodePoolClient:
         """Unpins the keys of a finished load (those of a connection since lost are dropped:
         the pool released them)."""
         held, pins = [], self._pins
-        for k in map(bytes, keys):
+        for k in _as_bytes(keys):
             n = pins.get(k, 0)
             if n > 0:
                 if n == 1:
