@@ -920,12 +920,17 @@ class NodePoolServer:
         slots = [leases[k][1] if st == p.STATE_READY else -1
                  for k, st in zip(chain, states, strict=True)]  # fmt: skip
         eng.lookups += 1
-        eng.looked_up_keys += len(keys)
-        if states[0] == p.STATE_READY:  # the given keys' leading hits, as LOOKUP counts them
+        if len(keys) == 1:
+            eng.looked_up_keys += 1
+            eng.hit_keys += states[0] == p.STATE_READY
+        else:  # as one-key look-ups of the given keys in turn: up to the first missing one
             state_of = dict(zip(chain, states, strict=True))
-            eng.hit_keys += next(
-                (i for i, k in enumerate(keys) if state_of.get(k) != p.STATE_READY), len(keys)
-            )
+            for k in keys:
+                st = state_of.get(k, p.STATE_MISSING)
+                eng.looked_up_keys += 1
+                eng.hit_keys += st == p.STATE_READY
+                if st == p.STATE_MISSING:
+                    break
         self._count_answered(eng, answered, answered_hits)
         return p.encode_keys(chain) + p.encode_states(states) + p.encode_slots(slots)
 
