@@ -508,20 +508,12 @@ class NodePoolClient:
         own = _as_bytes(keys)
         if self._filtered_out(own[0]):
             return 0
-        answered, hits = self._unreported
-        head = struct.pack("<HII", 0, answered, hits)
-        reply = self._call(p.LOOKUP_AHEAD, head + self._keys(own))
-        if reply is None:
+        answer = self._ask_ahead(own, 0)
+        if answer is None:
             return 0
-        self._unreported = [0, 0]
-        chain, off = p.decode_keys(reply)
-        states, off = p.decode_states(reply, off, len(chain))
-        slots, _ = p.decode_slots(reply, off)
-        self._lease(chain, states, slots)
+        chain, states = answer
         if p.STATE_PENDING in states:
             return None
-        if len(own) == 1:
-            return 1 if states[0] == p.STATE_READY else 0
         pre = self.prefix
         ready = {k[8:] for k, st in zip(chain, states, strict=True)
                  if st == p.STATE_READY and k[:8] == pre}  # fmt: skip
@@ -570,19 +562,29 @@ class NodePoolClient:
         elif self._filtered_out(key):
             return 0
         else:
-            answered, hits = self._unreported
-            head = struct.pack("<HII", self.lookahead, answered, hits)
-            reply = self._call(p.LOOKUP_AHEAD, head + self._keys([key]))
-            if reply is None:
+            answer = self._ask_ahead([key], self.lookahead)
+            if answer is None:
                 return 0
-            self._unreported = [0, 0]
-            chain, off = p.decode_keys(reply)
-            states, off = p.decode_states(reply, off, len(chain))
-            slots, _ = p.decode_slots(reply, off)
+            chain, states = answer
             self._remember(chain, states)
-            self._lease(chain, states, slots)
             state = states[0]
         return _LOOKUP_OF_STATE[state]
+
+    def _ask_ahead(self, keys: list[bytes], ahead: int) -> tuple[list[bytes], bytes] | None:
+        """One ``LOOKUP_AHEAD`` of ``keys`` and up to ``ahead`` keys after them, carrying the
+        unreported look-up counts; its ready keys are leased here. The reply's prefixed keys
+        and state bytes, or None when the pool is gone."""
+        answered, hits = self._unreported
+        head = struct.pack("<HII", ahead, answered, hits)
+        reply = self._call(p.LOOKUP_AHEAD, head + self._keys(keys))
+        if reply is None:
+            return None
+        self._unreported = [0, 0]
+        chain, off = p.decode_keys(reply)
+        states, off = p.decode_states(reply, off, len(chain))
+        slots, _ = p.decode_slots(reply, off)
+        self._lease(chain, states, slots)
+        return chain, states
 
     def _filtered_out(self, key: bytes) -> bool:
         """Whether the pool's key filter says ``key`` is not in the pool (a miss, counted and

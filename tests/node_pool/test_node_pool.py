@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from node_pool_harness import send_raw, start_pool_process
+from node_pool_harness import Served, send_raw, start_pool_process
 
 from kvoff.node_pool import NodePoolClient, NodePoolServer
 from kvoff.node_pool import protocol as p
@@ -297,8 +297,6 @@ def test_a_pool_that_adopts_a_region_listens_only_after_the_grace(tmp_path: Path
     ADOPT_GRACE_S: an engine may still copy to or from the slots for the pool before (a load of
     a lease after the pool died, a store in flight). A pool that makes its region listens at
     once."""
-    from node_pool_harness import Served
-
     from kvoff.node_pool.server import ADOPT_GRACE_S
 
     region = f"kvoff-test-np-grace-{os.getpid()}"
