@@ -89,11 +89,15 @@ void bind_node_pool_stores(py::module_& m) {
                              "Whether a pool is there to send to (bool).")
       .def_property_readonly("num_reserved_stores", &NodePoolStores::num_reserved_stores,
                              "Stores made into reserved slots (int).")
+      .def("set_num_slots", &NodePoolStores::set_num_slots, py::arg("num_slots"),
+           py::doc("set_num_slots(self, num_slots: int) -> None\n\nThe pool's slot count (its "
+                   "hello): a slot at or past it is refused. Raises ValueError over 2**28."))
       .def("add_reserved",
            [](NodePoolStores& s, py::handle slots) { s.add_reserved(slots_from(slots)); },
            py::arg("slots"),
            py::doc("add_reserved(self, slots: Sequence[int]) -> None\n\nSlots the pool granted "
-                   "(a RESERVE reply), in grant order."))
+                   "(a RESERVE reply), in grant order. Raises ValueError, adding none, for a "
+                   "slot at or past the pool's slot count."))
       .def("add_evicted",
            [](NodePoolStores& s, py::handle keys) {
              KeyBatch batch(keys);
@@ -138,7 +142,8 @@ void bind_node_pool_stores(py::module_& m) {
           py::doc("begin(self, keys: Sequence[bytes], slots: Sequence[int]) -> bool\n\nStores "
                   "the pool granted: ``keys[i]`` into ``slots[i]``. False, nothing changed, "
                   "when a slot or key is in flight here already (refuse the store). Raises "
-                  "ValueError when the lengths differ or a slot repeats (nothing changed)."))
+                  "ValueError when the lengths differ, a slot repeats, or a slot is at or past "
+                  "the pool's slot count (nothing changed)."))
       .def(
           "complete_slots",
           [](NodePoolStores& s, py::handle slots, bool success) {

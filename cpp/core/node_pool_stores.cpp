@@ -83,6 +83,7 @@ void NodePoolStores::set_attached(bool attached) {
 }
 
 void NodePoolStores::add_reserved(std::span<const std::uint32_t> slots) {
+  check_slots(slots);
   reserved_.insert(reserved_.end(), slots.begin(), slots.end());
 }
 
@@ -96,25 +97,44 @@ void NodePoolStores::add_evicted(std::vector<std::string> keys) {
 
 std::vector<std::string> NodePoolStores::take_evicted() { return std::exchange(evicted_, {}); }
 
-std::uint64_t NodePoolStores::slot_hash(std::uint32_t slot) noexcept {
-  return (static_cast<std::uint64_t>(slot) + 1) * 0x9e3779b97f4a7c15ULL | 1;  // never 0
+std::uint64_t NodePoolStores::key_hash(std::string_view key) noexcept {
+  const std::uint64_t h = hash_key(key);
+  return h == 0 ? 1 : h;
+}
+
+void NodePoolStores::set_num_slots(std::uint32_t num_slots) {
+  if (num_slots > kMaxSlots) {
+    throw std::invalid_argument("a node pool of " + std::to_string(num_slots) +
+                                " slots; at most " + std::to_string(kMaxSlots) +
+                                " (use larger blocks)");
+  }
+  num_slots_ = num_slots;
+}
+
+void NodePoolStores::check_slots(std::span<const std::uint32_t> slots) const {
+  for (const std::uint32_t s : slots) {
+    if (s >= num_slots_) {
+      throw std::invalid_argument("the node pool gave slot " + std::to_string(s) +
+                                  ", but it has " + std::to_string(num_slots_) + " slots");
+    }
+  }
 }
 
 std::uint32_t NodePoolStores::find_slot(std::uint32_t slot) const noexcept {
-  const std::uint32_t* e =
-      by_slot_.find(slot_hash(slot), [&](std::uint32_t i) { return entries_[i].slot == slot; });
-  return e == nullptr ? kNone : *e;
+  return slot < entry_of_slot_.size() ? entry_of_slot_[slot] : kNone;
 }
 
 std::uint32_t NodePoolStores::find_key(std::string_view key) const noexcept {
-  const std::uint64_t h = hash_key(key) | 1;
   const std::uint32_t* e =
-      by_key_.find(h, [&](std::uint32_t i) { return entries_[i].key == key; });
+      by_key_.find(key_hash(key), [&](std::uint32_t i) { return entries_[i].key == key; });
   return e == nullptr ? kNone : *e;
 }
 
 void NodePoolStores::add(std::string_view key, std::uint32_t slot) {
-  by_slot_.reserve_one();
+  if (slot >= entry_of_slot_.size()) {
+    entry_of_slot_.resize(std::max<std::size_t>(slot + std::size_t{1}, 2 * entry_of_slot_.size()),
+                          kNone);
+  }
   by_key_.reserve_one();
   std::uint32_t e;
   if (free_.empty()) {
@@ -126,10 +146,12 @@ void NodePoolStores::add(std::string_view key, std::uint32_t slot) {
   }
   InFlight& f = entries_[e];
   f.key.assign(key);  // the entry's memory from an earlier store: no allocation
+  f.key_hash = key_hash(key);
   f.connection = connection_;
   f.slot = slot;
-  by_slot_.insert(slot_hash(slot), e);  // cannot throw: reserved above
-  by_key_.insert(hash_key(key) | 1, e);
+  entry_of_slot_[slot] = e;
+  by_key_.insert(f.key_hash, e);  // cannot throw: reserved above
+  ++num_storing_;
 }
 
 bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
@@ -156,8 +178,9 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
     if (find_key(keys[i]) != kNone || find_slot(reserved_[i]) != kNone) {
       for (std::size_t j = 0; j < i; ++j) {
         const std::uint32_t e = find_slot(reserved_[j]);
-        by_key_.erase(hash_key(keys[j]) | 1, [&](std::uint32_t x) { return x == e; });
-        by_slot_.erase(slot_hash(reserved_[j]), [&](std::uint32_t x) { return x == e; });
+        by_key_.erase(entries_[e].key_hash, [&](std::uint32_t x) { return x == e; });
+        entry_of_slot_[reserved_[j]] = kNone;
+        --num_storing_;
         free_.push_back(e);
       }
       return false;
@@ -176,6 +199,7 @@ bool NodePoolStores::begin(KeySpan keys, std::span<const std::uint32_t> slots) {
     throw std::invalid_argument("node pool stores: " + std::to_string(keys.size()) +
                                 " keys but " + std::to_string(slots.size()) + " slots");
   }
+  check_slots(slots);
   std::unordered_set<std::uint32_t> given(slots.begin(), slots.end());
   if (given.size() != slots.size()) {
     throw std::invalid_argument("node pool stores: the pool gave one slot to two keys");
@@ -191,8 +215,9 @@ bool NodePoolStores::begin(KeySpan keys, std::span<const std::uint32_t> slots) {
 
 void NodePoolStores::end(std::uint32_t e) {
   const InFlight& f = entries_[e];
-  by_key_.erase(hash_key(f.key) | 1, [&](std::uint32_t x) { return x == e; });
-  by_slot_.erase(slot_hash(f.slot), [&](std::uint32_t x) { return x == e; });
+  by_key_.erase(f.key_hash, [&](std::uint32_t x) { return x == e; });
+  entry_of_slot_[f.slot] = kNone;
+  --num_storing_;
   if (f.connection == connection_) {
     ended_.push_back(e);  // freed once its key is in the payload
   } else {

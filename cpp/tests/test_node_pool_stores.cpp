@@ -182,6 +182,33 @@ TEST(NodePoolStores, BadGrantsChangeNothing) {
   EXPECT_THROW(NodePoolStores(std::string(kvoff::kNodePoolMaxKeyBytes, 'p'), 4), std::invalid_argument);
 }
 
+TEST(NodePoolStores, ASlotThePoolDoesNotHaveIsRefusedBeforeAnythingChanges) {
+  // Slots index the engine's table of stores in flight: one past the pool's slot count (a
+  // broken pool) must neither size that table nor leave a store half begun.
+  NodePoolStores s(kPrefix, 4);
+  EXPECT_THROW(s.set_num_slots(NodePoolStores::kMaxSlots + 1), std::invalid_argument);
+  s.set_num_slots(8);
+  const std::vector<std::string> keys = {key_of(1), key_of(2)};
+  const std::vector<std::uint32_t> past = {7, 8};
+  EXPECT_THROW(s.begin(views(keys), past), std::invalid_argument);
+  EXPECT_EQ(s.num_storing(), 0u);
+  EXPECT_FALSE(s.storing(keys[0]));
+  const std::vector<std::uint32_t> huge = {0xFFFFFFFEu};
+  EXPECT_THROW(s.add_reserved(huge), std::invalid_argument);
+  const std::vector<std::uint32_t> mixed = {1, 9};
+  EXPECT_THROW(s.add_reserved(mixed), std::invalid_argument);
+  EXPECT_EQ(s.num_reserved(), 0u);
+  const std::vector<std::uint32_t> last = {7, 6};
+  ASSERT_TRUE(s.begin(views(keys), last));
+  EXPECT_EQ(s.slot_of(keys[0]), 7u);
+  EXPECT_EQ(s.slot_of(keys[1]), 6u);
+  // and the slots end by slot as before
+  std::string payload;
+  const std::vector<std::uint32_t> ends = {6, 7, 7, 5};
+  EXPECT_EQ(s.complete_slots(ends, true, payload), 2u);
+  EXPECT_EQ(s.num_storing(), 0u);
+}
+
 TEST(NodePoolStores, TheOutboxQueuesFramesInOrderOnlyWhileAttached) {
   NodePoolStores s(kPrefix, 4);
   EXPECT_EQ(s.queue(7, "dropped", true), 0u);  // detached at first: no pool to send to

@@ -228,6 +228,11 @@ class NodePoolClient:
         self.regions: list[str] = list(hello.get("regions") or [self.region])
         self.inode: int | None = hello["inode"]
         self.num_slots: int = int(hello["num_slots"])
+        try:
+            self._stores.set_num_slots(self.num_slots)
+        except (ValueError, TypeError, OverflowError) as e:
+            self.close()
+            raise NodePoolError(f"the node pool at {socket_path} cannot be used: {e}") from e
         self.slot_bytes: int = int(hello["slot_bytes"])
         self.lease_s: float = float(hello.get("lease_s", 0.0))
         self.reserve_max = int(hello.get("reserve_max", 0))
@@ -281,8 +286,12 @@ class NodePoolClient:
             self._refill_rid = None
             if rop == p.RESERVE | p.REPLY and body[:1] == b"\x01":
                 slots, off = p.decode_slots(body, 1)
-                self._stores.add_evicted(p.decode_keys(body, off)[0])
-                self._stores.add_reserved(slots)
+                evicted = p.decode_keys(body, off)[0]
+                try:
+                    self._stores.add_reserved(slots)
+                except ValueError as e:  # a slot the pool does not have
+                    raise p.ProtocolError(f"reservation: {e}") from None
+                self._stores.add_evicted(evicted)
             elif rop == p.ERROR:
                 logger.warning("kvoff node pool refused a reservation: %s",
                                body.decode(errors="replace"))  # fmt: skip
@@ -745,8 +754,9 @@ class NodePoolClient:
 
     def ask_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
         """:meth:`prepare_store` asked of the pool (one round trip), not from the reservation.
-        None also when the pool, restarted on the same region, gave a slot or key this engine
-        is still storing for the old pool (the store is refused, counted in
+        None also when the pool's reply is malformed (a slot it does not have: the pool is
+        left, as if gone), and when the pool, restarted on the same region, gave a slot or key
+        this engine is still storing for the old pool (the store is refused, counted in
         ``stores_refused_in_flight``; the caller retries later)."""
         own = _as_bytes(keys)
         reply = self._call(p.PREPARE_STORE, p.encode_prefixed_keys(self.prefix, own))
@@ -761,9 +771,15 @@ class NodePoolClient:
         # kept as given: key_states makes a dict of it only when asked (once a refused store)
         self._store_answer = (own, p.decode_states(reply, off, len(own))[0])
         if len(index) != len(slots) or (index and not 0 <= min(index) <= max(index) < len(own)):
-            raise p.ProtocolError(f"prepare_store reply: {len(index)} keys, {len(slots)} slots")
+            self._lost(p.ProtocolError(f"a store reply of {len(index)} keys, {len(slots)} slots"))
+            return None  # a pool that answers so is broken: as if gone (misses)
         mine = own if len(index) == len(own) else [own[i] for i in index]
-        if not self._stores.begin(mine, slots):
+        try:
+            begun = self._stores.begin(mine, slots)
+        except ValueError as e:  # a slot the pool does not have, or one given twice
+            self._lost(p.ProtocolError(f"a store reply: {e}"))
+            return None
+        if not begun:
             # A pool restarted on the same region (after a crash) handed out a slot this
             # engine is still writing for the old pool: refused, so that a slot never stands
             # for two keys here (the old store's completion must not end the new one).

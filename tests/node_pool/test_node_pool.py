@@ -91,7 +91,7 @@ def test_an_engine_completes_only_its_own_loads_and_stores(served, caplog) -> No
     before = _counts(served)
     # b sends a completion of a's store, bypassing its client's bookkeeping: refused (sent
     # without a reply, the refusal comes back ahead of b's next reply, counted and logged)
-    assert b._stores.begin(keys, [10_000, 10_001])
+    assert b._stores.begin(keys, [14, 15])  # slots b was never given
     with caplog.at_level(logging.ERROR, "kvoff.node_pool.client"):
         b.complete_store(keys)
         b.sync()
@@ -421,6 +421,40 @@ def _refused(served) -> None:
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
     assert served.call(lambda s: s.refused) == 1
+
+
+def test_a_pool_that_grants_slots_it_does_not_have_is_left_and_its_grants_unused(
+    served, caplog
+) -> None:
+    """The engine's table of its stores in flight is indexed by slot: a grant past the pool's
+    slot count (its hello) is a broken pool. The engine leaves it as if it were gone (misses,
+    no error), begins no store, and the pool releases what it granted."""
+    a = NodePoolClient(served.socket, FP, name="a")
+    a._stores.set_num_slots(2)  # the pool's grants of slots 2.. are now past its count
+    keys = _keys(1, 2, 3, 4)
+    assert a.prepare_store(keys) is None  # no exception reaches the engine
+    assert not a.attached and a.num_storing == 0
+    deadline = time.monotonic() + 10
+    while _counts(served)[2] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the pool drops the connection's grants when it sees it close
+    assert _counts(served)[2] == 0  # no slot left pending
+    b = NodePoolClient(served.socket, FP, name="b")
+    out = b.prepare_store(keys)
+    assert out is not None and out.keys_to_store == keys
+
+    # a reservation (granted ahead, read without a call waiting for it) past the count
+    c = NodePoolClient(served.socket, FP, name="c", reserve=True)
+    c._stores.set_num_slots(1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvoff.node_pool"):
+        c.prepare_store(_keys(9))
+        c.take_events()
+        c.sync()
+    assert "reservation: the node pool gave slot" in caplog.text
+    # nothing of the grant was taken (a later call attaches again, and is refused again)
+    assert c.num_storing == 0 and c._stores.num_reserved == 0
+    assert c.stores_on_reservation == 0
+    assert b.lookup(keys) is None  # the pool still serves: b's stores are pending
 
 
 def _raw(served, data: bytes) -> bytes:

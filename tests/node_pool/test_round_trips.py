@@ -171,7 +171,7 @@ def test_queued_calls_go_with_the_next_reply_a_flush_or_the_steps_events(served)
         time.sleep(0.01)
     # a refused queued call comes back as an error ahead of the next reply: counted, and the
     # connection goes on
-    assert a._stores.begin(_keys(3), [10_000])  # a slot the pool never gave a
+    assert a._stores.begin(_keys(3), [15])  # a key and slot the pool never gave a
     a.complete_store(_keys(3))
     assert a.lookup(keys) == 2 and a.async_errors == 1 and a.attached
 

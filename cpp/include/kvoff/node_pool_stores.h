@@ -68,7 +68,15 @@ class NodePoolStores {
 
   const std::string& prefix() const noexcept { return prefix_; }
 
-  /// Slots the pool granted this connection (a RESERVE reply), in grant order.
+  /// The pool's slot count (from its hello; kMaxSlots until set): a slot at or past it is
+  /// refused (add_reserved, begin) before it can size this engine's table of slots.
+  /// Throws std::invalid_argument over kMaxSlots.
+  void set_num_slots(std::uint32_t num_slots);
+  /// The most slots a pool may have here: 2**28 (the table of slots in flight is then 1 GiB).
+  static constexpr std::uint32_t kMaxSlots = 1u << 28;
+
+  /// Slots the pool granted this connection (a RESERVE reply), in grant order. Throws
+  /// std::invalid_argument, adding none, for a slot at or past the pool's slot count.
   void add_reserved(std::span<const std::uint32_t> slots);
   /// Keys (prefixed) the pool evicted to grant them; handed to the next reserved store.
   void add_evicted(std::vector<std::string> keys);
@@ -88,7 +96,8 @@ class NodePoolStores {
   /// Records stores the pool granted in a reply: keys[i] into slots[i]. False, and nothing
   /// changes, when a slot or key is in flight here already (the pool was restarted on the same
   /// region and handed out a slot an old store may still be writing): the caller refuses the
-  /// store. Throws std::invalid_argument when the sizes differ or `slots` repeats a slot.
+  /// store. Throws std::invalid_argument when the sizes differ, `slots` repeats a slot, or a
+  /// slot is at or past the pool's slot count.
   bool begin(KeySpan keys, std::span<const std::uint32_t> slots);
 
   /// Ends the stores in `slots`. `payload` gets the COMPLETE_STORE payload (`success` u8 and
@@ -109,18 +118,22 @@ class NodePoolStores {
   /// The slot `key` is being stored into, if it is.
   std::optional<std::uint32_t> slot_of(std::string_view key) const;
   /// Stores in flight.
-  std::size_t num_storing() const noexcept { return by_slot_.size(); }
+  std::size_t num_storing() const noexcept { return num_storing_; }
 
  private:
   // A store in flight. Entries are reused (a free list), so their keys' memory serves later
   // stores: an engine stores ~200 keys a step, and a node-based map cost 35 us for that.
   struct InFlight {
     std::string key;
+    std::uint64_t key_hash = 0;  // by_key_'s hash of `key` (an end need not read the key)
     std::uint64_t connection = 0;
     std::uint32_t slot = 0;
   };
   static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
-  static std::uint64_t slot_hash(std::uint32_t slot) noexcept;
+  // by_key_'s hash: never 0 (an empty bucket), with no bit forced (a bucket is its low bits).
+  static std::uint64_t key_hash(std::string_view key) noexcept;
+  // Throws std::invalid_argument for a slot at or past num_slots_.
+  void check_slots(std::span<const std::uint32_t> slots) const;
   std::uint32_t find_slot(std::uint32_t slot) const noexcept;
   std::uint32_t find_key(std::string_view key) const noexcept;
   // Puts a store in flight (tables grown first, so nothing is half done on bad_alloc).
@@ -140,10 +153,15 @@ class NodePoolStores {
   std::deque<std::uint32_t> reserved_;
   std::vector<std::string> evicted_;
   std::vector<InFlight> entries_;
-  std::vector<std::uint32_t> free_;                // entries not in flight
-  detail::FlatHashTable<std::uint32_t> by_slot_;  // entry by slot
-  detail::FlatHashTable<std::uint32_t> by_key_;   // entry by key
-  std::vector<std::uint32_t> ended_;              // entries of the completion being made
+  std::vector<std::uint32_t> free_;  // entries not in flight
+  // Entry by slot (kNone: none), indexed by slot: a step's completion looks up ~200 slots the
+  // engine's own work has pushed out of the cache since their stores began, and a hash table
+  // made each a bucket and an entry to miss. Grown to the largest slot seen (4 bytes a slot).
+  std::vector<std::uint32_t> entry_of_slot_;
+  std::size_t num_storing_ = 0;
+  std::uint32_t num_slots_ = kMaxSlots;
+  detail::FlatHashTable<std::uint32_t> by_key_;  // entry by key
+  std::vector<std::uint32_t> ended_;             // entries of the completion being made
 };
 
 }  // namespace kvoff
