@@ -124,13 +124,13 @@ std::uint32_t NodePoolStores::find_slot(std::uint32_t slot) const noexcept {
   return slot < entry_of_slot_.size() ? entry_of_slot_[slot] : kNone;
 }
 
-std::uint32_t NodePoolStores::find_key(std::string_view key) const noexcept {
+std::uint32_t NodePoolStores::find_key(std::string_view key, std::uint64_t hash) const noexcept {
   const std::uint32_t* e =
-      by_key_.find(key_hash(key), [&](std::uint32_t i) { return entries_[i].key == key; });
+      by_key_.find(hash, [&](std::uint32_t i) { return entries_[i].key == key; });
   return e == nullptr ? kNone : *e;
 }
 
-void NodePoolStores::add(std::string_view key, std::uint32_t slot) {
+void NodePoolStores::add(std::string_view key, std::uint64_t hash, std::uint32_t slot) {
   if (slot >= entry_of_slot_.size()) {
     entry_of_slot_.resize(std::max<std::size_t>(slot + std::size_t{1}, 2 * entry_of_slot_.size()),
                           kNone);
@@ -146,7 +146,7 @@ void NodePoolStores::add(std::string_view key, std::uint32_t slot) {
   }
   InFlight& f = entries_[e];
   f.key.assign(key);  // the entry's memory from an earlier store: no allocation
-  f.key_hash = key_hash(key);
+  f.key_hash = hash;
   f.connection = connection_;
   f.slot = slot;
   entry_of_slot_[slot] = e;
@@ -175,7 +175,8 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
   for (std::size_t i = 0; i < n; ++i) {
     // a key in flight already or repeated in the call, or (a pool restarted on the same
     // region) a reserved slot still being written: undo, and let the pool decide
-    if (find_key(keys[i]) != kNone || find_slot(reserved_[i]) != kNone) {
+    const std::uint64_t hash = key_hash(keys[i]);
+    if (find_key(keys[i], hash) != kNone || find_slot(reserved_[i]) != kNone) {
       for (std::size_t j = 0; j < i; ++j) {
         const std::uint32_t e = find_slot(reserved_[j]);
         by_key_.erase(entries_[e].key_hash, [&](std::uint32_t x) { return x == e; });
@@ -185,7 +186,7 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
       }
       return false;
     }
-    add(keys[i], reserved_[i]);
+    add(keys[i], hash, reserved_[i]);
   }
   slots.assign(reserved_.begin(), reserved_.begin() + static_cast<std::ptrdiff_t>(n));
   reserved_.erase(reserved_.begin(), reserved_.begin() + static_cast<std::ptrdiff_t>(n));
@@ -204,11 +205,14 @@ bool NodePoolStores::begin(KeySpan keys, std::span<const std::uint32_t> slots) {
   if (given.size() != slots.size()) {
     throw std::invalid_argument("node pool stores: the pool gave one slot to two keys");
   }
+  std::vector<std::uint64_t> hashes(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (find_slot(slots[i]) != kNone || find_key(keys[i]) != kNone) return false;
+    hashes[i] = key_hash(keys[i]);
+    if (find_slot(slots[i]) != kNone || find_key(keys[i], hashes[i]) != kNone) return false;
   }
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (find_key(keys[i]) == kNone) add(keys[i], slots[i]);  // a key twice: its first slot
+    // a key twice: its first slot
+    if (find_key(keys[i], hashes[i]) == kNone) add(keys[i], hashes[i], slots[i]);
   }
   return true;
 }

@@ -135,9 +135,15 @@ class NodePoolStores {
   // Throws std::invalid_argument for a slot at or past num_slots_.
   void check_slots(std::span<const std::uint32_t> slots) const;
   std::uint32_t find_slot(std::uint32_t slot) const noexcept;
-  std::uint32_t find_key(std::string_view key) const noexcept;
-  // Puts a store in flight (tables grown first, so nothing is half done on bad_alloc).
-  void add(std::string_view key, std::uint32_t slot);
+  // The entry storing `key` (kNone: none); `hash` is key_hash(key), which a caller that also
+  // adds the key computes once for both.
+  std::uint32_t find_key(std::string_view key, std::uint64_t hash) const noexcept;
+  std::uint32_t find_key(std::string_view key) const noexcept {
+    return find_key(key, key_hash(key));
+  }
+  // Puts a store in flight (tables grown first, so nothing is half done on bad_alloc); `hash`
+  // is key_hash(key).
+  void add(std::string_view key, std::uint64_t hash, std::uint32_t slot);
   // Takes entry `e` out of flight; it is added to `ended_` when this connection made it.
   void end(std::uint32_t e);
   std::size_t completion(bool success, std::string& payload);
