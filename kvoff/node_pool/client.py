@@ -39,7 +39,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import select
 import socket
 import struct
 import time
@@ -50,6 +49,7 @@ from typing import Any
 from kvoff._scheduler import KeyFilter, NodePoolStores
 from kvoff.node_pool import protocol as p
 from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
+from kvoff.node_pool.transport import PoolSocket
 
 __all__ = ["NodePoolClient", "NodePoolError", "NodePoolEvent", "StoreSlots", "wait_for_pool"]
 
@@ -199,8 +199,7 @@ class NodePoolClient:
         self._step_stores = 0
         self._events_on = False
         self.events_dropped = 0
-        self._sock: socket.socket | None = None
-        self._rest = bytearray()
+        self._sock: PoolSocket | None = None
         self._next_try = 0.0
         self._region_lost = False
         # what this connection holds: a pool that went away released it, so completions of
@@ -239,14 +238,8 @@ class NodePoolClient:
 
     # ------------------------------------------------------------------ transport
     def _connect(self) -> dict[str, Any]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
+        sock = PoolSocket(self.socket_path, self.timeout_s, self.spin_s)
         try:
-            sock.connect(self.socket_path)
-            # non-blocking from here: replies are spun for, then polled for (see _recv)
-            sock.setblocking(False)
-            self._poll = select.poll()
-            self._poll.register(sock, select.POLLIN)
             self._sock = sock
             self._stores.set_attached(True)
             hello = p.decode_json(self._roundtrip(p.HELLO, p.encode_json({"name": self.name})))
@@ -261,16 +254,15 @@ class NodePoolClient:
         return hello
 
     def _roundtrip(self, op: int, payload: bytes) -> bytes:
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
         stores = self._stores
         want = stores.next_request_id()
         # the queued calls go first, in order
-        self._sendall(stores.take_outbox() + p.frame(op, want, payload))
+        sock.sendall(stores.take_outbox() + p.frame(op, want, payload))
         self.round_trips += 1
         while True:
-            head = self._recv(p.HEADER.size)
-            rop, rid, length = p.parse_header(head)
-            body = self._recv(length)
+            rop, rid, body = sock.recv_frame()
             if rid != want and self._take_unawaited(rop, rid, body):
                 continue
             if rop == p.ERROR:
@@ -306,33 +298,14 @@ class NodePoolClient:
         """Takes the frames that came without a call waiting (a refill's reply, errors),
         without waiting for any."""
         sock = self._sock
-        if sock is None or (self._refill_rid is None and not self._rest):
+        if sock is None or (self._refill_rid is None and not sock.buffered):
             return
         try:
-            # one recv, usually: a chunk short of the buffer is all there was (a refill's
-            # reply is a few hundred bytes), and a second recv to hear EAGAIN costs as much
-            # again (a refill's reply is read about every third store)
-            while len(chunk := sock.recv(65536)) == 65536:
-                self._rest += chunk
-            if not chunk:
-                raise ConnectionError("the node pool closed the connection")
-            self._rest += chunk
-        except BlockingIOError:
-            pass
-        except (OSError, ConnectionError) as e:
-            self._lost(e)
-            return
-        buf, size = self._rest, p.HEADER.size
-        try:
-            while len(buf) >= size:
-                rop, rid, length = p.parse_header(bytes(buf[:size]))
-                if len(buf) < size + length:
-                    break
-                body = bytes(buf[size : size + length])
-                del buf[: size + length]
-                if not self._take_unawaited(rop, rid, body):
-                    raise ConnectionError(f"reply {rop}/{rid} to no call")
-        except (p.ProtocolError, ConnectionError) as e:
+            sock.read_ready()
+            while (frame := sock.take_frame()) is not None:
+                if not self._take_unawaited(*frame):
+                    raise ConnectionError(f"reply {frame[0]}/{frame[1]} to no call")
+        except (OSError, ConnectionError, p.ProtocolError) as e:
             self._lost(e)
 
     def _lost(self, e: BaseException) -> None:
@@ -373,63 +346,9 @@ class NodePoolClient:
             return
         data = self._stores.take_outbox()
         try:
-            self._sendall(data)
+            self._sock.sendall(data)
         except OSError as e:
             self._lost(e)
-
-    def _recv(self, n: int) -> bytes:
-        # one recv usually brings a whole reply: what is past n waits in self._rest
-        assert self._sock is not None
-        buf = self._rest
-        while len(buf) < n:
-            chunk = self._recv_some(max(65536, n - len(buf)))
-            if not chunk:
-                raise ConnectionError("the node pool closed the connection")
-            buf += chunk
-        self._rest = buf[n:]
-        return bytes(buf[:n])
-
-    def _recv_some(self, size: int) -> bytes:
-        """What the socket has, waiting for it: first spinning for ``spin_s`` (the pool
-        answers in tens of microseconds, less than a sleeping thread takes to wake up), then
-        polling for up to ``timeout_s``.
-
-        Raises:
-            TimeoutError: nothing came within ``timeout_s``.
-        """
-        sock = self._sock
-        assert sock is not None
-        clock = time.perf_counter
-        spin_until = clock() + self.spin_s
-        while True:
-            try:
-                return sock.recv(size)
-            except BlockingIOError:
-                if clock() < spin_until:
-                    continue
-            if not self._poll.poll(self.timeout_s * 1000):
-                raise TimeoutError(f"the node pool did not answer within {self.timeout_s:g} s")
-
-    def _sendall(self, data: bytes) -> None:
-        """Sends all of ``data`` on the non-blocking socket (waiting while its buffer is full).
-
-        Raises:
-            TimeoutError: the pool read nothing for ``timeout_s``.
-            OSError: the connection is gone.
-        """
-        sock = self._sock
-        assert sock is not None
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[sock.send(view) :]
-            except BlockingIOError:
-                poll = select.poll()
-                poll.register(sock, select.POLLOUT)
-                if not poll.poll(self.timeout_s * 1000):
-                    raise TimeoutError(
-                        f"the node pool read nothing for {self.timeout_s:g} s"
-                    ) from None
 
     def _call(self, op: int, payload: bytes) -> bytes | None:
         """The reply's payload, or None when the pool is gone (the caller answers a miss)."""
@@ -477,7 +396,6 @@ class NodePoolClient:
         if self._filter is not None:  # the next pool makes a new one
             self._filter.close()
             self._filter = None
-        self._rest = bytearray()
         self._pins.clear()
         # the pool released the reservation and stores with the connection; the queued calls
         # go too
