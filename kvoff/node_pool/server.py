@@ -9,7 +9,8 @@ connection: when an engine's connection closes, for whatever reason (SIGKILL inc
 kernel closes the socket), its pins are released and its stores in flight are completed as
 failed, so they never become hits and no slot is leaked. The bytes never pass through the
 socket: the slots live in ``/dev/shm/<region>``, which every engine maps (and pins) once, and
-the socket carries only batched key lists and slot ids.
+the socket carries only batched key lists and slot ids. This module holds the sockets, the
+regions and the lifetimes; what each call does to the index is :mod:`kvoff.node_pool.calls`.
 
 Trust: the socket file is created with mode 0600 (0660 with ``group``), and every connection's
 peer credentials (``SO_PEERCRED``) must be this process's user, or ``group`` when given; others
@@ -73,9 +74,7 @@ import signal
 import socket
 import struct
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +82,7 @@ import torch
 
 from kvoff import _scheduler
 from kvoff.node_pool import protocol as p
+from kvoff.node_pool.calls import AttachedEngine, PoolCalls
 from kvoff.node_pool.key_filter import SUFFIX as KEY_FILTER_SUFFIX
 from kvoff.node_pool.key_filter import PoolKeyFilter
 from kvoff.node_pool.pool_tiers import tier_format
@@ -107,8 +107,6 @@ SUCCESSORS_PER_SLOT = 2
 touched that are not held); beyond, the oldest are dropped."""
 MAX_RANKS = 64
 """Tensor-parallel ranks a node pool serves at most (a region each)."""
-MAX_PROBE_BLOCKS = 64
-"""Keys of a chain the tiers are asked for at once (a look-up that misses the slots)."""
 EVENT_KEYS_PER_SLOT = 4
 """Keys of KV events queued per engine and slot at most (module docstring)."""
 ADOPT_GRACE_S = 1.0
@@ -122,41 +120,7 @@ RESERVE_SHARE = 16
 enough for a few steps of stores, never enough for a few engines to starve the index."""
 
 
-@dataclass
-class _Engine:
-    """One connection: an engine (or a tool) attached to the pool."""
-
-    sock: socket.socket
-    pid: int
-    uid: int
-    name: str = ""
-    inbox: bytearray = field(default_factory=bytearray)
-    outbox: bytearray = field(default_factory=bytearray)
-    pins: Counter[bytes] = field(default_factory=Counter)  # key -> loads in flight
-    leases: dict[bytes, tuple[float, int]] = field(default_factory=dict)  # key -> (until, slot)
-    storing: set[bytes] = field(default_factory=set)  # keys it is storing
-    reserved: deque[int] = field(default_factory=deque)  # slots reserved for it, in grant order
-    # keys it stores into a reserved slot that another engine had stored already: the slot,
-    # freed at the key's completion
-    duplicates: dict[bytes, int] = field(default_factory=dict)
-    calls: int = 0
-    lookups: int = 0
-    looked_up_keys: int = 0
-    hit_keys: int = 0
-    stored_keys: int = 0
-    loaded_keys: int = 0
-    errors: int = 0
-    answered_ahead: int = 0  # look-ups the engine answered itself (look-ahead, key filter)
-    prefix: bytes | None = None  # its layout's key prefix, once it takes KV events
-    # (removed, keys, the name of the engine whose call made the event: "" the pool's own)
-    events: deque[tuple[bool, list[bytes], str]] = field(default_factory=deque)
-    event_keys: int = 0  # keys in events
-    events_dropped: int = 0
-    since: float = field(default_factory=time.time)
-    mask: int = selectors.EVENT_READ
-
-
-class NodePoolServer:
+class NodePoolServer(PoolCalls):
     """The pool and its index, served on a Unix socket.
 
     Args:
@@ -282,7 +246,7 @@ class NodePoolServer:
         # manager's prepare_store) or an admission filter (which reserved stores would skip)
         share = self.num_slots // RESERVE_SHARE if reserve_blocks is None else reserve_blocks
         self.reserve_max = share if self.tiered is None and store_threshold < 2 else 0
-        self.engines: dict[int, _Engine] = {}  # by fd
+        self.engines: dict[int, AttachedEngine] = {}  # by fd
         # key -> the key stored or touched after it (a request's chain), for LOOKUP_AHEAD;
         # with tiers, read back from successors_path (a disk tier's blocks outlive the pool)
         self.successors = SuccessorMap(SUCCESSORS_PER_SLOT * self.num_slots)
@@ -408,7 +372,7 @@ class NodePoolServer:
             if key.data is None:
                 self._accept()
                 continue
-            eng: _Engine = key.data
+            eng: AttachedEngine = key.data
             if events & selectors.EVENT_READ:
                 self._read(eng)
             if events & selectors.EVENT_WRITE and eng.sock.fileno() in self.engines:
@@ -497,12 +461,12 @@ class NodePoolServer:
             sock.close()
             return
         sock.setblocking(False)
-        eng = _Engine(sock, pid, uid)
+        eng = AttachedEngine(sock, pid, uid)
         self.engines[sock.fileno()] = eng
         self.engines_seen += 1
         self._selector.register(sock, selectors.EVENT_READ, eng)
 
-    def _read(self, eng: _Engine) -> None:
+    def _read(self, eng: AttachedEngine) -> None:
         try:
             data = eng.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -531,10 +495,10 @@ class NodePoolServer:
             self._publish(eng.name)
         self._flush(eng)
 
-    def _send(self, eng: _Engine, data: bytes) -> None:
+    def _send(self, eng: AttachedEngine, data: bytes) -> None:
         eng.outbox += data
 
-    def _flush(self, eng: _Engine) -> None:
+    def _flush(self, eng: AttachedEngine) -> None:
         if eng.sock.fileno() not in self.engines:
             return
         try:
@@ -578,7 +542,7 @@ class NodePoolServer:
                     eng.event_keys -= len(old)
                     eng.events_dropped += 1
 
-    def _drop(self, eng: _Engine) -> None:
+    def _drop(self, eng: AttachedEngine) -> None:
         """An engine is gone: its loads are unpinned, its stores completed as failed."""
         fd = eng.sock.fileno()
         if self.engines.pop(fd, None) is None:
@@ -603,348 +567,6 @@ class NodePoolServer:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(eng.sock)
         eng.sock.close()
-
-    # ------------------------------------------------------------------ calls
-    def _handle(self, eng: _Engine, op: int, rid: int, payload: bytes) -> bytes:
-        eng.calls += 1
-        base = op & ~p.NO_REPLY
-        try:
-            if op & p.NO_REPLY and base not in p.NO_REPLY_OPS:
-                raise p.ProtocolError(f"op {base} always has a reply; send it without NO_REPLY")
-            reply = self._call(eng, base, payload)
-        except (p.ProtocolError, ValueError, TypeError, KeyError) as e:
-            eng.errors += 1
-            return p.frame(p.ERROR, rid, f"{p.OPS.get(base, base)}: {e}".encode())
-        return b"" if op & p.NO_REPLY else p.frame(base | p.REPLY, rid, reply)
-
-    def _call(self, eng: _Engine, op: int, payload: bytes) -> bytes:
-        m = self.manager
-        if op == p.HELLO:
-            hello = p.decode_json(payload)
-            if not isinstance(hello, dict):
-                raise p.ProtocolError("hello payload must be a JSON object")
-            eng.name = str(hello.get("name", ""))[:200]
-            return p.encode_json(self.describe())
-        if op == p.STATUS:
-            return p.encode_json(self.counts() if payload == p.STATUS_COUNTS else self.status())
-        if op == p.COMPLETE_STORE:
-            if len(payload) < 1:
-                raise p.ProtocolError("complete_store needs a success byte and keys")
-            keys, end = p.decode_keys(payload, 1)
-            self._check_end(payload, end)
-            return self._complete_store(eng, keys, bool(payload[0]))
-        if op == p.RESERVE:
-            return self._reserve(eng, payload)
-        if op == p.STORE_RESERVED:
-            return self._store_reserved(eng, payload)
-        if op == p.LOOKUP_AHEAD:
-            return self._lookup_ahead(eng, payload)
-        if op == p.REPORT_LOOKUPS:
-            if len(payload) != 8:
-                raise p.ProtocolError(f"report_lookups needs 8 bytes, got {len(payload)}")
-            answered, answered_hits = struct.unpack("<II", payload)
-            if answered_hits > answered:
-                raise p.ProtocolError(f"{answered_hits} hits of {answered} look-ups reported")
-            self._count_answered(eng, answered, answered_hits)
-            return b""
-        if op == p.TAKE_EVENTS:
-            if len(payload) != 8:
-                raise p.ProtocolError(
-                    f"take_events needs the 8-byte key prefix, got {len(payload)}"
-                )
-            eng.prefix = payload
-            out, size = [], 0
-            while eng.events and size < p.MAX_PAYLOAD_BYTES // 4:  # the rest: next call
-                removed, keys, by = eng.events.popleft()
-                eng.event_keys -= len(keys)
-                name = by.encode()[:255]
-                out.append(
-                    (b"\x01" if removed else b"\x00") + bytes([len(name)]) + name
-                    + p.encode_keys(keys)
-                )  # fmt: skip
-                size += len(out[-1])
-            head = struct.pack("<QI", eng.events_dropped, len(out))
-            eng.events_dropped = 0
-            return head + b"".join(out)
-        keys, end = p.decode_keys(payload)
-        if op == p.TOUCH:  # keys, then optionally one byte per key: reused (1) or not (0)
-            rest = payload[end:]
-            if rest and len(rest) != len(keys):
-                raise p.ProtocolError(f"touch of {len(keys)} keys with {len(rest)} reused flags")
-            if rest:
-                m.touch(keys, [b != 0 for b in rest])
-            else:
-                m.touch(keys)
-            self.successors.record(keys)
-            return b""
-        self._check_end(payload, end)
-        if op == p.LOOKUP:
-            n = m.lookup(keys) if self.tiered is None or not keys else self.tiered.lookup(keys)
-            if not keys:  # a client's sync(): nothing to count
-                return struct.pack("<q", 0)
-            eng.lookups += 1
-            eng.looked_up_keys += len(keys)
-            eng.hit_keys += n or 0
-            return struct.pack("<q", -1 if n is None else n)
-        if op == p.PREPARE_LOAD:  # a leased key's pin becomes the load's: it cannot fail
-            leases = eng.leases
-            taken: set[bytes] = set()  # leased keys this call takes (each once)
-            plan: list[int | None] = []  # per key: its leased slot, or None: pin it now
-            for k in keys:
-                if k in leases and k not in taken:
-                    taken.add(k)
-                    plan.append(leases[k][1])
-                else:
-                    plan.append(None)
-            fresh = [k for k, slot in zip(keys, plan, strict=True) if slot is None]
-            got = iter(m.prepare_load(fresh) if fresh else ())  # raises: nothing changed
-            slots = [next(got) if slot is None else slot for slot in plan]
-            for k in taken:
-                del leases[k]
-            eng.pins.update(keys)
-            eng.loaded_keys += len(keys)
-            return p.encode_slots(slots)
-        if op == p.COMPLETE_LOAD:
-            need = Counter(keys)
-            short = [k.hex() for k, c in need.items() if eng.pins[k] < c]
-            if short:
-                raise ValueError(
-                    f"keys {short[:4]} are not being loaded by this engine (as often as given); "
-                    "complete only the keys prepare_load pinned for it"
-                )
-            m.complete_load(keys)
-            pins = eng.pins
-            for k, c in need.items():  # the zero counts go (a rebuilt Counter costs O(pins))
-                if pins[k] == c:
-                    del pins[k]
-                else:
-                    pins[k] -= c
-            return b""
-        if op == p.PREPARE_STORE:  # reply: 0 (no room) and every key's state, or 1, the
-            out = m.prepare_store(keys)  # stored keys' indices, their slots, evicted, states
-            if out is None:
-                return b"\x00" + p.encode_states(self._states(keys))
-            self.evictions += len(out.evicted_keys)
-            if self.tiered is None:  # with tiers the evicted keys' chains stay for probes
-                self.successors.forget(out.evicted_keys)
-            to_store = list(out.keys_to_store)  # in the call's order: a subsequence of keys
-            eng.storing.update(to_store)
-            if self.key_filter is not None:  # before the reply: then no engine misses them
-                self.key_filter.remove(out.evicted_keys)
-                self.key_filter.add(to_store)
-            self.successors.record(keys)
-            states = [p.STATE_PENDING] * len(keys)
-            others: list[int] = []
-            if len(to_store) == len(keys):  # the usual case: every key is new
-                index = list(range(len(keys)))
-            else:
-                index, j = [], 0
-                for i, k in enumerate(keys):
-                    if j < len(to_store) and k == to_store[j]:
-                        index.append(i)
-                        j += 1
-                    else:
-                        others.append(i)
-            if others:
-                for i, st in zip(others, self._states([keys[i] for i in others]), strict=True):
-                    states[i] = st
-            return (
-                b"\x01"
-                + p.encode_slots(index)
-                + p.encode_slots(list(out.block_ids))
-                + p.encode_keys(list(out.evicted_keys))
-                + p.encode_states(states)
-            )
-        raise p.ProtocolError(f"unknown op {op}")
-
-    def _complete_store(self, eng: _Engine, keys: list[bytes], success: bool) -> bytes:
-        """Ends the engine's stores of ``keys``; a key it stored into a reserved slot while
-        another engine's copy was held frees that slot."""
-        given = set(keys)
-        dups = eng.duplicates
-        if len(given) != len(keys) or not given <= (eng.storing | dups.keys()):
-            unknown = [k.hex() for k in keys if k not in eng.storing and k not in dups]
-            raise ValueError(
-                f"keys {unknown[:4]} are not being stored by this engine (or repeat); "
-                "complete only the keys prepare_store or store_reserved gave it, once"
-            )
-        mine = keys if not dups else [k for k in keys if k not in dups]
-        if len(mine) != len(keys):
-            self.manager.release_reserved([dups.pop(k) for k in keys if k in dups])
-        if mine:
-            self.manager.complete_store(mine, success)
-            eng.storing.difference_update(mine)
-        if success:
-            eng.stored_keys += len(mine)
-        else:
-            self.successors.forget(mine)
-            if self.key_filter is not None:
-                self.key_filter.remove(mine)
-        return b""
-
-    def _reserve(self, eng: _Engine, payload: bytes) -> bytes:
-        """``RESERVE``: up to the engine's share of free slots (:data:`RESERVE_SHARE`)."""
-        if len(payload) != 4:
-            raise p.ProtocolError(f"reserve needs count u32, got {len(payload)} bytes")
-        (count,) = struct.unpack("<I", payload)
-        if self.reserve_max == 0:
-            raise ValueError(
-                "this pool reserves no slots (it has tiers, an admission filter or "
-                "--reserve-blocks 0); store with prepare_store"
-            )
-        room = self.reserve_max - len(eng.reserved) - len(eng.duplicates)
-        got = self.manager.reserve_blocks(min(count, room)) if count and room > 0 else None
-        if got is None:
-            return b"\x00"
-        slots, evicted = got
-        eng.reserved.extend(slots)
-        if evicted:
-            self.evictions += len(evicted)
-            self.successors.forget(evicted)
-            if self.key_filter is not None:
-                self.key_filter.remove(evicted)
-        return b"\x01" + p.encode_slots(slots) + p.encode_keys(evicted)
-
-    def _store_reserved(self, eng: _Engine, payload: bytes) -> bytes:
-        """``STORE_RESERVED``: the keys become pending in the engine's first reserved slots,
-        in grant order (the engine took them in that order); a key held already keeps its
-        slot reserved until the engine completes the key."""
-        keys, end = p.decode_keys(payload)
-        self._check_end(payload, end)
-        n, reserved, dups = len(keys), eng.reserved, eng.duplicates
-        if n > len(reserved):
-            raise p.ProtocolError(
-                f"store_reserved of {n} keys with {len(reserved)} slots reserved; store only "
-                "into slots a reserve reply gave"
-            )
-        if not eng.storing.isdisjoint(keys) or (dups and not dups.keys().isdisjoint(keys)):
-            raise ValueError("a key this engine is storing already is given again; complete "
-                             "its store first")  # fmt: skip
-        slots = [reserved[i] for i in range(n)]
-        stored = self.manager.store_reserved(keys, slots)  # raises: nothing changed
-        for _ in range(n):
-            reserved.popleft()
-        if len(stored) == n:
-            new = keys
-        else:
-            taken = set(stored)
-            new = [keys[i] for i in stored]
-            new_keys, spare = set(new), []
-            for i, (k, slot) in enumerate(zip(keys, slots, strict=True)):
-                if i in taken:
-                    continue
-                if k in new_keys or k in dups:  # a repeat within the call: free it now
-                    spare.append(slot)
-                else:
-                    dups[k] = slot
-            if spare:
-                self.manager.release_reserved(spare)
-        eng.storing.update(new)
-        self.reserved_stores += len(new)
-        if self.key_filter is not None:  # before the engine's next call: no engine misses them
-            self.key_filter.add(new)
-        self.successors.record(keys)
-        return b""
-
-    def _states(self, keys: list[bytes]) -> list[int]:
-        """Each key's state byte: batched look-ups while they stop at a missing key (a few),
-        then one look-up per key (a pending key ends a batched one without saying where)."""
-        m = self.manager
-        out: list[int] = []
-        i = 0
-        for _ in range(4):
-            n = m.lookup(keys[i:]) if i < len(keys) else None
-            if n is None:
-                break
-            out += [p.STATE_READY] * n
-            i += n
-            if i < len(keys):  # keys[i] is missing
-                out.append(p.STATE_MISSING)
-                i += 1
-        for k in keys[i:]:
-            r = m.lookup([k])
-            out.append(p.STATE_PENDING if r is None else p.STATE_READY if r else p.STATE_MISSING)
-        return out
-
-    def _states_until_missing(self, chain: list[bytes]) -> list[int]:
-        """The state bytes of ``chain``'s keys up to and including its first missing key (one
-        batched look-up when none of the leading keys is pending)."""
-        n = self.manager.lookup(chain)
-        if n is not None:
-            return [p.STATE_READY] * n + ([p.STATE_MISSING] if n < len(chain) else [])
-        out: list[int] = []
-        for st in self._states(chain):  # a pending key among the leading ones: per key
-            out.append(st)
-            if st == p.STATE_MISSING:
-                break
-        return out
-
-    def _lookup_ahead(self, eng: _Engine, payload: bytes) -> bytes:
-        if len(payload) < 10:
-            raise p.ProtocolError("lookup_ahead needs ahead u16, answered u32, hits u32, keys")
-        ahead, answered, answered_hits = struct.unpack_from("<HII", payload)
-        keys, end = p.decode_keys(payload, 10)
-        self._check_end(payload, end)
-        if not keys or answered_hits > answered:
-            raise p.ProtocolError(
-                f"lookup_ahead of {len(keys)} keys with {answered_hits} of {answered} answered "
-                "hits; send at least one key and hits <= answered"
-            )
-        if len(keys) == 1:
-            chain = self.successors.walk(keys[0], ahead + 1)
-            given_n = 1
-        else:  # the engine's chain (each key once), then what followed its last key
-            chain = list(dict.fromkeys(keys))
-            given_n = len(chain)
-            if ahead:
-                given = set(chain)
-                chain += [k for k in self.successors.walk(chain[-1], ahead + 1)[1:]
-                          if k not in given]  # fmt: skip
-        states = self._states_until_missing(chain)
-        if self.tiered is not None and len(states) <= given_n and states[-1] == p.STATE_MISSING:
-            # a given key missing from the slots: ask the tiers for it and what followed it
-            # (the map outlives evictions with tiers): "retry later" until the run is
-            # promoted, or a miss once answered
-            run = self.successors.walk(keys[0], MAX_PROBE_BLOCKS) if len(keys) == 1 else chain
-            if self.tiered.lookup_groups([run], poll=False) is None:
-                states = [*states[:-1], p.STATE_PENDING]
-        chain = chain[: len(states)]
-        # lease the ready keys (module docstring): pinned now, renewed when leased already
-        leases, until = eng.leases, time.monotonic() + self.lease_s
-        ready = [k for k, st in zip(chain, states, strict=True) if st == p.STATE_READY]
-        new = [k for k in ready if k not in leases]
-        for k, slot in zip(new, self.manager.prepare_load(new) if new else (), strict=True):
-            leases[k] = (until, slot)
-        for k in ready:
-            leases[k] = (until, leases[k][1])
-        slots = [leases[k][1] if st == p.STATE_READY else -1
-                 for k, st in zip(chain, states, strict=True)]  # fmt: skip
-        eng.lookups += 1
-        if len(keys) == 1:
-            eng.looked_up_keys += 1
-            eng.hit_keys += states[0] == p.STATE_READY
-        else:  # as one-key look-ups of the given keys in turn: up to the first missing one
-            state_of = dict(zip(chain, states, strict=True))
-            for k in keys:
-                st = state_of.get(k, p.STATE_MISSING)
-                eng.looked_up_keys += 1
-                eng.hit_keys += st == p.STATE_READY
-                if st == p.STATE_MISSING:
-                    break
-        self._count_answered(eng, answered, answered_hits)
-        return p.encode_keys(chain) + p.encode_states(states) + p.encode_slots(slots)
-
-    @staticmethod
-    def _count_answered(eng: _Engine, answered: int, hits: int) -> None:
-        """Counts look-ups the engine answered itself (look-ahead, key filter)."""
-        eng.looked_up_keys += answered
-        eng.hit_keys += hits
-        eng.answered_ahead += answered
-
-    @staticmethod
-    def _check_end(payload: bytes, end: int) -> None:
-        if end != len(payload):
-            raise p.ProtocolError(f"{len(payload) - end} bytes after the key list")
 
     # ------------------------------------------------------------------ status
     def describe(self) -> dict[str, Any]:
