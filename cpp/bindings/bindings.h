@@ -54,7 +54,8 @@ void bind_key_filter(py::module_& m);
 /// ValueError for a released filter.
 const kvoff::KeyFilter& key_filter_of(py::handle filter);
 
-/// node_pool_stores_bindings.cpp: NodePoolStores (an engine's side of its node pool stores).
+/// node_pool_stores_bindings.cpp: NodePoolStores and NodePoolLoads (an engine's side of its
+/// node pool stores and loads).
 void bind_node_pool_stores(py::module_& m);
 
 /// node_pool_manager.cpp: the C++ scheduler's manager over a Python

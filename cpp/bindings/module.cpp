@@ -7,7 +7,8 @@
 //   fast_hooks.cpp             _FastHooks: the per-step hooks as plain CPython methods
 //   node_pool_manager.cpp      the scheduler's manager over a node pool's Python client
 //   key_filter_bindings.cpp    KeyFilter: a node pool's key filter in shared memory
-//   node_pool_stores_bindings.cpp  NodePoolStores: an engine's side of its node pool stores
+//   node_pool_stores_bindings.cpp  NodePoolStores, NodePoolLoads: an engine's side of its
+//                                  node pool stores and loads
 // Keys cross the boundary as bytes (ints are accepted and converted to 8 little-endian bytes);
 // C++ exceptions become ValueError (std::invalid_argument) and IndexError (std::out_of_range).
 #include <pybind11/pybind11.h>
@@ -35,5 +36,5 @@ PYBIND11_MODULE(_scheduler, m) {
   kvoff::bindings::bind_fast_hooks(m);  // _FastHooks, made by _OffloadingScheduler.fast_hooks
   kvoff::bindings::bind_scheduler(m);   // COUNTER_NAMES, _OffloadingScheduler
   kvoff::bindings::bind_key_filter(m);  // KeyFilter
-  kvoff::bindings::bind_node_pool_stores(m);  // NodePoolStores
+  kvoff::bindings::bind_node_pool_stores(m);  // NodePoolStores, NodePoolLoads
 }

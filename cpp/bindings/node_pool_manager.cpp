@@ -1,9 +1,9 @@
 // A node pool as the C++ scheduler's manager: kvoff::BlockManager over a Python
 // kvoff.node_pool.block_manager.NodePoolBlockManager (the pool's client, which speaks the
 // pool's protocol). The scheduler's hooks run with the GIL held, so calls go straight to
-// Python, except stores, their completions and touches: those go through the client's
-// NodePoolStores (C++), which also queues their frames, so a step's completions and touches
-// make no Python call and a store one (an engine stores about 200 keys a step; per key in
+// Python, except stores, their completions, load completions and touches: those go through
+// the client's NodePoolStores and NodePoolLoads (C++), which also queue their frames, so a
+// step's completions and touches make no Python call and a store one (an engine stores about 200 keys a step; per key in
 // Python, that was most of a node pool's step). State queries never throw: a failure there is
 // a miss (the pool gone is a miss).
 #include <pybind11/pybind11.h>
@@ -19,6 +19,7 @@
 
 #include "bindings.h"
 #include "kvoff/block_manager.h"
+#include "kvoff/node_pool_loads.h"
 #include "kvoff/node_pool_stores.h"
 
 namespace kvoff::bindings {
@@ -33,12 +34,6 @@ py::list keys_to_py(KeySpan keys) {
   return out;
 }
 
-py::list ids_to_py(std::span<const std::uint32_t> ids) {
-  py::list out(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) out[i] = py::int_(ids[i]);
-  return out;
-}
-
 std::vector<std::uint32_t> ids_from_py(py::handle list) {
   std::vector<std::uint32_t> out;
   for (py::handle v : list) out.push_back(v.cast<std::uint32_t>());
@@ -50,10 +45,12 @@ class NodePoolManager final : public BlockManager {
   explicit NodePoolManager(py::object manager)
       : py_(std::move(manager)),
         client_(py_.attr("client")),
-        stores_(client_.attr("_stores").cast<std::shared_ptr<NodePoolStores>>()) {
+        stores_(client_.attr("_stores").cast<std::shared_ptr<NodePoolStores>>()),
+        loads_(client_.attr("_loads").cast<std::shared_ptr<NodePoolLoads>>()) {
     py::module_ protocol = py::module_::import("kvoff.node_pool.protocol");
     const auto no_reply = protocol.attr("NO_REPLY").cast<std::uint16_t>();
     complete_store_op_ = protocol.attr("COMPLETE_STORE").cast<std::uint16_t>() | no_reply;
+    complete_load_op_ = protocol.attr("COMPLETE_LOAD").cast<std::uint16_t>() | no_reply;
     touch_op_ = protocol.attr("TOUCH").cast<std::uint16_t>() | no_reply;
     store_reserved_op_ = protocol.attr("STORE_RESERVED").cast<std::uint16_t>() | no_reply;
     outbox_limit_ = py::module_::import("kvoff.node_pool.client")
@@ -103,7 +100,8 @@ class NodePoolManager final : public BlockManager {
   }
 
   void complete_load_blocks(std::span<const std::uint32_t> block_ids) override {
-    py_.attr("complete_load_blocks")(ids_to_py(block_ids));
+    std::string payload;
+    if (loads_->complete_slots(block_ids, payload) > 0) queue(complete_load_op_, payload);
   }
 
   bool prepare_store(KeySpan keys, PrepareStoreResult& result, bool) override {
@@ -198,7 +196,9 @@ class NodePoolManager final : public BlockManager {
   py::object py_;
   py::object client_;                       // py_.client, a NodePoolClient
   std::shared_ptr<NodePoolStores> stores_;  // client_._stores
+  std::shared_ptr<NodePoolLoads> loads_;    // client_._loads
   std::uint16_t complete_store_op_ = 0;
+  std::uint16_t complete_load_op_ = 0;
   std::uint16_t touch_op_ = 0;
   std::uint16_t store_reserved_op_ = 0;
   std::size_t outbox_limit_ = 0;

@@ -12,6 +12,7 @@
 
 #include "bindings.h"
 #include "convert.h"
+#include "kvoff/node_pool_loads.h"
 #include "kvoff/node_pool_stores.h"
 
 namespace kvoff::bindings {
@@ -31,6 +32,18 @@ engine for another key (``begin`` returns False).
 
 Keys are ``bytes`` (this engine's, without the prefix); slots are CPU block ids of the pool's
 region (ints in [0, 2**32)).
+)doc";
+
+constexpr const char* kLoadsDoc = R"doc(An engine's loads from a node pool, on the engine's side.
+
+It keeps which key each slot this engine loads from holds, this engine's loads of each key in
+flight, and how many of them the current connection pinned: the pool releases a connection's
+pins when it goes (``lose``), so only those are completed on the wire, and a load made from
+leases after the pool went away counts here and sends nothing. The C++ scheduler's node pool
+manager completes a step's loads by slot through it with no Python call.
+
+Keys are ``bytes`` (this engine's, without the prefix); slots are CPU block ids of the pool's
+region.
 )doc";
 
 std::vector<std::uint32_t> slots_from(py::handle obj) {
@@ -178,6 +191,83 @@ void bind_node_pool_stores(py::module_& m) {
            [](const NodePoolStores& s, py::bytes key) { return s.slot_of(std::string_view(key)); },
            py::arg("key"), py::doc("slot_of(self, key: bytes) -> int | None\n\nThe slot ``key`` "
                                    "is being stored into, if it is."));
+
+  py::class_<NodePoolLoads, std::shared_ptr<NodePoolLoads>>(m, "NodePoolLoads", kLoadsDoc)
+      .def(py::init([](py::bytes prefix) { return std::make_shared<NodePoolLoads>(prefix); }),
+           py::arg("prefix"),
+           py::doc("NodePoolLoads(prefix: bytes)\n\n``prefix``: the bytes every key of this "
+                   "engine carries in the pool. Raises ValueError for a prefix of 1024 bytes or "
+                   "more."))
+      .def("set_num_slots", &NodePoolLoads::set_num_slots, py::arg("num_slots"),
+           py::doc("set_num_slots(self, num_slots: int) -> None\n\nThe pool's slot count (its "
+                   "hello): ``pin`` refuses a slot at or past it. Raises ValueError over 2**28."))
+      .def(
+          "pin",
+          [](NodePoolLoads& l, py::handle keys, py::handle slots, bool connection) {
+            KeyBatch batch(keys);
+            l.pin(batch.span(), slots_from(slots), connection);
+          },
+          py::arg("keys"), py::arg("slots"), py::arg("connection"),
+          py::doc("pin(self, keys: Sequence[bytes], slots: Sequence[int], connection: bool) -> "
+                  "None\n\nLoads of ``keys[i]`` from ``slots[i]`` begin; ``connection``: the "
+                  "current connection's pool pinned them (False: loads from leases after the "
+                  "pool went away). Raises ValueError, changing nothing, when the lengths "
+                  "differ, a slot is at or past the pool's slot count, or a key is empty or too "
+                  "long."))
+      .def(
+          "complete_slots",
+          [](NodePoolLoads& l, py::handle slots) {
+            std::string payload;
+            l.complete_slots(slots_from(slots), payload);
+            return as_bytes(payload);
+          },
+          py::arg("slots"),
+          py::doc("complete_slots(self, slots: Sequence[int]) -> bytes\n\nEnds one load from "
+                  "each slot: the COMPLETE_LOAD payload of those the current connection pinned, "
+                  "b'' when none (nothing to send). Slots not loading are skipped."))
+      .def(
+          "complete_keys",
+          [](NodePoolLoads& l, py::handle keys) {
+            KeyBatch batch(keys);
+            std::string payload;
+            l.complete_keys(batch.span(), payload);
+            return as_bytes(payload);
+          },
+          py::arg("keys"),
+          py::doc("complete_keys(self, keys: Sequence[bytes]) -> bytes\n\ncomplete_slots by "
+                  "key: one load of each key (keys not loading are skipped)."))
+      .def("lose", &NodePoolLoads::lose,
+           py::doc("lose(self) -> None\n\nThe connection is gone and the pool released its "
+                   "pins: the loads go on, their completions send nothing."))
+      .def("pins",
+           [](const NodePoolLoads& l, py::bytes key) { return l.pins(std::string_view(key)); },
+           py::arg("key"),
+           py::doc("pins(self, key: bytes) -> int\n\nThis engine's loads of ``key`` in flight."))
+      .def(
+          "connection_pins",
+          [](const NodePoolLoads& l, py::bytes key) {
+            return l.connection_pins(std::string_view(key));
+          },
+          py::arg("key"),
+          py::doc("connection_pins(self, key: bytes) -> int\n\nLoads of ``key`` in flight "
+                  "that the current connection pinned."))
+      .def("slot_of",
+           [](const NodePoolLoads& l, py::bytes key) { return l.slot_of(std::string_view(key)); },
+           py::arg("key"),
+           py::doc("slot_of(self, key: bytes) -> int | None\n\nA slot ``key`` is being loaded "
+                   "from, if it is."))
+      .def(
+          "loading_mask",
+          [](const NodePoolLoads& l, py::handle keys) {
+            KeyBatch batch(keys);
+            return as_bytes(l.loading_mask(batch.span()));
+          },
+          py::arg("keys"),
+          py::doc("loading_mask(self, keys: Sequence[bytes]) -> bytes\n\nPer key, 1 when it "
+                  "is being loaded, else 0."))
+      .def_property_readonly("num_loads", &NodePoolLoads::num_loads,
+                             "Loads in flight; a key loaded twice counts twice (int).")
+      .def_property_readonly("num_keys", &NodePoolLoads::num_keys, "Keys being loaded (int).");
 }
 
 }  // namespace kvoff::bindings

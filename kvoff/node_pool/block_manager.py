@@ -3,11 +3,11 @@ one :class:`kvoff.integrations.vllm.KvoffConnector` runs): :class:`NodePoolBlock
 
 The scheduler calls its manager by CPU block ids (slots) where it can: it completes a job's
 loads and stores by the slots ``prepare_load`` and ``prepare_store`` gave. The node pool's
-calls take keys, so this keeps which key each of this engine's slots in flight holds (the
-stores' in the client's ``NodePoolStores``, in C++). The C++ side
+calls take keys; the client keeps which key each of this engine's slots in flight holds (its
+``NodePoolStores`` and ``NodePoolLoads``, in C++). The C++ side
 (``cpp/bindings/node_pool_manager.cpp``) calls the methods below, and stores, completes stores
-and touches through the client's ``NodePoolStores`` itself; their meaning is
-``kvoff::BlockManager``'s (``cpp/include/kvoff/block_manager.h``).
+and loads, and touches through the client's ``NodePoolStores`` and ``NodePoolLoads`` itself;
+their meaning is ``kvoff::BlockManager``'s (``cpp/include/kvoff/block_manager.h``).
 """
 
 from __future__ import annotations
@@ -46,21 +46,16 @@ class NodePoolBlockManager:
     def __init__(self, client: NodePoolClient) -> None:
         self.client = client
         self.load_failures = 0
-        # slot -> [key, loads of this engine in flight from the slot]
-        self._loading: dict[int, list[Any]] = {}
-        # key -> loads of this engine in flight (a dict: Counter's __delitem__ is Python code,
-        # and a step's load completions unpin hundreds of keys)
-        self._load_pins: dict[bytes, int] = {}
 
     def states(self, keys: Sequence[bytes]) -> bytes:
         """A state code per key (0 missing, 1 pending, 2 ready, 3 ready and being loaded by
         this engine) up to and including the first missing key. The pool gone: missing."""
         codes = self.client.lookup_states(keys).translate(_CODE_OF_STATE)
-        pins = self._load_pins
-        if pins and _READY in codes:
+        if _READY in codes and self.client.num_loads:
+            loading = self.client.loading_mask(keys[: len(codes)])
             out = bytearray(codes)
             for i, c in enumerate(codes):
-                if c == _READY and keys[i] in pins:
+                if c == _READY and loading[i]:
                     out[i] = _READY_LOADING
             codes = bytes(out)
         return codes
@@ -73,41 +68,15 @@ class NodePoolBlockManager:
                 nothing is pinned.
         """
         try:
-            slots = self.client.prepare_load(keys)
+            return self.client.prepare_load(keys)
         except NodePoolError:
             self.load_failures += 1
             raise
-        loading, pins = self._loading, self._load_pins
-        for k, s in zip(keys, slots, strict=True):
-            pins[k] = pins.get(k, 0) + 1
-            held = loading.get(s)
-            if held is None or held[0] != k:  # a new load of the slot (or a new pool's key)
-                loading[s] = [k, 1]
-            else:
-                held[1] += 1
-        return slots
 
     def complete_load_blocks(self, slots: Sequence[int]) -> None:
-        """Unpins the slots of a finished load (those :meth:`prepare_load` gave)."""
-        keys = []
-        loading, pins = self._loading, self._load_pins
-        for s in slots:
-            held = loading.get(s)
-            if held is None:
-                continue  # not a load of this engine's (the scheduler never passes one)
-            k = held[0]
-            keys.append(k)
-            n = pins[k]
-            if n > 1:
-                pins[k] = n - 1
-            else:
-                del pins[k]
-            if held[1] > 1:
-                held[1] -= 1
-            else:
-                del loading[s]
-        if keys:
-            self.client.complete_load(keys)
+        """Unpins the slots of a finished load (those :meth:`prepare_load` gave; others are
+        skipped). The C++ scheduler does this itself, through the client's ``NodePoolLoads``."""
+        self.client.complete_load_slots(slots)
 
     def prepare_store(
         self, keys: Sequence[bytes]
@@ -145,27 +114,22 @@ class NodePoolBlockManager:
         (its load pins it; a leased load outlives a pool that went away, see
         :meth:`NodePoolClient.prepare_load`); any other key: the pool's answer now (one round
         trip, after this engine's queued calls; "missing" while the pool is gone)."""
-        if key in self._load_pins:
+        if self.client.load_pins(key):
             return "ready"
         return ("missing", "ready", "pending")[self.client.key_state(key)]
 
     def slot_in_flight(self, key: bytes) -> int | None:
         """The slot this engine is storing ``key`` into or loading it from, else None."""
         slot = self.client.storing_slot(key)
-        if slot is not None:
-            return slot
-        for s, (k, _) in self._loading.items():
-            if k == key:
-                return s
-        return None
+        return slot if slot is not None else self.client.loading_slot(key)
 
     def load_pins(self, key: bytes) -> int:
         """This engine's loads of ``key`` in flight."""
-        return self._load_pins.get(key, 0)
+        return self.client.load_pins(key)
 
     def in_flight(self) -> dict[str, Any]:
         """This engine's slots in flight: ``{"storing": n, "loading": n}`` (tests, metrics)."""
-        return {"storing": self.client.num_storing, "loading": sum(self._load_pins.values())}
+        return {"storing": self.client.num_storing, "loading": self.client.num_loads}
 
     @property
     def stores_refused_in_flight(self) -> int:

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoff._scheduler import KeyFilter, NodePoolStores
+from kvoff._scheduler import KeyFilter, NodePoolLoads, NodePoolStores
 from kvoff.node_pool import protocol as p
 from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
 from kvoff.node_pool.transport import PoolSocket
@@ -202,11 +202,11 @@ class NodePoolClient:
         self._sock: PoolSocket | None = None
         self._next_try = 0.0
         self._region_lost = False
-        # what this connection holds: a pool that went away released it, so completions of
-        # what an earlier connection held are dropped, not sent
-        # key -> this connection's loads of it in flight (a dict: Counter's __delitem__ is
-        # Python code, and a step's load completions unpin hundreds of keys)
-        self._pins: dict[bytes, int] = {}
+        # the loads in flight (slot and key, this engine's and this connection's pins), in
+        # C++: a pool that went away released its connection's pins, so only those are
+        # completed on the wire, and the C++ scheduler's node pool manager completes a step's
+        # loads (a few hundred keys) through this object without Python
+        self._loads = NodePoolLoads(self.prefix)
         # the reservation, the stores in flight (slot and key), their payloads, and the
         # outbox (calls queued without a reply, see _send) with the request ids, in C++: an
         # engine stores ~200 keys a step, and the C++ scheduler's node pool manager
@@ -229,6 +229,7 @@ class NodePoolClient:
         self.num_slots: int = int(hello["num_slots"])
         try:
             self._stores.set_num_slots(self.num_slots)
+            self._loads.set_num_slots(self.num_slots)
         except (ValueError, TypeError, OverflowError) as e:
             self.close()
             raise NodePoolError(f"the node pool at {socket_path} cannot be used: {e}") from e
@@ -396,7 +397,7 @@ class NodePoolClient:
         if self._filter is not None:  # the next pool makes a new one
             self._filter.close()
             self._filter = None
-        self._pins.clear()
+        self._loads.lose()  # the pool released this connection's pins
         # the pool released the reservation and stores with the connection; the queued calls
         # go too
         self._stores.lose()
@@ -577,9 +578,8 @@ class NodePoolClient:
             leased = [leases.pop(k) for k in keys]
             self._send(p.PREPARE_LOAD, self._keys(keys), now=True)  # the lease is running
             if self._sock is not None:
-                self._pin(keys)
                 self.loads_on_lease += 1
-                return [slot for slot, _ in leased]
+                return self._pin(keys, [slot for slot, _ in leased], True)
         else:
             # (taken before the call: losing the pool drops the leases)
             leased = [leases.get(k) for k in keys] if len(set(keys)) == len(keys) else [None]
@@ -587,12 +587,11 @@ class NodePoolClient:
             if reply is not None:
                 for k in keys:  # the pool used this connection's leases of them
                     leases.pop(k, None)
-                self._pin(keys)
-                return p.decode_slots(reply)[0]
+                return self._pin(keys, p.decode_slots(reply)[0], True)
         slots = self._load_after_loss(leased)  # the pool is gone
         if slots is None:
             raise NodePoolError("the node pool is gone: the load cannot be made")
-        return slots
+        return self._pin(keys, slots, False)
 
     def _load_after_loss(self, leased: list[tuple[int, float] | None]) -> list[int] | None:
         """The slots of a load asked for after the pool went away, from its keys' leases
@@ -621,25 +620,55 @@ class NodePoolClient:
         logger.warning("kvoff node pool at %s went away after leasing %d keys; they load "
                        "from its slots", self.socket_path, n)  # fmt: skip
 
-    def _pin(self, keys: Sequence[bytes]) -> None:
-        pins = self._pins
-        for k in keys:
-            pins[k] = pins.get(k, 0) + 1
+    def _pin(self, keys: list[bytes], slots: list[int], connection: bool) -> list[int]:
+        """Records the load of ``keys[i]`` from ``slots[i]`` (``connection``: pinned by this
+        connection's pool); ``slots``.
+
+        Raises:
+            NodePoolError: the pool gave a slot it does not have, or not one slot per key; this
+                client leaves it (the pool releases the pins), nothing is recorded.
+        """
+        try:
+            self._loads.pin(keys, slots, connection)
+        except ValueError as e:
+            if connection:
+                self._lost(p.ProtocolError(f"prepare_load: {e}"))
+            raise NodePoolError(f"the node pool's load cannot be made: {e}") from None
+        return slots
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
-        """Unpins the keys of a finished load (those of a connection since lost are dropped:
-        the pool released them)."""
-        held, pins = [], self._pins
-        for k in _as_bytes(keys):
-            n = pins.get(k, 0)
-            if n > 0:
-                if n == 1:
-                    del pins[k]
-                else:
-                    pins[k] = n - 1
-                held.append(k)
-        if held:
-            self._send(p.COMPLETE_LOAD, self._keys(held))
+        """Ends one load of each key (:meth:`prepare_load`'s keys); keys not being loaded are
+        skipped, and the loads a connection since lost pinned end here only (the pool released
+        them)."""
+        payload = self._loads.complete_keys(keys)
+        if payload:
+            self._send(p.COMPLETE_LOAD, payload)
+
+    def complete_load_slots(self, slots: Sequence[int]) -> None:
+        """:meth:`complete_load` by the slots :meth:`prepare_load` gave: one load from each
+        (what :class:`kvoff.node_pool.block_manager.NodePoolBlockManager` and the C++
+        scheduler complete)."""
+        payload = self._loads.complete_slots(slots)
+        if payload:
+            self._send(p.COMPLETE_LOAD, payload)
+
+    def load_pins(self, key: bytes) -> int:
+        """This engine's loads of ``key`` in flight (of any connection)."""
+        return self._loads.pins(bytes(key))
+
+    def loading_slot(self, key: bytes) -> int | None:
+        """A slot this engine is loading ``key`` from, else None."""
+        return self._loads.slot_of(bytes(key))
+
+    def loading_mask(self, keys: Sequence[bytes]) -> bytes:
+        """Per key, 1 when this engine is loading it, else 0."""
+        return self._loads.loading_mask(keys)
+
+    @property
+    def num_loads(self) -> int:
+        """This engine's loads in flight (of any connection; a key loaded twice counts
+        twice)."""
+        return self._loads.num_loads
 
     def prepare_store(self, keys: Sequence[bytes]) -> StoreSlots | None:
         """Slots for the keys not held yet; None when the pool cannot make room or is gone.

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from node_pool_harness import Served, send_raw, start_pool_process
 
-from kvoff.node_pool import NodePoolClient, NodePoolServer
+from kvoff.node_pool import NodePoolClient, NodePoolError, NodePoolServer
 from kvoff.node_pool import protocol as p
 from kvoff.pinned import HostPool, SharedMemoryError
 
@@ -99,7 +99,7 @@ def test_an_engine_completes_only_its_own_loads_and_stores(served, caplog) -> No
     assert _counts(served) == before and b.lookup(keys) is None and b.attached
     a.complete_store(keys)
     a.prepare_load(keys)
-    b._pin(keys)  # as if b had pinned them: the pool says it did not
+    b._loads.pin(keys, [0, 1], True)  # as if b had pinned them: the pool says it did not
     b.complete_load(keys)
     b.sync()
     assert b.async_errors == 2 and "not being loaded by this engine" in caplog.text
@@ -455,6 +455,38 @@ def test_a_pool_that_grants_slots_it_does_not_have_is_left_and_its_grants_unused
     assert c.num_storing == 0 and c._stores.num_reserved == 0
     assert c.stores_on_reservation == 0
     assert b.lookup(keys) is None  # the pool still serves: b's stores are pending
+
+
+@pytest.mark.parametrize("leased", [True, False], ids=["leased", "asked"])
+def test_a_pool_that_gives_a_load_slots_it_does_not_have_is_left_and_its_pins_released(
+    served, leased
+) -> None:
+    """The engine's table of its loads in flight is indexed by slot too: a load's slot past
+    the pool's slot count (a leased one, or one in the prepare_load reply) is a broken pool.
+    The load fails (NodePoolError, the caller's failed load), nothing is recorded, the engine
+    leaves the pool, and the pool releases the pins and leases of that connection."""
+    a = NodePoolClient(served.socket, FP, name="a")
+    keys = _keys(1, 2)
+    out = a.prepare_store(keys)
+    a.complete_store(out.keys_to_store)
+    a.sync()  # the completion is queued until then
+    b = NodePoolClient(served.socket, FP, name="b", lookahead=0 if not leased else 256)
+    b._loads.set_num_slots(0)  # every slot the pool gives is now past its count
+    if leased:
+        assert b.lookup(keys) == 2  # leased: prepare_load sends without a reply
+    with pytest.raises(NodePoolError, match="gave slot"):
+        b.prepare_load(keys)
+    assert not b.attached and b.num_loads == 0 and b.load_pins(keys[0]) == 0
+    deadline = time.monotonic() + 10
+    while _counts(served)[3] != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the pool releases the connection's pins when it sees it close
+    assert _counts(served)[3] == 2  # both blocks evictable again: no pin or lease left
+    c = NodePoolClient(served.socket, FP, name="c")
+    assert c.lookup(keys) == 2
+    slots = c.prepare_load(keys)
+    assert c.num_loads == 2 and c.loading_slot(keys[1]) == slots[1]
+    c.complete_load(keys)
+    assert c.num_loads == 0
 
 
 def _raw(served, data: bytes) -> bytes:
