@@ -640,7 +640,7 @@ class NodePoolClient:
         """Ends one load of each key (:meth:`prepare_load`'s keys); keys not being loaded are
         skipped, and the loads a connection since lost pinned end here only (the pool released
         them)."""
-        payload = self._loads.complete_keys(keys)
+        payload = self._loads.complete_keys(_as_bytes(keys))
         if payload:
             self._send(p.COMPLETE_LOAD, payload)
 

@@ -485,8 +485,9 @@ def test_a_pool_that_gives_a_load_slots_it_does_not_have_is_left_and_its_pins_re
     assert c.lookup(keys) == 2
     slots = c.prepare_load(keys)
     assert c.num_loads == 2 and c.loading_slot(keys[1]) == slots[1]
-    c.complete_load(keys)
-    assert c.num_loads == 0
+    c.complete_load([bytearray(k) for k in keys])  # bytes-like keys, as before
+    c.sync()
+    assert c.num_loads == 0 and c.async_errors == 0 and _counts(served)[3] == 2
 
 
 def _raw(served, data: bytes) -> bytes:
