@@ -24,17 +24,6 @@ void NodePoolLoads::set_num_slots(std::uint32_t num_slots) {
   num_slots_ = num_slots;
 }
 
-std::uint64_t NodePoolLoads::key_hash(std::string_view key) noexcept {
-  const std::uint64_t h = hash_key(key);
-  return h == 0 ? 1 : h;  // 0 marks an empty bucket
-}
-
-std::uint32_t NodePoolLoads::find_key(std::string_view key, std::uint64_t hash) const noexcept {
-  const std::uint32_t* e =
-      by_key_.find(hash, [&](std::uint32_t i) { return entries_[i].key == key; });
-  return e == nullptr ? kNone : *e;
-}
-
 void NodePoolLoads::pin(KeySpan keys, std::span<const std::uint32_t> slots, bool connection) {
   if (keys.size() != slots.size()) {
     throw std::invalid_argument("node pool loads: " + std::to_string(keys.size()) +
@@ -57,26 +46,16 @@ void NodePoolLoads::pin(KeySpan keys, std::span<const std::uint32_t> slots, bool
   if (!keys.empty() && top >= of_slot_.size()) {
     of_slot_.resize(std::max<std::size_t>(top + std::size_t{1}, 2 * of_slot_.size()));
   }
-  entries_.reserve(entries_.size() + keys.size());
+  entries_.reserve(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::string_view k = keys[i];
-    const std::uint64_t h = key_hash(k);
-    std::uint32_t e = find_key(k, h);
+    const std::uint64_t h = Entries::hash(k);
+    std::uint32_t e = entries_.find(k, h);
     if (e == kNone) {
-      by_key_.reserve_one();
-      if (free_.empty()) {
-        entries_.emplace_back();
-        e = static_cast<std::uint32_t>(entries_.size() - 1);
-      } else {
-        e = free_.back();
-        free_.pop_back();
-      }
+      e = entries_.add(k, h);
       Loading& f = entries_[e];
-      f.key.assign(k);  // an earlier load's memory: no allocation
-      f.key_hash = h;
       f.pins = f.connection_pins = 0;
       f.connection = connection_;
-      by_key_.insert(h, e);
     }
     const std::uint32_t held = entry_of_slot(slots[i]);
     SlotLoads& s = of_slot_[slots[i]];
@@ -113,10 +92,9 @@ std::uint32_t NodePoolLoads::entry_of_slot(std::uint32_t slot) const noexcept {
 }
 
 void NodePoolLoads::free_entry(std::uint32_t e) {
-  Loading& f = entries_[e];
-  by_key_.erase(f.key_hash, [&](std::uint32_t x) { return x == e; });
-  ++f.generation;  // slots that still name it see a stale entry
-  free_.push_back(e);  // its key's bytes stay until the next pin: ended_ may still read them
+  entries_.unindex(e);
+  ++entries_[e].generation;  // slots that still name it see a stale entry
+  entries_.release(e);       // its key's bytes stay until the next pin: ended_ may read them
 }
 
 void NodePoolLoads::end(std::uint32_t e, std::uint32_t slot) {
@@ -152,33 +130,33 @@ std::size_t NodePoolLoads::complete_slots(std::span<const std::uint32_t> slots,
 std::size_t NodePoolLoads::complete_keys(KeySpan keys, std::string& payload) {
   ended_.clear();
   for (const std::string_view k : keys) {
-    const std::uint32_t e = find_key(k);
+    const std::uint32_t e = entries_.find(k);
     if (e != kNone) end(e, entries_[e].slot);
   }
   return completion(payload);
 }
 
 std::uint32_t NodePoolLoads::pins(std::string_view key) const {
-  const std::uint32_t e = find_key(key);
+  const std::uint32_t e = entries_.find(key);
   return e == kNone ? 0 : entries_[e].pins;
 }
 
 std::uint32_t NodePoolLoads::connection_pins(std::string_view key) const {
-  const std::uint32_t e = find_key(key);
+  const std::uint32_t e = entries_.find(key);
   if (e == kNone || entries_[e].connection != connection_) return 0;
   return entries_[e].connection_pins;
 }
 
 std::optional<std::uint32_t> NodePoolLoads::slot_of(std::string_view key) const {
-  const std::uint32_t e = find_key(key);
+  const std::uint32_t e = entries_.find(key);
   if (e == kNone) return std::nullopt;
   return entries_[e].slot;
 }
 
 std::string NodePoolLoads::loading_mask(KeySpan keys) const {
   std::string out(keys.size(), '\0');
-  if (by_key_.size() == 0) return out;
-  for (std::size_t i = 0; i < keys.size(); ++i) out[i] = find_key(keys[i]) != kNone ? 1 : 0;
+  if (entries_.size() == 0) return out;
+  for (std::size_t i = 0; i < keys.size(); ++i) out[i] = entries_.find(keys[i]) != kNone ? 1 : 0;
   return out;
 }
 

@@ -97,11 +97,6 @@ void NodePoolStores::add_evicted(std::vector<std::string> keys) {
 
 std::vector<std::string> NodePoolStores::take_evicted() { return std::exchange(evicted_, {}); }
 
-std::uint64_t NodePoolStores::key_hash(std::string_view key) noexcept {
-  const std::uint64_t h = hash_key(key);
-  return h == 0 ? 1 : h;
-}
-
 void NodePoolStores::set_num_slots(std::uint32_t num_slots) {
   if (num_slots > kMaxSlots) {
     throw std::invalid_argument("a node pool of " + std::to_string(num_slots) +
@@ -124,33 +119,16 @@ std::uint32_t NodePoolStores::find_slot(std::uint32_t slot) const noexcept {
   return slot < entry_of_slot_.size() ? entry_of_slot_[slot] : kNone;
 }
 
-std::uint32_t NodePoolStores::find_key(std::string_view key, std::uint64_t hash) const noexcept {
-  const std::uint32_t* e =
-      by_key_.find(hash, [&](std::uint32_t i) { return entries_[i].key == key; });
-  return e == nullptr ? kNone : *e;
-}
-
 void NodePoolStores::add(std::string_view key, std::uint64_t hash, std::uint32_t slot) {
   if (slot >= entry_of_slot_.size()) {
     entry_of_slot_.resize(std::max<std::size_t>(slot + std::size_t{1}, 2 * entry_of_slot_.size()),
                           kNone);
   }
-  by_key_.reserve_one();
-  std::uint32_t e;
-  if (free_.empty()) {
-    entries_.emplace_back();
-    e = static_cast<std::uint32_t>(entries_.size() - 1);
-  } else {
-    e = free_.back();
-    free_.pop_back();
-  }
+  const std::uint32_t e = entries_.add(key, hash);
   InFlight& f = entries_[e];
-  f.key.assign(key);  // the entry's memory from an earlier store: no allocation
-  f.key_hash = hash;
   f.connection = connection_;
   f.slot = slot;
   entry_of_slot_[slot] = e;
-  by_key_.insert(f.key_hash, e);  // cannot throw: reserved above
   ++num_storing_;
 }
 
@@ -171,18 +149,18 @@ bool NodePoolStores::store_reserved(KeySpan keys, const KeyFilter& filter,
     at += prefix_.size() + k.size();
   }
   if (filter.first_maybe(prefixed) < n) return false;  // maybe held: the pool decides
-  entries_.reserve(entries_.size() + n);  // the adds below then allocate only table growth
+  entries_.reserve(n);  // the adds below then allocate only table growth
   for (std::size_t i = 0; i < n; ++i) {
     // a key in flight already or repeated in the call, or (a pool restarted on the same
     // region) a reserved slot still being written: undo, and let the pool decide
-    const std::uint64_t hash = key_hash(keys[i]);
+    const std::uint64_t hash = Entries::hash(keys[i]);
     if (find_key(keys[i], hash) != kNone || find_slot(reserved_[i]) != kNone) {
       for (std::size_t j = 0; j < i; ++j) {
         const std::uint32_t e = find_slot(reserved_[j]);
-        by_key_.erase(entries_[e].key_hash, [&](std::uint32_t x) { return x == e; });
+        entries_.unindex(e);
         entry_of_slot_[reserved_[j]] = kNone;
         --num_storing_;
-        free_.push_back(e);
+        entries_.release(e);
       }
       return false;
     }
@@ -207,7 +185,7 @@ bool NodePoolStores::begin(KeySpan keys, std::span<const std::uint32_t> slots) {
   }
   std::vector<std::uint64_t> hashes(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    hashes[i] = key_hash(keys[i]);
+    hashes[i] = Entries::hash(keys[i]);
     if (find_slot(slots[i]) != kNone || find_key(keys[i], hashes[i]) != kNone) return false;
   }
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -219,13 +197,13 @@ bool NodePoolStores::begin(KeySpan keys, std::span<const std::uint32_t> slots) {
 
 void NodePoolStores::end(std::uint32_t e) {
   const InFlight& f = entries_[e];
-  by_key_.erase(f.key_hash, [&](std::uint32_t x) { return x == e; });
+  entries_.unindex(e);
   entry_of_slot_[f.slot] = kNone;
   --num_storing_;
   if (f.connection == connection_) {
     ended_.push_back(e);  // freed once its key is in the payload
   } else {
-    free_.push_back(e);
+    entries_.release(e);
   }
 }
 
@@ -238,7 +216,7 @@ std::size_t NodePoolStores::completion(bool success, std::string& payload) {
     for (const std::uint32_t e : ended_) views.emplace_back(entries_[e].key);
     payload.push_back(success ? 1 : 0);
     append_prefixed_keys(payload, prefix_, views);  // keys begin() or store_reserved() took
-    free_.insert(free_.end(), ended_.begin(), ended_.end());
+    for (const std::uint32_t e : ended_) entries_.release(e);
   }
   ended_.clear();
   return n;

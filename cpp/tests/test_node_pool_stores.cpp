@@ -278,7 +278,9 @@ TEST(NodePoolStores, MatchesAModelOfSlotsAndConnections) {
       std::vector<std::uint32_t> slot = {it->first};
       const std::size_t sent = s.complete_slots(slot, true, payload);
       ASSERT_EQ(sent, it->second.connection == connection ? 1u : 0u);
-      if (sent) ASSERT_EQ(decode_keys(std::string_view(payload).substr(1))[0], kPrefix + it->second.key);
+      if (sent) {
+        ASSERT_EQ(decode_keys(std::string_view(payload).substr(1))[0], kPrefix + it->second.key);
+      }
       model.erase(it);
     } else if (op == 4 && !model.empty()) {
       auto it = std::next(model.begin(), static_cast<long>(rng() % model.size()));

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "kvoff/block_manager.h"
-#include "kvoff/flat_hash_table.h"
+#include "kvoff/keyed_entries.h"
 #include "kvoff/key.h"
 
 namespace kvoff {
@@ -63,7 +63,7 @@ class NodePoolLoads {
   /// Loads in flight (a key loaded twice counts twice).
   std::size_t num_loads() const noexcept { return num_loads_; }
   /// Keys being loaded.
-  std::size_t num_keys() const noexcept { return by_key_.size(); }
+  std::size_t num_keys() const noexcept { return entries_.size(); }
 
  private:
   // A key being loaded. Entries are reused (a free list): their keys' memory serves later
@@ -77,6 +77,8 @@ class NodePoolLoads {
     std::uint32_t slot = 0;        // the last slot it was pinned from
     std::uint32_t generation = 0;  // counts the entry's reuses (SlotLoads::generation)
   };
+  using Entries = detail::KeyedEntries<Loading>;
+  static constexpr std::uint32_t kNone = Entries::kNone;
   // A slot being loaded from: its key's entry (while the entry's generation is this one: a
   // key loaded from two slots, after a pool restart, may end through the other) and the loads.
   struct SlotLoads {
@@ -84,12 +86,6 @@ class NodePoolLoads {
     std::uint32_t generation = 0;
     std::uint32_t count = 0;
   };
-  static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
-  static std::uint64_t key_hash(std::string_view key) noexcept;
-  std::uint32_t find_key(std::string_view key, std::uint64_t hash) const noexcept;
-  std::uint32_t find_key(std::string_view key) const noexcept {
-    return find_key(key, key_hash(key));
-  }
   // The live entry slot `slot` is loaded from, else kNone.
   std::uint32_t entry_of_slot(std::uint32_t slot) const noexcept;
   // Takes entry `e` out (no load of its key left).
@@ -103,12 +99,10 @@ class NodePoolLoads {
   std::uint64_t connection_ = 0;
   std::uint32_t num_slots_ = kMaxSlots;
   std::size_t num_loads_ = 0;
-  std::vector<Loading> entries_;
-  std::vector<std::uint32_t> free_;
+  Entries entries_;  // the keys being loaded
   // by slot, grown to the largest slot seen (12 bytes a slot): a step's completions look up a
   // few hundred slots the engine's own work has pushed out of the cache since the loads began
   std::vector<SlotLoads> of_slot_;
-  detail::FlatHashTable<std::uint32_t> by_key_;
   std::vector<std::string_view> ended_;  // keys of the completion being made
 };
 

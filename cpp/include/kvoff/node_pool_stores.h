@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "kvoff/block_manager.h"
-#include "kvoff/flat_hash_table.h"
+#include "kvoff/keyed_entries.h"
 #include "kvoff/key.h"
 #include "kvoff/key_filter.h"
 
@@ -125,24 +125,23 @@ class NodePoolStores {
   // stores: an engine stores ~200 keys a step, and a node-based map cost 35 us for that.
   struct InFlight {
     std::string key;
-    std::uint64_t key_hash = 0;  // by_key_'s hash of `key` (an end need not read the key)
+    std::uint64_t key_hash = 0;  // the table's hash of `key` (an end need not read the key)
     std::uint64_t connection = 0;
     std::uint32_t slot = 0;
   };
-  static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
-  // by_key_'s hash: never 0 (an empty bucket), with no bit forced (a bucket is its low bits).
-  static std::uint64_t key_hash(std::string_view key) noexcept;
+  using Entries = detail::KeyedEntries<InFlight>;
+  static constexpr std::uint32_t kNone = Entries::kNone;
   // Throws std::invalid_argument for a slot at or past num_slots_.
   void check_slots(std::span<const std::uint32_t> slots) const;
   std::uint32_t find_slot(std::uint32_t slot) const noexcept;
-  // The entry storing `key` (kNone: none); `hash` is key_hash(key), which a caller that also
-  // adds the key computes once for both.
-  std::uint32_t find_key(std::string_view key, std::uint64_t hash) const noexcept;
-  std::uint32_t find_key(std::string_view key) const noexcept {
-    return find_key(key, key_hash(key));
+  // The entry storing `key` (kNone: none); `hash` is Entries::hash(key), which a caller that
+  // also adds the key computes once for both.
+  std::uint32_t find_key(std::string_view key, std::uint64_t hash) const noexcept {
+    return entries_.find(key, hash);
   }
+  std::uint32_t find_key(std::string_view key) const noexcept { return entries_.find(key); }
   // Puts a store in flight (tables grown first, so nothing is half done on bad_alloc); `hash`
-  // is key_hash(key).
+  // is Entries::hash(key).
   void add(std::string_view key, std::uint64_t hash, std::uint32_t slot);
   // Takes entry `e` out of flight; it is added to `ended_` when this connection made it.
   void end(std::uint32_t e);
@@ -158,15 +157,13 @@ class NodePoolStores {
   std::uint64_t reserved_stores_ = 0;
   std::deque<std::uint32_t> reserved_;
   std::vector<std::string> evicted_;
-  std::vector<InFlight> entries_;
-  std::vector<std::uint32_t> free_;  // entries not in flight
+  Entries entries_;  // the stores in flight, by key
   // Entry by slot (kNone: none), indexed by slot: a step's completion looks up ~200 slots the
   // engine's own work has pushed out of the cache since their stores began, and a hash table
   // made each a bucket and an entry to miss. Grown to the largest slot seen (4 bytes a slot).
   std::vector<std::uint32_t> entry_of_slot_;
   std::size_t num_storing_ = 0;
   std::uint32_t num_slots_ = kMaxSlots;
-  detail::FlatHashTable<std::uint32_t> by_key_;  // entry by key
   std::vector<std::uint32_t> ended_;             // entries of the completion being made
 };
 
