@@ -15,6 +15,7 @@
 
 #include "kvoff/node_pool_loads.h"
 #include "kvoff/node_pool_stores.h"  // kNodePoolMaxKeyBytes
+#include "node_pool_test_util.h"
 
 namespace {
 
@@ -22,33 +23,17 @@ using kvoff::NodePoolLoads;
 
 const std::string kPrefix = "PREFIX08";
 
-// The keys of a key list payload (protocol.decode_keys), the prefix checked and dropped.
+using kvoff::testing::views;
+
+// The keys of a key list payload, the prefix checked and dropped (none when empty).
 std::vector<std::string> decode_keys(std::string_view p) {
-  auto u = [&](std::size_t at, int bytes) {
-    std::size_t v = 0;
-    for (int b = 0; b < bytes; ++b) v |= std::size_t(static_cast<unsigned char>(p[at + b])) << (8 * b);
-    return v;
-  };
   std::vector<std::string> out;
   if (p.empty()) return out;
-  const std::size_t count = u(0, 4), width = u(4, 2);
-  std::size_t at = 6;
-  for (std::size_t i = 0; i < count; ++i) {
-    std::size_t len = width;
-    if (width == 0) {
-      len = u(at, 2);
-      at += 2;
-    }
-    EXPECT_EQ(p.substr(at, kPrefix.size()), kPrefix);
-    out.emplace_back(p.substr(at + kPrefix.size(), len - kPrefix.size()));
-    at += len;
+  for (const std::string& k : kvoff::testing::decode_keys(p)) {
+    EXPECT_EQ(k.substr(0, kPrefix.size()), kPrefix);
+    out.push_back(k.substr(kPrefix.size()));
   }
-  EXPECT_EQ(at, p.size());
   return out;
-}
-
-std::vector<std::string_view> views(const std::vector<std::string>& keys) {
-  return {keys.begin(), keys.end()};
 }
 
 using Slots = std::vector<std::uint32_t>;

@@ -15,6 +15,7 @@
 
 #include "kvoff/key_filter.h"
 #include "kvoff/node_pool_stores.h"
+#include "node_pool_test_util.h"
 
 namespace {
 
@@ -38,32 +39,8 @@ struct Filter {
   KeyFilter filter;
 };
 
-// The keys of a key list payload (protocol.decode_keys).
-std::vector<std::string> decode_keys(std::string_view p) {
-  auto u = [&](std::size_t at, int bytes) {
-    std::size_t v = 0;
-    for (int b = 0; b < bytes; ++b) v |= std::size_t(static_cast<unsigned char>(p[at + b])) << (8 * b);
-    return v;
-  };
-  const std::size_t count = u(0, 4), width = u(4, 2);
-  std::vector<std::string> out;
-  std::size_t at = 6;
-  for (std::size_t i = 0; i < count; ++i) {
-    std::size_t len = width;
-    if (width == 0) {
-      len = u(at, 2);
-      at += 2;
-    }
-    out.emplace_back(p.substr(at, len));
-    at += len;
-  }
-  EXPECT_EQ(at, p.size());
-  return out;
-}
-
-std::vector<std::string_view> views(const std::vector<std::string>& keys) {
-  return {keys.begin(), keys.end()};
-}
+using kvoff::testing::decode_keys;
+using kvoff::testing::views;
 
 TEST(NodePoolStores, KeyListsAreTheWireFormat) {
   const std::vector<std::string> same = {"abc", "def"};
