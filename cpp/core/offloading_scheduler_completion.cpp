@@ -1,7 +1,7 @@
 // OffloadingScheduler, the end of jobs and requests: update_connector_output (the workers'
 // reports complete jobs), reset_cache, request_finished / finish_request, and the request
 // records' life (new_request, erase_request: records are reused). The rest of the scheduler is
-// in offloading_scheduler.cpp.
+// in offloading_scheduler.cpp and offloading_scheduler_step.cpp.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -12,12 +12,11 @@
 #include <vector>
 
 #include "kvoff/offloading_scheduler.h"
+#include "offloading_scheduler_internal.h"
 
 namespace kvoff {
 
-namespace {
-constexpr auto kAnyEntry = [](const auto&) { return true; };
-}  // namespace
+using namespace scheduler_detail;
 
 // ------------------------------------------------------------------------------ completion
 
