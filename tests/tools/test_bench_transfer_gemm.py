@@ -1,6 +1,7 @@
 """The GEMM-slowdown measurement of ``kvoff bench transfer`` (issue 55, item 4): interleaved
-"alone" / "with transfers" rounds and their statistics (median, interquartile range, the
-median's distribution-free 95 % interval, rounds needed), checked with CPU fakes of known answer;
+"alone" / "with transfers" rounds and their statistics (:mod:`kvoff.tools.slowdown_rounds`:
+median, interquartile range, the median's distribution-free 95 % interval, rounds needed),
+checked with CPU fakes of known answer;
 and the wiring of the rounds into the per-mechanism rows, the parameters and the command line.
 The GEMM itself runs only on CUDA."""
 
@@ -15,18 +16,16 @@ import torch
 
 from kvoff.jobs import TransferResult
 from kvoff.tools import bench_transfer as bt
-from kvoff.tools.bench_transfer import (
+from kvoff.tools.bench_transfer import TRANSFER_PRESETS, TransferBenchParams, run_transfer_bench
+from kvoff.tools.cli import build_parser, main
+from kvoff.tools.slowdown_rounds import (
     GEMM_ROUNDS,
     SLOWDOWN_HALF_WIDTH_TARGET,
-    TRANSFER_PRESETS,
-    TransferBenchParams,
     interleaved_slowdowns,
     median_half_width,
     rounds_needed,
-    run_transfer_bench,
     summarize_slowdowns,
 )
-from kvoff.tools.cli import build_parser, main
 
 # ------------------------------------------------------------------------- interleaving
 

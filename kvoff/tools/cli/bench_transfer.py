@@ -22,12 +22,8 @@ __all__ = ["add_parser", "run"]
 def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     """Registers ``kvoff bench transfer`` on the ``bench`` subparsers."""
     from kvoff.slot_layout import GPU_LAYOUTS
-    from kvoff.tools.bench_transfer import (
-        DEFAULT_PRESETS,
-        GEMM_ROUNDS,
-        JOB_SIZES,
-        TRANSFER_PRESETS,
-    )
+    from kvoff.tools.bench_transfer import DEFAULT_PRESETS, JOB_SIZES, TRANSFER_PRESETS
+    from kvoff.tools.slowdown_rounds import GEMM_ROUNDS
     from kvoff.transfer import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_PIECE_BYTES
 
     tp = bench_sub.add_parser(
