@@ -1,5 +1,6 @@
 """The local disk tier: whole blocks in fixed-size slots of one preallocated file (one job:
-this tier, its file format, index, I/O threads and recovery).
+this tier, its index, I/O threads and recovery; opening the file, with its superblock, lock,
+O_DIRECT and preallocation, is :mod:`kvoff.tiers.slot_file`'s).
 
 File layout (one file per tier, ``<path>/<file_name>``, default ``kvoff-blocks.slots``)::
 
@@ -53,13 +54,10 @@ process which does not ignore ``SIGXFSZ`` is killed by the kernel when it exceed
 from __future__ import annotations
 
 import errno
-import fcntl
 import heapq
 import logging
-import mmap
 import numbers
 import os
-import struct
 import threading
 import time
 import weakref
@@ -70,7 +68,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import xxhash
 
 from kvoff.tiers.base import (
     CallGate,
@@ -88,16 +85,17 @@ from kvoff.tiers.block_format import (
     decode_header,
     encode_header,
 )
+from kvoff.tiers.slot_file import (
+    ALIGN,
+    SUPERBLOCK_BYTES,
+    SlotFile,
+    SlotFileRefused,
+    aligned_buffer,
+    round_up,
+)
 
 log = logging.getLogger("kvoff.tiers.disk")
 
-ALIGN = 4096
-"""Alignment of offsets, lengths and buffers for O_DIRECT (covers 512 B and 4 KiB devices)."""
-SUPERBLOCK_BYTES = 4096
-"""Bytes before the first slot (the file header)."""
-SUPER_MAGIC = b"KVOFFDSK"
-SUPER_VERSION = 1
-_SUPER = struct.Struct("<8sIIQQ")
 DEFAULT_FILE_NAME = "kvoff-blocks.slots"
 #: Most bytes one ``get`` reads in a single ``preadv`` (one ``put`` writes in a single
 #: ``pwritev``) when the blocks of a batch sit in consecutive slots (headers and payloads of a
@@ -119,11 +117,6 @@ T = TypeVar("T")
 J = TypeVar("J", bound=tuple)
 
 
-def round_up(n: int, align: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``align``."""
-    return -(-n // align) * align
-
-
 def slot_bytes_for(fmt: BlockFormat) -> int:
     """Bytes of one disk slot: header + payload rounded up to 4096."""
     return HEADER_BYTES + round_up(fmt.payload_bytes)
@@ -131,10 +124,6 @@ def slot_bytes_for(fmt: BlockFormat) -> int:
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
-
-
-class _Refused(Exception):
-    """Open was refused for a reason the caller must fix (raised as ValueError)."""
 
 
 class DiskTier(SecondaryTier):
@@ -247,7 +236,7 @@ class DiskTier(SecondaryTier):
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoff-disk")
         try:
             self._open(direct)
-        except _Refused as e:
+        except SlotFileRefused as e:
             self._pool.shutdown(wait=False)
             self._close_fd()  # a refused tier keeps no descriptor and no lock on the file
             raise ValueError(str(e)) from None
@@ -267,207 +256,32 @@ class DiskTier(SecondaryTier):
             self._fd = -1
 
     def _open(self, direct: bool | None) -> None:
-        if self.dir.exists() and not self.dir.is_dir():
-            raise _Refused(
-                f"disk_path {self.dir} exists and is not a directory; pass a directory (the tier "
-                f"creates {self.file.name} inside it)"
-            )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        fd = -1
-        if direct is not False and hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(self.file, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-        if fd < 0:
-            if direct is True:
-                raise _Refused(
-                    f"the file system of {self.dir} does not support O_DIRECT (tmpfs, some network "
-                    f"file systems); pass direct=None to fall back to buffered I/O or use another "
-                    f"disk_path"
-                )
-            fd = os.open(self.file, flags, 0o644)
-            self.direct = False
-        self._fd = fd
+        """Opens the slot file (:class:`kvoff.tiers.slot_file.SlotFile`: O_DIRECT, lock,
+        superblock, space, preallocation) and rebuilds the index from its slots' headers."""
+        f = SlotFile(
+            self.file,
+            slot_bytes=self.slot_bytes,
+            payload_bytes=self.fmt.payload_bytes,
+            num_slots=self.num_slots,
+            capacity_bytes=self.capacity_bytes,
+            direct=direct,
+        )
+        self._fd, self.direct = f.fd, f.direct  # the tier owns the descriptor from here
         # a tier dropped without close() still closes (and unlocks) its file when collected
-        self._fd_closer = weakref.finalize(self, os.close, fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _Refused(
-                f"{self.file} is in use by another DiskTier (flock); give every engine process and "
-                f"rank its own disk_path or file_name, or close the other tier first"
-            ) from None
-        st = os.fstat(fd)
-        size = st.st_size
-        sb = self._buffer(SUPERBLOCK_BYTES)
-        n = 0
-        if size > 0:
-            try:
-                n = os.preadv(fd, [sb], 0)
-            except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL):
-                    raise
-                if direct is True:
-                    raise _Refused(self._direct_refused_message(e)) from None
-                self._reopen_buffered()  # O_DIRECT accepted at open(), refused at read
-                n = os.preadv(self._fd, [sb], 0)
-        existing = size > 0 and n == SUPERBLOCK_BYTES and bytes(sb[:8]) == SUPER_MAGIC
-        recreate = existing and not self._superblock_matches(sb)
-        if recreate:
-            existing = False
-        elif (
-            not existing and n >= len(SUPER_MAGIC) and bytes(sb[: len(SUPER_MAGIC)]) == SUPER_MAGIC
-        ):
-            raise _Refused(
-                f"{self.file} is a kvoff disk tier file cut short: {size} bytes, shorter than its "
-                f"{SUPERBLOCK_BYTES}-byte superblock (truncated header; it holds no blocks); "
-                f"delete that file, or choose another disk_path or file_name"
-            )
-        elif size > 0 and not existing and (any(bytes(sb[:n])) or not self._only_zeros(n, size)):
-            raise _Refused(
-                f"{self.file} exists and is not a kvoff disk tier file (no {SUPER_MAGIC!r} "
-                f"header, and not all zeros: {size} bytes); choose another disk_path or "
-                f"file_name, or delete that file"
-            )
-        # Every check that can refuse is done before the file is changed: a refused open leaves
-        # an existing file (and its blocks) as it was. Recreating gives back what the file holds.
-        self._check_space(size if existing else 0, reclaim=0 if existing else st.st_blocks * 512)
-        if not existing:
-            if recreate:
-                log.warning(
-                    "%s was written for another block size; recreating it empty (its blocks "
-                    "cannot be served with payload_bytes=%d)",
-                    self.file,
-                    self.fmt.payload_bytes,
-                )
-                self._stats.set(recreated_files=1)
-            os.ftruncate(self._fd, 0)  # new, zero-filled (crashed while created) or foreign
-            self._write_superblock(direct)
-        self._stats.set(direct_io=int(self.direct))
-        self._size_file()
+        self._fd_closer = weakref.finalize(self, os.close, f.fd)
+        if f.recreated:
+            self._stats.set(recreated_files=1)
+        self._stats.set(direct_io=int(f.direct), preallocated=int(f.preallocated))
         scanned = 0
-        if existing:
-            scanned = min(self.num_slots, max(0, (size - SUPERBLOCK_BYTES) // self.slot_bytes))
+        if f.existing_bytes:
+            scanned = min(
+                self.num_slots, max(0, (f.existing_bytes - SUPERBLOCK_BYTES) // self.slot_bytes)
+            )
             self._scan(scanned)
         used = set(self._index.values())
         self._free = [s for s in range(self.num_slots) if s not in used]
         heapq.heapify(self._free)
         self._stats.set(blocks=len(self._index))
-
-    def _direct_refused_message(self, e: OSError) -> str:
-        return (
-            f"the file system of {self.dir} does not support O_DIRECT I/O (it accepted O_DIRECT "
-            f"at open() but refused a read or write of {self.file}: {e}); pass direct=None to "
-            f"fall back to buffered I/O or use another disk_path"
-        )
-
-    def _only_zeros(self, start: int, end: int) -> bool:
-        """Whether bytes ``start..end`` of the file are all zero (a file that was being created
-        when the process died), reading only its data (``SEEK_DATA``: holes and preallocated
-        extents are skipped); stops at the first non-zero byte."""
-        buf = self._buffer(1 << 20)
-        seek_data = getattr(os, "SEEK_DATA", None)
-        seek_hole = getattr(os, "SEEK_HOLE", None)
-        off = start
-        while off < end:
-            data, hole = off, end
-            if seek_data is not None and seek_hole is not None:
-                try:
-                    data = os.lseek(self._fd, off, seek_data)
-                    hole = os.lseek(self._fd, data, seek_hole)
-                except OSError as e:
-                    if e.errno == errno.ENXIO:  # no data after ``off``
-                        return True
-                    data, hole = off, end  # SEEK_DATA unsupported: read it all
-            pos = data - data % ALIGN  # O_DIRECT reads at aligned offsets
-            stop = min(hole, end)
-            while pos < stop:
-                got = os.preadv(self._fd, [buf[: min(buf.nbytes, round_up(stop - pos))]], pos)
-                if got <= 0:
-                    return True  # end of file
-                if np.frombuffer(buf[:got], dtype=np.uint8).any():
-                    return False
-                pos += got
-            off = max(pos, off + 1)
-        return True
-
-    def _reopen_buffered(self) -> None:
-        """Turns O_DIRECT off on the tier's own descriptor: a file system that took O_DIRECT at
-        ``open()`` refused it at the first read or write. ``F_SETFL`` keeps the descriptor and
-        so its ``flock``; a second descriptor would conflict with that lock (flock locks belong
-        to the open file description)."""
-        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))
-        self.direct = False
-
-    def _superblock_fields(self) -> bytes:
-        return _SUPER.pack(
-            SUPER_MAGIC, SUPER_VERSION, HEADER_BYTES, self.slot_bytes, self.fmt.payload_bytes
-        )
-
-    def _superblock_matches(self, sb: memoryview) -> bool:
-        fields = self._superblock_fields()
-        (stored_sum,) = struct.unpack_from("<Q", sb, _SUPER.size)
-        return bytes(sb[: _SUPER.size]) == fields and stored_sum == xxhash.xxh3_64_intdigest(fields)
-
-    def _write_superblock(self, direct: bool | None) -> None:
-        sb = self._buffer(SUPERBLOCK_BYTES)
-        fields = self._superblock_fields()
-        sb[:] = bytes(SUPERBLOCK_BYTES)
-        sb[: _SUPER.size] = fields
-        struct.pack_into("<Q", sb, _SUPER.size, xxhash.xxh3_64_intdigest(fields))
-        try:
-            self._pwrite_all(sb, 0)
-        except OSError as e:
-            if not (self.direct and e.errno == errno.EINVAL):
-                raise
-            if direct is True:  # O_DIRECT required: no fallback
-                raise _Refused(self._direct_refused_message(e)) from None
-            self._reopen_buffered()
-            self._pwrite_all(sb, 0)
-
-    def _target_bytes(self) -> int:
-        """The file's size at capacity: superblock and every slot."""
-        return SUPERBLOCK_BYTES + self.num_slots * self.slot_bytes
-
-    def _check_space(self, size: int, reclaim: int = 0) -> None:
-        """Refuse when the file, ``size`` bytes long, needs more bytes to reach its capacity than
-        its file system has free (plus ``reclaim``, what emptying the file gives back):
-        fallocate would take the whole disk (and leave what it got: the engine's and everyone
-        else's writes would then fail); a sparse file would fill it later."""
-        target = self._target_bytes()
-        if size >= target:
-            return
-        st = os.fstatvfs(self._fd)
-        free = st.f_bavail * st.f_frsize + reclaim
-        if target - size > free:
-            raise _Refused(
-                f"the disk tier's file {self.file} needs {target - size} more bytes "
-                f"(disk_bytes={self.capacity_bytes}), but its file system has {free} bytes "
-                "free; lower disk_bytes or free space there"
-            )
-
-    def _size_file(self) -> None:
-        """Preallocate the file to its capacity (fallocate), or leave it sparse if refused."""
-        target = self._target_bytes()
-        size = os.fstat(self._fd).st_size
-        if size > target:
-            os.ftruncate(self._fd, target)
-            size = target
-        preallocated = 1
-        if size < target:
-            self._check_space(size)  # checked before the file changed; a guard against races
-            try:
-                os.posix_fallocate(self._fd, size, target - size)
-            except OSError as e:
-                preallocated = 0
-                os.ftruncate(self._fd, size)  # give back what a failed fallocate took
-                log.info("%s: not preallocated (%s); slots are allocated as written", self.file, e)
-        self._stats.set(preallocated=preallocated)
 
     def _scan(self, count: int) -> None:
         """Rebuild the index from the headers of slots ``0..count-1``."""
@@ -523,16 +337,11 @@ class DiskTier(SecondaryTier):
     def _offset(self, slot: int) -> int:
         return SUPERBLOCK_BYTES + slot * self.slot_bytes
 
-    @staticmethod
-    def _buffer(nbytes: int) -> memoryview:
-        """A page-aligned writable buffer (anonymous mmap), as required by O_DIRECT."""
-        return memoryview(mmap.mmap(-1, round_up(nbytes)))[:nbytes]
-
     def _bounce(self) -> memoryview:
         """This thread's slot-sized aligned bounce buffer."""
         buf = getattr(self._tls, "buf", None)
         if buf is None:
-            buf = self._tls.buf = self._buffer(self.slot_bytes)
+            buf = self._tls.buf = aligned_buffer(self.slot_bytes)
         return buf
 
     def _pwrite_all(self, buf: memoryview, offset: int) -> None:
@@ -671,7 +480,7 @@ class DiskTier(SecondaryTier):
         """This thread's aligned buffer for ``count`` block headers (grown when needed)."""
         buf = getattr(self._tls, "headers", None)
         if buf is None or buf.nbytes < count * HEADER_BYTES:
-            buf = self._tls.headers = self._buffer(count * HEADER_BYTES)
+            buf = self._tls.headers = aligned_buffer(count * HEADER_BYTES)
         return buf
 
     def _run(self, fn: Callable[..., T], jobs: list[tuple[Any, ...]]) -> list[T]:
