@@ -179,14 +179,23 @@ def device_key(device: torch.device, gpu_layout: str) -> CalibrationKey:
     )
 
 
-def cache_dir() -> Path:
-    """The folder of calibration files: ``$KVOFF_CACHE_DIR/calibration``, else
-    ``$XDG_CACHE_HOME/kvoff/calibration``, else ``~/.cache/kvoff/calibration`` (not created)."""
+def cache_root() -> Path:
+    """kvoff's cache folder: ``$KVOFF_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoff``, else
+    ``~/.cache/kvoff`` (the XDG Base Directory Specification's user cache; not created). The
+    calibrations are in its ``calibration/`` (:func:`cache_dir`), the tools' tiny models in its
+    ``models/`` (:func:`kvoff.tools.tiny_models.models_dir`)."""
     base = os.environ.get(CACHE_DIR_ENV)
     if not base:
         xdg = os.environ.get("XDG_CACHE_HOME")
         base = str(Path(xdg) / "kvoff") if xdg else str(Path.home() / ".cache" / "kvoff")
-    return Path(base).expanduser() / "calibration"
+    return Path(base).expanduser()
+
+
+def cache_dir() -> Path:
+    """The folder of calibration files: ``calibration/`` in :func:`cache_root`
+    (``$KVOFF_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoff``, else ``~/.cache/kvoff``; not
+    created)."""
+    return cache_root() / "calibration"
 
 
 def cache_path(key: CalibrationKey, folder: Path | None = None) -> Path:

@@ -159,13 +159,20 @@ def test_the_cache_key_names_gpu_driver_runtime_layout_and_format() -> None:
 
 
 def test_the_cache_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The calibrations and the tools' tiny models share one cache folder, found the same way
+    (the tiny models ignored XDG_CACHE_HOME)."""
+    from kvoff.tools.tiny_models import models_dir
+
     assert cache_dir() == tmp_path / "cache" / "calibration"
+    assert models_dir() == tmp_path / "cache" / "models"
     monkeypatch.delenv(CACHE_DIR_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "kvoff" / "calibration"
+    assert models_dir() == tmp_path / "xdg" / "kvoff" / "models"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "kvoff" / "calibration"
+    assert models_dir() == tmp_path / "home" / ".cache" / "kvoff" / "models"
 
 
 # ----------------------------------------------------------------------------- cache file

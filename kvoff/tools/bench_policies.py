@@ -12,14 +12,19 @@ policy's ns per key and the ratio of each policy to the first (``lru``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from kvoff.tools.bench import DEFAULT_POOL_SIZES, ManagerBenchParams, run_info
+from kvoff.tools.cli.common import (
+    add_json_option,
+    check_output,
+    is_stdout,
+    text_to_stderr,
+    write_json,
+)
 
 __all__ = ["OPERATIONS", "bench_policies", "main"]
 
@@ -125,8 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="runs per policy (default: 5)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per run")
     parser.add_argument("--calls", type=int, default=1024, help="calls per timed round")
-    parser.add_argument("--json", type=Path, default=None)
+    add_json_option(parser)
     args = parser.parse_args(argv)
+    check_output(args.json, "--json")
+    with text_to_stderr(is_stdout(args.json)):
+        return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """:func:`main` of parsed arguments."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     params = ManagerBenchParams(
         pool_sizes=tuple(args.pool_sizes),
@@ -162,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "manager": entries,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     return 0
 
 

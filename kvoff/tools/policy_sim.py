@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from kvoff.tools.belady import MIN_POLICY, run_min_replay
+from kvoff.tools.cli.common import (
+    add_json_option,
+    check_output,
+    is_stdout,
+    text_to_stderr,
+    write_json,
+)
 from kvoff.tools.policy_sweep import (
     PolicySweep,
     SweepPoint,
@@ -229,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         help="keys the store_threshold tracker holds at most (default: 64000)",
     )
     parser.add_argument("--limit", type=_positive_limit, default=None)
-    parser.add_argument("--json", type=Path, default=None)
+    add_json_option(parser)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
-        return _main(args, argv)
+        check_output(args.json, "--json")
+        with text_to_stderr(is_stdout(args.json)):
+            return _main(args, argv)
     except (ValueError, ImportError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     except OSError as exc:  # FileNotFoundError (an unknown trace) included
@@ -263,7 +271,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
         info = run_info(argv_)
         info["command"] = "python -m kvoff.tools.policy_sim " + " ".join(argv_)
         info["simulation"] = "manager only (kvoff.tools.policy_sim); min: kvoff.tools.belady"
-        args.json.write_text(json.dumps({"run": info, "sweep": sweep.to_dict()}, indent=2) + "\n")
+        write_json(args.json, {"run": info, "sweep": sweep.to_dict()})
     if args.plot is not None:
         plot_sweep(sweep, args.plot)
     return 0

@@ -70,9 +70,18 @@ def write_tiny_model(kind: str, path: Path) -> Path:
     return path
 
 
+def models_dir() -> Path:
+    """The default folder of the tiny models: ``models/`` in kvoff's cache folder
+    (:func:`kvoff.calibration.cache_root`: ``$KVOFF_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoff``,
+    else ``~/.cache/kvoff``; not created)."""
+    from kvoff.calibration import cache_root
+
+    return cache_root() / "models"
+
+
 def tiny_model(kind: str, root: Path | None = None) -> Path:
     """The folder of tiny model ``kind``, written on first use under ``root`` (default:
-    ``$KVOFF_CACHE_DIR/models``, else ``~/.cache/kvoff/models``). A folder that already holds
+    :func:`models_dir`, ``models/`` in kvoff's cache folder). A folder that already holds
     the model is reused; the model is written to a temporary folder and renamed, so a run that
     is interrupted leaves no half-written model behind.
 
@@ -83,8 +92,7 @@ def tiny_model(kind: str, root: Path | None = None) -> Path:
     if kind not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {kind!r}; choose one of {list(TINY_MODELS)}")
     if root is None:
-        base = os.environ.get("KVOFF_CACHE_DIR") or Path.home() / ".cache" / "kvoff"
-        root = Path(base) / "models"
+        root = models_dir()
     path = Path(root) / f"tiny-{kind}-v{_VERSION}"
     if (path / "config.json").exists():
         return path

@@ -5,6 +5,7 @@ bench (kvoff.tools.bench_policies) reports every policy and operation. No timing
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,29 @@ def test_main_reports_bad_arguments_without_a_traceback(
         main(flags)
     err = capsys.readouterr().err
     assert info.value.code == 2 and match in err and "Traceback" not in err
+
+
+def test_json_dash_prints_only_the_document_on_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--json -`` means stdout here as in every kvoff command (docs/benchmarks.md): the JSON
+    document alone on stdout, the table on stderr. It wrote a file named ``-`` instead."""
+    import json
+
+    from kvoff.tools.bench_policies import main as bench_main
+    from kvoff.tools.policy_sim import main as sim_main
+
+    monkeypatch.chdir(tmp_path)  # a file named "-" would land here
+    sim = ["--sweep-capacity", "64", "--policies", "lru", "--limit", "20"]
+    assert sim_main([*sim, "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["sweep"] and doc["run"]["command"].startswith("python -m kvoff.tools.policy_sim")
+    assert "lru" in err
+    flags = ["--policies", "lru", "--pool-sizes", "2048", "--rounds", "1", "--repeat", "1"]
+    assert bench_main([*flags, "--calls", "4", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["manager"][0]["pool_size"] == 2048 and "ns per key" in err
+    assert not (tmp_path / "-").exists()
+    assert sim_main([*sim, "--json", str(tmp_path / "sim.json")]) == 0
+    assert json.loads((tmp_path / "sim.json").read_text())["sweep"]

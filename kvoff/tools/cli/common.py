@@ -136,8 +136,9 @@ _json_streams: list[TextIO] = []  # the real stdout while a `--json -` command r
 
 
 @contextlib.contextmanager
-def _text_to_stderr(active: bool) -> Iterator[None]:
-    """While ``active``: ``print`` goes to stderr, :func:`write_json` to ``-`` to stdout."""
+def text_to_stderr(active: bool) -> Iterator[None]:
+    """While ``active`` (``--json -``): ``print`` goes to stderr, :func:`write_json` to ``-``
+    to stdout, so that stdout carries only the JSON document."""
     if not active:
         yield
         return
@@ -193,7 +194,7 @@ def run_command(
     try:
         if isinstance(target, Path):  # a file: checked before a long run
             check_output(target, "--json")
-        with _text_to_stderr(is_stdout(target)):
+        with text_to_stderr(is_stdout(target)):
             return args.run(args, argv)
     except MissingExtraError as exc:
         parser.exit(EXIT_USAGE, f"kvoff {name}: error: {exc}\n")
