@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from kvoff.node_pool import NodePoolClient, NodePoolServer
@@ -95,5 +94,4 @@ def start_pool_process(
 def age_leases(client: NodePoolClient, share: float) -> None:
     """Makes every lease ``client`` holds ``share * lease_s`` seconds old (as if its engine
     had stalled that long since the look-up)."""
-    then = time.monotonic() - share * client.lease_s
-    client._leases = {k: (slot, then) for k, (slot, _) in client._leases.items()}
+    client._leases.age_all(share * client.lease_s)

@@ -48,6 +48,7 @@ from typing import Any
 
 from kvoff._scheduler import KeyFilter, NodePoolLoads, NodePoolStores
 from kvoff.node_pool import protocol as p
+from kvoff.node_pool.answers import KeptAnswers, Leases
 from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
 from kvoff.node_pool.transport import PoolSocket
 
@@ -176,13 +177,9 @@ class NodePoolClient:
         self.use_key_filter = key_filter
         self._filter: EngineKeyFilter | None = None  # the pool's key filter, mapped
         self.async_errors = 0
-        # look-ahead: unprefixed key -> state byte, valid until _known_until (monotonic s)
-        self._known: dict[bytes, int] = {}
-        self._known_until = 0.0
+        self._known = KeptAnswers(self.prefix, lookahead_s)  # the look-ahead's answers
         self._unreported = [0, 0]  # look-ups answered from _known (and hits) not yet reported
-        # leases the pool gave this connection: unprefixed key -> (slot, monotonic s received)
-        self._leases: dict[bytes, tuple[int, float]] = {}
-        self._next_sweep = 0.0  # monotonic s: the next sweep of lapsed leases (_lease)
+        self._leases = Leases(self.prefix)  # the leases the pool gave this connection
         # the last prepare_store's answer, for key_states: (unprefixed keys, a state byte each)
         self._store_answer: tuple[list[bytes], bytes] | None = None
         self.loads_on_lease = 0
@@ -460,11 +457,10 @@ class NodePoolClient:
                     break
             return bytes(out)
         self._check_answers()
-        if self._known and time.monotonic() > self._known_until:
-            self._known.clear()
+        known = self._known.current()
         ahead = hits = 0
         for k in keys:
-            st = self._known.get(k)
+            st = known.get(k)
             if st is None:
                 st = _STATE_OF_LOOKUP[self._lookup_one(bytes(k))]
             else:
@@ -480,9 +476,7 @@ class NodePoolClient:
 
     def _lookup_one(self, key: bytes) -> int | None:
         self._check_answers()
-        if self._known and time.monotonic() > self._known_until:
-            self._known.clear()
-        state = self._known.get(key)
+        state = self._known.current().get(key)
         if state is not None:
             self.answered_ahead += 1
             self._unreported[0] += 1
@@ -494,7 +488,7 @@ class NodePoolClient:
             if answer is None:
                 return 0
             chain, states = answer
-            self._remember(chain, states)
+            self._known.remember(chain, states)
             state = states[0]
         return _LOOKUP_OF_STATE[state]
 
@@ -511,7 +505,7 @@ class NodePoolClient:
         chain, off = p.decode_keys(reply)
         states, off = p.decode_states(reply, off, len(chain))
         slots, _ = p.decode_slots(reply, off)
-        self._lease(chain, states, slots)
+        self._leases.add(chain, states, slots, self.lease_s)
         return chain, states
 
     def _filtered_out(self, key: bytes) -> bool:
@@ -533,28 +527,6 @@ class NodePoolClient:
             body = struct.pack("<II", min(answered, 0xFFFFFFFF), min(hits, 0xFFFFFFFF))
             self._send(p.REPORT_LOOKUPS, body)
 
-    def _lease(self, prefixed: Sequence[bytes], states: bytes, slots: Sequence[int]) -> None:
-        """Keeps the slots of the ready keys the pool leased to this connection."""
-        leases, pre, now = self._leases, self.prefix, time.monotonic()
-        for k, st, slot in zip(prefixed, states, slots, strict=True):
-            if st == p.STATE_READY and k[:8] == pre:
-                leases[k[8:]] = (slot, now)
-        if len(leases) > 4096 and now >= self._next_sweep:  # those the pool let lapse
-            # at most one sweep per lease_s / 2: with more than 4,096 fresh leases (long
-            # chains looked up ahead and not loaded), a sweep per call cost 200-600 µs a call
-            self._next_sweep = now + self.lease_s / 2
-            old = now - self.lease_s
-            for k in [k for k, (_, t) in leases.items() if t < old]:
-                del leases[k]
-
-    def _remember(self, prefixed: Sequence[bytes], states: bytes) -> None:
-        """Keeps the pool's answers (prefixed keys, state bytes) for ``lookahead_s``."""
-        known, pre = self._known, self.prefix
-        for k, st in zip(prefixed, states, strict=True):
-            if k[:8] == pre:
-                known[k[8:]] = st
-        self._known_until = time.monotonic() + self.lookahead_s
-
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         """Pins the keys (looked up as ready) and returns their slots. Keys a look-up
         leased less than ``lease_s / 2`` ago need no reply. When the pool is gone, keys
@@ -569,24 +541,19 @@ class NodePoolClient:
         keys = [bytes(k) for k in keys]
         leases = self._leases
         fresh_after = time.monotonic() - self.lease_s / 2  # a margin to the pool's clock
-        if (
-            keys
-            and self._sock is not None
-            and all(k in leases and leases[k][1] > fresh_after for k in keys)
-            and len(set(keys)) == len(keys)
-        ):  # every key is leased to this connection: the pool cannot refuse, no reply needed
-            leased = [leases.pop(k) for k in keys]
+        # (taken before any call: losing the pool drops the leases)
+        leased = leases.snapshot(keys)
+        fresh = leases.take_fresh(keys, fresh_after) if self._sock is not None else None
+        if fresh is not None:
+            # every key is leased to this connection: the pool cannot refuse, no reply needed
             self._send(p.PREPARE_LOAD, self._keys(keys), now=True)  # the lease is running
             if self._sock is not None:
                 self.loads_on_lease += 1
-                return self._pin(keys, [slot for slot, _ in leased], True)
+                return self._pin(keys, fresh, True)
         else:
-            # (taken before the call: losing the pool drops the leases)
-            leased = [leases.get(k) for k in keys] if len(set(keys)) == len(keys) else [None]
             reply = self._call(p.PREPARE_LOAD, self._keys(keys))
             if reply is not None:
-                for k in keys:  # the pool used this connection's leases of them
-                    leases.pop(k, None)
+                leases.discard(keys)  # the pool used this connection's leases of them
                 return self._pin(keys, p.decode_slots(reply)[0], True)
         slots = self._load_after_loss(leased)  # the pool is gone
         if slots is None:
@@ -609,11 +576,10 @@ class NodePoolClient:
         leave vLLM's OffloadingConnector without an answer: it has no path for a failed
         load."""
         held_after = time.monotonic() - min(LEASE_HELD_SHARE * self.lease_s, LOSS_LOAD_MAX_S)
-        held = [x for x in leased if x is not None and x[1] > held_after]
-        if not leased or len(held) != len(leased):
-            return None
-        self._count_load_after_loss(len(held))
-        return [slot for slot, _ in held]
+        slots = Leases.held_after(leased, held_after)
+        if slots is not None:
+            self._count_load_after_loss(len(slots))
+        return slots
 
     def _count_load_after_loss(self, n: int) -> None:
         self.loads_after_loss += 1
