@@ -3,107 +3,36 @@
 The reference copies bytes with advanced indexing on uint8 views (``dst[ids] = src[ids]``), so
 every dtype, NaN payloads included, is compared bit for bit. Every rejected call must leave
 every destination byte-for-byte unchanged, so the error cases put the bad value last (last
-pair, last id) where a kernel that validated lazily would already have copied the rest.
+pair, last id) where a kernel that validated lazily would already have copied the rest. The
+CUDA paths are tested in test_ops_cuda.py.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from copy_ops_util import (
+    DTYPES,
+    OP,
+    as_bytes,
+    assert_bytes_equal,
+    block_tensor,
+    opcheck_samples,
+    random_bytes,
+    random_mechanism_case,
+    reference,
+    snapshot,
+    unique_ids,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kvoff  # noqa: F401  (loads kvoff._C)
 from kvoff.ops import MECHANISMS, batch_copy_supported, copy_blocks
-
-OP = torch.ops.kvoff.copy_blocks.default
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int8, torch.int64]
-DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
-
-
-# CUDA tests carry the `cuda` marker; tests/conftest.py skips them, with the reason, on
-# builds without CUDA kernels or machines without a GPU.
-requires_cuda = pytest.mark.cuda
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def random_bytes(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """A tensor of the given shape and dtype filled with random bytes (NaN patterns included)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = int(np.prod(shape)) if len(shape) else 1
-    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).reshape(tuple(shape))
-
-
-def block_tensor(
-    num_blocks: int,
-    row_shape: Sequence[int],
-    dtype: torch.dtype,
-    gen: torch.Generator,
-    *,
-    pad: int = 0,
-    device: str | torch.device = "cpu",
-    pin: bool = False,
-) -> torch.Tensor:
-    """(num_blocks, *row_shape) with contiguous rows; row stride = row + pad elements."""
-    row = int(np.prod(row_shape)) if len(row_shape) else 1
-    base = random_bytes((num_blocks, row + pad), dtype, gen)
-    if pin:
-        base = base.pin_memory()
-    base = base.to(device)
-    return base[:, :row].view(num_blocks, *row_shape)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of t with one extra trailing dim of element bytes (rows stay rows)."""
-    return t.unsqueeze(-1).view(torch.uint8)
-
-
-def reference(
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
-    src_ids: Sequence[int],
-    dst_ids: Sequence[int],
-) -> list[torch.Tensor]:
-    """What dst must look like after the copy, computed with advanced indexing on bytes."""
-    sids = torch.as_tensor(list(src_ids), dtype=torch.int64)
-    dids = torch.as_tensor(list(dst_ids), dtype=torch.int64)
-    out = []
-    for s, d in zip(src, dst, strict=True):
-        expected = as_bytes(d.cpu()).clone()
-        if len(sids):
-            rows = as_bytes(s.cpu())[sids].reshape(len(sids), -1)
-            expected[dids] = rows.reshape(expected[dids].shape)
-        out.append(expected)
-    return out
-
-
-def assert_bytes_equal(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
-    assert len(actual) == len(expected)
-    for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        a_bytes = as_bytes(a.cpu())
-        assert a_bytes.shape == e.shape
-        if not torch.equal(a_bytes, e):
-            bad = (a_bytes != e).reshape(a_bytes.shape[0], -1).any(dim=1).nonzero().flatten()
-            raise AssertionError(f"pair {k}: rows {bad.tolist()[:20]} differ from the reference")
-
-
-def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [as_bytes(t.cpu()).clone() for t in tensors]
-
-
-def unique_ids(rng: random.Random, n: int, limit: int) -> list[int]:
-    return rng.sample(range(limit), n)
-
 
 # ---------------------------------------------------------------------------------------------
 # Correctness on the CPU
@@ -268,70 +197,10 @@ def test_mechanism_names() -> None:
     assert MECHANISMS == ("auto", "memcpy", "batch", "kernel", "per_block")
 
 
-def _random_mechanism_case(
-    seed: int, device: str = "cpu", *, pin_src: bool = False, pin_dst: bool = False
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]:
-    """Random pairs: dtypes, row shapes, padded strides and K/V-split halves; random ids."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    src_blocks, dst_blocks = rng.randint(8, 48), rng.randint(8, 48)
-    src: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    for _ in range(rng.randint(1, 4)):
-        dtype = rng.choice(DTYPES)
-        row_shape = (rng.randint(1, 4), rng.randint(1, 24))
-        if rng.random() < 0.4:  # a K/V-split layout: the two halves of one tensor, two pairs
-            kv = block_tensor(src_blocks, (2, *row_shape), dtype, gen, device=device, pin=pin_src)
-            src += [kv[:, 0], kv[:, 1]]
-            dst += [
-                block_tensor(
-                    dst_blocks,
-                    row_shape,
-                    dtype,
-                    gen,
-                    pad=rng.choice([0, 3]),
-                    device=device,
-                    pin=pin_dst,
-                )
-                for _ in range(2)
-            ]
-        else:
-            src.append(
-                block_tensor(
-                    src_blocks,
-                    row_shape,
-                    dtype,
-                    gen,
-                    pad=rng.choice([0, 0, 5]),
-                    device=device,
-                    pin=pin_src,
-                )
-            )
-            dst.append(
-                block_tensor(
-                    dst_blocks,
-                    row_shape,
-                    dtype,
-                    gen,
-                    pad=rng.choice([0, 2]),
-                    device=device,
-                    pin=pin_dst,
-                )
-            )
-    n = rng.randint(1, min(src_blocks, dst_blocks))
-    if rng.random() < 0.3:  # adjacent runs on both sides
-        s0, d0 = rng.randint(0, src_blocks - n), rng.randint(0, dst_blocks - n)
-        src_ids, dst_ids = list(range(s0, s0 + n)), list(range(d0, d0 + n))
-    else:
-        src_ids = [rng.randrange(src_blocks) for _ in range(n)]
-        dst_ids = unique_ids(rng, n, dst_blocks)
-    return src, dst, src_ids, dst_ids
-
-
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("seed", range(8))
 def test_cpu_mechanisms_match_reference(mechanism: str, seed: int) -> None:
-    src, dst, src_ids, dst_ids = _random_mechanism_case(seed)
+    src, dst, src_ids, dst_ids = random_mechanism_case(seed)
     expected = reference(src, dst, src_ids, dst_ids)
     src_before = snapshot(src)
     copy_blocks(src, dst, src_ids, dst_ids, mechanism=mechanism, kernel_blocks=seed % 3)
@@ -342,11 +211,11 @@ def test_cpu_mechanisms_match_reference(mechanism: str, seed: int) -> None:
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_cpu_mechanisms_through_the_op(mechanism: str) -> None:
     """The op itself (positional and keyword forms) takes every name."""
-    src, dst, src_ids, dst_ids = _random_mechanism_case(100)
+    src, dst, src_ids, dst_ids = random_mechanism_case(100)
     expected = reference(src, dst, src_ids, dst_ids)
     OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), mechanism, 0)
     assert_bytes_equal(dst, expected)
-    src, dst, src_ids, dst_ids = _random_mechanism_case(101)
+    src, dst, src_ids, dst_ids = random_mechanism_case(101)
     expected = reference(src, dst, src_ids, dst_ids)
     OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), mechanism=mechanism, kernel_blocks=2)
     assert_bytes_equal(dst, expected)
@@ -426,27 +295,11 @@ def test_batch_copy_supported_is_false_without_cuda() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _opcheck_samples(device: str) -> list[tuple]:
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for dtype, n in ((torch.float16, 3), (torch.float32, 0), (torch.uint8, 5)):
-        src = [
-            block_tensor(8, (4, 8), dtype, gen, device=device),
-            block_tensor(8, (16,), dtype, gen, pad=4, device=device),
-        ]
-        dst = [
-            block_tensor(6, (32,), dtype, gen, device=device),
-            block_tensor(6, (2, 8), dtype, gen, device=device),
-        ]
-        samples.append((src, dst, torch.arange(n), torch.arange(n).flip(0)))
-    return samples
-
-
 def test_opcheck_cpu() -> None:
-    for args in _opcheck_samples("cpu"):
+    for args in opcheck_samples("cpu"):
         torch.library.opcheck(OP, args)
     for mechanism in MECHANISMS:
-        for args in _opcheck_samples("cpu")[:1]:
+        for args in opcheck_samples("cpu")[:1]:
             torch.library.opcheck(OP, args, {"mechanism": mechanism, "kernel_blocks": 1})
 
 
@@ -739,286 +592,3 @@ def test_error_messages_have_the_op_name() -> None:
     args = _healthy_args()
     with pytest.raises(IndexError, match=r"^kvoff\.copy_blocks: "):
         copy_blocks(args["src"], args["dst"], [0, 100], [1, 2])
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA (skipped without a CUDA build of kvoff and a GPU)
-# ---------------------------------------------------------------------------------------------
-
-
-def _cuda_layers(
-    gen: torch.Generator,
-    *,
-    src_side: str,
-    dst_side: str,
-    row_shapes: Sequence[Sequence[int]],
-    dtype: torch.dtype,
-    num_blocks: int,
-    pad: int = 0,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    def make(side: str, p: int) -> list[torch.Tensor]:
-        dev = "cuda" if side == "gpu" else "cpu"
-        return [
-            block_tensor(num_blocks, rs, dtype, gen, pad=p, device=dev, pin=side == "pinned")
-            for rs in row_shapes
-        ]
-
-    return make(src_side, pad), make(dst_side, 0)
-
-
-DIRECTIONS = [("pinned", "gpu"), ("gpu", "pinned"), ("gpu", "gpu")]
-
-
-@requires_cuda
-@pytest.mark.parametrize(("src_side", "dst_side"), DIRECTIONS, ids=lambda s: s)
-@pytest.mark.parametrize(
-    ("pattern", "layout"),
-    [
-        ("runs", ([(2, 16, 8, 128), (16, 8, 128)], torch.bfloat16, 0)),  # copy calls (1-D)
-        ("runs", ([(2, 16, 8, 128)], torch.float16, 256)),  # copy calls (2-D, strided rows)
-        ("scattered", ([(2, 16, 4, 64), (512,)], torch.float16, 0)),  # kernel, 16-byte vectors
-        ("scattered", ([(3, 7), (5,)], torch.uint8, 1)),  # kernel, byte accesses
-        ("scattered", ([(6,)], torch.float32, 2)),  # kernel, 8-byte vectors
-    ],
-    ids=["runs-dense", "runs-strided", "kernel-vec16", "kernel-bytes", "kernel-vec8"],
-)
-def test_cuda_matches_reference(
-    src_side: str,
-    dst_side: str,
-    pattern: str,
-    layout: tuple[list[tuple[int, ...]], torch.dtype, int],
-) -> None:
-    gen = torch.Generator().manual_seed(0)
-    rng = random.Random(0)
-    num_blocks = 96
-    row_shapes, dtype, pad = layout
-    src, dst = _cuda_layers(
-        gen,
-        src_side=src_side,
-        dst_side=dst_side,
-        row_shapes=row_shapes,
-        dtype=dtype,
-        num_blocks=num_blocks,
-        pad=pad,
-    )
-    n = 64
-    if pattern == "runs":
-        src_ids, dst_ids = list(range(4, 4 + n)), list(range(30, 30 + n))
-    else:
-        src_ids = [rng.randrange(num_blocks) for _ in range(n)]
-        dst_ids = unique_ids(rng, n, num_blocks)
-    expected = reference(src, dst, src_ids, dst_ids)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # the copy runs on the current stream
-        copy_blocks(src, dst, src_ids, dst_ids)
-    stream.synchronize()
-    assert_bytes_equal(dst, expected)
-
-
-@requires_cuda
-def test_cuda_unpinned_cpu_is_rejected_and_nothing_copied() -> None:
-    gen = torch.Generator().manual_seed(0)
-    src = [block_tensor(8, (64,), torch.float16, gen, device="cuda") for _ in range(2)]
-    dst = [
-        block_tensor(8, (64,), torch.float16, gen, pin=True),
-        block_tensor(8, (64,), torch.float16, gen),  # last pair not pinned
-    ]
-    before = snapshot(dst)
-    with pytest.raises(RuntimeError, match=r"dst\[1\] is a CPU tensor that is not pinned"):
-        copy_blocks(src, dst, [0, 1], [2, 3])
-    torch.cuda.synchronize()
-    assert_bytes_equal(dst, before)
-
-
-@requires_cuda
-def test_cuda_mixed_devices_in_one_list_are_rejected() -> None:
-    gen = torch.Generator().manual_seed(0)
-    src = [block_tensor(8, (64,), torch.float16, gen, device="cuda") for _ in range(2)]
-    dst = [
-        block_tensor(8, (64,), torch.float16, gen, device="cuda"),
-        block_tensor(8, (64,), torch.float16, gen, pin=True),
-    ]
-    before = snapshot(dst)
-    with pytest.raises(RuntimeError, match=r"dst\[1\] is on cpu but dst\[0\] is on cuda:0"):
-        copy_blocks(src, dst, [0, 1], [2, 3])
-    with pytest.raises(RuntimeError, match=r"src_block_ids is on cuda:0"):
-        copy_blocks(src, dst[:1] * 2, torch.tensor([0], device="cuda"), [2])
-    torch.cuda.synchronize()
-    assert_bytes_equal(dst, before)
-
-
-@requires_cuda
-def test_cuda_errors_copy_nothing() -> None:
-    gen = torch.Generator().manual_seed(0)
-    src = [block_tensor(8, (64,), torch.float16, gen, device="cuda") for _ in range(2)]
-    dst = [block_tensor(8, (64,), torch.float16, gen, pin=True) for _ in range(2)]
-    before = snapshot(dst)
-    with pytest.raises(IndexError, match=r"src_block_ids\[2\] = 8 is out of range"):
-        copy_blocks(src, dst, [0, 1, 8], [2, 3, 4])
-    with pytest.raises(ValueError, match=r"dst_block_ids\[2\] = 2 repeats dst_block_ids\[0\]"):
-        copy_blocks(src, dst, [0, 1, 5], [2, 3, 2])
-    torch.cuda.synchronize()
-    assert_bytes_equal(dst, before)
-
-
-@requires_cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_cuda_gpu_to_other_gpu_is_rejected() -> None:
-    src = [torch.zeros(4, 8, device="cuda:0")]
-    dst = [torch.zeros(4, 8, device="cuda:1")]
-    with pytest.raises(RuntimeError, match=r"GPU-to-GPU copies must stay on one device"):
-        copy_blocks(src, dst, [0], [1])
-
-
-@requires_cuda
-def test_opcheck_cuda() -> None:
-    """GPU to GPU: opcheck clones its inputs, and clones of pinned tensors are not pinned."""
-    for args in _opcheck_samples("cuda"):
-        torch.library.opcheck(OP, args)
-
-
-def _run_on_side_stream(fn: Callable[[], None]) -> None:
-    """Runs fn with a fresh side stream current (the batch API refuses the legacy stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-
-
-@requires_cuda
-@pytest.mark.parametrize("mechanism", MECHANISMS)
-@pytest.mark.parametrize("seed", range(6))
-def test_cuda_mechanisms_round_trip(mechanism: str, seed: int) -> None:
-    """GPU -> pinned CPU -> GPU, byte-exact, for every mechanism; random dtypes, layouts, ids."""
-    src, dst, src_ids, dst_ids = _random_mechanism_case(seed, "cuda", pin_dst=True)
-    expected = reference(src, dst, src_ids, dst_ids)
-    _run_on_side_stream(lambda: copy_blocks(src, dst, src_ids, dst_ids, mechanism=mechanism))
-    assert_bytes_equal(dst, expected)
-    # Back: pinned CPU -> fresh GPU tensors of the source layout, at other rows.
-    gen = torch.Generator().manual_seed(seed + 1000)
-    back = [block_tensor(s.shape[0], tuple(s.shape[1:]), s.dtype, gen, device="cuda") for s in src]
-    back_ids = list(reversed(range(len(dst_ids))))
-    expected_back = reference(dst, back, dst_ids, back_ids)
-    _run_on_side_stream(lambda: copy_blocks(dst, back, dst_ids, back_ids, mechanism=mechanism))
-    assert_bytes_equal(back, expected_back)
-    # The rows that went out and came back equal the original source rows.
-    for s, b in zip(src, back, strict=True):
-        assert torch.equal(as_bytes(b.cpu())[back_ids], as_bytes(s.cpu())[src_ids])
-
-
-@requires_cuda
-@pytest.mark.parametrize("mechanism", MECHANISMS)
-def test_cuda_runs_over_a_whole_host_pool(mechanism: str) -> None:
-    """Every CPU block of a kvoff.pinned.HostPool in one dense run, whatever the mechanism:
-    the pool is one registration (a pool pinned in pieces failed any block or run that crossed
-    a cut: kvoff/pinned.py). Rows of 1.5 pages, so rows and pages do not line up. Byte-exact
-    both ways."""
-    from kvoff.pinned import HostPool
-
-    rows, row_bytes = 48, 6144
-    pool = HostPool([(rows, row_bytes)], pin=True)
-    cpu = pool.tensors[0]
-    assert cpu.is_pinned()
-    gen = torch.Generator().manual_seed(5)
-    gpu = torch.randint(0, 256, (rows + 8, row_bytes), generator=gen, dtype=torch.uint8)
-    gpu = gpu.cuda()
-    cpu.fill_(0)
-    ids = list(range(rows))
-    _run_on_side_stream(lambda: copy_blocks([gpu], [cpu], [i + 8 for i in ids], ids,
-                                            mechanism=mechanism))  # fmt: skip
-    assert torch.equal(cpu, gpu[8:].cpu())
-    back = torch.zeros_like(gpu)
-    _run_on_side_stream(lambda: copy_blocks([cpu], [back], ids, ids, mechanism=mechanism))
-    assert torch.equal(back[:rows].cpu(), cpu)
-    pool.close()
-
-
-@requires_cuda
-@pytest.mark.parametrize("mechanism", MECHANISMS)
-def test_cuda_mechanisms_on_the_default_stream(mechanism: str) -> None:
-    """On the (legacy) default stream too: "batch" falls back there instead of failing."""
-    src, dst, src_ids, dst_ids = _random_mechanism_case(7, "cuda", pin_dst=True)
-    expected = reference(src, dst, src_ids, dst_ids)
-    copy_blocks(src, dst, src_ids, dst_ids, mechanism=mechanism)
-    torch.cuda.synchronize()
-    assert_bytes_equal(dst, expected)
-
-
-@requires_cuda
-@pytest.mark.parametrize("kernel_blocks", [0, 1, 3, 10_000])
-@pytest.mark.parametrize(("src_side", "dst_side"), DIRECTIONS, ids=lambda s: s)
-def test_cuda_kernel_grid_caps(kernel_blocks: int, src_side: str, dst_side: str) -> None:
-    """kernel_blocks=1 (one block grid-strides over every row), the default, and a huge cap."""
-    gen = torch.Generator().manual_seed(kernel_blocks)
-    rng = random.Random(kernel_blocks)
-    num_blocks = 200
-    src, dst = _cuda_layers(
-        gen,
-        src_side=src_side,
-        dst_side=dst_side,
-        row_shapes=[(2, 16, 8, 128), (4, 64), (3, 5)],
-        dtype=torch.bfloat16,
-        num_blocks=num_blocks,
-        pad=8,
-    )
-    n = 150
-    src_ids = [rng.randrange(num_blocks) for _ in range(n)]
-    dst_ids = unique_ids(rng, n, num_blocks)
-    expected = reference(src, dst, src_ids, dst_ids)
-    _run_on_side_stream(
-        lambda: copy_blocks(
-            src, dst, src_ids, dst_ids, mechanism="kernel", kernel_blocks=kernel_blocks
-        )
-    )
-    assert_bytes_equal(dst, expected)
-
-
-@requires_cuda
-@pytest.mark.parametrize("row_bytes", [1, 3, 17, 255, 1001, 4099, 65537])
-@pytest.mark.parametrize("offset", [0, 1, 3])
-def test_cuda_kernel_unaligned_rows(row_bytes: int, offset: int) -> None:
-    """Odd row sizes and base pointers off by a few bytes: the byte-access path of the kernel."""
-    gen = torch.Generator().manual_seed(row_bytes + offset)
-    rng = random.Random(row_bytes)
-    num_blocks = 24
-    stride = row_bytes + 5
-    base_src = random_bytes((num_blocks * stride + offset,), torch.uint8, gen).cuda()
-    base_dst = random_bytes((num_blocks * row_bytes + offset,), torch.uint8, gen).pin_memory()
-    src = [base_src[offset:].as_strided((num_blocks, row_bytes), (stride, 1))]
-    dst = [base_dst[offset:].view(num_blocks, row_bytes)]
-    src_ids = [rng.randrange(num_blocks) for _ in range(16)]
-    dst_ids = unique_ids(rng, 16, num_blocks)
-    for kernel_blocks in (1, 0):
-        expected = reference(src, dst, src_ids, dst_ids)
-        sids = list(src_ids)
-        _run_on_side_stream(
-            lambda kb=kernel_blocks, sids=sids: copy_blocks(
-                src, dst, sids, dst_ids, mechanism="kernel", kernel_blocks=kb
-            )
-        )
-        assert_bytes_equal(dst, expected)
-        src_ids = src_ids[::-1]
-
-
-@requires_cuda
-def test_cuda_batch_copy_supported_is_a_bool() -> None:
-    assert isinstance(batch_copy_supported(), bool)
-    # A batch call never turns a supported verdict into an error; it may only turn it False.
-    src, dst, src_ids, dst_ids = _random_mechanism_case(3, "cuda", pin_dst=True)
-    _run_on_side_stream(lambda: copy_blocks(src, dst, src_ids, dst_ids, mechanism="batch"))
-    assert isinstance(batch_copy_supported(), bool)
-
-
-@requires_cuda
-@pytest.mark.parametrize("mechanism", MECHANISMS)
-def test_cuda_bad_options_copy_nothing(mechanism: str) -> None:
-    src, dst, src_ids, dst_ids = _random_mechanism_case(11, "cuda", pin_dst=True)
-    before = snapshot(dst)
-    with pytest.raises(ValueError, match=r"kernel_blocks=-1 is negative"):
-        OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), mechanism, -1)
-    with pytest.raises(ValueError, match=r"mechanism='gpu' is not one of"):
-        OP(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids), "gpu", 0)
-    torch.cuda.synchronize()
-    assert_bytes_equal(dst, before)
