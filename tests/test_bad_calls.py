@@ -446,7 +446,7 @@ def test_a_pool_too_large_for_the_host_is_a_memory_error_that_names_it() -> None
 
 
 def _copy_args() -> dict:
-    """Two healthy pairs of CPU block tensors and ids (tests/copy_ops_util.py's conventions: the bad
+    """Two healthy pairs of CPU block tensors and ids (tests/test_ops.py's conventions: the bad
     value goes last, and a refused call must leave every dst byte unchanged)."""
     gen = torch.Generator().manual_seed(3)
     return {
