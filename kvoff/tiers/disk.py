@@ -91,6 +91,7 @@ from kvoff.tiers.slot_file import (
     SlotFile,
     SlotFileRefused,
     aligned_buffer,
+    pwrite_all,
     round_up,
 )
 
@@ -344,14 +345,6 @@ class DiskTier(SecondaryTier):
             buf = self._tls.buf = aligned_buffer(self.slot_bytes)
         return buf
 
-    def _pwrite_all(self, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < buf.nbytes:
-            n = os.pwrite(self._fd, buf[done:], offset + done)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, "short write")
-            done += n
-
     def _aligned(self, view: memoryview) -> bool:
         """Whether ``view`` can be used for I/O as is (O_DIRECT needs 4 KiB alignment)."""
         if not self.direct:
@@ -362,7 +355,7 @@ class DiskTier(SecondaryTier):
         try:
             buf = self._bounce()[:HEADER_BYTES]
             buf[:] = _ZERO_HEADER
-            self._pwrite_all(buf, self._offset(slot))
+            pwrite_all(self._fd, buf, self._offset(slot))
             return True
         except OSError:
             return False
@@ -384,7 +377,7 @@ class DiskTier(SecondaryTier):
                 buf[:HEADER_BYTES] = header
                 buf[HEADER_BYTES : HEADER_BYTES + pb] = payload
                 buf[HEADER_BYTES + pb :] = bytes(self.slot_bytes - HEADER_BYTES - pb)
-                self._pwrite_all(buf, off)
+                pwrite_all(self._fd, buf, off)
             return None
         except OSError as e:
             return f"{type(e).__name__}: {e}"

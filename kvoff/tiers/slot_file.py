@@ -43,6 +43,7 @@ __all__ = [
     "SlotFile",
     "SlotFileRefused",
     "aligned_buffer",
+    "pwrite_all",
     "round_up",
 ]
 
@@ -67,6 +68,20 @@ def round_up(n: int, align: int = ALIGN) -> int:
 def aligned_buffer(nbytes: int) -> memoryview:
     """A page-aligned writable buffer of ``nbytes`` bytes (anonymous mmap), as O_DIRECT needs."""
     return memoryview(mmap.mmap(-1, round_up(nbytes)))[:nbytes]
+
+
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Write all of ``buf`` to ``fd`` at byte ``offset``, resuming after short writes.
+
+    Raises:
+        OSError: from ``os.pwrite``, or ENOSPC when a write makes no progress (returns 0).
+    """
+    done = 0
+    while done < buf.nbytes:
+        n = os.pwrite(fd, buf[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "short write")
+        done += n
 
 
 class SlotFileRefused(Exception):
@@ -284,22 +299,14 @@ class SlotFile:
         sb[: _SUPER.size] = fields
         struct.pack_into("<Q", sb, _SUPER.size, xxhash.xxh3_64_intdigest(fields))
         try:
-            self._pwrite_all(sb, 0)
+            pwrite_all(self.fd, sb, 0)
         except OSError as e:
             if not (self.direct and e.errno == errno.EINVAL):
                 raise
             if direct is True:  # O_DIRECT required: no fallback
                 raise SlotFileRefused(self._direct_refused_message(e)) from None
             self._reopen_buffered()
-            self._pwrite_all(sb, 0)
-
-    def _pwrite_all(self, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < buf.nbytes:
-            n = os.pwrite(self.fd, buf[done:], offset + done)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, "short write")
-            done += n
+            pwrite_all(self.fd, sb, 0)
 
     def _check_space(self, size: int, reclaim: int = 0) -> None:
         """Refuse when the file, ``size`` bytes long, needs more bytes to reach its capacity than
