@@ -3,9 +3,9 @@
 // pool's protocol). The scheduler's hooks run with the GIL held, so calls go straight to
 // Python, except stores, their completions, load completions and touches: those go through
 // the client's NodePoolStores and NodePoolLoads (C++), which also queue their frames, so a
-// step's completions and touches make no Python call and a store one (an engine stores about 200 keys a step; per key in
-// Python, that was most of a node pool's step). State queries never throw: a failure there is
-// a miss (the pool gone is a miss).
+// step's completions and touches make no Python call and a store one (an engine stores about
+// 200 keys a step; per key in Python, that was most of a node pool's step). State queries
+// never throw: a failure there is a miss (the pool gone is a miss).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>

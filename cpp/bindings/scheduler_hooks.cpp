@@ -299,7 +299,8 @@ py::tuple build_step(kvoff::OffloadingScheduler& self, py::handle request_ids,
                             " entries but request_ids has " + std::to_string(n));
     }
   }
-  const bool any_resumed = !resumed_request_ids.is_none() && PyObject_IsTrue(resumed_request_ids.ptr());
+  const bool any_resumed =
+      !resumed_request_ids.is_none() && PyObject_IsTrue(resumed_request_ids.ptr());
   PyObject* request_dict = PyDict_Check(requests.ptr()) ? requests.ptr() : nullptr;
   static PyObject* const kHashes = PyUnicode_InternFromString("block_hashes");
 

@@ -16,7 +16,9 @@ namespace kvoff::testing {
 inline std::vector<std::string> decode_keys(std::string_view p) {
   auto u = [&](std::size_t at, int bytes) {
     std::size_t v = 0;
-    for (int b = 0; b < bytes; ++b) v |= std::size_t(static_cast<unsigned char>(p[at + b])) << (8 * b);
+    for (int b = 0; b < bytes; ++b) {
+      v |= std::size_t(static_cast<unsigned char>(p[at + b])) << (8 * b);
+    }
     return v;
   };
   const std::size_t count = u(0, 4), width = u(4, 2);
