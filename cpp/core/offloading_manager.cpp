@@ -1,6 +1,7 @@
 // One job: CPUOffloadingManager (kvoff/offloading_manager.h), the CPU pool's index, slots,
-// pins and eviction calls. Host-memory probing and the write-through queue have files of their
-// own (host_memory.cpp, write_through_queue.cpp).
+// pins and eviction calls. Its reservations, removals (discard, clear) and write-through are in
+// offloading_manager_{reservations,removal,write_through}.cpp, host-memory probing and the
+// write-through queue in host_memory.cpp and write_through_queue.cpp.
 #include "kvoff/offloading_manager.h"
 
 #include <algorithm>
@@ -9,8 +10,11 @@
 #include <utility>
 
 #include "kvoff/host_memory.h"
+#include "offloading_manager_internal.h"
 
 namespace kvoff {
+
+using namespace manager_detail;
 
 std::string_view to_string(BlockState state) noexcept {
   switch (state) {
@@ -39,31 +43,6 @@ inline void prefetch_byte(const void* p) noexcept {
 #else
   (void)p;
 #endif
-}
-
-// The manager's per-slot payload in the key index: see offloading_manager.h.
-constexpr std::uint64_t kStateBits = 0x3;
-constexpr std::uint64_t kOnePin = 0x4;
-constexpr std::uint64_t kLow32 = 0xffffffffULL;
-
-inline BlockState state_bits(std::uint64_t p) noexcept {
-  return static_cast<BlockState>(p & kStateBits);
-}
-inline std::uint32_t pins_bits(std::uint64_t p) noexcept {
-  return static_cast<std::uint32_t>(p & kLow32) >> 2;
-}
-inline std::uint32_t mark_bits(std::uint64_t p) noexcept {
-  return static_cast<std::uint32_t>(p >> 32);
-}
-inline void set_state(std::uint64_t& p, BlockState s) noexcept {
-  p = (p & ~kStateBits) | static_cast<std::uint64_t>(s);
-}
-inline void set_mark(std::uint64_t& p, std::uint32_t mark) noexcept {
-  p = (p & kLow32) | (static_cast<std::uint64_t>(mark) << 32);
-}
-/// Ready and unpinned: an eviction candidate (unless protected by the current call).
-inline bool evictable(std::uint64_t p) noexcept {
-  return (p & kLow32) == static_cast<std::uint64_t>(BlockState::kReady);
 }
 
 /// Entries of the recency log of a pool of `num_blocks` slots: a power of two >= 2 x
@@ -200,7 +179,7 @@ std::uint64_t CPUOffloadingManager::memory_bytes(std::int64_t num_blocks,
   return bytes;
 }
 
-namespace {
+namespace manager_detail {
 
 void validate_keys(KeySpan keys, const char* op) {
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -210,6 +189,10 @@ void validate_keys(KeySpan keys, const char* op) {
     }
   }
 }
+
+}  // namespace manager_detail
+
+namespace {
 
 std::string describe_state(BlockState state) {
   switch (state) {
@@ -877,188 +860,8 @@ void CPUOffloadingManager::finish_stores(std::span<const std::uint32_t> slots, b
   num_pending_ -= n;
 }
 
-// ------------------------------------------------------------------------------ write-through
-// The engine thread's half: pins, counts and slots. The hand-off to the tier writers (the
-// threads that take batches and hand blocks back) is wt_queue_, a WriteThroughQueue.
-
-void CPUOffloadingManager::set_write_through(std::uint32_t capacity_blocks) {
-  if (capacity_blocks > 0 && wt_pinned_.empty()) {
-    wt_pinned_.assign(index_.num_slots(), 0);
-    wt_queue_.enable(index_.num_slots());
-  }
-  wt_capacity_ = capacity_blocks;
-}
-
-void CPUOffloadingManager::queue_write_through(std::span<const std::uint32_t> slots) {
-  const std::uint32_t room = wt_capacity_ > wt_in_flight_ ? wt_capacity_ - wt_in_flight_ : 0;
-  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(room, slots.size()));
-  wt_dropped_total_ += slots.size() - n;
-  if (n == 0) {
-    return;
-  }
-  WriteThroughBatch batch;
-  batch.block_ids.assign(slots.begin(), slots.begin() + n);
-  batch.keys.reserve(n);
-  for (const std::uint32_t slot : batch.block_ids) {
-    index_.payload(slot) += kOnePin;  // just made ready, so unpinned until now
-    wt_pinned_[slot] = kWtPinned;
-    batch.keys.emplace_back(index_.key(slot));
-  }
-  num_evictable_ -= n;
-  wt_in_flight_ += n;
-  wt_queued_total_ += n;
-  wt_queue_.push(std::move(batch));
-}
-
-std::vector<WriteThroughBatch> CPUOffloadingManager::take_write_through(double timeout_seconds) {
-  return wt_queue_.take(timeout_seconds);
-}
-
-void CPUOffloadingManager::write_through_done(std::span<const std::uint32_t> block_ids) {
-  wt_queue_.hand_back(block_ids);
-}
-
-std::size_t CPUOffloadingManager::drain_write_through() {
-  wt_queue_.take_handed_back(wt_drained_);
-  std::uint32_t unpinned = 0;
-  for (const std::uint32_t slot : wt_drained_) {
-    if (wt_pinned_[slot] == kWtRetired) {  // dropped from the index while written (clear)
-      wt_pinned_[slot] = 0;
-      --num_retired_;
-      pool_.free(slot);
-      continue;
-    }
-    std::uint64_t& p = index_.payload(slot);
-    p -= kOnePin;
-    wt_pinned_[slot] = 0;
-    if (pins_bits(p) == 0) {
-      ++unpinned;
-    }
-  }
-  num_evictable_ += unpinned;
-  const std::size_t n = wt_drained_.size();
-  wt_in_flight_ -= static_cast<std::uint32_t>(n);
-  wt_drained_.clear();
-  return n;
-}
-
-std::size_t CPUOffloadingManager::poll_write_through() { return drain_write_through(); }
-
-std::size_t CPUOffloadingManager::wait_write_through(double timeout_seconds) {
-  wt_queue_.wait_handed_back(timeout_seconds);
-  return drain_write_through();
-}
-
-void CPUOffloadingManager::close_write_through() { wt_queue_.close(); }
-
 std::vector<OffloadingEvent> CPUOffloadingManager::take_events() {
   return std::exchange(events_, {});
-}
-
-std::size_t CPUOffloadingManager::discard(KeySpan keys) {
-  validate_keys(keys, "discard");
-  find_all(keys);
-  std::vector<std::string> removed;
-  std::size_t count = 0;    // dropped, unpinned
-  std::size_t retired = 0;  // dropped while written through (pinned for the tier writer only)
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    const std::uint32_t slot = scratch_slots_[i];
-    if (slot == KeyIndex::kNotFound) {
-      continue;  // missing, or dropped earlier in this call
-    }
-    const std::uint64_t p = index_.payload(slot);
-    const bool written_only = state_bits(p) == BlockState::kReady && pins_bits(p) == 1 &&
-                              slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
-    if (!evictable(p) && !written_only) {
-      continue;  // pending, or pinned by a load
-    }
-    if (enable_events_) {
-      removed.emplace_back(index_.key(slot));
-    }
-    if (written_only) {
-      retire_written_through(slot);
-      ++retired;
-    } else {
-      policy_->erase(slot, index_.key(slot), /*evicted=*/false);
-      index_.erase(slot);
-      pool_.free(slot);
-      ++count;
-    }
-    // a later occurrence of the key in this call must not see the slot
-    for (std::size_t k = i + 1; k < keys.size(); ++k) {
-      if (scratch_slots_[k] == slot) scratch_slots_[k] = KeyIndex::kNotFound;
-    }
-  }
-  num_ready_ -= static_cast<std::uint32_t>(count + retired);
-  num_evictable_ -= static_cast<std::uint32_t>(count);
-  count += retired;
-  record(std::move(removed), /*removed=*/true);
-  return count;
-}
-
-std::size_t CPUOffloadingManager::clear(bool include_in_flight) {
-  std::vector<std::string> removed;
-  std::size_t ready = 0;  // ready blocks dropped (evictable, or pinned by loads only)
-  std::size_t unpinned_dropped = 0;  // of them, the unpinned ones
-  std::size_t pending = 0;  // pending blocks dropped (include_in_flight)
-  for (std::uint32_t slot = 0; slot < index_.num_slots(); ++slot) {
-    if (!policy_->contains(slot)) {
-      continue;  // free, or retired and still read by a tier writer
-    }
-    const std::uint64_t p = index_.payload(slot);
-    const bool unpinned = evictable(p);
-    if (!unpinned) {
-      if (state_bits(p) == BlockState::kPending) {
-        if (!include_in_flight) {
-          continue;  // a store in flight: it completes as usual
-        }
-        drop_slot(slot);  // never stored: no event
-        ++pending;
-        continue;
-      }
-      const bool written = slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
-      if (pins_bits(p) > (written ? 1U : 0U) && !include_in_flight) {
-        continue;  // a load in flight reads it
-      }
-      if (written) {
-        // the tier writer still reads it (write_through_done needs the slot): no longer a
-        // hit, its slot freed once the writer hands it back; the loads' pins go with it, since
-        // (include_in_flight) their completions will not come
-        if (enable_events_) {
-          removed.emplace_back(index_.key(slot));
-        }
-        retire_written_through(slot);
-        ++ready;
-        continue;
-      }
-    }
-    if (enable_events_) {
-      removed.emplace_back(index_.key(slot));
-    }
-    policy_->erase(slot, index_.key(slot), /*evicted=*/true);
-    index_.erase(slot);
-    pool_.free(slot);
-    ++ready;
-    unpinned_dropped += unpinned ? 1 : 0;
-  }
-  num_ready_ -= static_cast<std::uint32_t>(ready);
-  num_evictable_ -= static_cast<std::uint32_t>(unpinned_dropped);
-  num_pending_ -= static_cast<std::uint32_t>(pending);
-  record(std::move(removed), /*removed=*/true);
-  return ready + pending;
-}
-
-void CPUOffloadingManager::retire_written_through(std::uint32_t slot) {
-  policy_->erase(slot, index_.key(slot), /*evicted=*/false);
-  index_.erase(slot);
-  wt_pinned_[slot] = kWtRetired;  // drain_write_through frees the slot
-  ++num_retired_;
-}
-
-std::size_t CPUOffloadingManager::cancel_write_through() {
-  const std::size_t n = wt_queue_.cancel();  // handed back unwritten: unpinned by the next drain
-  wt_cancelled_total_ += n;
-  return n;
 }
 
 }  // namespace kvoff

@@ -6,15 +6,11 @@
 #include <string>
 
 #include "kvoff/offloading_manager.h"
+#include "offloading_manager_internal.h"
 
 namespace kvoff {
 
-namespace {
-
-// The manager's per-slot payload bits that reservations touch (offloading_manager.cpp).
-constexpr std::uint64_t kStateBits = 0x3;
-
-}  // namespace
+using namespace manager_detail;
 
 bool CPUOffloadingManager::reserve_blocks(std::uint32_t count, PrepareStoreResult& result) {
   maybe_drain();  // blocks the tiers finished writing become evictable again
@@ -107,7 +103,7 @@ std::vector<std::uint32_t> CPUOffloadingManager::store_reserved(
     const std::uint32_t slot = block_ids[i];
     index_.insert_absent(slot, keys[i], scratch_hashes_[i]);  // found absent above
     std::uint64_t& p = index_.payload(slot);
-    p = (p & ~kStateBits) | static_cast<std::uint64_t>(BlockState::kPending);
+    set_state(p, BlockState::kPending);
     reserved_[slot] = 0;
   }
   // Enter the policy last to first, so keys[0] is the most recent of the new blocks.
