@@ -1,6 +1,7 @@
 """The offloading scheduler: the engine-facing hooks of docs/design.md "One engine step".
-(One job, the Python face of the scheduler: its hooks and their argument checks; the records
-they read and make are in :mod:`kvoff.scheduler_records`, re-exported here.)
+(One job, the Python face of the scheduler: its hooks; their argument checks are in
+:mod:`kvoff.scheduler_checks`, the records they read and make in :mod:`kvoff.scheduler_records`,
+re-exported here.)
 
 :class:`OffloadingScheduler` wraps the C++ scheduler core (``kvoff._scheduler``). Per engine
 step:
@@ -30,12 +31,12 @@ state after the last token of block ``p`` once that block is full.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec, _trusted
+from kvoff.scheduler_checks import check_count, job_report, key_bytes, token_count
 from kvoff.scheduler_records import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -115,53 +116,6 @@ def group_kinds(spec: CPUOffloadingSpec) -> tuple[tuple[str, int], ...]:
     return tuple(_group_kind(g.kv_cache_spec) for g in spec.kv_cache_config.kv_cache_groups)
 
 
-def _token_count(name: str, value: Any) -> int:
-    """``value`` as a token count the core takes (a 64-bit int), or an error naming ``name``.
-
-    Raises:
-        TypeError: not an int (a float, None, a bool).
-        ValueError: outside the 64-bit range.
-    """
-    if type(value) is int and -(2**63) <= value < 2**63:  # the engine's case: no work
-        return value
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int number of tokens, got {value!r}")
-    v = operator.index(value)
-    if not -(2**63) <= v < 2**63:
-        raise ValueError(f"{name}={v} does not fit in 64 bits; pass a token count")
-    return v
-
-
-def _report(item: Any) -> tuple[int, bool]:
-    """``(job_id, success)`` of one job report, checked: a report the scheduler would
-    misread (a string ``"False"`` taken as success, a float id truncated to another job) is
-    refused, naming the value."""
-    if isinstance(item, tuple):
-        if len(item) != 2:
-            raise ValueError(f"report {item!r} must be a (job_id, success) pair")
-        job_id, success = item
-    else:
-        try:
-            job_id, success = item.job_id, item.success
-        except AttributeError:
-            raise TypeError(
-                f"report {item!r} ({type(item).__name__}) must be a JobReport, a "
-                "(job_id, success) tuple or an object with job_id and success"
-            ) from None
-    if isinstance(job_id, bool) or not hasattr(job_id, "__index__"):
-        raise TypeError(f"job_id={job_id!r} in report {item!r} must be an int")
-    if type(success).__name__ not in ("bool", "bool_"):  # bool or numpy.bool_
-        raise TypeError(f"success={success!r} in report {item!r} must be a bool")
-    return operator.index(job_id), bool(success)
-
-
-def _check_count(name: str, value: object, low: int, high: int, shown: str, what: str) -> None:
-    """Raises ValueError naming ``name`` unless ``value`` is an int (not a bool) in
-    ``[low, high]``; ``shown`` is the range as the message gives it, ``what`` its unit."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} must be an int in {shown} ({what})")
-
-
 class OffloadingScheduler:
     """The per-step offloading scheduler of one engine (one instance, on the scheduler side).
 
@@ -234,7 +188,7 @@ class OffloadingScheduler:
         max_tracker_size: int = 64000,
         node_pool: NodePoolClient | None = None,
     ) -> None:
-        _check_count(
+        check_count(
             "store_batch_blocks",
             store_batch_blocks,
             1,
@@ -242,7 +196,7 @@ class OffloadingScheduler:
             "[1, 2**20]",
             "offloaded blocks; 1 stores every block as it fills",
         )
-        _check_count(
+        check_count(
             "store_threshold",
             store_threshold,
             0,
@@ -250,7 +204,7 @@ class OffloadingScheduler:
             "[0, 2**20]",
             "offers; 0 or 1 stores every block, n >= 2 stores a block once it was offered n times",
         )
-        _check_count("max_tracker_size", max_tracker_size, 1 if store_threshold >= 2 else 0,
+        check_count("max_tracker_size", max_tracker_size, 1 if store_threshold >= 2 else 0,
                      2**31 - 1, "[1, 2**31 - 1]",
                      "keys whose offers store_threshold counts; default 64000")  # fmt: skip
         if spec.num_blocks > 2**31 - 1:
@@ -361,7 +315,7 @@ class OffloadingScheduler:
         if self._tiers is not None:  # finished promotions first: the L1 answer must hold
             self._tiers.poll()
         # one core call: the request's new hashes (read in place), then the lookup
-        num_computed_tokens = _token_count("num_computed_tokens", num_computed_tokens)
+        num_computed_tokens = token_count("num_computed_tokens", num_computed_tokens)
         n, load = self._hooks.sync_and_match(request, num_computed_tokens, self._requests)
         if self._tiers is not None and n is not None:
             n, load = self._ask_tiers(request, num_computed_tokens + n, n, load)
@@ -512,7 +466,7 @@ class OffloadingScheduler:
             and not block_ids
         ):
             return  # the lookup that answered 0 left the request as this call would
-        num_external_tokens = _token_count("num_external_tokens", num_external_tokens)
+        num_external_tokens = token_count("num_external_tokens", num_external_tokens)
         self._hooks.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
 
     def build_connector_meta(self, step: SchedulerStep) -> ConnectorMetadata:
@@ -801,7 +755,7 @@ class OffloadingScheduler:
                 a success that is not a bool (nothing is changed).
         """
         loaded, failed, stored, done, bad = self._core.update_connector_output(
-            [_report(r) for r in reports]
+            [job_report(r) for r in reports]
         )
         return ConnectorOutput(tuple(loaded), tuple(failed), tuple(stored), tuple(done), tuple(bad))
 
@@ -992,7 +946,7 @@ class OffloadingScheduler:
             TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
         """
         if self._pool_manager is not None:
-            return self._pool_manager.block_state(_key_bytes(key))
+            return self._pool_manager.block_state(key_bytes(key))
         return self._core.block_state(key)
 
     def cpu_block_id(self, key: bytes | int) -> int | None:
@@ -1003,7 +957,7 @@ class OffloadingScheduler:
             TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
         """
         if self._pool_manager is not None:
-            return self._pool_manager.slot_in_flight(_key_bytes(key))
+            return self._pool_manager.slot_in_flight(key_bytes(key))
         return self._core.block_id(key)
 
     def pin_count(self, key: bytes | int) -> int:
@@ -1013,26 +967,10 @@ class OffloadingScheduler:
             TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
         """
         if self._pool_manager is not None:
-            return self._pool_manager.load_pins(_key_bytes(key))
+            return self._pool_manager.load_pins(key_bytes(key))
         return self._core.pin_count(key)
 
     def next_store_block(self, request_id: str) -> int:
         """The next offloaded block index of the request to consider for storing (-1 if
         unknown)."""
         return self._core.next_store_block(request_id)
-
-
-def _key_bytes(key: bytes | int) -> bytes:
-    """An offload key as the manager stores it: bytes as they are, an int as 8 little-endian
-    bytes (the C++ manager's encoding).
-
-    Raises:
-        TypeError, ValueError: ``key`` is not non-empty bytes or a 64-bit int.
-    """
-    if isinstance(key, int) and not isinstance(key, bool):
-        if not -(2**63) <= key < 2**64:
-            raise ValueError(f"key {key} is outside [-2**63, 2**64)")
-        return (key % 2**64).to_bytes(8, "little")
-    if not isinstance(key, (bytes, bytearray, memoryview)) or not bytes(key):
-        raise TypeError(f"a key is non-empty bytes or a 64-bit int, not {key!r}")
-    return bytes(key)
