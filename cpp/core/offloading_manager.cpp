@@ -179,19 +179,6 @@ std::uint64_t CPUOffloadingManager::memory_bytes(std::int64_t num_blocks,
   return bytes;
 }
 
-namespace manager_detail {
-
-void validate_keys(KeySpan keys, const char* op) {
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (keys[i].empty()) {
-      throw std::invalid_argument(std::string(op) + ": keys[" + std::to_string(i) +
-                                  "] is empty; keys must be non-empty byte strings");
-    }
-  }
-}
-
-}  // namespace manager_detail
-
 namespace {
 
 std::string describe_state(BlockState state) {

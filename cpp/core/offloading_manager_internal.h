@@ -3,7 +3,10 @@
 // headers.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "kvoff/offloading_manager.h"
 
@@ -34,7 +37,15 @@ inline bool evictable(std::uint64_t p) noexcept {
   return (p & kLow32) == static_cast<std::uint64_t>(BlockState::kReady);
 }
 
-// Throws std::invalid_argument naming `op` and the index of the first empty key.
-void validate_keys(KeySpan keys, const char* op);
+// Throws std::invalid_argument naming `op` and the index of the first empty key. Inline: it
+// runs at the top of every look-up and store call.
+inline void validate_keys(KeySpan keys, const char* op) {
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i].empty()) {
+      throw std::invalid_argument(std::string(op) + ": keys[" + std::to_string(i) +
+                                  "] is empty; keys must be non-empty byte strings");
+    }
+  }
+}
 
 }  // namespace kvoff::manager_detail
