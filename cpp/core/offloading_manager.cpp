@@ -327,7 +327,7 @@ std::pair<BlockState, std::uint32_t> CPUOffloadingManager::load_state(
     std::uint32_t slot) const noexcept {
   const std::uint64_t p = index_.payload(slot);
   std::uint32_t pins = pins_bits(p);
-  if (pins > 0 && slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned) --pins;
+  if (pins > 0 && written_through(slot)) --pins;
   return {state_bits(p), pins};
 }
 
@@ -459,7 +459,7 @@ std::optional<std::size_t> CPUOffloadingManager::unpin_loads(
   for (std::size_t i = 0; i < slots.size(); ++i) {
     std::uint64_t& p = index_.payload(slots[i]);
     // The write-through pin is not a load's: a load's completion cannot take it.
-    const bool written = slots[i] < wt_pinned_.size() && wt_pinned_[slots[i]] == kWtPinned;
+    const bool written = written_through(slots[i]);
     if (pins_bits(p) <= (written ? 1U : 0U)) {
       for (std::size_t j = 0; j < i; ++j) {  // roll back this call's unpins
         index_.payload(slots[j]) += kOnePin;

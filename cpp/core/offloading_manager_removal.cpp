@@ -25,8 +25,8 @@ std::size_t CPUOffloadingManager::discard(KeySpan keys) {
       continue;  // missing, or dropped earlier in this call
     }
     const std::uint64_t p = index_.payload(slot);
-    const bool written_only = state_bits(p) == BlockState::kReady && pins_bits(p) == 1 &&
-                              slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
+    const bool written_only =
+        state_bits(p) == BlockState::kReady && pins_bits(p) == 1 && written_through(slot);
     if (!evictable(p) && !written_only) {
       continue;  // pending, or pinned by a load
     }
@@ -74,7 +74,7 @@ std::size_t CPUOffloadingManager::clear(bool include_in_flight) {
         ++pending;
         continue;
       }
-      const bool written = slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
+      const bool written = written_through(slot);
       if (pins_bits(p) > (written ? 1U : 0U) && !include_in_flight) {
         continue;  // a load in flight reads it
       }

@@ -508,6 +508,10 @@ class CPUOffloadingManager final : public BlockManager {
   static constexpr std::uint8_t kWtRetired = 2;
   std::uint64_t wt_cancelled_total_ = 0;
   std::vector<std::uint8_t> wt_pinned_;
+  // Whether one of `slot`'s pins is the write-through's (not a load's).
+  [[nodiscard]] bool written_through(std::uint32_t slot) const noexcept {
+    return slot < wt_pinned_.size() && wt_pinned_[slot] == kWtPinned;
+  }
   WriteThroughQueue wt_queue_;  // thread-safe: batches to write, blocks handed back
 };
 
