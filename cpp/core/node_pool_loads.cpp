@@ -15,15 +15,6 @@ NodePoolLoads::NodePoolLoads(std::string prefix) : prefix_(std::move(prefix)) {
   }
 }
 
-void NodePoolLoads::set_num_slots(std::uint32_t num_slots) {
-  if (num_slots > kMaxSlots) {
-    throw std::invalid_argument("a node pool of " + std::to_string(num_slots) +
-                                " slots; at most " + std::to_string(kMaxSlots) +
-                                " (use larger blocks)");
-  }
-  num_slots_ = num_slots;
-}
-
 void NodePoolLoads::pin(KeySpan keys, std::span<const std::uint32_t> slots, bool connection) {
   if (keys.size() != slots.size()) {
     throw std::invalid_argument("node pool loads: " + std::to_string(keys.size()) +
@@ -31,10 +22,7 @@ void NodePoolLoads::pin(KeySpan keys, std::span<const std::uint32_t> slots, bool
   }
   std::uint32_t top = 0;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (slots[i] >= num_slots_) {
-      throw std::invalid_argument("the node pool gave slot " + std::to_string(slots[i]) +
-                                  ", but it has " + std::to_string(num_slots_) + " slots");
-    }
+    num_slots_.check(slots[i]);
     if (keys[i].empty() || prefix_.size() + keys[i].size() > kNodePoolMaxKeyBytes) {
       throw std::invalid_argument("a node pool key of " + std::to_string(keys[i].size()) +
                                   " bytes; keys are 1.." +

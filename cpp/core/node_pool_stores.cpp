@@ -97,21 +97,9 @@ void NodePoolStores::add_evicted(std::vector<std::string> keys) {
 
 std::vector<std::string> NodePoolStores::take_evicted() { return std::exchange(evicted_, {}); }
 
-void NodePoolStores::set_num_slots(std::uint32_t num_slots) {
-  if (num_slots > kMaxSlots) {
-    throw std::invalid_argument("a node pool of " + std::to_string(num_slots) +
-                                " slots; at most " + std::to_string(kMaxSlots) +
-                                " (use larger blocks)");
-  }
-  num_slots_ = num_slots;
-}
-
 void NodePoolStores::check_slots(std::span<const std::uint32_t> slots) const {
   for (const std::uint32_t s : slots) {
-    if (s >= num_slots_) {
-      throw std::invalid_argument("the node pool gave slot " + std::to_string(s) +
-                                  ", but it has " + std::to_string(num_slots_) + " slots");
-    }
+    num_slots_.check(s);
   }
 }
 

@@ -18,6 +18,7 @@
 #include "kvoff/block_manager.h"
 #include "kvoff/keyed_entries.h"
 #include "kvoff/key.h"
+#include "kvoff/node_pool_slot_count.h"
 
 namespace kvoff {
 
@@ -29,10 +30,10 @@ class NodePoolLoads {
   explicit NodePoolLoads(std::string prefix);
 
   /// The most slots a pool may have here (as NodePoolStores: 2**28).
-  static constexpr std::uint32_t kMaxSlots = 1u << 28;
+  static constexpr std::uint32_t kMaxSlots = detail::NodePoolSlotCount::kMax;
   /// The pool's slot count (its hello; kMaxSlots until set): pin() refuses a slot at or past
   /// it. Throws std::invalid_argument over kMaxSlots.
-  void set_num_slots(std::uint32_t num_slots);
+  void set_num_slots(std::uint32_t num_slots) { num_slots_.set(num_slots); }
 
   /// Loads of keys[i] from slots[i] begin; `connection`: the current connection's pool pinned
   /// them (false: loads from leases after the pool went away, which nothing on the wire ends).
@@ -97,7 +98,7 @@ class NodePoolLoads {
 
   std::string prefix_;
   std::uint64_t connection_ = 0;
-  std::uint32_t num_slots_ = kMaxSlots;
+  detail::NodePoolSlotCount num_slots_;
   std::size_t num_loads_ = 0;
   Entries entries_;  // the keys being loaded
   // by slot, grown to the largest slot seen (12 bytes a slot): a step's completions look up a

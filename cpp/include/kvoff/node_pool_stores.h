@@ -26,6 +26,7 @@
 #include "kvoff/keyed_entries.h"
 #include "kvoff/key.h"
 #include "kvoff/key_filter.h"
+#include "kvoff/node_pool_slot_count.h"
 
 namespace kvoff {
 
@@ -71,9 +72,9 @@ class NodePoolStores {
   /// The pool's slot count (from its hello; kMaxSlots until set): a slot at or past it is
   /// refused (add_reserved, begin) before it can size this engine's table of slots.
   /// Throws std::invalid_argument over kMaxSlots.
-  void set_num_slots(std::uint32_t num_slots);
+  void set_num_slots(std::uint32_t num_slots) { num_slots_.set(num_slots); }
   /// The most slots a pool may have here: 2**28 (the table of slots in flight is then 1 GiB).
-  static constexpr std::uint32_t kMaxSlots = 1u << 28;
+  static constexpr std::uint32_t kMaxSlots = detail::NodePoolSlotCount::kMax;
 
   /// Slots the pool granted this connection (a RESERVE reply), in grant order. Throws
   /// std::invalid_argument, adding none, for a slot at or past the pool's slot count.
@@ -131,7 +132,7 @@ class NodePoolStores {
   };
   using Entries = detail::KeyedEntries<InFlight>;
   static constexpr std::uint32_t kNone = Entries::kNone;
-  // Throws std::invalid_argument for a slot at or past num_slots_.
+  // Throws std::invalid_argument for the first slot at or past the pool's slot count.
   void check_slots(std::span<const std::uint32_t> slots) const;
   std::uint32_t find_slot(std::uint32_t slot) const noexcept;
   // The entry storing `key` (kNone: none); `hash` is Entries::hash(key), which a caller that
@@ -163,7 +164,7 @@ class NodePoolStores {
   // made each a bucket and an entry to miss. Grown to the largest slot seen (4 bytes a slot).
   std::vector<std::uint32_t> entry_of_slot_;
   std::size_t num_storing_ = 0;
-  std::uint32_t num_slots_ = kMaxSlots;
+  detail::NodePoolSlotCount num_slots_;
   std::vector<std::uint32_t> ended_;             // entries of the completion being made
 };
 
