@@ -17,7 +17,8 @@ compute stays within ``compute_slowdown_budget`` (:func:`kvoff.transfer.choose_m
 On CPU builds jobs run synchronously inside :meth:`OffloadingWorker.transfer_async` (a parallel
 memcpy; ``"staged"`` can be forced and runs the same staging logic with a CPU buffer). On CUDA
 each direction has its own copy stream and its own SM stream (FIFO within a direction), every job
-records events, and :meth:`OffloadingWorker.get_finished` polls them without blocking.
+records events, and :meth:`OffloadingWorker.get_finished` polls them without blocking (the
+pending jobs and their results are a :class:`kvoff.job_table.JobTable`).
 :meth:`OffloadingWorker.transfer_many_async` submits one step's jobs of a direction together:
 one copy per group and one pair of events for all of them, one result per job.
 
@@ -30,13 +31,13 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvoff.calibration import AutoThresholds, worker_thresholds
+from kvoff.job_table import JobTable, byte_shares
 from kvoff.jobs import (
     CPUBlockSpec,
     GPUBlockSpec,
@@ -89,23 +90,6 @@ if TYPE_CHECKING:
     from kvoff.specs import KVCacheConfig
 
 __all__ = ["GPU_LAYOUTS", "CPUBlockSpec", "GPUBlockSpec", "OffloadingWorker", "TransferResult"]
-
-
-def _shares(byte_counts: Sequence[int]) -> list[float]:
-    """Each job's share of a submission's time, by its bytes (equal shares when none moved)."""
-    total = sum(byte_counts)
-    return [nb / total if total else 1 / len(byte_counts) for nb in byte_counts]
-
-
-@dataclass
-class _InFlight:
-    job_id: int
-    direction: Direction
-    num_bytes: int
-    mechanism: str
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    share: float = 1.0  # this job's part of its submission's bytes (transfer_many_async)
 
 
 class OffloadingWorker:
@@ -233,8 +217,7 @@ class OffloadingWorker:
         self._layer_names: list[str] = []
         self._canonical_row_bytes: list[int] = []
         self._device: torch.device | None = None
-        self._finished: list[TransferResult] = []
-        self._in_flight: dict[int, _InFlight] = {}
+        self._jobs = JobTable()
         self._dma: dict[Direction, Lane] = {}
         self._sm: dict[Direction, Lane] = {}
         self._rings: dict[Direction, StagingRing] = {}
@@ -506,9 +489,7 @@ class OffloadingWorker:
         """Release the pinned registration of the CPU pool (after waiting for jobs in flight)
         and the staging buffers. Idempotent. The results of the jobs it waited for stay
         queued for :meth:`get_finished`; new jobs are refused afterwards."""
-        if self._in_flight:
-            results = self.wait(list(self._in_flight))
-            self._finished.extend(results)  # still reported, as if they had finished alone
+        self._jobs.drain()
         if self._pool is not None:
             self._pool.close()
         if self._auto is not None:
@@ -575,7 +556,7 @@ class OffloadingWorker:
         if not self._groups:
             raise ValueError("no KV caches registered: call register_kv_caches first")
         job_id = _job_id(job_id)
-        if job_id in self._in_flight or any(r.job_id == job_id for r in self._finished):
+        if self._jobs.is_pending(job_id):
             raise ValueError(
                 f"job_id {job_id} is still pending (in flight, or its result not taken yet by "
                 "get_finished or wait); use a fresh job id"
@@ -586,7 +567,7 @@ class OffloadingWorker:
         try:
             per_group = self._expand(gpu, cpu)
         except CPUBlockOutOfRange as exc:
-            self._finished.append(
+            self._jobs.finish(
                 TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
             )
             return False
@@ -601,7 +582,7 @@ class OffloadingWorker:
                 for g, ids in zip(self._groups, per_group, strict=True)
             ]
         except (RuntimeError, ValueError, IndexError) as exc:
-            self._finished.append(
+            self._jobs.finish(
                 TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
             )
             return False
@@ -610,12 +591,12 @@ class OffloadingWorker:
             try:
                 self._run(direction, per_group, mechanisms)
             except (RuntimeError, ValueError, IndexError) as exc:  # pragma: no cover - checked
-                self._finished.append(
+                self._jobs.finish(
                     TransferResult(job_id, direction, False, 0, time.perf_counter() - t0, str(exc))
                 )
                 return False
             label = "staged" if "staged" in mechanisms else "cpu"
-            self._finished.append(
+            self._jobs.finish(
                 TransferResult(job_id, direction, True, num_bytes, time.perf_counter() - t0,
                                None, label)
             )  # fmt: skip
@@ -670,7 +651,7 @@ class OffloadingWorker:
             return []
         self._check_open()
         seen: set[int] = set()
-        pending = self.pending_jobs()  # in flight, or finished with the result not taken
+        pending = self._jobs.pending()  # in flight, or finished with the result not taken
         specs: list[tuple[int, GPUBlockSpec, CPUBlockSpec]] = []
         direction: Direction | None = None
         for k, entry in enumerate(entries):
@@ -730,7 +711,7 @@ class OffloadingWorker:
                 for g, ids in zip(self._groups, combined, strict=True)
             ]
         except (RuntimeError, ValueError, IndexError) as exc:
-            self._fail([job_id for _, job_id, _ in members], direction, str(exc))
+            self._jobs.fail([job_id for _, job_id, _ in members], direction, str(exc))
             return ok
         used = "+".join(sorted({m for m in mechanisms if m}))
         if cuda:
@@ -743,27 +724,18 @@ class OffloadingWorker:
         try:
             self._run(direction, combined, mechanisms)
         except (RuntimeError, ValueError, IndexError) as exc:  # pragma: no cover - checked
-            self._fail([job_id for _, job_id, _ in members], direction, str(exc))
+            self._jobs.fail([job_id for _, job_id, _ in members], direction, str(exc))
             return ok
         seconds = time.perf_counter() - t0
         label = "staged" if "staged" in mechanisms else "cpu"
-        shares = _shares([nb for _, _, nb in members])
+        shares = byte_shares([nb for _, _, nb in members])
         for (k, job_id, nb), share in zip(members, shares, strict=True):
-            self._finished.append(
+            self._jobs.finish(
                 _trusted(TransferResult, job_id=job_id, direction=direction, success=True,
                          num_bytes=nb, seconds=seconds * share, error=None, mechanism=label)
             )  # fmt: skip
             ok[k] = True
         return ok
-
-    def _fail(
-        self, job_ids: Sequence[int], direction: Direction, error: str, mechanism: str = "cpu"
-    ) -> None:
-        """Queues a failed :class:`TransferResult` (nothing moved) for each of ``job_ids``."""
-        for job_id in job_ids:
-            self._finished.append(
-                TransferResult(job_id, direction, False, 0, 0.0, error, mechanism)
-            )
 
     def _isolate(
         self,
@@ -785,7 +757,7 @@ class OffloadingWorker:
                 per_group = self._expand(gpu, cpu)
                 self._check_ids(direction, per_group)
             except ValueError as exc:  # this job alone fails, as in transfer_async
-                self._finished.append(
+                self._jobs.finish(
                     TransferResult(job_id, direction, False, 0, time.perf_counter() - t0,
                                    str(exc))
                 )  # fmt: skip
@@ -934,7 +906,7 @@ class OffloadingWorker:
             # ids were checked first; a CUDA failure here leaves earlier pieces enqueued, so
             # wait for them before the job is reported failed (never a hit).
             torch.cuda.synchronize(self._device)
-            self._fail([job_id for job_id, _ in members], direction, str(exc), used)
+            self._jobs.fail([job_id for job_id, _ in members], direction, str(exc), used)
             return False
         # The job ends where its last copy ends: on the DMA lane for a store (a staged piece's
         # DMA waits for its gather), on the SM lane for a staged load (whose end first waits for
@@ -943,43 +915,17 @@ class OffloadingWorker:
         if last is sm:
             sm.wait_stream(dma.stream)
         last.record(end)
-        shares = _shares([num_bytes for _, num_bytes in members])
-        for (job_id, num_bytes), share in zip(members, shares, strict=True):
-            self._in_flight[job_id] = _InFlight(
-                job_id, direction, num_bytes, used, start, end, share
-            )
+        self._jobs.launch(members, direction, used, start, end)
         return True
-
-    def _complete(self, job: _InFlight) -> TransferResult:
-        del self._in_flight[job.job_id]
-        seconds = job.start.elapsed_time(job.end) / 1e3 * job.share
-        return TransferResult(
-            job.job_id, job.direction, True, job.num_bytes, seconds, None, job.mechanism
-        )
 
     def pending_jobs(self) -> set[int]:
         """Ids of submitted jobs whose results were not taken yet (by :meth:`get_finished` or
         :meth:`wait`): in flight, or finished and queued."""
-        return set(self._in_flight) | {r.job_id for r in self._finished}
+        return self._jobs.pending()
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, without blocking (CUDA events are polled)."""
-        done = self._finished
-        self._finished = []
-        for job in list(self._in_flight.values()):
-            if job.end.query():
-                done.append(self._complete(job))
-        return done
-
-    def _check_known(self, job_ids: Iterable[int], unchanged: str) -> None:
-        """Raises KeyError naming the ids neither in flight nor with a result queued."""
-        finished = {r.job_id for r in self._finished}
-        missing = [j for j in job_ids if j not in self._in_flight and j not in finished]
-        if missing:
-            raise KeyError(
-                f"unknown job ids {missing}: never submitted, or their results were already "
-                f"taken; {unchanged}"
-            )
+        return self._jobs.take_finished()
 
     def fence(self, job_ids: Iterable[int], stream: torch.cuda.Stream | None = None) -> int:
         """Orders the work queued next on ``stream`` after the given jobs, without blocking the
@@ -1006,16 +952,7 @@ class OffloadingWorker:
             KeyError: for a job id that was never submitted or whose result was already taken
                 (checked before any wait is queued: then nothing is ordered).
         """
-        wanted = dict.fromkeys(job_ids)
-        self._check_known(wanted, "nothing was ordered")
-        jobs = [self._in_flight[j] for j in wanted if j in self._in_flight]
-        if not jobs:
-            return 0
-        if stream is None:
-            stream = torch.cuda.current_stream(self._device)
-        for job in jobs:
-            stream.wait_event(job.end)
-        return len(jobs)
+        return self._jobs.fence(job_ids, stream, self._device)
 
     def wait(self, job_ids: Iterable[int]) -> list[TransferResult]:
         """Block until the given jobs are finished and return their results.
@@ -1029,27 +966,4 @@ class OffloadingWorker:
             ValueError: a job id given more than once (each result is reported once; nothing
                 is taken).
         """
-        wanted = list(job_ids)
-        wanted_set = set(wanted)
-        if len(wanted_set) != len(wanted):
-            seen: set[int] = set()
-            repeated = sorted({j for j in wanted if j in seen or seen.add(j)})
-            raise ValueError(
-                f"job ids {repeated} are given more than once; list each job once (its result "
-                "is reported once); nothing was taken"
-            )
-        self._check_known(wanted, "nothing was taken")
-        results: dict[int, TransferResult] = {}
-        for jid in wanted:
-            job = self._in_flight.get(jid)
-            if job is not None:
-                job.end.synchronize()
-                results[jid] = self._complete(job)
-        keep = []
-        for r in self._finished:
-            if r.job_id in wanted_set and r.job_id not in results:
-                results[r.job_id] = r
-            else:
-                keep.append(r)
-        self._finished = keep
-        return [results[j] for j in wanted]
+        return self._jobs.wait(job_ids)

@@ -72,7 +72,7 @@ def _faulty_transfer(self, job_id, src, dst):  # type: ignore[no-untyped-def]
     mode = FAULT["mode"]
     load = isinstance(src, CPUBlockSpec)
     if (mode == "fail_loads" and load) or (mode == "fail_stores" and not load):
-        self._finished.append(
+        self._jobs.finish(
             TransferResult(job_id, "load" if load else "store", False, 0, 0.0, "injected fault")
         )
         return False
@@ -107,7 +107,8 @@ def _slow_get_finished(self):  # type: ignore[no-untyped-def]
     for r in done:
         step = first_seen.setdefault(r.job_id, STEP[0])
         (out if STEP[0] - step >= FAULT["slow_steps"] else held).append(r)
-    self._finished = held + self._finished  # still pending: wait() takes them at once
+    for r in held:  # still pending (the queue was empty: taken above): wait() takes them
+        self._jobs.finish(r)
     return out
 
 
