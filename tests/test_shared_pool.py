@@ -128,9 +128,10 @@ def test_a_worker_with_a_shared_name_puts_its_cpu_pool_there() -> None:
 
 
 def test_a_pool_that_outlives_its_creator_goes_with_the_last_process_that_maps_it() -> None:
-    """A node pool's region: every mapping holds a shared lock on the file. Closing removes the
-    name only when no other process maps it, however the others died (the kernel drops the
-    lock of a killed process); a creator's own pool (the default) goes at its close."""
+    """A node pool's region (docs/design.md invariant 11): every mapping holds a shared lock on
+    the file. Closing removes the name only when no other process maps it, however the others
+    died (the kernel drops the lock of a killed process); a creator's own pool (the default)
+    goes at its close."""
     name = fresh_name()
     path = os.path.join(SHM_DIR, name)
     shape = [(2, 4096)]
@@ -188,7 +189,8 @@ def test_a_pool_removed_while_it_is_being_attached_is_not_adopted(monkeypatch) -
 
 def test_a_forked_child_that_exits_leaves_its_parents_hold_and_name() -> None:
     """A child forked from a process that maps a pool shares that process's lock; its exit
-    (which runs the pool's finalizer) must not drop the parent's hold or remove the name."""
+    (which runs the pool's finalizer) must not drop the parent's hold or remove the name
+    (invariant 11)."""
     name = fresh_name()
     path = os.path.join(SHM_DIR, name)
     for kw in ({"outlive_creator": True}, {}):

@@ -1,7 +1,8 @@
 // NodePoolLoads (an engine's side of its node pool loads): a completion names only the loads
 // the current connection pinned, every load ends once whether by slot or by key, a slot the
 // pool gave out again belongs to its new key, and bad input changes nothing. A random run is
-// checked against a plain model of the same bookkeeping.
+// checked against a plain model of the same bookkeeping (docs/design.md invariant 10, the
+// engine's side).
 #include <gtest/gtest.h>
 
 #include <cstddef>

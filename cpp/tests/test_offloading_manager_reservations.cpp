@@ -1,7 +1,7 @@
 // CPUOffloadingManager's slot reservations (reserve_blocks, store_reserved, release_reserved):
 // the slots' accounting (free + stored + pending + reserved = num_blocks), eviction as
-// prepare_store evicts, duplicates left reserved, and bad input that changes nothing
-// (docs/design.md invariant 7).
+// prepare_store evicts, duplicates left reserved (docs/design.md invariant 10), and bad input
+// that changes nothing (invariant 7).
 #include <gtest/gtest.h>
 
 #include <algorithm>

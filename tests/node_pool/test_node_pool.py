@@ -194,9 +194,9 @@ _RANDOM_ENGINES = textwrap.dedent(
 
 def test_engines_killed_at_random_points_leak_no_slot_and_no_pin(served) -> None:
     """Two engines hammer the pool while a third is SIGKILLed at a random moment, 100 times
-    over (issue 56's target). After each kill the pool's counts add up (no slot leaked,
-    nothing pending or pinned is left of the dead, the living engines go on), and no block the
-    dead were storing is ever a hit."""
+    over (issue 56's target; docs/design.md invariant 10). After each kill the pool's counts
+    add up (no slot leaked, nothing pending or pinned is left of the dead, the living engines
+    go on), and no block the dead were storing is ever a hit."""
     rng = __import__("random").Random(7)
     spawner = subprocess.Popen(
         [sys.executable, "-c", _RANDOM_ENGINES, served.socket],
@@ -327,8 +327,8 @@ def test_a_pool_stopped_cleanly_under_an_engine_is_adopted_by_the_next_one(
     tmp_path: Path,
 ) -> None:
     """A clean stop (SIGTERM: systemctl restart, an upgrade) keeps the region while an engine
-    maps it, so the next pool adopts it and the engine hits again without a restart; the last
-    mapping to go removes the region."""
+    maps it (docs/design.md invariant 11), so the next pool adopts it and the engine hits again
+    without a restart; the last mapping to go removes the region."""
     sock = str(tmp_path / "pool.sock")
     region = f"kvoff-test-np-stop-{os.getpid()}"
     path = Path("/dev/shm", region)

@@ -1,7 +1,7 @@
 """Slots reserved for an engine's stores (``RESERVE`` / ``STORE_RESERVED``): a store of keys
 the pool's key filter rules out needs no round trip, every slot stays accounted for (free,
 held, pending or reserved), a key another engine holds is never stored twice, and an engine
-that goes away gives its reservation back."""
+that goes away gives its reservation back (docs/design.md invariant 10)."""
 
 from __future__ import annotations
 
