@@ -171,7 +171,8 @@ py::list normalized_keys(py::handle keys) {
   const auto span = batch.span();
   py::list out(span.size());
   for (std::size_t i = 0; i < span.size(); ++i) {
-    PyObject* b = PyBytes_FromStringAndSize(span[i].data(), static_cast<Py_ssize_t>(span[i].size()));
+    PyObject* b =
+        PyBytes_FromStringAndSize(span[i].data(), static_cast<Py_ssize_t>(span[i].size()));
     if (b == nullptr) {
       throw py::error_already_set();
     }
@@ -184,7 +185,8 @@ py::list normalized_ids(py::handle ids) {
   py::list out;
   for (py::handle id : ids) {
     if (PyBool_Check(id.ptr()) || !PyIndex_Check(id.ptr())) {
-      throw py::type_error(std::string("block_ids must be ints, got ") + Py_TYPE(id.ptr())->tp_name);
+      throw py::type_error(std::string("block_ids must be ints, got ") +
+                           Py_TYPE(id.ptr())->tp_name);
     }
     out.append(py::reinterpret_steal<py::object>(PyNumber_Index(id.ptr())));
   }

@@ -12,7 +12,8 @@ namespace kvoff {
 
 // ---------------------------------------------------------------------------------------- LRU
 
-LRUEvictionPolicy::LRUEvictionPolicy(std::uint32_t capacity) : capacity_(capacity), head_(capacity) {
+LRUEvictionPolicy::LRUEvictionPolicy(std::uint32_t capacity)
+    : capacity_(capacity), head_(capacity) {
   if (capacity == 0 || static_cast<std::int64_t>(capacity) > kMaxNumBlocks) {
     throw std::invalid_argument("an eviction policy needs a capacity of 1..2^31-1 slots, got " +
                                 std::to_string(capacity));
@@ -243,7 +244,8 @@ void ARCEvictionPolicy::remove_ghost(std::uint32_t node) noexcept {
     }
     const std::size_t home = home_bucket(ghost_nodes_[other].hash);
     // `other` may move into the hole unless its home lies cyclically in (hole, j].
-    const bool home_after_hole = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+    const bool home_after_hole =
+        hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
     if (!home_after_hole) {
       buckets_[hole] = other;
       hole = j;

@@ -390,7 +390,8 @@ void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_ha
 
 void OffloadingScheduler::HashSink::add(std::span<const std::string_view> new_hashes) {
   const std::size_t total = std::max(request_.hashes.size(), start_ + new_hashes.size());
-  const std::int64_t covered = static_cast<std::int64_t>(total) * scheduler_.config_.hash_block_size;
+  const std::int64_t covered =
+      static_cast<std::int64_t>(total) * scheduler_.config_.hash_block_size;
   add(new_hashes, std::max(request_.num_tokens, covered));
 }
 

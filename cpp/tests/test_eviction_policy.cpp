@@ -117,7 +117,8 @@ std::vector<std::uint64_t> H(std::initializer_list<const char*> keys) {
 }
 
 /// Selects `count` victims (all evictable) and erases them as evicted; returns them.
-Slots evict(ARCEvictionPolicy& arc, std::size_t count, const std::vector<std::string>& key_of_slot) {
+Slots evict(ARCEvictionPolicy& arc, std::size_t count,
+            const std::vector<std::string>& key_of_slot) {
   Slots victims;
   arc.select_victims(count, [](std::uint32_t) { return true; }, victims);
   for (const std::uint32_t v : victims) {

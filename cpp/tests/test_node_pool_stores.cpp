@@ -1,7 +1,7 @@
 // NodePoolStores (an engine's side of its node pool stores): the reserved path only takes keys
 // that are new everywhere, a completion names only what this connection stored, a lost
 // connection's slots stay in flight until completed, and the payloads are the wire format of
-// kvoff/node_pool/protocol.py.
+// kvoff/node_pool/protocol.py (docs/design.md invariant 10, the engine's side).
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -156,7 +156,8 @@ TEST(NodePoolStores, BadGrantsChangeNothing) {
   const std::vector<std::uint32_t> good = {3, 4};
   ASSERT_TRUE(s.begin(views(keys), good));
   EXPECT_EQ(s.num_storing(), 2u);
-  EXPECT_THROW(NodePoolStores(std::string(kvoff::kNodePoolMaxKeyBytes, 'p'), 4), std::invalid_argument);
+  EXPECT_THROW(NodePoolStores(std::string(kvoff::kNodePoolMaxKeyBytes, 'p'), 4),
+               std::invalid_argument);
 }
 
 TEST(NodePoolStores, ASlotThePoolDoesNotHaveIsRefusedBeforeAnythingChanges) {
@@ -195,8 +196,9 @@ TEST(NodePoolStores, TheOutboxQueuesFramesInOrderOnlyWhileAttached) {
   EXPECT_EQ(s.queue(0x4006, "ab", true), 1u);
   EXPECT_EQ(s.next_request_id(), 2u);  // a frame the caller sends itself
   EXPECT_EQ(s.queue(12, "", false), 3u);
-  const std::string want = std::string("KVNP\x04\x00\x06\x40\x01\x00\x00\x00\x02\x00\x00\x00" "ab", 18) +
-                           std::string("KVNP\x04\x00\x0c\x00\x03\x00\x00\x00\x00\x00\x00\x00", 16);
+  const std::string want =
+      std::string("KVNP\x04\x00\x06\x40\x01\x00\x00\x00\x02\x00\x00\x00" "ab", 18) +
+      std::string("KVNP\x04\x00\x0c\x00\x03\x00\x00\x00\x00\x00\x00\x00", 16);
   EXPECT_EQ(s.outbox_bytes(), want.size());
   EXPECT_EQ(s.take_outbox(), want);
   EXPECT_EQ(s.outbox_bytes(), 0u);
@@ -263,7 +265,8 @@ TEST(NodePoolStores, MatchesAModelOfSlotsAndConnections) {
       auto it = std::next(model.begin(), static_cast<long>(rng() % model.size()));
       std::vector<std::string> key = {it->second.key};
       ASSERT_EQ(s.slot_of(key[0]), it->first);
-      ASSERT_EQ(s.complete_keys(views(key), false, payload), it->second.connection == connection ? 1u : 0u);
+      ASSERT_EQ(s.complete_keys(views(key), false, payload),
+                it->second.connection == connection ? 1u : 0u);
       model.erase(it);
     } else if (op == 5 && rng() % 8 == 0) {
       s.lose();

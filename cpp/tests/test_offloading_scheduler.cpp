@@ -307,12 +307,13 @@ TEST(OffloadingSchedulerLoad, HybridSkipsNullBlocksAndGroupSizesSum) {
   expect_names(error_of([&] { s.update_state_after_alloc("r", Table{{21, 22}}, 24); }),
                {"1 KV cache groups", "the model has 2"});
   expect_names(error_of([&] {
-                 s.update_state_after_alloc("r", Table{{21, 22, 23, 24, 25, 64}, {0, 0, 0, 0, 35, 36}},
-                                            24);
+                 s.update_state_after_alloc(
+                     "r", Table{{21, 22, 23, 24, 25, 64}, {0, 0, 0, 0, 35, 36}}, 24);
                }),
                {"block id 64", "num_gpu_blocks=64"});
   EXPECT_EQ(s.manager().pin_count(key("a5", 0)), 0u);
-  s.update_state_after_alloc("r", Table{{21, 22, 23, 24, 25, 26, 27}, {0, 0, 0, 0, 35, 36, 37}}, 24);
+  s.update_state_after_alloc("r", Table{{21, 22, 23, 24, 25, 26, 27}, {0, 0, 0, 0, 35, 36, 37}},
+                             24);
   auto meta = step(s, {});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   expect_job(s, meta.load_jobs[0], false, "r", {21, 22, 23, 24, 25, 26, 35, 36}, {6, 2}, {0, 4},
@@ -355,7 +356,8 @@ TEST(OffloadingSchedulerLoad, PartialFirstOffloadedBlockAfterEngineHitWithFactor
   auto meta = step(s, {});
   ASSERT_EQ(meta.load_jobs.size(), 1u);
   // GPU block 1 is the second half of offloaded block 0: block_indices 1 -> offset 1 % 2.
-  expect_job(s, meta.load_jobs[0], false, "r", {10, 11, 12}, {3}, {1}, {key("a1", 0), key("a3", 0)});
+  expect_job(s, meta.load_jobs[0], false, "r", {10, 11, 12}, {3}, {1},
+             {key("a1", 0), key("a3", 0)});
   EXPECT_EQ(meta.load_jobs[0].cpu_block_ids, (U{0, 1}));
 }
 

@@ -61,7 +61,8 @@ TEST(ProbationEvictionPolicy, NewKeysEnterProbationTouchPromotesTouchPendingOrde
 TEST(ProbationEvictionPolicy, DerivedConstants) {
   // W = ceil(c / 4), D = ceil(c / W), S = max(1, bit_ceil(c) / 2).
   const std::array<std::array<std::uint32_t, 4>, 6> cases{{
-      {1, 1, 1, 1}, {4, 1, 4, 2}, {5, 2, 3, 4}, {8, 2, 4, 4}, {1000, 250, 4, 512}, {1024, 256, 4, 512},
+      {1, 1, 1, 1}, {4, 1, 4, 2}, {5, 2, 3, 4}, {8, 2, 4, 4}, {1000, 250, 4, 512},
+      {1024, 256, 4, 512},
   }};
   for (const auto& [c, w, d, s] : cases) {
     P p(c);
@@ -212,8 +213,8 @@ TEST(ProbationEvictionPolicy, SelectVictimsSkipsNonEvictableAndChangesNothing) {
 }
 
 TEST(ProbationEvictionPolicy, PrefixTailLeavesFirst) {
-  // docs/design.md invariant 8: keys inserted (or touched) last to first leave tail first, in either
-  // list and across them.
+  // docs/design.md invariant 8: keys inserted (or touched) last to first leave tail first, in
+  // either list and across them.
   P p(6);
   for (const std::uint32_t s : {2u, 1u, 0u}) {  // a request's blocks 0 1 2, entered 2 1 0
     p.insert(s, "req-a-" + std::to_string(s));

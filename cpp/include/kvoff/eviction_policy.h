@@ -292,11 +292,11 @@ class ARCEvictionPolicy final : public EvictionPolicy {
 /// evicted ahead of older protected ones. It starts at c (pure LRU).
 ///
 /// Ghosts. An evicted key leaves a ghost: a 16-bit tag of its hash and a 16-bit epoch of its
-/// eviction number in its list (probation and protected evictions are counted separately). Ghosts live in a
-/// set-associative table of S = max(1, bit_ceil(c) / 2) sets; set = hash_key(key) mod S; each
-/// set keeps kGhostWays = 8 ghosts per list (one 64-byte line), replacing the oldest of its list
-/// when full. So each list remembers at least its last 2c evicted keys (8S >= 2c); a ghost whose
-/// age (later evictions from its list) is 2c or more is expired.
+/// eviction number in its list (probation and protected evictions are counted separately). Ghosts
+/// live in a set-associative table of S = max(1, bit_ceil(c) / 2) sets; set = hash_key(key) mod S;
+/// each set keeps kGhostWays = 8 ghosts per list (one 64-byte line), replacing the oldest of its
+/// list when full. So each list remembers at least its last 2c evicted keys (8S >= 2c); a ghost
+/// whose age (later evictions from its list) is 2c or more is expired.
 ///
 /// Operations (all O(1); no allocation after construction):
 ///  * insert(slot, key): the ghosts of the key are removed. A ghost younger than W = ceil(c / 4)
@@ -319,8 +319,8 @@ class ARCEvictionPolicy final : public EvictionPolicy {
 ///    calls in that order evict (erase changes n_p, not b or stamps).
 ///
 /// With b = c the victims are those of LRU over the same operations (every slot is stamped when
-/// LRU would make it most recent). Prefix order (docs/design.md invariant 8): within a list the order
-/// is the stamp order, so keys touched or inserted last to first are evicted tail first.
+/// LRU would make it most recent). Prefix order (docs/design.md invariant 8): within a list the
+/// order is the stamp order, so keys touched or inserted last to first are evicted tail first.
 ///
 /// Constants: W = c/4 and D = c/W (the budget's learning window and step) and the 2c ghost
 /// horizon (ARC's directory of 2c keys) are fractions of the pool size fixed in advance, not

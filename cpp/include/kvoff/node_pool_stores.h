@@ -1,9 +1,9 @@
 // One engine's stores into a node pool, kept on the engine's side: the slots the pool reserved
 // for this engine's connection, the stores in flight (slot <-> key), the payloads that tell
 // the pool of them (the wire format of kvoff/node_pool/protocol.py), and the connection's
-// outbox: the frames queued without a reply, sent with the engine's next call or flush. An engine stores about
-// 200 keys a step; keeping this per-key work here, not in Python, is what keeps a node pool's
-// step near a private pool's (kvoff bench scheduler --vs-vllm --node-pool).
+// outbox: the frames queued without a reply, sent with the engine's next call or flush. An engine
+// stores about 200 keys a step; keeping this per-key work here, not in Python, is what keeps a node
+// pool's step near a private pool's (kvoff bench scheduler --vs-vllm --node-pool).
 //
 // Two lifetimes meet here. The reservation and the right to complete a store belong to the
 // connection: a pool that goes away releases them (lose()). A store's slot belongs to the

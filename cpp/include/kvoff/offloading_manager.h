@@ -350,8 +350,8 @@ class CPUOffloadingManager final : public BlockManager {
   /// pipelined (KeyIndex::find_each), so a batch costs about one memory latency per 64 keys
   /// instead of one per key; stopping at a miss wastes at most 64 hashes. Changes nothing.
   /// Engine thread. An empty key counts as missing.
-  std::size_t states_until_missing(KeySpan keys,
-                                   std::pair<BlockState, std::uint32_t>* out) const noexcept override;
+  std::size_t states_until_missing(
+      KeySpan keys, std::pair<BlockState, std::uint32_t>* out) const noexcept override;
   /// CPU block id of a held key, or std::nullopt.
   std::optional<std::uint32_t> block_id(std::string_view key) const noexcept;
 

@@ -69,8 +69,8 @@ struct SchedulerConfig {
   /// many at once; decode completes one block every block size tokens), and those still
   /// waiting when it finishes are stored by the next build_connector_meta, unless the engine
   /// reallocated their GPU blocks by then (stale, invariant 4). 1 stores every block in the
-  /// step it fills (docs/design.md "One engine step", step 2). Models with a sliding-window or Mamba
-  /// group always use 1: their blocks can leave the window, and be freed, while waiting.
+  /// step it fills (docs/design.md "One engine step", step 2). Models with a sliding-window or
+  /// Mamba group always use 1: their blocks can leave the window, and be freed, while waiting.
   std::int64_t store_batch_blocks = 1;
   /// Store only offloaded blocks that lie wholly inside each request's prompt (vLLM 0.32's
   /// `offload_prompt_only`, the default of its OffloadingConnector): blocks that decode fills
@@ -417,8 +417,8 @@ class OffloadingScheduler {
   /// Requests that are idle: a step that gives them no new block and completes none of their
   /// offloaded blocks changes nothing, so build_connector_meta skips them without a lookup.
   /// A request is idle after a step that stored (or found held) every offloaded block full
-  /// after it but fewer than store_batch_blocks(), with no load pending; a refused store, missing hashes, a load, a preemption or
-  /// its end make it busy again. For tests and metrics.
+  /// after it but fewer than store_batch_blocks(), with no load pending; a refused store, missing
+  /// hashes, a load, a preemption or its end make it busy again. For tests and metrics.
   std::size_t num_idle_requests() const noexcept { return idle_.size(); }
   /// Jobs emitted and not yet completed.
   std::size_t num_jobs_in_flight() const noexcept { return jobs_.size() - pending_loads_.size(); }
@@ -606,9 +606,9 @@ class OffloadingScheduler {
   /// Requests that need nothing in a step unless they get new blocks or their tokens fill
   /// their next store batch ("idle"): their ids' 64-bit hashes, with the last
   /// build_connector_meta call that listed each (duplicate detection) and the tokens of the
-  /// last step that skipped each (for a store at finish). A decode step checks most running requests here,
-  /// without touching their records (a 64-bit hash names the request: two live ids sharing
-  /// one are not told apart).
+  /// last step that skipped each (for a store at finish). A decode step checks most running
+  /// requests here, without touching their records (a 64-bit hash names the request: two live ids
+  /// sharing one are not told apart).
   struct IdleEntry {
     std::uint64_t stamp = 0;        // the last build_connector_meta call that listed it
     std::int64_t wake_tokens = 0;   // a step whose tokens reach this is not skipped
