@@ -8,11 +8,11 @@
 
 namespace kvoff::detail {
 
-/// The pool's slot count, from its hello; kMax until set. A slot past it is refused before it
-/// can size an engine's per-slot table (4 bytes a slot).
+/// The pool's slot count, from its hello; kMax until set. A slot at or past it is refused
+/// before it can size one of the engine's tables indexed by slot.
 class NodePoolSlotCount {
  public:
-  /// The most slots a pool may have: 2**28 (a per-slot table of 4-byte entries is then 1 GiB).
+  /// The most slots a pool may have: 2**28 (NodePoolStores' table by slot is then 1 GiB).
   static constexpr std::uint32_t kMax = 1u << 28;
 
   /// Sets the count. Throws std::invalid_argument, changing nothing, over kMax.
@@ -32,8 +32,6 @@ class NodePoolSlotCount {
                                   ", but it has " + std::to_string(num_slots_) + " slots");
     }
   }
-
-  std::uint32_t get() const noexcept { return num_slots_; }
 
  private:
   std::uint32_t num_slots_ = kMax;
