@@ -32,7 +32,8 @@ checksum the MAC replaces, and a memcpy (``numpy.copyto``) of each block. ``roun
 rounds; reported: medians of GB/s and of seconds per GB, and each method's time over the MAC's,
 the MAC's over the checksum's and over the memcpy's (medians of the rounds' own ratios). With
 Redis, :func:`bench_redis_mac` times 512 KiB puts and gets through a tier without and with a
-secret, alternated, and reports their ratio (target for gets: >= 0.9).
+secret, alternated, and reports their ratio (target for gets: >= 0.9), per round (puts then gets)
+and for gets in steady state (alternated read passes over blocks stored once).
 """
 
 from __future__ import annotations
@@ -424,6 +425,7 @@ def bench_redis_mac(
     total_bytes: int = 128 << 20,
     batch_bytes: int = 32 << 20,
     rounds: int = 5,
+    steady_passes: int = 12,
 ) -> dict[str, Any]:
     """Redis tier puts and gets of ``block_size`` blocks without and with a ``shared_secret``
     (the MAC, :data:`MAC_ALGORITHM`), alternated in ``rounds`` rounds (each: a fresh namespace,
@@ -433,10 +435,16 @@ def bench_redis_mac(
     time comes straight off the throughput; successive runs on the 2-core box differ by about
     0.1 in the gets ratio, hence 5 rounds.
 
+    Then the gets in steady state: both namespaces are filled once and read once (warm-up),
+    then read back ``steady_passes`` times each, alternated (plain first in even passes), with
+    no puts in between; reported as the median and quartiles of the passes' ratios.
+
     Returns:
         ``{"block_size", "blocks", "rounds", "mac_algorithm", "plain_put_gbps",
         "plain_get_gbps", "mac_put_gbps", "mac_get_gbps", "put_ratio", "get_ratio",
-        "per_round"}``.
+        "per_round", "steady"}``; ``steady``: ``{"passes", "get_ratio", "get_ratio_q1",
+        "get_ratio_q3", "per_pass"}`` (``per_pass``: ``plain_get_gbps``, ``mac_get_gbps``),
+        or None when ``steady_passes`` is 0.
 
     Raises:
         ValueError: a round did not store and serve every block (the message says how many).
@@ -486,7 +494,78 @@ def bench_redis_mac(
             r[f"mac_{op}_gbps"] / r[f"plain_{op}_gbps"] for r in per_round
         )
     out["per_round"] = per_round
+    out["steady"] = (
+        _steady_gets(url, fp, secret, keys, block_size, batch, steady_passes)
+        if steady_passes > 0
+        else None
+    )
     return out
+
+
+def _steady_gets(
+    url: str,
+    fp: bytes,
+    secret: bytes,
+    keys: list[bytes],
+    block_size: int,
+    batch: int,
+    passes: int,
+) -> dict[str, Any]:
+    """:func:`bench_redis_mac`'s steady-state gets (see there).
+
+    Raises:
+        ValueError: a namespace did not store or serve every block.
+    """
+    from kvoff.tiers.redis_cluster import RedisClusterTier
+
+    n = len(keys)
+    tiers = {
+        name: RedisClusterTier(
+            url,
+            BlockFormat(fp, block_size, shared_secret=mode),
+            namespace=f"kvoff-bench-steady-{name}",
+            timeout_s=5.0,
+        )
+        for name, mode in (("plain", None), ("mac", secret))
+    }
+    outs = _aligned_blocks(min(batch, n), block_size, seed=2)
+
+    def read_all(name: str) -> float:
+        t0 = time.perf_counter()
+        served = sum(
+            sum(tiers[name].get(keys[s : s + batch], outs[: len(keys[s : s + batch])]))
+            for s in range(0, n, batch)
+        )
+        seconds = time.perf_counter() - t0
+        if served != n:
+            raise ValueError(f"the Redis tier ({name}, steady gets) served {served:,} of {n:,}")
+        return _gbps(n * block_size, seconds)
+
+    try:
+        for name, tier in tiers.items():
+            stored, _, _, _ = _put_then_get(tier, keys, block_size, batch)  # fill, warm up
+            if stored != n:
+                raise ValueError(f"the Redis tier ({name}) stored {stored:,} of {n:,} blocks")
+        per_pass = []
+        for p in range(passes):
+            order = ("plain", "mac") if p % 2 == 0 else ("mac", "plain")
+            row = {f"{name}_get_gbps": read_all(name) for name in order}
+            per_pass.append(row)
+        for tier in tiers.values():
+            for start in range(0, n, 1024):
+                tier.evict(keys[start : start + 1024])
+    finally:
+        for tier in tiers.values():
+            tier.close()
+    ratios = [r["mac_get_gbps"] / r["plain_get_gbps"] for r in per_pass]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {
+        "passes": passes,
+        "get_ratio": statistics.median(ratios),
+        "get_ratio_q1": q1,
+        "get_ratio_q3": q3,
+        "per_pass": per_pass,
+    }
 
 
 def run_bench_tiers(
@@ -660,6 +739,13 @@ def format_bench_tiers(result: dict[str, Any]) -> str:
             f" target >= 0.9), puts {rm['mac_put_gbps']:.2f} / {rm['plain_put_gbps']:.2f} GB/s "
             f"({rm['put_ratio']:.2f}x)"
         )
+        st = rm.get("steady")
+        if st:
+            lines.append(
+                f"  gets in steady state, {st['passes']} alternated passes: "
+                f"{st['get_ratio']:.2f}x (quartiles {st['get_ratio_q1']:.2f}-"
+                f"{st['get_ratio_q3']:.2f})"
+            )
     lines += [f"FAILED: {line}" for line in tier_failures(result)]
     return "\n".join(lines)
 

@@ -137,3 +137,28 @@ def test_dead_redis_is_an_error_not_fast(
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert "redis://127.0.0.1:1 stored 0 of 4 blocks" in err and "--no-remote" in err
+
+
+def test_redis_mac_gets_in_steady_state_alternate_and_report_their_quartiles(
+    redis_url: str,
+) -> None:
+    pytest.importorskip("blake3")
+    from kvoff.tools.bench_tiers import bench_redis_mac
+
+    r = bench_redis_mac(
+        redis_url, block_size=64 << 10, total_bytes=1 << 20, batch_bytes=256 << 10, rounds=1,
+        steady_passes=3,
+    )  # fmt: skip
+    st = r["steady"]
+    assert st["passes"] == 3 and len(st["per_pass"]) == 3
+    # alternated: plain first in even passes, the MAC first in odd ones
+    assert [next(iter(p)) for p in st["per_pass"]] == [
+        "plain_get_gbps",
+        "mac_get_gbps",
+        "plain_get_gbps",
+    ]
+    ratios = sorted(p["mac_get_gbps"] / p["plain_get_gbps"] for p in st["per_pass"])
+    assert st["get_ratio"] == pytest.approx(ratios[1])  # the median of three
+    assert st["get_ratio_q1"] <= st["get_ratio"] <= st["get_ratio_q3"]
+    assert all(v > 0 for p in st["per_pass"] for v in p.values())
+    assert bench_redis_mac(redis_url, 64 << 10, 1 << 20, 256 << 10, 1, 0)["steady"] is None
