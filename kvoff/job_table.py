@@ -54,28 +54,29 @@ class JobTable:
     thread-safe (the worker's caller is one thread: the engine's)."""
 
     def __init__(self) -> None:
-        self._finished: list[TransferResult] = []
+        # Keyed by job id (an id is pending at most once), in the order the jobs finished.
+        self._finished: dict[int, TransferResult] = {}
         self._in_flight: dict[int, InFlight] = {}
 
     def is_pending(self, job_id: int) -> bool:
         """Whether ``job_id`` is in flight or has a result not taken yet."""
-        return job_id in self._in_flight or any(r.job_id == job_id for r in self._finished)
+        return job_id in self._in_flight or job_id in self._finished
 
     def pending(self) -> set[int]:
         """Ids of the jobs in flight or with a result not taken yet."""
-        return set(self._in_flight) | {r.job_id for r in self._finished}
+        return set(self._in_flight) | set(self._finished)
 
     def finish(self, result: TransferResult) -> None:
         """Queue the result of a job that ran to its end here (CPU, or failed before copying)."""
-        self._finished.append(result)
+        self._finished[result.job_id] = result
 
     def fail(
         self, job_ids: Iterable[int], direction: Direction, error: str, mechanism: str = "cpu"
     ) -> None:
         """Queue a failed :class:`TransferResult` (nothing moved, 0 s) for each of ``job_ids``."""
         for job_id in job_ids:
-            self._finished.append(
-                TransferResult(job_id, direction, False, 0, 0.0, error, mechanism)
+            self._finished[job_id] = TransferResult(
+                job_id, direction, False, 0, 0.0, error, mechanism
             )
 
     def launch(
@@ -104,8 +105,8 @@ class JobTable:
     def take_finished(self) -> list[TransferResult]:
         """The queued results and those of the jobs in flight whose end event has passed
         (polled, never waited for); all of them are taken."""
-        done = self._finished
-        self._finished = []
+        done = list(self._finished.values())
+        self._finished = {}
         for job in list(self._in_flight.values()):
             if job.end.query():
                 done.append(self._complete(job))
@@ -115,8 +116,7 @@ class JobTable:
         """Raises:
         KeyError: naming the ids neither in flight nor with a result queued; ``unchanged``
             ends the message (what the caller left as it was)."""
-        finished = {r.job_id for r in self._finished}
-        missing = [j for j in job_ids if j not in self._in_flight and j not in finished]
+        missing = [j for j in job_ids if j not in self._in_flight and j not in self._finished]
         if missing:
             raise KeyError(
                 f"unknown job ids {missing}: never submitted, or their results were already "
@@ -158,8 +158,7 @@ class JobTable:
             ValueError: an id given more than once; nothing is taken.
         """
         wanted = list(job_ids)
-        wanted_set = set(wanted)
-        if len(wanted_set) != len(wanted):
+        if len(set(wanted)) != len(wanted):
             seen: set[int] = set()
             repeated = sorted({j for j in wanted if j in seen or seen.add(j)})
             raise ValueError(
@@ -173,18 +172,14 @@ class JobTable:
             if job is not None:
                 job.end.synchronize()
                 results[jid] = self._complete(job)
-        keep = []
-        for r in self._finished:
-            if r.job_id in wanted_set and r.job_id not in results:
-                results[r.job_id] = r
-            else:
-                keep.append(r)
-        self._finished = keep
+        for jid in wanted:
+            if jid not in results:
+                results[jid] = self._finished.pop(jid)
         return [results[j] for j in wanted]
 
     def drain(self) -> None:
         """Block until every job in flight is finished; their results stay queued, as if they
         had finished alone."""
         if self._in_flight:
-            results = self.wait(list(self._in_flight))  # replaces self._finished
-            self._finished.extend(results)
+            for result in self.wait(list(self._in_flight)):
+                self._finished[result.job_id] = result

@@ -136,3 +136,14 @@ def test_drain_waits_for_every_job_and_keeps_their_results_queued() -> None:
     assert [r.job_id for r in t.take_finished()] == [1, 2]
     t.drain()  # nothing in flight: nothing to do
     assert t.pending() == set()
+
+
+def test_results_left_by_wait_stay_in_finishing_order_and_a_taken_id_is_free_again() -> None:
+    t = JobTable()
+    for j in (5, 1, 4, 2):
+        t.finish(_ok(j))
+    assert [r.job_id for r in t.wait([4])] == [4]
+    assert not t.is_pending(4) and t.is_pending(2)
+    t.finish(_ok(4))  # the id may be used again once its result was taken
+    assert [r.job_id for r in t.take_finished()] == [5, 1, 2, 4]
+    assert t.pending() == set()
