@@ -364,16 +364,29 @@ def block_mac(secret: bytes, header: Any, key: bytes, payload: Any) -> bytes:
         ValueError: ``header`` not ``HEADER_BYTES`` bytes.
         kvoff._optional.MissingExtraError: the ``blake3`` package is not installed.
     """
+    h = _blake3().blake3(mac_message_head(MAC_DOMAIN, header, key), key=mac_key(secret))
+    h.update(_byte_view(payload, "payload"))
+    return bytes(h.digest())
+
+
+def mac_message_head(domain: bytes, header: Any, key: bytes) -> bytes:
+    """What a block's MAC covers ahead of the payload, in one piece: ``domain``, ``header``
+    without its MAC field (bytes ``0..MAC_OFFSET`` and ``MAC_OFFSET + MAC_BYTES..HEADER_BYTES``),
+    the key's length (2 bytes, little-endian) and the key; about 4 KiB.
+
+    One piece because each ``update`` of the ``blake3`` package costs about 0.5 µs on its own:
+    hashing these parts one by one took 3.9 µs a block, one piece 1.6 µs (2-core Intel Xeon,
+    2026-12-02), about 3 % of a 512 KiB block's MAC.
+
+    Raises:
+        ValueError: ``header`` not ``HEADER_BYTES`` bytes.
+    """
     head = _byte_view(header, "header")
     if head.nbytes != HEADER_BYTES:
         raise ValueError(f"header is {head.nbytes} bytes, expected {HEADER_BYTES}")
-    h = _blake3().blake3(MAC_DOMAIN, key=mac_key(secret))
-    h.update(head[:MAC_OFFSET])
-    h.update(head[MAC_OFFSET + MAC_BYTES :])
-    h.update(_KEY_LEN.pack(len(key)))
-    h.update(key)
-    h.update(_byte_view(payload, "payload"))
-    return bytes(h.digest())
+    return b"".join(
+        (domain, head[:MAC_OFFSET], head[MAC_OFFSET + MAC_BYTES :], _KEY_LEN.pack(len(key)), key)
+    )
 
 
 class HeaderInfo(NamedTuple):

@@ -55,14 +55,13 @@ import numpy as np
 
 from kvoff.tiers.block_format import (
     HEADER_BYTES,
-    MAC_BYTES,
     MAC_DOMAIN,
-    MAC_OFFSET,
     BlockFormat,
     block_mac,
     encode_header,
     layout_fingerprint,
     mac_key,
+    mac_message_head,
     payload_checksum,
 )
 from kvoff.tiers.disk import SUPERBLOCK_BYTES, DiskTier, slot_bytes_for
@@ -308,12 +307,7 @@ def _hmac_sha256_mac(secret: bytes, header: Any, key: bytes, payload: Any) -> by
     (RFC 2104) keyed by ``secret`` over the same input as
     :func:`kvoff.tiers.block_format.block_mac` (version 2's domain ``kvoff-block-mac-v1``, the
     header without its MAC field, key length and key, payload)."""
-    head = memoryview(header)
-    h = hmac.new(secret, b"kvoff-block-mac-v1\x00", "sha256")
-    h.update(head[:MAC_OFFSET])
-    h.update(head[MAC_OFFSET + MAC_BYTES :])
-    h.update(len(key).to_bytes(2, "little"))
-    h.update(key)
+    h = hmac.new(secret, mac_message_head(b"kvoff-block-mac-v1\x00", header, key), "sha256")
     h.update(payload)
     return h.digest()
 
@@ -325,12 +319,8 @@ def _blake3_threads_mac(derived: bytes, header: Any, key: bytes, payload: Any) -
     :func:`kvoff.tiers.block_format.mac_key`."""
     import blake3
 
-    head = memoryview(header)
-    h = blake3.blake3(MAC_DOMAIN, key=derived, max_threads=blake3.blake3.AUTO)
-    h.update(head[:MAC_OFFSET])
-    h.update(head[MAC_OFFSET + MAC_BYTES :])
-    h.update(len(key).to_bytes(2, "little"))
-    h.update(key)
+    head = mac_message_head(MAC_DOMAIN, header, key)
+    h = blake3.blake3(head, key=derived, max_threads=blake3.blake3.AUTO)
     h.update(payload)
     return bytes(h.digest())
 
