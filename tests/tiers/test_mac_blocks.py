@@ -159,6 +159,24 @@ def test_the_mac_is_keyed_blake3_with_a_derived_key(secret: bytes) -> None:
         assert mac != blake3.blake3(DOMAIN_V3 + header[:130], key=secret).digest()
 
 
+# block_mac hashes the payload's start with the head, up to stream offset 16 KiB (19 + 4,064 + 2
+# + len(key) bytes of head ahead of it): payloads that end before, at and after that point, and
+# keys of both ends of their length range, give the MAC of the definition
+@pytest.mark.parametrize("k", [KEY, b"k", bytes(range(64))])
+@pytest.mark.parametrize("nbytes", [1, 12_266, 12_267, 12_268, 12_300, 65_536 + 7])
+def test_the_mac_of_payloads_around_its_first_piece(k: bytes, nbytes: int) -> None:
+    fmt = BlockFormat(FP, nbytes, shared_secret=SECRET)
+    data = block(k * 2, nbytes)
+    header = encode_header(fmt, k, data)
+    assert header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] == expected_mac(
+        SECRET, header, k, data.tobytes()
+    )
+    assert check_block(fmt, k, header, data) is None
+    bad = data.copy()
+    bad[-1] ^= 1
+    assert check_block(fmt, k, header, bad) == "auth"
+
+
 def version2_block(secret: bytes | None, k: bytes, payload: np.ndarray) -> bytes:
     """A header of format version 2 as kvoff wrote it before 2026-11-29: the version field 2,
     the header checksum over the fields, and an HMAC-SHA256 (domain "kvoff-block-mac-v1")."""
