@@ -13,6 +13,7 @@ scheduler and the worker inside kvoff, not API.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,9 @@ _T = TypeVar("_T")
 
 _MAX_ID = 2**63 - 1
 """The largest id or count a job may hold: ids travel as int64 (numpy, the copy ops, the core)."""
+
+
+_NONE = object()
 
 
 def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
@@ -57,10 +61,10 @@ def _int_tuple(name: str, values: Iterable[int]) -> tuple[int, ...]:
         )
     try:
         out = tuple(map(operator.index, items))
-        bad = next((v for v in items if v.__class__ is not int and _is_bool(v)), None)
+        bad = next((v for v in items if v.__class__ is not int and _is_bool(v)), _NONE)
     except TypeError:
         bad = next((v for v in items if not _is_index(v)), values)
-    if bad is not None:
+    if bad is not _NONE:  # a sentinel: None itself is a bad item
         raise TypeError(
             f"{name} must hold ints, got {bad!r} ({type(bad).__name__}); pass a flat sequence "
             "of integers"
@@ -198,18 +202,39 @@ class TransferResult:
     mechanism: str = "cpu"
 
 
-def _job_id(job_id: object, where: str = "job_id") -> int:
-    """``job_id`` as an int (numpy integers accepted).
+def _job_id(job_id: object, where: str = "job_id", unchanged: str = "nothing was submitted") -> int:
+    """``job_id`` as an int (numpy integers accepted); ``unchanged`` ends the error message
+    (what the caller left as it was).
 
     Raises:
         TypeError: ``job_id`` is not an integer (a bool, a float, a str or None).
     """
     if isinstance(job_id, bool) or not _is_index(job_id):
         raise TypeError(
-            f"{where}: job_id must be an int, got {job_id!r} ({type(job_id).__name__}); "
-            "nothing was submitted"
+            f"{where}: job_id must be an int, got {job_id!r} ({type(job_id).__name__}); {unchanged}"
         )
     return operator.index(job_id)  # type: ignore[arg-type]
+
+
+def _job_ids(job_ids: object, unchanged: str) -> list[int]:
+    """``job_ids`` (a list, tuple, set or 1-D integer array of job ids) as a list of ints, in
+    its order; ``unchanged`` ends the error message.
+
+    Raises:
+        TypeError: ``job_ids`` is a single id, a str, bytes, a dict, None or anything else that
+            is not a collection of ids, or one of its items is not an int.
+    """
+    items = None
+    if not isinstance(job_ids, (str, bytes, dict)):
+        # not iterable (an int, None), or a 0-d tensor or array: items stays None
+        with contextlib.suppress(TypeError):
+            items = list(job_ids)  # type: ignore[call-overload]
+    if items is None:
+        raise TypeError(
+            f"job_ids must be a list of job ids (ints), got {type(job_ids).__name__} "
+            f"{job_ids!r}; wrap a single id in a list. {unchanged[:1].upper()}{unchanged[1:]}"
+        )
+    return [_job_id(j, f"job_ids[{k}]", unchanged) for k, j in enumerate(items)]
 
 
 def _trusted(cls: type[_T], **fields: Any) -> _T:

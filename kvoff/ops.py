@@ -9,8 +9,9 @@ adds the Python wrappers :func:`copy_blocks` and :func:`batch_copy_supported`, t
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -137,7 +138,8 @@ def copy_blocks(
             a pair whose dtypes or row sizes differ; rows that are not contiguous or
             ``stride(0)`` smaller than the row; id tensors that are not 1-D ``torch.int64`` or
             of different lengths; a repeated destination id.
-        TypeError: id sequences (not tensors) that do not hold integers, or a
+        TypeError: ``src`` or ``dst`` given as one tensor, or as anything but a list or tuple
+            of tensors; id sequences (not tensors) that do not hold integers, or a
             ``kernel_blocks`` that is not an int; raised by this wrapper before the op runs.
         IndexError: a negative id, or an id ``>= size(0)`` of some tensor on its side (ids in
             sequences beyond int64, such as ``2**63``, are refused by this wrapper, naming
@@ -152,8 +154,8 @@ def copy_blocks(
     """
     _check_options(mechanism, kernel_blocks)
     torch.ops.kvoff.copy_blocks.default(
-        list(src),
-        list(dst),
+        _as_tensor_list(src, "src"),
+        _as_tensor_list(dst, "dst"),
         _as_block_ids(src_block_ids, "src_block_ids"),
         _as_block_ids(dst_block_ids, "dst_block_ids"),
         mechanism,
@@ -182,6 +184,38 @@ def copy_blocks_fast(
         mechanism,
         kernel_blocks,
     )
+
+
+def _as_tensor_list(tensors: Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """``tensors`` (a list, tuple or other iterable of tensors, e.g. a dict's values) as a list.
+
+    Raises:
+        TypeError: one tensor rather than a collection of them (its rows would be taken as the
+            tensors, a copy with another meaning), something that is not iterable, or an item
+            that is not a tensor.
+    """
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(
+            f"kvoff.copy_blocks: {name} must be a list or tuple of tensors (one per layer), got "
+            f"one tensor of shape {list(tensors.shape)}; pass [{name}]"
+        )
+    items = None
+    if not isinstance(tensors, (str, bytes)):
+        with contextlib.suppress(TypeError):
+            items = list(tensors)
+    if items is None:
+        raise TypeError(
+            f"kvoff.copy_blocks: {name} must be a list or tuple of tensors (one per layer), got "
+            f"{type(tensors).__name__} {tensors!r}"[:300]
+        )
+    for k, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"kvoff.copy_blocks: {name}[{k}] must be a tensor, got {type(t).__name__} {t!r}"[
+                    :300
+                ]
+            )
+    return items
 
 
 def _as_block_ids(ids: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:

@@ -44,6 +44,7 @@ from kvoff.jobs import (
     TransferResult,
     _is_index,
     _job_id,
+    _job_ids,
     _sides,
     _trusted,
 )
@@ -951,8 +952,10 @@ class OffloadingWorker:
         Raises:
             KeyError: for a job id that was never submitted or whose result was already taken
                 (checked before any wait is queued: then nothing is ordered).
+            TypeError: ``job_ids`` is not a collection of ids (a single int, a str, None) or
+                holds an item that is not an int; nothing is ordered.
         """
-        return self._jobs.fence(job_ids, stream, self._device)
+        return self._jobs.fence(_job_ids(job_ids, "nothing was ordered"), stream, self._device)
 
     def wait(self, job_ids: Iterable[int]) -> list[TransferResult]:
         """Block until the given jobs are finished and return their results.
@@ -965,5 +968,7 @@ class OffloadingWorker:
                 (checked before waiting: then no result is taken, every job stays reportable).
             ValueError: a job id given more than once (each result is reported once; nothing
                 is taken).
+            TypeError: ``job_ids`` is not a collection of ids (a single int, a str, None) or
+                holds an item that is not an int; nothing is taken.
         """
-        return self._jobs.wait(job_ids)
+        return self._jobs.wait(_job_ids(job_ids, "nothing was taken"))

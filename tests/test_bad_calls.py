@@ -256,6 +256,32 @@ def test_worker_wait_with_an_unknown_id_takes_no_result() -> None:
     assert r.job_id == 1 and r.success
 
 
+@pytest.mark.parametrize(
+    ("job_ids", "match"),
+    [
+        (1, r"job_ids must be a list of job ids \(ints\), got int 1; wrap a single id"),
+        (None, r"got NoneType None"),
+        ("1", r"got str '1'"),
+        (torch.tensor(1), r"got Tensor tensor\(1\)"),
+        ([1, None], r"job_ids\[1\]: job_id must be an int, got None \(NoneType\)"),
+        ([[1]], r"job_ids\[0\]: job_id must be an int, got \[1\] \(list\)"),
+    ],
+)
+def test_worker_wait_and_fence_name_job_ids_that_are_no_list_of_ints(job_ids, match) -> None:  # type: ignore[no-untyped-def]
+    """'int' object is not iterable, or unhashable type: 'list', before."""
+    kv = torch.zeros((8, 2, 4, 2, 8), dtype=torch.bfloat16)
+    w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
+    w.register_kv_caches({"l0": kv})
+    assert w.transfer_async(1, GPUBlockSpec.single_group([1]), CPUBlockSpec((0,)))
+    with pytest.raises(TypeError, match=match + ".*[Nn]othing was taken"):
+        w.wait(job_ids)
+    with pytest.raises(TypeError, match=match + ".*[Nn]othing was ordered"):
+        w.fence(job_ids)
+    assert w.pending_jobs() == {1}  # job 1's result is still there to report
+    (r,) = w.wait(np.array([1]))
+    assert r.job_id == 1 and r.success
+
+
 def test_meta_tensors_are_refused() -> None:
     w = OffloadingWorker(num_gpu_blocks=8, num_cpu_blocks=4)
     with pytest.raises(ValueError, match="meta device"):
@@ -482,6 +508,35 @@ def test_copy_blocks_ids_beyond_int64_are_refused_naming_them(key, ids, match) -
     with pytest.raises(IndexError, match=r"^kvoff\.copy_blocks: " + match + r".*\[0, size\(0\)\)"):
         copy_blocks(args["src"], args["dst"], args["src_ids"], args["dst_ids"])
     assert all(torch.equal(a, b) for a, b in zip(args["dst"], before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("src", "one", r"src must be a list or tuple of tensors \(one per layer\), got one tensor "
+                       r"of shape \[8, 2, 4\]; pass \[src\]"),
+        ("dst", "one", r"dst must be .*got one tensor of shape \[5, 8\]; pass \[dst\]"),
+        ("src", None, r"src must be a list or tuple of tensors \(one per layer\), got NoneType"),
+        ("dst", [None], r"dst\[0\] must be a tensor, got NoneType None"),
+    ],
+    ids=["one-src", "one-dst", "none", "none-item"],
+)  # fmt: skip
+def test_copy_blocks_refuses_tensors_not_given_as_a_list(key, value, match) -> None:  # type: ignore[no-untyped-def]
+    """One tensor for src and dst was taken as the list of its rows before: the copy ran, row
+    by row of every block, with another meaning ('NoneType' object is not iterable for None)."""
+    args = _copy_args()
+    if value == "one":
+        value = args[key][0]
+    args[key] = value
+    dst = [t for t in args["dst"]] if isinstance(args["dst"], list) else [args["dst"]]
+    before = [t.clone() for t in dst if isinstance(t, torch.Tensor)]
+    with pytest.raises(TypeError, match=r"^kvoff\.copy_blocks: " + match):
+        copy_blocks(args["src"], args["dst"], args["src_ids"], args["dst_ids"])
+    after = [t for t in dst if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    # a dict's values, or any other iterable of tensors, is a list of tensors
+    good = _copy_args()
+    copy_blocks(iter(good["src"]), dict(enumerate(good["dst"])).values(), [0], [1])
 
 
 def _sparse(key: str, index: int | None, to: str) -> object:

@@ -360,6 +360,8 @@ def test_a_cpu_block_id_whose_rows_would_wrap_int64_fails_the_job_and_copies_not
         (lambda: CPUBlockSpec({1, 2}), TypeError, "ordered sequence of ints"),
         (lambda: CPUBlockSpec(torch.tensor([1.0])), TypeError, "must hold ints, got tensor"),
         (lambda: CPUBlockSpec([[1, 2]]), TypeError, r"must hold ints, got \[1, 2\]"),
+        (lambda: CPUBlockSpec([3, None]), TypeError, r"must hold ints, got None \(NoneType\)"),
+        (lambda: GPUBlockSpec.single_group([None]), TypeError, r"got None \(NoneType\)"),
         (lambda: CPUBlockSpec(7), TypeError, "block_ids must be a sequence of ints"),
         (lambda: CPUBlockSpec(torch.tensor([True, False])), TypeError, "not a mask"),
         (lambda: CPUBlockSpec(np.array([True, False])), TypeError, "not a mask"),
