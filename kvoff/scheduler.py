@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec, _trusted
-from kvoff.scheduler_checks import check_count, job_report, key_bytes, token_count
+from kvoff.scheduler_checks import check_count, job_report, key_bytes, not_a, token_count
 from kvoff.scheduler_records import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -83,6 +83,10 @@ __all__ = [
 # Collections of request ids the core reads as they are (anything else, e.g. a generator, is
 # copied first, since the ids are read twice); the set gives the usual case in one lookup.
 _ID_COLLECTION_TYPES = (set, frozenset, list, tuple, str, dict)
+_REQUEST_NEEDS = (
+    "request_id, block_hashes, num_tokens and, with offload_prompt_only, num_prompt_tokens (a "
+    "kvoff.scheduler.Request or vLLM's)"
+)
 _ID_COLLECTIONS = frozenset(_ID_COLLECTION_TYPES)
 
 
@@ -138,7 +142,7 @@ class OffloadingScheduler:
             request's prompt (default off here; :class:`kvoff.OffloadingConfig` turns it on,
             as vLLM 0.32 does). The request objects then also need ``num_prompt_tokens``
             (:class:`RequestLike`; ``None``: not limited); a missing attribute raises
-            ``AttributeError``, a negative count ``ValueError``, and nothing changes. Once a
+            ``TypeError``, a negative count ``ValueError``, and nothing changes. Once a
             request's prompt blocks are all full, those waiting for a store batch are stored
             in that step.
         store_threshold: store admission, in offers (0 to 2**20; default 0; vLLM's
@@ -310,13 +314,17 @@ class OffloadingScheduler:
                 ``num_tokens``; ``num_tokens`` smaller than the hashes cover; an empty hash.
                 Nothing is changed (a request seen for the first time is not registered).
             TypeError: a hash that is neither bytes nor int, ``num_computed_tokens`` that is
-                not an int.
+                not an int, a ``request`` without ``request_id``, ``block_hashes`` or
+                ``num_tokens``.
         """
         if self._tiers is not None:  # finished promotions first: the L1 answer must hold
             self._tiers.poll()
         # one core call: the request's new hashes (read in place), then the lookup
         num_computed_tokens = token_count("num_computed_tokens", num_computed_tokens)
-        n, load = self._hooks.sync_and_match(request, num_computed_tokens, self._requests)
+        try:
+            n, load = self._hooks.sync_and_match(request, num_computed_tokens, self._requests)
+        except AttributeError as e:
+            raise not_a("request", _REQUEST_NEEDS, request, e) from None
         if self._tiers is not None and n is not None:
             n, load = self._ask_tiers(request, num_computed_tokens + n, n, load)
         if n == 0:  # the core answered 0 too (the tiers only add to a hit or ask to retry)
@@ -453,7 +461,8 @@ class OffloadingScheduler:
             ValueError: a token count that does not match; a table with the wrong number of
                 groups, too short for the load, or with ids outside ``[0, num_gpu_blocks)``.
                 Nothing is changed.
-            TypeError: ``num_external_tokens`` that is not an int.
+            TypeError: ``num_external_tokens`` that is not an int, a ``request`` without
+                ``request_id``, ``block_hashes`` or ``num_tokens``.
         """
         rid = getattr(request, "request_id", None)
         # the entry is taken whatever the call (a later call needs a new lookup to skip)
@@ -467,7 +476,10 @@ class OffloadingScheduler:
         ):
             return  # the lookup that answered 0 left the request as this call would
         num_external_tokens = token_count("num_external_tokens", num_external_tokens)
-        self._hooks.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
+        try:
+            self._hooks.sync_and_alloc(request, block_ids, num_external_tokens, self._requests)
+        except AttributeError as e:
+            raise not_a("request", _REQUEST_NEEDS, request, e) from None
 
     def build_connector_meta(self, step: SchedulerStep) -> ConnectorMetadata:
         """Ends a scheduling step: load jobs, store jobs and fences for the workers.
@@ -480,18 +492,26 @@ class OffloadingScheduler:
         Raises:
             ValueError: an unknown or repeated request id, a wrong group count, out-of-range
                 block ids or negative token counts (nothing is changed).
+            TypeError: ``step`` is not a :class:`SchedulerStep` of :class:`ScheduledRequest`
+                (a field missing), or a field of the wrong type (nothing is changed).
         """
-        scheduled = step.scheduled
-        return self.build_connector_meta_columns(
-            [s.request_id for s in scheduled],
-            [s.new_block_ids or None for s in scheduled],
-            [s.num_computed_tokens for s in scheduled],
-            [s.num_scheduled_tokens for s in scheduled],
-            {s.request_id for s in scheduled if s.resumed_from_preemption},
-            step.finished_request_ids,
-            step.preempted_request_ids,
-            step.rewritten_block_ids,
-        )
+        try:
+            scheduled = step.scheduled
+            columns = (
+                [s.request_id for s in scheduled],
+                [s.new_block_ids or None for s in scheduled],
+                [s.num_computed_tokens for s in scheduled],
+                [s.num_scheduled_tokens for s in scheduled],
+                {s.request_id for s in scheduled if s.resumed_from_preemption},
+                step.finished_request_ids,
+                step.preempted_request_ids,
+                step.rewritten_block_ids,
+            )
+        except AttributeError as e:
+            raise not_a(
+                "step", "the fields of a SchedulerStep of ScheduledRequests", step, e
+            ) from None
+        return self.build_connector_meta_columns(*columns)
 
     def build_connector_meta_columns(
         self,
@@ -922,13 +942,17 @@ class OffloadingScheduler:
         Raises:
             IndexError: the request has no hash for that block yet.
             ValueError: ``block`` is negative, or ``group`` is not a group of the spec.
+            TypeError: ``request`` has no ``block_hashes``.
         """
         if not isinstance(block, int) or block < 0:
             raise ValueError(f"block={block!r} must be an offloaded block index >= 0")
         groups = len(self.spec.kv_cache_config.kv_cache_groups)
         if not isinstance(group, int) or not 0 <= group < groups:
             raise ValueError(f"group={group!r} is not a KV cache group; the spec has {groups}")
-        h = request.block_hashes[(block + 1) * self._hashes_per_block - 1]
+        try:
+            h = request.block_hashes[(block + 1) * self._hashes_per_block - 1]
+        except AttributeError as e:
+            raise not_a("request", _REQUEST_NEEDS, request, e) from None
         hb = h if isinstance(h, bytes) else (int(h) % 2**64).to_bytes(8, "little")
         return hb + bytes([group])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["check_count", "job_report", "key_bytes", "token_count"]
+__all__ = ["check_count", "job_report", "key_bytes", "not_a", "token_count"]
 
 
 def token_count(name: str, value: Any) -> int:
@@ -72,3 +72,15 @@ def key_bytes(key: bytes | int) -> bytes:
     if not isinstance(key, (bytes, bytearray, memoryview)) or not bytes(key):
         raise TypeError(f"a key is non-empty bytes or a 64-bit int, not {key!r}")
     return bytes(key)
+
+
+def not_a(what: str, needs: str, value: object, error: AttributeError) -> TypeError:
+    """The error for an argument that lacks an attribute the hook reads (``error``, raised
+    while reading it, before anything changed): it names the argument, what it must have and
+    what it is."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return TypeError(
+        f"{what} must have {needs}, got {type(value).__name__} {shown} ({error}); nothing was "
+        "changed"
+    )

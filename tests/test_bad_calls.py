@@ -65,6 +65,61 @@ def test_a_key_whose_index_changes_the_key_list_does_not_crash() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
 
 
+class _OnlyAnId:
+    request_id = "a"
+
+
+def test_objects_that_are_no_request_or_step_are_named_and_change_nothing() -> None:
+    """AttributeError ('int' object has no attribute 'request_id') before."""
+    from kvoff.scheduler import ScheduledRequest, SchedulerStep
+
+    sim, _ = _sim_with_store_in_flight()
+    s = sim.sched
+    before = snapshot(s, [], ["a"])
+    ok = ScheduledRequest("a", (), 8, 1)
+    needs = r"request must have request_id, block_hashes, num_tokens.*, got "
+    cases = [
+        (lambda: s.get_num_new_matched_tokens(5, 0), needs + r"int 5 .*nothing was changed"),
+        (lambda: s.get_num_new_matched_tokens(_OnlyAnId(), 0), needs + r"_OnlyAnId .*block_hashes"),
+        (lambda: s.update_state_after_alloc(b"a", [[1]], 0), needs + r"bytes b'a'"),
+        (lambda: s.offload_key("a", 0), needs + r"str 'a'"),
+        (lambda: s.build_connector_meta([]), r"step must have the fields of a SchedulerStep"),
+        (
+            lambda: s.build_connector_meta(SchedulerStep(scheduled=[ok, 3])),
+            r"step must have .*'int' object has no attribute 'request_id'",
+        ),
+    ]
+    for call, match in cases:
+        with pytest.raises(TypeError, match=match):
+            call()
+        assert snapshot(s, [], ["a"]) == before
+    sim.step()  # the engine goes on
+
+
+def test_a_request_without_num_prompt_tokens_is_named_under_offload_prompt_only() -> None:
+    from kvoff.scheduler import OffloadingScheduler
+
+    s = OffloadingScheduler(EngineSim(block_size=4).spec, offload_prompt_only=True)
+
+    class NoPrompt:
+        request_id = "p"
+        block_hashes = (b"h1", b"h2")
+        num_tokens = 9
+
+    for call in (
+        lambda: s.get_num_new_matched_tokens(NoPrompt(), 0),
+        lambda: s.update_state_after_alloc(NoPrompt(), [[1, 2, 3]], 0),
+    ):
+        with pytest.raises(
+            TypeError,
+            match=r"with offload_prompt_only, num_prompt_tokens .*got "
+            r"NoPrompt .*no attribute 'num_prompt_tokens'.*nothing was changed",
+        ):
+            call()
+        assert s.stats()["num_requests"] == 0 and s._requests == {}
+    assert s.get_num_new_matched_tokens(Request("p", [b"h1", b"h2"], 9), 0) == (0, False)
+
+
 def test_summed_counts_beyond_world_size_are_refused_before_any_allocation() -> None:
     sim, job = _sim_with_store_in_flight()
     s = sim.sched

@@ -454,7 +454,7 @@ def test_bad_input_names_the_value_and_changes_nothing() -> None:
         request_id = "f"
         num_tokens = 4
 
-    with pytest.raises(AttributeError, match="block_hashes"):
+    with pytest.raises(TypeError, match=r"request must have .*no attribute .block_hashes"):
         s.get_num_new_matched_tokens(NoHashes(), 0)  # type: ignore[arg-type]
     assert s._core.num_hashes("f") == 0 and "f" not in s._requests
     unchanged(
