@@ -98,7 +98,13 @@ def byte_view(arr: Any, nbytes: int, what: str, *, writable: bool = False) -> me
         arr = arr.reshape(-1)
         if arr.dtype != np.uint8:
             arr = arr.view(np.uint8)
-    view = memoryview(arr)
+    try:
+        view = memoryview(arr)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a uint8 numpy array or a bytes-like object of {nbytes} bytes, got "
+            f"{type(arr).__name__}"
+        ) from None
     if not view.c_contiguous:
         raise ValueError(
             f"{what} must be C-contiguous (a pool slot view), got a strided buffer (shape "
@@ -114,9 +120,30 @@ def byte_view(arr: Any, nbytes: int, what: str, *, writable: bool = False) -> me
     return view
 
 
-def check_batch(keys: Sequence[bytes], bufs: Sequence[Any] | None, what: str) -> None:
-    """Raise ValueError unless ``keys`` are bytes of 1..64 and ``bufs`` (if given) match in
-    number."""
+_NO_BUFS: Any = object()
+
+
+def check_batch(keys: Sequence[bytes], bufs: Sequence[Any] = _NO_BUFS, what: str = "") -> None:
+    """Checks a batch's keys (bytes of 1..64 each) and, if given, its buffers ``bufs`` (one per
+    key; ``what`` names them).
+
+    Raises:
+        TypeError: ``keys`` or ``bufs`` is not a list or tuple (a single key, None...);
+            ``bufs`` may also be an array of 2 or more dimensions, a block per row.
+        ValueError: a key that is not bytes of 1..64, or not one buffer per key.
+    """
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError(
+            f"keys must be a list or tuple of offload keys (bytes), got {type(keys).__name__}; "
+            "wrap a single key in a list"
+        )
+    if bufs is _NO_BUFS:
+        bufs = None
+    elif not (isinstance(bufs, (list, tuple)) or (isinstance(bufs, np.ndarray) and bufs.ndim >= 2)):
+        raise TypeError(
+            f"{what} must be a list or tuple of buffers, one per key (or an array of a row per "
+            f"key), got {type(bufs).__name__}; wrap a single one in a list"
+        )
     for k in keys:
         if not isinstance(k, (bytes, bytearray)) or not 1 <= len(k) <= 64:
             raise ValueError(f"offload keys must be bytes of 1..64, got {k!r}")
@@ -273,6 +300,8 @@ class SecondaryTier(ABC):
 
         Raises:
             ValueError: an ``outs`` entry of the wrong size / layout, or len(outs) != len(keys).
+            TypeError: ``keys`` or ``outs`` is not a list or tuple, or an entry of ``outs`` is
+                not a buffer.
         """
 
     @abstractmethod
@@ -289,6 +318,8 @@ class SecondaryTier(ABC):
 
         Raises:
             ValueError: a payload of the wrong size / layout, or len(payloads) != len(keys).
+            TypeError: ``keys`` or ``payloads`` is not a list or tuple, or a payload is not a
+                buffer.
         """
 
     @abstractmethod

@@ -532,8 +532,9 @@ class DiskTier(SecondaryTier):
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is looked up).
+            TypeError: ``keys`` is not a list or tuple (a single key, None).
         """
-        check_batch(keys, None, "keys")
+        check_batch(keys)
         with self._lock:
             if self._gate.closed:
                 return [False] * len(keys)
@@ -551,6 +552,8 @@ class DiskTier(SecondaryTier):
             ValueError: a key that is not bytes of 1..64, an ``outs`` entry that is not a
                 writable C-contiguous buffer of ``fmt.payload_bytes`` bytes, or len(outs) !=
                 len(keys) (nothing is read).
+            TypeError: ``keys`` or ``outs`` is not a list or tuple, or an entry of ``outs``
+                is not a buffer.
         """
         check_batch(keys, outs, "outs")
         views = [byte_view(o, self.fmt.payload_bytes, "outs[i]", writable=True) for o in outs]
@@ -642,6 +645,8 @@ class DiskTier(SecondaryTier):
             ValueError: a key that is not bytes of 1..64, a payload that is not a C-contiguous
                 buffer of ``fmt.payload_bytes`` bytes, or len(payloads) != len(keys) (nothing
                 is written or evicted).
+            TypeError: ``keys`` or ``payloads`` is not a list or tuple, or an entry of ``payloads``
+                is not a buffer.
         """
         generation = self._generation  # first thing: the blocks were made before this call
         check_batch(keys, payloads, "payloads")
@@ -739,8 +744,9 @@ class DiskTier(SecondaryTier):
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is evicted).
+            TypeError: ``keys`` is not a list or tuple (a single key, None).
         """
-        check_batch(keys, None, "keys")
+        check_batch(keys)
         if not self._enter():
             return 0
         try:

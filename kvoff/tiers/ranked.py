@@ -140,8 +140,9 @@ class RankedTier(SecondaryTier):
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is looked up).
+            TypeError: ``keys`` is not a list or tuple (a single key, None).
         """
-        check_batch(keys, None, "keys")
+        check_batch(keys)
         answers = self._each(lambda r, t: t.contains(keys))
         return [all(a[i] for a in answers) for i in range(len(keys))]
 
@@ -169,8 +170,9 @@ class RankedTier(SecondaryTier):
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is removed).
+            TypeError: ``keys`` is not a list or tuple (a single key, None).
         """
-        check_batch(keys, None, "keys")
+        check_batch(keys)
         return self._each(lambda r, t: t.evict(keys))[0]
 
     def clear(self) -> int:

@@ -543,8 +543,9 @@ class RedisClusterTier(SecondaryTier):
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is looked up).
+            TypeError: ``keys`` is not a list or tuple (a single key, None).
         """
-        check_batch(keys, None, "")
+        check_batch(keys)
         if not self._enter():
             return [False] * len(keys)
         try:
@@ -567,6 +568,8 @@ class RedisClusterTier(SecondaryTier):
         Raises:
             ValueError: a key that is not bytes of 1..64, an ``outs`` entry of the wrong size
                 or read-only, or ``len(outs) != len(keys)`` (nothing is read).
+            TypeError: ``keys`` or ``outs`` is not a list or tuple, or an entry of ``outs``
+                is not a buffer.
         """
         check_batch(keys, outs, "outs")
         views = [byte_view(o, self.fmt.payload_bytes, "outs[i]", writable=True) for o in outs]
@@ -638,6 +641,8 @@ class RedisClusterTier(SecondaryTier):
         Raises:
             ValueError: a key that is not bytes of 1..64, a payload of the wrong size, or
                 ``len(payloads) != len(keys)`` (nothing is written).
+            TypeError: ``keys`` or ``payloads`` is not a list or tuple, or an entry of ``payloads``
+                is not a buffer.
         """
         check_batch(keys, payloads, "payloads")
         views = [byte_view(p, self.fmt.payload_bytes, "payloads[i]") for p in payloads]
@@ -677,8 +682,9 @@ class RedisClusterTier(SecondaryTier):
 
         Raises:
             ValueError: a key that is not bytes of 1..64 (nothing is deleted).
+            TypeError: ``keys`` is not a list or tuple (a single key, None).
         """
-        check_batch(keys, None, "")
+        check_batch(keys)
         if not self._enter():
             return 0
         try:

@@ -356,6 +356,45 @@ def test_contains_and_evict_check_keys_and_answer_nothing_once_closed(tmp_path: 
     assert tier.evict([key(1)]) == 0
 
 
+def test_batches_that_are_no_lists_are_named_and_change_nothing(tmp_path: Path) -> None:
+    """'int' object is not iterable, or a bytes key read as a list of ints, before."""
+    tier = DiskTier(tmp_path, capacity(FMT, 4), FMT)
+    good = [key(1)]
+    assert tier.put(good, [block(key(1))]) == [True]
+    keys_msg = r"keys must be a list or tuple of offload keys \(bytes\), got "
+    for bad, shown in ((key(2), "bytes"), (None, "NoneType"), (7, "int")):
+        for call in (
+            lambda bad=bad: tier.contains(bad),
+            lambda bad=bad: tier.evict(bad),
+            lambda bad=bad: tier.get(bad, outs(1)),
+            lambda bad=bad: tier.put(bad, [block(key(2))]),
+        ):
+            with pytest.raises(TypeError, match=keys_msg + shown):
+                call()  # type: ignore[arg-type]
+    for bufs, shown in ((None, "NoneType"), (block(key(2)), "ndarray"), ("ab", "str")):
+        with pytest.raises(
+            TypeError,
+            match=r"payloads must be a list or tuple of buffers, one "
+            r"per key \(or an array of a row per key\), got " + shown,
+        ):
+            tier.put([key(2)], bufs)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"outs\[i\] must be a uint8 numpy array or a "
+        r"bytes-like object of \d+ bytes, got NoneType",
+    ):
+        tier.get(good, [None])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"payloads\[i\] must be .*got int"):
+        tier.put([key(2)], [7])  # type: ignore[list-item]
+    assert tier.contains([key(1), key(2)]) == [True, False]  # nothing was written or evicted
+    # a 2-D array is a batch of a row per key
+    rows = np.stack([block(key(3)), block(key(4))])
+    assert tier.put([key(3), key(4)], rows) == [True, True]
+    back = np.zeros_like(rows)
+    assert tier.get([key(3), key(4)], back) == [True, True] and np.array_equal(back, rows)
+    tier.close()
+
+
 def test_unwritable_path_drops_writes_and_never_raises(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     tier = DiskTier(tmp_path / "file" / "tier", capacity(FMT, 4), FMT)  # parent is a file

@@ -81,6 +81,33 @@ def test_round_trip_over_three_masters(redis_url: str, redis_cluster: LocalRedis
         assert s["corrupted_blocks"] == s["timeouts"] == s["io_errors"] == 0
 
 
+def test_batches_that_are_no_lists_are_named_and_send_nothing(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'int' object is not iterable, or a bytes key read as a list of ints, before."""
+    with RedisClusterTier(redis_url, FMT) as tier:
+        assert tier.put([key(1)], [block(key(1))]) == [True]
+        sends = count_sends(monkeypatch)
+        keys_msg = r"keys must be a list or tuple of offload keys \(bytes\), got "
+        for bad, shown in ((key(2), "bytes"), (None, "NoneType"), (7, "int")):
+            with pytest.raises(TypeError, match=keys_msg + shown):
+                tier.contains(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=keys_msg + shown):
+                tier.evict(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=keys_msg + shown):
+                tier.get(bad, outs(1))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"payloads must be a list or tuple of buffers"):
+            tier.put([key(2)], block(key(2)))  # type: ignore[arg-type]
+        with pytest.raises(
+            TypeError,
+            match=r"outs\[i\] must be a uint8 numpy array or a "
+            r"bytes-like object of 20000 bytes, got NoneType",
+        ):
+            tier.get([key(1)], [None])  # type: ignore[list-item]
+        assert sends == []  # refused before any round trip
+        assert tier.contains([key(1), key(2)]) == [True, False]
+
+
 def test_values_are_sent_from_the_block_buffer(redis_url: str) -> None:
     """Every master's connections pack a SET's value as the caller's memoryview (no copy into a
     new bytes object, which cost a fresh allocation per block with hiredis's packer)."""
