@@ -50,6 +50,7 @@ from kvoff._scheduler import KeyFilter, NodePoolLoads, NodePoolStores
 from kvoff.node_pool import protocol as p
 from kvoff.node_pool.answers import KeptAnswers, Leases
 from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
+from kvoff.node_pool.keys import as_bytes, checked_key, checked_keys, reused_flags
 from kvoff.node_pool.transport import PoolSocket
 
 __all__ = ["NodePoolClient", "NodePoolError", "NodePoolEvent", "StoreSlots", "wait_for_pool"]
@@ -417,7 +418,10 @@ class NodePoolClient:
 
     # ------------------------------------------------------------------ keys
     def _keys(self, keys: Sequence[bytes]) -> bytes:
-        return p.encode_prefixed_keys(self.prefix, keys)
+        try:
+            return p.encode_prefixed_keys(self.prefix, keys)
+        except (TypeError, ValueError, OverflowError):  # ProtocolError is a ValueError
+            return p.encode_prefixed_keys(self.prefix, checked_keys(keys))
 
     # ------------------------------------------------------------------ manager calls
     def lookup(self, keys: Sequence[bytes]) -> int | None:
@@ -426,11 +430,13 @@ class NodePoolClient:
         with its chain (module docstring). Several keys (or ``lookahead`` 0): asked as they
         are, one round trip. Either way the ready keys the pool answers are leased to this
         connection, so their :meth:`prepare_load` survives the pool's going away."""
+        if keys.__class__ is not list and keys.__class__ is not tuple:
+            keys = checked_keys(keys)  # refuses a single key, None...
         if len(keys) == 1 and self.lookahead:
-            return self._lookup_one(bytes(keys[0]))
+            return self._lookup_one(checked_key(keys[0], "keys[0]"))
         if not keys:
             return 0
-        own = _as_bytes(keys)
+        own = as_bytes(keys)
         if self._filtered_out(own[0]):
             return 0
         answer = self._ask_ahead(own, 0)
@@ -450,19 +456,22 @@ class NodePoolClient:
         key not known from a look-ahead is asked with its chain, the rest of a chain the pool
         holds is answered from that reply (one round trip per request, not per key)."""
         out = bytearray()
+        if keys.__class__ is not list and keys.__class__ is not tuple:
+            keys = checked_keys(keys)  # refuses a single key, None...
         if not self.lookahead:
-            for k in keys:
-                out.append(_STATE_OF_LOOKUP[self.lookup((bytes(k),))])
+            for k in checked_keys(keys):
+                out.append(_STATE_OF_LOOKUP[self.lookup((k,))])
                 if out[-1] == p.STATE_MISSING:
                     break
             return bytes(out)
         self._check_answers()
         known = self._known.current()
         ahead = hits = 0
-        for k in keys:
+        for given in keys:
+            k = given if given.__class__ is bytes else checked_key(given, "a key")
             st = known.get(k)
             if st is None:
-                st = _STATE_OF_LOOKUP[self._lookup_one(bytes(k))]
+                st = _STATE_OF_LOOKUP[self._lookup_one(k)]
             else:
                 ahead += 1
                 hits += st == p.STATE_READY
@@ -538,7 +547,7 @@ class NodePoolClient:
                 a load of keys not leased or leased too long ago (the load cannot happen: the
                 caller counts it as a failed load). Nothing is pinned.
         """
-        keys = [bytes(k) for k in keys]
+        keys = checked_keys(keys)
         leases = self._leases
         fresh_after = time.monotonic() - self.lease_s / 2  # a margin to the pool's clock
         # (taken before any call: losing the pool drops the leases)
@@ -606,7 +615,7 @@ class NodePoolClient:
         """Ends one load of each key (:meth:`prepare_load`'s keys); keys not being loaded are
         skipped, and the loads a connection since lost pinned end here only (the pool released
         them)."""
-        payload = self._loads.complete_keys(_as_bytes(keys))
+        payload = self._loads.complete_keys(as_bytes(keys))
         if payload:
             self._send(p.COMPLETE_LOAD, payload)
 
@@ -620,11 +629,11 @@ class NodePoolClient:
 
     def load_pins(self, key: bytes) -> int:
         """This engine's loads of ``key`` in flight (of any connection)."""
-        return self._loads.pins(bytes(key))
+        return self._loads.pins(checked_key(key))
 
     def loading_slot(self, key: bytes) -> int | None:
         """A slot this engine is loading ``key`` from, else None."""
-        return self._loads.slot_of(bytes(key))
+        return self._loads.slot_of(checked_key(key))
 
     def loading_mask(self, keys: Sequence[bytes]) -> bytes:
         """Per key, 1 when this engine is loading it, else 0."""
@@ -651,7 +660,7 @@ class NodePoolClient:
             ValueError: an empty key, or one over ``protocol.MAX_KEY_BYTES`` with the prefix
                 (nothing changed).
         """
-        own = _as_bytes(keys)
+        own = as_bytes(keys)
         view = self._reservation_filter(len(own))
         if view is not None:
             got = self._stores.store_reserved(own, view)
@@ -671,8 +680,8 @@ class NodePoolClient:
         left, as if gone), and when the pool, restarted on the same region, gave a slot or key
         this engine is still storing for the old pool (the store is refused, counted in
         ``stores_refused_in_flight``; the caller retries later)."""
-        own = _as_bytes(keys)
-        reply = self._call(p.PREPARE_STORE, p.encode_prefixed_keys(self.prefix, own))
+        own = as_bytes(keys)
+        reply = self._call(p.PREPARE_STORE, self._keys(own))
         if reply is None:  # gone
             return None
         if reply[:1] != b"\x01":  # no room: the keys' states follow
@@ -765,7 +774,7 @@ class NodePoolClient:
         self._check_answers()
         known = dict(zip(*self._store_answer, strict=True)) if self._store_answer else {}
         out: list[int | None] = []
-        for k in map(bytes, keys):
+        for k in checked_keys(keys):
             st = known.get(k)
             if st is None:
                 reply = self._call(p.LOOKUP, self._keys([k]))
@@ -779,7 +788,7 @@ class NodePoolClient:
         """``key``'s state byte now (``STATE_MISSING`` 0, ``STATE_READY`` 1,
         ``STATE_PENDING`` 2): asked (one round trip, after the queued calls), without leasing;
         missing while the pool is gone."""
-        reply = self._call(p.LOOKUP, self._keys([bytes(key)]))
+        reply = self._call(p.LOOKUP, self._keys([checked_key(key)]))
         if reply is None:
             return p.STATE_MISSING
         (n,) = struct.unpack("<q", reply)
@@ -788,7 +797,7 @@ class NodePoolClient:
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a
         connection since lost are dropped: the pool completed them as failed)."""
-        payload = self._stores.complete_keys(_as_bytes(keys), bool(success))
+        payload = self._stores.complete_keys(as_bytes(keys), bool(success))
         if payload:
             self._send(p.COMPLETE_STORE, payload)
 
@@ -801,7 +810,7 @@ class NodePoolClient:
 
     def storing_slot(self, key: bytes) -> int | None:
         """The slot this engine is storing ``key`` into, else None."""
-        return self._stores.slot_of(bytes(key))
+        return self._stores.slot_of(checked_key(key))
 
     @property
     def num_storing(self) -> int:
@@ -811,14 +820,15 @@ class NodePoolClient:
     def touch(self, keys: Sequence[bytes], reused: Sequence[bool] | bytes | None = None) -> None:
         """Makes the keys the most recent, ``keys[0]`` first; ``reused``: per key, whether it
         was a reuse (as :meth:`kvoff.CPUOffloadingManager.touch`; bytes: one byte per key,
-        nonzero for a reuse)."""
-        if reused is None:
-            flags = b""
-        elif isinstance(reused, bytes):  # one byte per key already (the scheduler's)
-            flags = reused
-        else:
-            flags = bytes(1 if r else 0 for r in reused)
-        self._send(p.TOUCH, self._keys(keys) + flags)
+        nonzero for a reuse).
+
+        Raises:
+            TypeError, ValueError: a key or ``reused`` that is refused (``checked_keys``,
+                ``reused_flags`` of :mod:`kvoff.node_pool.keys`); nothing is sent.
+        """
+        payload = self._keys(keys)
+        flags = reused_flags(reused, len(keys))
+        self._send(p.TOUCH, payload + flags)
 
     def sync(self) -> None:
         """Returns once the pool has handled every call this client sent (completions and
@@ -930,14 +940,6 @@ class NodePoolClient:
         if reply is None:
             raise NodePoolError(f"no node pool answers at {self.socket_path}")
         return p.decode_json(reply)
-
-
-def _as_bytes(keys: Sequence[bytes]) -> list[bytes]:
-    """``keys`` as a list of bytes: as given when it is one (the scheduler's calls: no copy of
-    200 keys a step), else converted (bytearray, memoryview)."""
-    if type(keys) is list and (not keys or type(keys[0]) is bytes):
-        return keys
-    return list(map(bytes, keys))
 
 
 # A lease counts as held by a pool that has since died when it is younger than this share of

@@ -198,7 +198,11 @@ def encode_prefixed_keys(prefix: bytes, keys: Sequence[bytes]) -> bytes:
         ProtocolError: an empty or too long key.
     """
     same = _encode_one_width(prefix, keys)
-    return same if same is not None else encode_keys([prefix + bytes(k) for k in keys])
+    if same is not None:
+        return same
+    if not all(map(len, keys)):  # the prefix would make an empty key look like one
+        raise ProtocolError(f"an empty key; keys are 1..{MAX_KEY_BYTES - len(prefix)} bytes")
+    return encode_keys([prefix + bytes(k) for k in keys])
 
 
 def _encode_one_width(prefix: bytes, keys: Sequence[bytes]) -> bytes | None:
@@ -211,9 +215,11 @@ def _encode_one_width(prefix: bytes, keys: Sequence[bytes]) -> bytes | None:
     widths = set(map(len, keys))
     if len(widths) != 1:
         return None
-    w = widths.pop() + len(prefix)
-    if not 0 < w <= MAX_KEY_BYTES:
-        raise ProtocolError(f"a key of {w} bytes; keys are 1..{MAX_KEY_BYTES} bytes")
+    own = widths.pop()
+    if not 0 < own <= MAX_KEY_BYTES - len(prefix):
+        limit = MAX_KEY_BYTES - len(prefix)
+        raise ProtocolError(f"a key of {own} bytes; keys are 1..{limit} bytes")
+    w = own + len(prefix)
     return struct.pack("<IH", len(keys), w) + prefix + prefix.join(keys)
 
 

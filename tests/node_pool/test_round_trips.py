@@ -240,10 +240,15 @@ def test_prefixed_keys_encode_as_the_keys_with_their_prefix(keys) -> None:
     assert p.decode_keys(p.encode_prefixed_keys(pre, keys))[0] == [pre + bytes(k) for k in keys]
 
 
-def test_a_prefixed_key_too_long_is_refused() -> None:
-    with pytest.raises(p.ProtocolError, match=r"keys are 1\.\.1024 bytes"):
+def test_a_prefixed_key_too_long_or_empty_is_refused() -> None:
+    # the limits are the caller's, without the prefix (1,024 bytes with it)
+    with pytest.raises(p.ProtocolError, match=r"a key of 1017 bytes; keys are 1\.\.1016 bytes"):
         p.encode_prefixed_keys(b"P" * 8, [b"k" * 1017])
-    assert p.encode_prefixed_keys(b"P" * 8, [b"k" * 1016])  # 1,024 with the prefix
+    assert p.encode_prefixed_keys(b"P" * 8, [b"k" * 1016])
+    # an empty key would be the prefix alone, a key of 8 bytes: refused, at one width or mixed
+    for keys in ([b""], [b"", b""], [b"k", b""]):
+        with pytest.raises(p.ProtocolError, match=r"(a key of 0 bytes|an empty key); keys are 1"):
+            p.encode_prefixed_keys(b"P" * 8, keys)
 
 
 def test_usage_gauges_ask_for_the_counts_alone(served) -> None:
