@@ -206,14 +206,13 @@ def _as_tensor_list(tensors: Iterable[torch.Tensor], name: str) -> list[torch.Te
     if items is None:
         raise TypeError(
             f"kvoff.copy_blocks: {name} must be a list or tuple of tensors (one per layer), got "
-            f"{type(tensors).__name__} {tensors!r}"[:300]
+            f"{type(tensors).__name__} {repr(tensors)[:80]}"
         )
     for k, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise TypeError(
-                f"kvoff.copy_blocks: {name}[{k}] must be a tensor, got {type(t).__name__} {t!r}"[
-                    :300
-                ]
+                f"kvoff.copy_blocks: {name}[{k}] must be a tensor, got {type(t).__name__} "
+                f"{repr(t)[:80]}"
             )
     return items
 
