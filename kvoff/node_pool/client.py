@@ -459,7 +459,7 @@ class NodePoolClient:
         if keys.__class__ is not list and keys.__class__ is not tuple:
             keys = checked_keys(keys)  # refuses a single key, None...
         if not self.lookahead:
-            for k in checked_keys(keys):
+            for k in keys:
                 out.append(_STATE_OF_LOOKUP[self.lookup((k,))])
                 if out[-1] == p.STATE_MISSING:
                     break

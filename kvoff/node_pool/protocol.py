@@ -215,9 +215,8 @@ def _encode_one_width(prefix: bytes, keys: Sequence[bytes]) -> bytes | None:
     widths = set(map(len, keys))
     if len(widths) != 1:
         return None
-    own = widths.pop()
-    if not 0 < own <= MAX_KEY_BYTES - len(prefix):
-        limit = MAX_KEY_BYTES - len(prefix)
+    own, limit = widths.pop(), MAX_KEY_BYTES - len(prefix)
+    if not 0 < own <= limit:
         raise ProtocolError(f"a key of {own} bytes; keys are 1..{limit} bytes")
     w = own + len(prefix)
     return struct.pack("<IH", len(keys), w) + prefix + prefix.join(keys)
