@@ -23,6 +23,7 @@ from kvoff import (
     CPUBlockSpec,
     CPUOffloadingManager,
     GPUBlockSpec,
+    OffloadingEvent,
     OffloadingWorker,
     PrepareStoreOutput,
     copy_blocks,
@@ -258,6 +259,45 @@ def test_a_report_the_scheduler_would_misread_is_refused(report, error, match) -
     with pytest.raises(error, match=match):
         s.update_connector_output([report(job)])
     assert snapshot(s, [], ["a"]) == before  # the store is still pending, not a hit
+
+
+def test_the_core_refuses_a_report_whose_success_is_no_bool() -> None:
+    """Below the Python checks, the C++ scheduler's own binding reads a report's success as
+    a bool only: pybind11's conversion would read None as False and fail the store."""
+    sim, job = _sim_with_store_in_flight()
+    s = sim.sched
+    before = snapshot(s, [], ["a"])
+    for success in (None, 1, "True"):
+        with pytest.raises(TypeError, match=r"success must be a bool \(True or False\), got"):
+            s._core.update_connector_output([(job, success)])
+    assert snapshot(s, [], ["a"]) == before
+
+
+@pytest.mark.parametrize("flag", [None, 0, 1, "False", 0.0])
+def test_manager_flags_are_bools_and_a_refused_call_changes_nothing(flag: object) -> None:
+    """pybind11's bool conversion takes None (and anything with ``__bool__`` in some
+    builds) as a flag: ``complete_store(keys, success=None)`` dropped the stores. Every flag of
+    the manager is read as True / False (numpy's bool too), or refused naming it."""
+    m = CPUOffloadingManager(4, enable_events=True)
+    assert m.prepare_store([b"a", b"b"]) is not None
+    m.complete_store([b"a"])
+    calls = {
+        "success": lambda: m.complete_store([b"b"], success=flag),
+        "write_through": lambda: m.complete_store([b"b"], write_through=flag),
+        "apply_threshold": lambda: m.prepare_store([b"c"], apply_threshold=flag),
+        "include_in_flight": lambda: m.clear(include_in_flight=flag),
+        "enable_events": lambda: CPUOffloadingManager(4, enable_events=flag),
+        "removed": lambda: OffloadingEvent([b"a"], removed=flag),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False\), got"):
+            call()
+    # nothing changed: b is still pending, a still a hit, c never got a slot
+    assert m.lookup([b"a"]) == 1 and m.lookup([b"b"]) is None and b"c" not in m  # None: pending
+    m.take_events()
+    m.complete_store([b"b"], success=np.bool_(True))  # numpy's bool is a bool
+    assert m.lookup([b"a", b"b"]) == 2
+    assert OffloadingEvent([b"a"], removed=np.True_).removed is True
 
 
 def test_offload_key_refuses_a_negative_block_and_an_unknown_group() -> None:
@@ -858,8 +898,12 @@ def test_fast_hooks_refuse_bad_calls_as_the_pybind11_methods_do() -> None:
         fast.sync_and_match(r, 0)
     with pytest.raises(TypeError, match="takes no keyword arguments"):
         fast.sync_and_alloc(r, [], 0, requests=s._requests)
-    with pytest.raises(TypeError, match="with_keys must be a bool, got int"):
-        fast.build_connector_meta((), (), (), (), (), (), (), (), s._requests, 1, True, None)
+    empty = ((), (), (), (), (), (), (), (), s._requests)
+    for hooks in (fast, core):  # pybind11 alone would take 1 (and None) as a bool
+        with pytest.raises(TypeError, match=r"with_keys must be a bool \(True or False\), got int"):
+            hooks.build_connector_meta(*empty, 1, True, None)
+        with pytest.raises(TypeError, match=r"packed must be a bool .*, got NoneType"):
+            hooks.build_connector_meta(*empty, True, None, None)
     with pytest.raises(TypeError, match="num_computed_tokens must be an int, got float"):
         fast.sync_and_match(r, 0.0, s._requests)
     with pytest.raises(TypeError, match="request_id must be a str"):

@@ -252,6 +252,19 @@ std::int64_t to_int64(PyObject* item, const Where& where) {
 
 std::int64_t to_int64(PyObject* item, const char* what) { return to_int64(item, Where{what}); }
 
+bool to_bool(PyObject* obj, const char* what) {
+  if (obj == Py_True) return true;
+  if (obj == Py_False) return false;
+  const std::string_view type = Py_TYPE(obj)->tp_name;
+  if (type == "numpy.bool" || type == "numpy.bool_") {  // numpy 2 / numpy 1 names
+    const int v = PyObject_IsTrue(obj);
+    if (v < 0) throw py::error_already_set();
+    return v != 0;
+  }
+  throw py::type_error(std::string(what) + " must be a bool (True or False), got " +
+                       std::string(type) + " (" + short_repr(obj) + ")");
+}
+
 py::object fast_sequence(PyObject* obj, const Where& where, const char* of) {
   PyObject* seq = PySequence_Fast(obj, "");
   if (seq == nullptr) {

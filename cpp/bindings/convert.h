@@ -176,6 +176,12 @@ inline bool compact_int(PyObject* item, std::int64_t& out) noexcept {
 std::int64_t to_int64(PyObject* item, const Where& where);
 std::int64_t to_int64(PyObject* item, const char* what);
 
+/// A flag argument: True or False (numpy's bool scalar too). TypeError naming `what` for
+/// anything else, None and ints included: pybind11's own bool conversion takes None as False,
+/// which would turn a bad call (say, complete_store(keys, success=None)) into dropped stores.
+bool to_bool(PyObject* obj, const char* what);
+inline bool to_bool(py::handle obj, const char* what) { return to_bool(obj.ptr(), what); }
+
 /// A sequence as a fast sequence (a new reference), or a TypeError naming `where`.
 py::object fast_sequence(PyObject* obj, const Where& where, const char* of);
 

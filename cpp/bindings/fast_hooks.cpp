@@ -90,12 +90,6 @@ std::int64_t int_arg(PyObject* obj, const char* what) {
   return to_int64(obj, what);
 }
 
-bool bool_arg(PyObject* obj, const char* what) {
-  if (obj == Py_True) return true;
-  if (obj == Py_False) return false;
-  throw py::type_error(std::string(what) + " must be a bool, got " + Py_TYPE(obj)->tp_name);
-}
-
 PyObject* fast_sync_and_match(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_nargs("sync_and_match", nargs, 3)) return nullptr;
   return guarded([&] {
@@ -119,8 +113,8 @@ PyObject* fast_build_connector_meta(PyObject* self, PyObject* const* args, Py_ss
   if (!check_nargs("build_connector_meta", nargs, 12)) return nullptr;
   return guarded([&] {
     return build_step(core_of(self), args[0], args[1], args[2], args[3], args[4], args[5],
-                      args[6], args[7], args[8], bool_arg(args[9], "with_keys"),
-                      bool_arg(args[10], "packed"), args[11])
+                      args[6], args[7], args[8], to_bool(args[9], "with_keys"),
+                      to_bool(args[10], "packed"), args[11])
         .release()
         .ptr();
   });

@@ -242,8 +242,9 @@ void bind_manager(py::module_& m) {
               "    removed (bool): False for BlockStored (keys became lookup hits), True for "
               "BlockRemoved (keys were evicted).\n"
               "    kind (str): \"BlockStored\" or \"BlockRemoved\"."))
-      .def(py::init([](py::handle keys, std::string medium, bool removed) {
-             return OffloadingEvent{normalized_keys(keys), std::move(medium), removed};
+      .def(py::init([](py::handle keys, std::string medium, py::handle removed) {
+             return OffloadingEvent{normalized_keys(keys), std::move(medium),
+                                    to_bool(removed, "removed")};
            }),
            py::arg("keys"), py::arg("medium") = "CPU", py::arg("removed") = false,
            py::doc("__init__(self, keys: Sequence[bytes | int], medium: str = \"CPU\", "
@@ -275,15 +276,16 @@ void bind_manager(py::module_& m) {
   // ---- CPUOffloadingManager
   py::class_<CPUOffloadingManager>(m, "CPUOffloadingManager", kManagerDoc)
       .def(py::init([](py::handle num_blocks, const std::string& eviction_policy,
-                       bool enable_events, py::handle store_threshold,
+                       py::handle enable_events, py::handle store_threshold,
                        py::handle max_tracker_size) {
              const std::int64_t n = to_num_blocks(num_blocks);
              const std::int64_t threshold =
                  to_int_arg(store_threshold, "store_threshold", "0 (off) or 2..2**20");
              const std::int64_t tracker =
                  to_int_arg(max_tracker_size, "max_tracker_size", "1..2**31-1 keys");
-             return std::make_unique<CPUOffloadingManager>(n, eviction_policy, enable_events,
-                                                           threshold, tracker);
+             const bool events = to_bool(enable_events, "enable_events");
+             return std::make_unique<CPUOffloadingManager>(n, eviction_policy, events, threshold,
+                                                           tracker);
            }),
            py::arg("num_blocks"), py::arg("eviction_policy") = "lru",
            py::arg("enable_events") = false, py::arg("store_threshold") = 0,
@@ -368,9 +370,10 @@ void bind_manager(py::module_& m) {
                       .c_str()))
       .def(
           "prepare_store",
-          [](CPUOffloadingManager& self, py::handle keys, bool apply_threshold) -> py::object {
+          [](CPUOffloadingManager& self, py::handle keys, py::handle apply_threshold) -> py::object {
+            const bool threshold = to_bool(apply_threshold, "apply_threshold");
             KeyBatch batch(keys);
-            auto result = self.prepare_store(batch.span(), apply_threshold);
+            auto result = self.prepare_store(batch.span(), threshold);
             if (!result) {
               return py::none();
             }
@@ -399,9 +402,12 @@ void bind_manager(py::module_& m) {
                       .c_str()))
       .def(
           "complete_store",
-          [](CPUOffloadingManager& self, py::handle keys, bool success, bool write_through) {
+          [](CPUOffloadingManager& self, py::handle keys, py::handle success,
+             py::handle write_through) {
+            const bool ok = to_bool(success, "success");
+            const bool through = to_bool(write_through, "write_through");
             KeyBatch batch(keys);
-            self.complete_store(batch.span(), success, write_through);
+            self.complete_store(batch.span(), ok, through);
           },
           py::arg("keys"), py::arg("success") = true, py::arg("write_through") = true,
           py::doc(doc("complete_store(self, keys: Sequence[bytes | int], success: bool = True, "
@@ -577,7 +583,12 @@ void bind_manager(py::module_& m) {
                   "load-pinned keys are left as they are; a block pinned only by its "
                   "write-through stops being a hit (its slot is freed when the tier writer hands "
                   "it back). Raises ValueError for an empty key."))
-      .def("clear", &CPUOffloadingManager::clear, py::arg("include_in_flight") = false,
+      .def(
+          "clear",
+          [](CPUOffloadingManager& self, py::handle include_in_flight) {
+            return self.clear(to_bool(include_in_flight, "include_in_flight"));
+          },
+          py::arg("include_in_flight") = false,
            py::doc("clear(self, include_in_flight=False) -> int\n\n"
                    "Drops every ready block that no load pins (one BlockRemoved event lists "
                    "them) and returns how many blocks. Pending blocks (stores in flight) and "

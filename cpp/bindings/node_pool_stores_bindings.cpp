@@ -73,8 +73,8 @@ void bind_node_pool_stores(py::module_& m) {
                    "for a prefix of 1024 bytes or more."))
       .def(
           "queue",
-          [](NodePoolStores& s, std::uint16_t op, py::bytes payload, bool changes) {
-            return s.queue(op, std::string_view(payload), changes);
+          [](NodePoolStores& s, std::uint16_t op, py::bytes payload, py::handle changes) {
+            return s.queue(op, std::string_view(payload), to_bool(changes, "changes"));
           },
           py::arg("op"), py::arg("payload"), py::arg("changes"),
           py::doc("queue(self, op: int, payload: bytes, changes: bool) -> int\n\nQueues a "
@@ -95,7 +95,12 @@ void bind_node_pool_stores(py::module_& m) {
       .def("take_changed", &NodePoolStores::take_changed,
            py::doc("take_changed(self) -> bool\n\nWhether a call that changes the pool was "
                    "queued since the last call (answers kept from the pool are stale)."))
-      .def("set_attached", &NodePoolStores::set_attached, py::arg("attached"),
+      .def(
+          "set_attached",
+          [](NodePoolStores& s, py::handle attached) {
+            s.set_attached(to_bool(attached, "attached"));
+          },
+          py::arg("attached"),
            py::doc("set_attached(self, attached: bool) -> None\n\nWhether a pool is there "
                    "to send to; False drops the outbox."))
       .def_property_readonly("attached", &NodePoolStores::attached,
@@ -159,9 +164,10 @@ void bind_node_pool_stores(py::module_& m) {
                   "the pool's slot count (nothing changed)."))
       .def(
           "complete_slots",
-          [](NodePoolStores& s, py::handle slots, bool success) {
+          [](NodePoolStores& s, py::handle slots, py::handle success) {
+            const bool ok = to_bool(success, "success");
             std::string payload;
-            s.complete_slots(slots_from(slots), success, payload);
+            s.complete_slots(slots_from(slots), ok, payload);
             return as_bytes(payload);
           },
           py::arg("slots"), py::arg("success"),
@@ -170,10 +176,11 @@ void bind_node_pool_stores(py::module_& m) {
                   "made, b'' when none (nothing to send). Slots not in flight are skipped."))
       .def(
           "complete_keys",
-          [](NodePoolStores& s, py::handle keys, bool success) {
+          [](NodePoolStores& s, py::handle keys, py::handle success) {
+            const bool ok = to_bool(success, "success");
             KeyBatch batch(keys);
             std::string payload;
-            s.complete_keys(batch.span(), success, payload);
+            s.complete_keys(batch.span(), ok, payload);
             return as_bytes(payload);
           },
           py::arg("keys"), py::arg("success"),
@@ -203,9 +210,10 @@ void bind_node_pool_stores(py::module_& m) {
                    "hello): ``pin`` refuses a slot at or past it. Raises ValueError over 2**28."))
       .def(
           "pin",
-          [](NodePoolLoads& l, py::handle keys, py::handle slots, bool connection) {
+          [](NodePoolLoads& l, py::handle keys, py::handle slots, py::handle connection) {
+            const bool current = to_bool(connection, "connection");
             KeyBatch batch(keys);
-            l.pin(batch.span(), slots_from(slots), connection);
+            l.pin(batch.span(), slots_from(slots), current);
           },
           py::arg("keys"), py::arg("slots"), py::arg("connection"),
           py::doc("pin(self, keys: Sequence[bytes], slots: Sequence[int], connection: bool) -> "

@@ -49,23 +49,23 @@ void bind_scheduler(py::module_& m) {
       "The C++ per-step offloading scheduler. Private: use kvoff.OffloadingScheduler, which "
       "documents every hook (shapes, units, errors).")
       .def(py::init([](std::int64_t num_cpu_blocks, const std::string& eviction_policy,
-                       bool enable_events, std::int64_t gpu_block_size,
+                       py::handle enable_events, std::int64_t gpu_block_size,
                        std::int64_t block_size_factor, std::int64_t hash_block_size,
                        std::int64_t world_size, std::int64_t num_gpu_blocks,
                        py::handle groups, std::int64_t store_batch_blocks,
-                       bool offload_prompt_only, std::int64_t store_threshold,
+                       py::handle offload_prompt_only, std::int64_t store_threshold,
                        std::int64_t max_tracker_size, py::object node_pool) {
              kvoff::SchedulerConfig c;
              c.num_cpu_blocks = num_cpu_blocks;
              c.eviction_policy = eviction_policy;
-             c.enable_events = enable_events;
+             c.enable_events = to_bool(enable_events, "enable_events");
              c.gpu_block_size = gpu_block_size;
              c.block_size_factor = block_size_factor;
              c.hash_block_size = hash_block_size;
              c.world_size = world_size;
              c.num_gpu_blocks = num_gpu_blocks;
              c.store_batch_blocks = store_batch_blocks;
-             c.offload_prompt_only = offload_prompt_only;
+             c.offload_prompt_only = to_bool(offload_prompt_only, "offload_prompt_only");
              c.store_threshold = store_threshold;
              c.max_tracker_size = max_tracker_size;
              for (py::handle g : groups) {
@@ -125,11 +125,12 @@ void bind_scheduler(py::module_& m) {
           [](OffloadingScheduler& self, py::handle request_ids, py::handle new_block_ids,
              py::handle num_computed_tokens, py::handle num_scheduled_tokens,
              py::handle resumed_request_ids, py::handle finished, py::handle preempted,
-             py::handle rewritten, py::handle requests, bool with_keys, bool packed,
+             py::handle rewritten, py::handle requests, py::handle with_keys, py::handle packed,
              py::handle tail) {
             return build_step(self, request_ids, new_block_ids, num_computed_tokens,
                               num_scheduled_tokens, resumed_request_ids, finished, preempted,
-                              rewritten, requests, with_keys, packed, tail);
+                              rewritten, requests, to_bool(with_keys, "with_keys"),
+                              to_bool(packed, "packed"), tail);
           },
           py::arg("request_ids"), py::arg("new_block_ids"), py::arg("num_computed_tokens"),
           py::arg("num_scheduled_tokens"), py::arg("resumed_request_ids"),
@@ -151,7 +152,7 @@ void bind_scheduler(py::module_& m) {
                 throw py::value_error("job_id must be >= 0, got " + std::to_string(id));
               }
               reps.push_back(
-                  kvoff::JobReport{static_cast<kvoff::JobId>(id), t[1].cast<bool>()});
+                  kvoff::JobReport{static_cast<kvoff::JobId>(id), to_bool(t[1], "success")});
             }
             auto out = self.update_connector_output(reps);
             py::list done(out.completed_jobs.size());
