@@ -67,7 +67,11 @@ mode (``max_threads=AUTO``) was slower there (0.31 s per GB), as the tiers' own 
 hash blocks in parallel (``kvoff bench tiers`` measures them side by side,
 bench/results/tiers/bench-tiers-mac-blake3-2026-11-29.json). Redis gets of 512 KiB blocks with
 the MAC ran at 0.86 of those without on that box (HMAC-SHA256: 0.66): its three servers and the
-client keep both cores busy, so the MAC's CPU time comes off the gets.
+client keep both cores busy, so the MAC's CPU time comes off the gets. AES-256-GMAC through
+``cryptography`` (OpenSSL) hashed 2.6x faster than BLAKE3 on one thread of an AVX2 EPYC box but
+holds the GIL, so the tiers' threads cannot hash in parallel with it; Redis gets there ran at
+0.70-0.78 of plain with it against 0.62-0.64 with BLAKE3, and it would need a per-block key or
+nonce (bench/results/tiers/ab-mac-gmac-2026-12-02.json).
 """
 
 from __future__ import annotations
