@@ -318,6 +318,10 @@ class Model:
 KEY_UNIVERSE = [b"k0", b"k1", b"k2", b"\x00", 3, 4, -1, 2**64 - 2, b"k8", b"k9", 10, b"long" * 10]
 key_st = st.sampled_from(KEY_UNIVERSE)
 keys_st = st.lists(key_st, max_size=6)
+# arguments that are no list of keys (a single key, a set, None, an item of another type, an
+# empty key, an int beyond 64 bits) and flags that are no bool
+BAD_KEY_LISTS = [None, b"k0", {b"k0"}, 1.5, [None], [b"k0", None], [b"k0", 1.5], [b""], [2**64]]
+BAD_FLAGS = [None, 0, 1, "False", 1.0, [True]]
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -447,6 +451,36 @@ class ManagerMachine(RuleBasedStateMachine):
             return  # valid: stores are finished by complete_store
         with pytest.raises(ValueError):
             self.m.complete_store(keys, success=success)
+
+    @rule(
+        method=st.sampled_from(
+            ["lookup", "touch", "prepare_store", "complete_store", "prepare_load", "complete_load"]
+        ),
+        bad=st.sampled_from(BAD_KEY_LISTS),
+    )
+    def bad_keys(self, method, bad):
+        # A key list that is none: refused, and the invariants below check that nothing
+        # changed (states, counts, the policy's order through later evictions).
+        with pytest.raises((TypeError, ValueError)):
+            getattr(self.m, method)(bad)
+
+    @rule(
+        flag=st.sampled_from(["success", "write_through", "apply_threshold"]),
+        bad=st.sampled_from(BAD_FLAGS),
+        i=st.integers(0, 100),
+        keys=keys_st,
+    )
+    def bad_flag(self, flag, bad, i, keys):
+        # A flag that is no bool, on a call that would be valid with True or False (a store in
+        # flight, keys to store): refused, nothing changed (None was taken as False, and the
+        # stores were dropped).
+        if flag == "apply_threshold":
+            with pytest.raises(TypeError, match="apply_threshold must be a bool"):
+                self.m.prepare_store(keys, apply_threshold=bad)
+        elif self.stores:
+            kb = self.stores[i % len(self.stores)]
+            with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+                self.m.complete_store(kb, **{flag: bad})
 
     @rule()
     def take_events(self):
