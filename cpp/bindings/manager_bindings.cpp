@@ -370,7 +370,8 @@ void bind_manager(py::module_& m) {
                       .c_str()))
       .def(
           "prepare_store",
-          [](CPUOffloadingManager& self, py::handle keys, py::handle apply_threshold) -> py::object {
+          [](CPUOffloadingManager& self, py::handle keys,
+             py::handle apply_threshold) -> py::object {
             const bool threshold = to_bool(apply_threshold, "apply_threshold");
             KeyBatch batch(keys);
             auto result = self.prepare_store(batch.span(), threshold);
