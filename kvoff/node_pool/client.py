@@ -797,14 +797,14 @@ class NodePoolClient:
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Ends a store: the keys become hits (``success``) or are dropped (those of a
         connection since lost are dropped: the pool completed them as failed)."""
-        payload = self._stores.complete_keys(as_bytes(keys), bool(success))
+        payload = self._stores.complete_keys(as_bytes(keys), success)
         if payload:
             self._send(p.COMPLETE_STORE, payload)
 
     def complete_store_slots(self, slots: Sequence[int], success: bool = True) -> None:
         """:meth:`complete_store` by the slots :meth:`prepare_store` gave (slots not in
         flight are skipped)."""
-        payload = self._stores.complete_slots(slots, bool(success))
+        payload = self._stores.complete_slots(slots, success)
         if payload:
             self._send(p.COMPLETE_STORE, payload)
 

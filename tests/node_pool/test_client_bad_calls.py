@@ -3,7 +3,8 @@ with an error that names it, before anything is sent, and the client stays attac
 pool unchanged. Before these checks a single key or None gave Python's own errors ("'int' object
 is not iterable"), an int key became that many zero bytes (``bytes(5)``: another block's key),
 an empty key was sent and the client then dropped its connection on the pool's answer, and a
-touch with the wrong number of reused flags was only logged by the pool, after the fact."""
+touch with the wrong number of reused flags was only logged by the pool, after the fact; a
+completion's ``success=None`` was read as False (the store dropped)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvoff.node_pool import NodePoolClient
 FP = b"model=tiny;layout=layer_major;rank=0"
 KEYS = [bytes([i]) * 16 for i in range(1, 4)]
 SINGLE = r"keys must be a list or tuple of offload keys \(bytes\), got "
+BOOL = r"success must be a bool \(True or False\), got "
 
 
 def _pool_counts(c: NodePoolClient) -> tuple:
@@ -50,6 +52,8 @@ def _pool_counts(c: NodePoolClient) -> tuple:
         (lambda c: c.touch(5), TypeError, SINGLE + "int"),
         (lambda c: c.touch(KEYS, [True]), ValueError, r"touch of 3 keys with 1 reused flags"),
         (lambda c: c.touch(KEYS, 1), TypeError, r"reused must be a sequence of bools, one per key"),
+        (lambda c: c.complete_store(KEYS[1:2], None), TypeError, BOOL + "NoneType"),
+        (lambda c: c.complete_store_slots([c.storing_slot(KEYS[1])], 0), TypeError, BOOL + "int"),
     ],
 )  # fmt: skip
 def test_bad_keys_are_named_nothing_is_sent_and_the_client_stays_attached(
