@@ -15,7 +15,8 @@ __all__ = ["as_bytes", "checked_key", "checked_keys", "reused_flags"]
 
 def as_bytes(keys: Sequence[bytes]) -> list[bytes]:
     """``keys`` as a list of bytes: as given when it looks like one (the scheduler's calls: no
-    copy of 200 keys a step; the C++ side checks every key's type), else checked and converted
+    copy of 200 keys a step; the C++ side refuses a later key that is neither bytes nor an int,
+    and takes an int as 8 bytes, as the manager does), else checked and converted
     (:func:`checked_keys`)."""
     if type(keys) is list and (not keys or type(keys[0]) is bytes):
         return keys
