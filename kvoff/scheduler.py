@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvoff._scheduler import COUNTER_NAMES, OffloadingEvent, _OffloadingScheduler
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec, _trusted
-from kvoff.scheduler_checks import check_count, job_report, key_bytes, not_a, token_count
+from kvoff.scheduler_checks import (
+    check_scheduler_args,
+    job_report,
+    key_bytes,
+    not_a,
+    token_count,
+)
 from kvoff.scheduler_records import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -166,6 +172,8 @@ class OffloadingScheduler:
             2**31 - 1, a group type the scheduler cannot offload, or an offloaded block of more
             than 2**31 tokens (``gpu_block_size × block_size_factor``); ``store_batch_blocks``,
             ``store_threshold`` or ``max_tracker_size`` out of range (naming it).
+        TypeError: ``enable_events`` or ``offload_prompt_only`` not a bool (naming it; None or
+            0 would silently pick a mode).
         MemoryError: the host cannot hold the CPU pool's index and eviction policy (about 110
             bytes per CPU block); the message names ``num_blocks``, the bytes needed and the
             fix (a smaller ``cpu_bytes_to_use``). Nothing stays allocated.
@@ -192,41 +200,16 @@ class OffloadingScheduler:
         max_tracker_size: int = 64000,
         node_pool: NodePoolClient | None = None,
     ) -> None:
-        check_count(
-            "store_batch_blocks",
-            store_batch_blocks,
-            1,
-            1 << 20,
-            "[1, 2**20]",
-            "offloaded blocks; 1 stores every block as it fills",
+        check_scheduler_args(
+            spec.num_blocks,
+            spec.kv_cache_config.num_blocks,
+            enable_events=enable_events,
+            store_batch_blocks=store_batch_blocks,
+            offload_prompt_only=offload_prompt_only,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            node_pool=node_pool,
         )
-        check_count(
-            "store_threshold",
-            store_threshold,
-            0,
-            1 << 20,
-            "[0, 2**20]",
-            "offers; 0 or 1 stores every block, n >= 2 stores a block once it was offered n times",
-        )
-        check_count("max_tracker_size", max_tracker_size, 1 if store_threshold >= 2 else 0,
-                     2**31 - 1, "[1, 2**31 - 1]",
-                     "keys whose offers store_threshold counts; default 64000")  # fmt: skip
-        if spec.num_blocks > 2**31 - 1:
-            raise ValueError(
-                f"the CPU pool has {spec.num_blocks} blocks; at most 2**31 - 1 are supported: "
-                "lower cpu_bytes_to_use"
-            )
-        if spec.num_blocks < 1:
-            raise ValueError(
-                f"the CPU pool has {spec.num_blocks} blocks (num_gpu_blocks="
-                f"{spec.kv_cache_config.num_blocks}); give the engine GPU blocks and "
-                "cpu_bytes_to_use for at least one offloaded block"
-            )
-        if node_pool is not None and node_pool.num_slots != spec.num_blocks:
-            raise ValueError(
-                f"the node pool at {node_pool.socket_path} has {node_pool.num_slots} slots but "
-                f"the spec has {spec.num_blocks} CPU blocks; give the spec the pool's slots"
-            )
         self.spec = spec
         self.node_pool = node_pool
         self._pool_manager = None
@@ -247,7 +230,7 @@ class OffloadingScheduler:
             num_gpu_blocks=spec.kv_cache_config.num_blocks,
             groups=list(group_kinds(spec)),
             store_batch_blocks=store_batch_blocks,
-            offload_prompt_only=bool(offload_prompt_only),
+            offload_prompt_only=offload_prompt_only,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
             node_pool=self._pool_manager,

@@ -8,7 +8,15 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["check_count", "job_report", "key_bytes", "not_a", "token_count"]
+__all__ = [
+    "check_count",
+    "check_flag",
+    "check_scheduler_args",
+    "job_report",
+    "key_bytes",
+    "not_a",
+    "token_count",
+]
 
 
 def token_count(name: str, value: Any) -> int:
@@ -51,6 +59,18 @@ def job_report(item: Any) -> tuple[int, bool]:
     return operator.index(job_id), bool(success)
 
 
+def check_flag(name: str, value: object, *, none_ok: bool = False) -> None:
+    """Raises TypeError naming ``name`` unless ``value`` is a bool (Python's or numpy's bool
+    scalar; None too with ``none_ok``): ``bool(value)`` would read None, 0, "no" or "False"
+    as a flag and silently turn a feature on or off."""
+    if type(value).__name__ in ("bool", "bool_") or (none_ok and value is None):
+        return
+    also = ", or None for the default" if none_ok else ""
+    raise TypeError(
+        f"{name} must be a bool (True or False{also}), got {type(value).__name__} ({value!r})"
+    )
+
+
 def check_count(name: str, value: object, low: int, high: int, shown: str, what: str) -> None:
     """Raises ValueError naming ``name`` unless ``value`` is an int (not a bool) in
     ``[low, high]``; ``shown`` is the range as the message gives it, ``what`` its unit."""
@@ -84,3 +104,66 @@ def not_a(what: str, needs: str, value: object, error: AttributeError) -> TypeEr
         f"{what} must have {needs}, got {type(value).__name__} {shown} ({error}); nothing was "
         "changed"
     )
+
+
+def check_scheduler_args(
+    num_cpu_blocks: int,
+    num_gpu_blocks: int,
+    *,
+    enable_events: Any,
+    store_batch_blocks: Any,
+    offload_prompt_only: Any,
+    store_threshold: Any,
+    max_tracker_size: Any,
+    node_pool: Any,
+) -> None:
+    """The checks of :class:`kvoff.scheduler.OffloadingScheduler`'s constructor arguments, before
+    anything is made (its docstring gives the ranges): the CPU pool's size in offloaded blocks
+    (``num_cpu_blocks``, 1 to 2**31 - 1), the node pool's slot count against it, the two flags
+    and the three counts.
+
+    Raises:
+        TypeError: a flag that is not a bool.
+        ValueError: a count out of range or a pool size that does not fit, naming it.
+    """
+    check_flag("enable_events", enable_events)
+    check_flag("offload_prompt_only", offload_prompt_only)
+    check_count(
+        "store_batch_blocks",
+        store_batch_blocks,
+        1,
+        1 << 20,
+        "[1, 2**20]",
+        "offloaded blocks; 1 stores every block as it fills",
+    )
+    check_count(
+        "store_threshold",
+        store_threshold,
+        0,
+        1 << 20,
+        "[0, 2**20]",
+        "offers; 0 or 1 stores every block, n >= 2 stores a block once it was offered n times",
+    )
+    check_count(
+        "max_tracker_size",
+        max_tracker_size,
+        1 if store_threshold >= 2 else 0,
+        2**31 - 1,
+        "[1, 2**31 - 1]",
+        "keys whose offers store_threshold counts; default 64000",
+    )
+    if num_cpu_blocks > 2**31 - 1:
+        raise ValueError(
+            f"the CPU pool has {num_cpu_blocks} blocks; at most 2**31 - 1 are supported: "
+            "lower cpu_bytes_to_use"
+        )
+    if num_cpu_blocks < 1:
+        raise ValueError(
+            f"the CPU pool has {num_cpu_blocks} blocks (num_gpu_blocks={num_gpu_blocks}); give "
+            "the engine GPU blocks and cpu_bytes_to_use for at least one offloaded block"
+        )
+    if node_pool is not None and node_pool.num_slots != num_cpu_blocks:
+        raise ValueError(
+            f"the node pool at {node_pool.socket_path} has {node_pool.num_slots} slots but "
+            f"the spec has {num_cpu_blocks} CPU blocks; give the spec the pool's slots"
+        )

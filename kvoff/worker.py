@@ -51,6 +51,7 @@ from kvoff.jobs import (
 from kvoff.ops import batch_copy_supported, copy_blocks_fast
 from kvoff.pinned import HostPool
 from kvoff.registration import KVLayout, block_row_views
+from kvoff.scheduler_checks import check_flag
 from kvoff.slot_layout import (
     GPU_LAYOUTS,
     CPUBlockOutOfRange,
@@ -134,7 +135,8 @@ class OffloadingWorker:
     Raises:
         ValueError: on non-positive sizes, a negative budget or staging size, or an unknown
             mechanism.
-        TypeError: a size that is not an int (or a bool), a budget that is not a number.
+        TypeError: a size that is not an int (or a bool), a budget that is not a number, a
+            flag (``pin_memory``, ``attach_shared_memory``) that is not a bool.
     """
 
     def __init__(
@@ -167,6 +169,8 @@ class OffloadingWorker:
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__"):
                 raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        check_flag("pin_memory", pin_memory, none_ok=True)
+        check_flag("attach_shared_memory", attach_shared_memory)
         if isinstance(compute_slowdown_budget, bool) or not isinstance(
             compute_slowdown_budget, (int, float)
         ):
@@ -207,7 +211,7 @@ class OffloadingWorker:
         self.staging_bytes = operator.index(staging_bytes)
         self.staging_piece_bytes = operator.index(staging_piece_bytes)
         self.shared_memory_name = shared_memory_name
-        self.attach_shared_memory = bool(attach_shared_memory)
+        self.attach_shared_memory = attach_shared_memory
         self._pool: HostPool | None = None
         self._pool_tensor: torch.Tensor | None = None
         self._batch_supported: bool | None = None

@@ -29,7 +29,7 @@ from kvoff import (
     copy_blocks,
 )
 from kvoff.config import parse_byte_size
-from kvoff.scheduler import Request
+from kvoff.scheduler import OffloadingScheduler, Request
 
 
 def _sim_with_store_in_flight() -> tuple[EngineSim, int]:
@@ -423,6 +423,26 @@ def test_block_specs_take_ints_only() -> None:
             CPUBlockSpec(bad)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=match):
             GPUBlockSpec(bad, (1,), (0,))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", [None, 0, "False", 1.0])
+def test_scheduler_and_worker_flags_that_are_no_bool_are_refused_naming_them(flag: object) -> None:
+    """``bool(flag)`` read "False" as True and None as False: a scheduler made with
+    ``offload_prompt_only="False"`` stored prompt blocks only. Every flag of the two
+    constructors is a bool (numpy's too) or a TypeError naming it (``pin_memory`` may be None,
+    its default: pin when CUDA is there)."""
+    spec = EngineSim(block_size=4).spec
+    for name in ("enable_events", "offload_prompt_only"):
+        with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False\), got"):
+            OffloadingScheduler(spec, **{name: flag})
+    for name in ("pin_memory", "attach_shared_memory"):
+        if name == "pin_memory" and flag is None:
+            continue
+        with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False"):
+            OffloadingWorker(8, 4, **{name: flag})
+    s = OffloadingScheduler(spec, enable_events=np.True_, offload_prompt_only=np.False_)
+    assert s.stats()["num_cpu_blocks"] == spec.num_blocks
+    assert OffloadingWorker(8, 4, pin_memory=None).pin_memory is torch.cuda.is_available()
 
 
 def test_worker_sizes_of_the_wrong_type_name_the_argument() -> None:

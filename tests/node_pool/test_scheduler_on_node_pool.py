@@ -134,6 +134,19 @@ def test_a_spec_of_another_size_than_the_pool_is_refused(pool: Served) -> None:
         EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, node_pool=client)
 
 
+def test_a_flag_that_is_no_bool_is_refused_before_the_pool_is_asked(pool: Served) -> None:
+    """``enable_events="no"`` would be true for ``if enable_events``: the scheduler subscribed
+    the client to the pool's events and then failed in the core. The flags are checked first,
+    so a refused scheduler leaves its client as it was."""
+    client = NodePoolClient(pool.socket, b"sim-layout", name="x")
+    with pytest.raises(TypeError, match=r"enable_events must be a bool \(True or False\), got str"):
+        EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS, node_pool=client,
+                  enable_events="no")  # fmt: skip
+    assert not client._events_on  # not subscribed
+    EngineSim(block_size=4, num_gpu_blocks=32, num_cpu_blocks=SIM_SLOTS, node_pool=client)
+    assert client._events_on  # the harness's default, enable_events=True
+
+
 @pytest.mark.parametrize("lookahead", [256, 0], ids=["look-ahead", "no-look-ahead"])
 @pytest.mark.parametrize("lease_age", [0.0, 0.6], ids=["fresh-lease", "lease-past-half"])
 def test_a_leased_hit_loads_its_bytes_when_the_pool_goes_away_before_the_load(
