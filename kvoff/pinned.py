@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from kvoff.checks import check_flag
+
 __all__ = [
     "SHM_DIR",
     "SHM_HEADER_BYTES",
@@ -386,6 +388,7 @@ class HostPool:
             locked-memory limit, and says to lower the pool size or raise the limit; also when
             ``pin`` is asked for without CUDA.
         RuntimeError: when the host allocation itself fails (torch's out-of-memory error).
+        TypeError: ``pin``, ``attach`` or ``outlive_creator`` not a bool (naming it).
     """
 
     def __init__(
@@ -399,6 +402,8 @@ class HostPool:
         outlive_creator: bool = False,
         _registrar: _Registrar | None = None,
     ) -> None:
+        for name, flag in (("pin", pin), ("attach", attach), ("outlive_creator", outlive_creator)):
+            check_flag(name, flag)
         offsets = []
         total = 0
         for rows, row_bytes in shapes:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from kvoff.checks import check_flag
+
 __all__ = [
     "check_count",
-    "check_flag",
     "check_scheduler_args",
     "job_report",
     "key_bytes",
@@ -57,18 +58,6 @@ def job_report(item: Any) -> tuple[int, bool]:
     if type(success).__name__ not in ("bool", "bool_"):  # bool or numpy.bool_
         raise TypeError(f"success={success!r} in report {item!r} must be a bool")
     return operator.index(job_id), bool(success)
-
-
-def check_flag(name: str, value: object, *, none_ok: bool = False) -> None:
-    """Raises TypeError naming ``name`` unless ``value`` is a bool (Python's or numpy's bool
-    scalar; None too with ``none_ok``): ``bool(value)`` would read None, 0, "no" or "False"
-    as a flag and silently turn a feature on or off."""
-    if type(value).__name__ in ("bool", "bool_") or (none_ok and value is None):
-        return
-    also = ", or None for the default" if none_ok else ""
-    raise TypeError(
-        f"{name} must be a bool (True or False{also}), got {type(value).__name__} ({value!r})"
-    )
 
 
 def check_count(name: str, value: object, low: int, high: int, shown: str, what: str) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kvoff.calibration import AutoThresholds, worker_thresholds
+from kvoff.checks import check_flag
 from kvoff.job_table import JobTable, byte_shares
 from kvoff.jobs import (
     CPUBlockSpec,
@@ -51,7 +52,6 @@ from kvoff.jobs import (
 from kvoff.ops import batch_copy_supported, copy_blocks_fast
 from kvoff.pinned import HostPool
 from kvoff.registration import KVLayout, block_row_views
-from kvoff.scheduler_checks import check_flag
 from kvoff.slot_layout import (
     GPU_LAYOUTS,
     CPUBlockOutOfRange,

@@ -445,6 +445,28 @@ def test_scheduler_and_worker_flags_that_are_no_bool_are_refused_naming_them(fla
     assert OffloadingWorker(8, 4, pin_memory=None).pin_memory is torch.cuda.is_available()
 
 
+def test_pool_tier_and_node_pool_flags_that_are_no_bool_are_refused_before_anything() -> None:
+    """The same for the CPU pool, the tier coordinator and the node pool's client: the flag is
+    named before memory is allocated, a thread starts or a socket is opened (the client's
+    socket path does not exist, so any later step would raise NodePoolError instead)."""
+    from kvoff.node_pool import NodePoolClient
+    from kvoff.pinned import HostPool
+    from kvoff.tiers.coordinator import TieredPool
+
+    bool_error = r" must be a bool \(True or False\), got "
+    for name in ("pin", "attach", "outlive_creator"):
+        kw = {"pin": False, name: "False"}
+        with pytest.raises(TypeError, match=name + bool_error + "str"):
+            HostPool([(4, 64)], **kw)  # type: ignore[arg-type]
+    manager = CPUOffloadingManager(4)
+    with pytest.raises(TypeError, match="wait_when_full" + bool_error + "NoneType"):
+        TieredPool(manager, lambda i: np.zeros(64, np.uint8), [], wait_when_full=None)
+    for name in ("key_filter", "reserve"):
+        with pytest.raises(TypeError, match=name + bool_error + "int"):
+            NodePoolClient("/nonexistent/pool.sock", b"fp", **{name: 1})  # type: ignore[arg-type]
+    assert HostPool([(4, 64)], pin=np.False_).tensors[0].shape == (4, 64)
+
+
 def test_worker_sizes_of_the_wrong_type_name_the_argument() -> None:
     for kwargs, name in (
         ({"num_gpu_blocks": "8", "num_cpu_blocks": 4}, "num_gpu_blocks"),

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoff._scheduler import KeyFilter, NodePoolLoads, NodePoolStores
+from kvoff.checks import check_flag
 from kvoff.node_pool import protocol as p
 from kvoff.node_pool.answers import KeptAnswers, Leases
 from kvoff.node_pool.key_filter import EngineKeyFilter, attach_key_filter
@@ -144,6 +145,7 @@ class NodePoolClient:
 
     Raises:
         NodePoolError: nothing answers at ``socket_path`` (start ``kvoff pool serve``).
+        TypeError: ``key_filter`` or ``reserve`` not a bool (naming it).
     """
 
     def __init__(
@@ -160,6 +162,8 @@ class NodePoolClient:
         key_filter: bool = True,
         reserve: bool = False,
     ) -> None:
+        check_flag("key_filter", key_filter)
+        check_flag("reserve", reserve)
         if not 0 <= lookahead <= 0xFFFF or lookahead_s < 0 or spin_s < 0:
             raise ValueError(
                 f"lookahead must be 0..65535 keys, lookahead_s and spin_s >= 0 s, got "

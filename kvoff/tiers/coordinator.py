@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvoff.checks import check_flag
 from kvoff.tiers.base import SecondaryTier, check_int
 from kvoff.tiers.block_format import MAX_KEY_BYTES
 
@@ -291,7 +292,8 @@ class TieredPool:
     tiers stay open, not attached (the caller's to close or to attach again).
 
     Raises:
-        TypeError: ``write_queue_blocks`` is not an int (a bool, float, str, None...).
+        TypeError: ``write_queue_blocks`` is not an int (a bool, float, str, None...), or
+            ``wait_when_full`` not a bool.
         ValueError: ``write_queue_blocks`` outside 1..2**32 - 1; tiers with the same name;
             tiers whose ``fmt.payload_bytes`` differ from each other or from the size of an
             L1 slot (``slot(0)``); for a :class:`~kvoff.tiers.ranked.RankedTier`, a
@@ -309,6 +311,7 @@ class TieredPool:
         write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
         wait_when_full: bool = False,
     ) -> None:
+        check_flag("wait_when_full", wait_when_full)
         cap = check_int(
             write_queue_blocks,
             "write_queue_blocks",
