@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["check_flag"]
 
 
@@ -11,7 +13,7 @@ def check_flag(name: str, value: object, *, none_ok: bool = False) -> None:
     """Raises TypeError naming ``name`` unless ``value`` is a bool (Python's or numpy's bool
     scalar; None too with ``none_ok``): ``bool(value)`` would read None, 0, "no" or "False"
     as a flag and silently turn a feature on or off."""
-    if type(value).__name__ in ("bool", "bool_") or (none_ok and value is None):
+    if value.__class__ is bool or value.__class__ is np.bool_ or (none_ok and value is None):
         return
     also = ", or None for the default" if none_ok else ""
     raise TypeError(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
+from kvoff.checks import check_flag
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec
 
 __all__ = [
@@ -88,7 +89,8 @@ class ScheduledRequest:
 
     Raises:
         TypeError: ``new_block_ids`` is not a sequence of sequences of ints (a float, a str or
-            a bool as a block id).
+            a bool as a block id); ``resumed_from_preemption`` is not a bool (``"False"`` would
+            read as True and replace the request's block table with ``new_block_ids``).
     """
 
     request_id: str
@@ -98,6 +100,8 @@ class ScheduledRequest:
     resumed_from_preemption: bool = False
 
     def __post_init__(self) -> None:
+        if self.resumed_from_preemption.__class__ is not bool:  # one test on the common path
+            check_flag("resumed_from_preemption", self.resumed_from_preemption)
         object.__setattr__(self, "new_block_ids", _block_id_table(self.new_block_ids))
 
 

@@ -467,6 +467,24 @@ def test_pool_tier_and_node_pool_flags_that_are_no_bool_are_refused_before_anyth
     assert HostPool([(4, 64)], pin=np.False_).tensors[0].shape == (4, 64)
 
 
+def test_a_resumed_flag_that_is_no_bool_is_refused_and_the_step_is_as_without_it() -> None:
+    """``ScheduledRequest(..., resumed_from_preemption="False")`` read as resumed: the request's
+    block table was replaced by its new blocks, and later stores copied the wrong GPU blocks."""
+    from kvoff.scheduler import ScheduledRequest, SchedulerStep
+
+    s = OffloadingScheduler(EngineSim(block_size=4).spec)
+    req = Request("r", [b"h1", b"h2", b"h3"], 12)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, [], 0)
+    for bad in ("False", 0, None):
+        with pytest.raises(TypeError, match=r"resumed_from_preemption must be a bool"):
+            ScheduledRequest("r", ((5, 6, 7),), 0, 12, bad)  # type: ignore[arg-type]
+    meta = s.build_connector_meta(
+        SchedulerStep((ScheduledRequest("r", ((5, 6, 7),), 0, 12, np.False_),))
+    )
+    assert [j.gpu.block_ids for j in meta.store_jobs] == [(5, 6, 7)]
+
+
 def test_worker_sizes_of_the_wrong_type_name_the_argument() -> None:
     for kwargs, name in (
         ({"num_gpu_blocks": "8", "num_cpu_blocks": 4}, "num_gpu_blocks"),
