@@ -8,7 +8,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from kvoff.checks import check_flag
+from kvoff.checks import check_flag, is_flag
 
 __all__ = [
     "check_count",
@@ -55,7 +55,7 @@ def job_report(item: Any) -> tuple[int, bool]:
             ) from None
     if isinstance(job_id, bool) or not hasattr(job_id, "__index__"):
         raise TypeError(f"job_id={job_id!r} in report {item!r} must be an int")
-    if type(success).__name__ not in ("bool", "bool_"):  # bool or numpy.bool_
+    if not is_flag(success):
         raise TypeError(f"success={success!r} in report {item!r} must be a bool")
     return operator.index(job_id), bool(success)
 
