@@ -2,11 +2,12 @@
 without a model: the workers are simulated (every job reported done the step after it was
 handed out), so each store job's GPU blocks can be compared with vLLM's own block table.
 
-The case here is vLLM's streaming input (``Request(..., resumable=True)``): a session's next
+The cases here: vLLM's streaming input (``Request(..., resumable=True)``): a session's next
 input chunk is scheduled again as a *new* request under its old id, with its whole block table,
 and no ``request_finished`` in between. kvoff must replace the table it keeps, not append to
 it: appended, the session's later store jobs copied its first GPU blocks under the offload keys
-of later positions, and a later request with that prefix was offered that wrong KV."""
+of later positions, and a later request with that prefix was offered that wrong KV. And vLLM
+0.34's shape of a step, where a request resumed from preemption comes back the same way."""
 
 from __future__ import annotations
 
@@ -139,3 +140,111 @@ def test_a_hash_block_size_other_than_the_engines_is_refused_at_start() -> None:
         _scheduler(hash_block_size=8)
     scheduler, _ = _scheduler(hash_block_size=16)
     assert scheduler.connector is not None
+
+
+def _as_vllm_034(scheduler: Any, out: Any) -> tuple[Any, int]:
+    """``out`` (vLLM 0.32's SchedulerOutput) as vLLM 0.34 shapes the fields the connector reads
+    (``vllm/v1/core/sched/output.py`` and ``scheduler.py`` of 0.34.0): ``CachedRequestData`` has
+    no ``resumed_req_ids``, and a request resumed from preemption is re-sent in full among the
+    new requests, with its whole block table. Also returns how many requests were resumed."""
+    from types import SimpleNamespace
+
+    cached = out.scheduled_cached_reqs
+    resumed = set(cached.resumed_req_ids)
+    kept = [i for i, rid in enumerate(cached.req_ids) if rid not in resumed]
+    again = []
+    for i, rid in enumerate(cached.req_ids):
+        if rid in resumed:
+            table = scheduler.kv_cache_manager.get_block_ids(rid)
+            assert tuple(cached.new_block_ids[i]) == tuple(table)  # 0.32 sends it whole too
+            computed = cached.num_computed_tokens[i]
+            again.append(SimpleNamespace(req_id=rid, block_ids=table, num_computed_tokens=computed))
+    shaped = SimpleNamespace(
+        scheduled_new_reqs=[*out.scheduled_new_reqs, *again],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[cached.req_ids[i] for i in kept],
+            new_block_ids=[cached.new_block_ids[i] for i in kept],
+            num_computed_tokens=[cached.num_computed_tokens[i] for i in kept],
+        ),
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        finished_req_ids=out.finished_req_ids,
+        preempted_req_ids=out.preempted_req_ids,
+        kv_cache_block_copies=out.kv_cache_block_copies,
+    )
+    return shaped, len(again)
+
+
+def test_steps_shaped_as_vllm_034_give_the_jobs_of_vllm_032() -> None:
+    """vLLM 0.34 dropped ``CachedRequestData.resumed_req_ids`` (the connector read it every
+    step: an AttributeError on 0.34) and re-sends a resumed request as a new one. Two real
+    vLLM 0.32 schedulers run the same requests over a GPU pool small enough to preempt them,
+    one connector seeing each step as 0.32 sends it, the other as 0.34 would: the jobs are the
+    same, and every job's GPU blocks are vLLM's at the job's positions."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    runs = []
+    resumed_total = 0
+    for shape in (False, True):
+        scheduler, hasher = _scheduler()
+        workers = _Workers()
+        build = scheduler.connector.build_connector_meta
+        steps: list[list[tuple]] = []
+
+        def build_as_seen(out: Any, build: Any = build, scheduler: Any = scheduler,
+                          steps: list = steps, shape: bool = shape) -> Any:  # fmt: skip
+            nonlocal resumed_total
+            if shape:
+                out, n = _as_vllm_034(scheduler, out)
+                resumed_total += n
+            meta = build(out)
+            jobs = []
+            for job in [*meta.load_jobs, *meta.store_jobs]:
+                table = scheduler.kv_cache_manager.get_block_ids(job.request_id)[0]
+                (start,) = job.gpu.block_indices
+                assert list(job.gpu.block_ids) == table[start : start + len(job.gpu.block_ids)]
+                jobs.append((job.request_id, job.direction, tuple(job.gpu.block_ids), start,
+                             tuple(job.cpu.block_ids)))  # fmt: skip
+            steps.append(jobs)
+            return meta
+
+        scheduler.connector.build_connector_meta = build_as_seen
+        # four prompts, then the first two again once the GPU prefix cache has moved on
+        for n, i in enumerate((0, 1, 2, 3, 0, 1)):
+            scheduler.add_request(Request(
+                f"r{n}", _tokens(10 + i, 300),
+                SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0),
+                None, block_hasher=hasher,
+            ))  # fmt: skip
+            if i == 3:
+                for _ in range(1000):
+                    workers.step(scheduler)
+                    if not scheduler.requests:
+                        break
+        for _ in range(1000):
+            workers.step(scheduler)
+            if not scheduler.requests:
+                break
+        assert not scheduler.requests
+        runs.append(steps)
+    assert resumed_total > 0  # the pool was small enough: requests were preempted and resumed
+    assert runs[1] == runs[0]
+    assert any(job[1] == "load" for step in runs[0] for job in step)
+
+
+def test_the_connector_warns_when_it_starts_on_an_untested_vllm(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import vllm
+
+    from kvoff.integrations.vllm import versions
+
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    caplog.set_level(logging.WARNING, logger=versions.__name__)
+    scheduler, _ = _scheduler()
+    assert scheduler.connector is not None
+    ours = [r.getMessage() for r in caplog.records if r.name == versions.__name__]
+    assert len(ours) == 1 and "KvoffConnector is tested with vLLM 0.32.0" in ours[0]

@@ -81,11 +81,8 @@ with extra_imports("vllm", "kvoff.integrations.vllm"):
         KvoffCPUBlocks,
         KvoffOffloadingManager,
     )
-    from kvoff.integrations.vllm.translate import (
-        VLLM_SPEC_KEYS,
-        VLLM_TESTED_VERSIONS,
-        kvoff_kv_cache_config,
-    )
+    from kvoff.integrations.vllm.translate import VLLM_SPEC_KEYS, kvoff_kv_cache_config
+    from kvoff.integrations.vllm.versions import VLLM_TESTED_VERSIONS
     from kvoff.integrations.vllm.worker_role import KvoffConnectorWorker
 
 __all__ = [

@@ -25,6 +25,7 @@ from kvoff.integrations.vllm.node_pool_wiring import connector_node_pool
 from kvoff.integrations.vllm.scheduler_role import KvoffConnectorScheduler
 from kvoff.integrations.vllm.tier_wiring import check_tier_topology, worker_rank
 from kvoff.integrations.vllm.translate import cpu_spec, offloading_config
+from kvoff.integrations.vllm.versions import warn_if_untested
 from kvoff.integrations.vllm.worker_role import KvoffConnectorWorker
 from kvoff.offloading_spec import CPUOffloadingSpec
 from kvoff.scheduler import OffloadingScheduler, group_kinds
@@ -78,6 +79,7 @@ class KvoffConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: VllmKVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        warn_if_untested("KvoffConnector")
         self._config = offloading_config(
             self._kv_transfer_config.kv_connector_extra_config, spec_path=False
         )

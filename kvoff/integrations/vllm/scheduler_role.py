@@ -158,7 +158,9 @@ class KvoffConnectorScheduler:
             cached.new_block_ids,
             cached.num_computed_tokens,
             out.num_scheduled_tokens,
-            cached.resumed_req_ids,
+            # vLLM 0.34 dropped the field: it re-sends a resumed request in full among the new
+            # ones (the tail, whose tables replace the kept ones)
+            getattr(cached, "resumed_req_ids", ()),
             out.finished_req_ids,
             out.preempted_req_ids or (),
             [c.dst_block_id for c in copies] if copies else (),

@@ -24,6 +24,7 @@ from kvoff.integrations.vllm.metrics import configured_tier_counters
 from kvoff.integrations.vllm.spec_manager import KvoffOffloadingManager
 from kvoff.integrations.vllm.tier_wiring import attach_spec_tiers, spec_fingerprint
 from kvoff.integrations.vllm.translate import offloading_config, require_bytes
+from kvoff.integrations.vllm.versions import check_offloading_worker_interface, warn_if_untested
 from kvoff.jobs import CPUBlockSpec, GPUBlockSpec
 from kvoff.sizing import compute_num_cpu_blocks
 from kvoff.tiers.engine_tiers import pool_shm_name
@@ -148,6 +149,9 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     Raises:
         kvoff.config.ConfigError, ValueError: as :class:`KvoffConnector`.
+        RuntimeError: vLLM's ``OffloadingWorker`` interface is not the one this spec implements
+            (vLLM 0.34.0 hands workers device pointers;
+            :func:`kvoff.integrations.vllm.versions.check_offloading_worker_interface`).
         kvoff.pinned.SharedMemoryError: with tiers, when a rank's pool cannot be put in
             ``/dev/shm`` (too small: the message gives the sizes) or the scheduler cannot map
             it (the worker runs on another machine: tiers need every rank on the engine core's
@@ -171,6 +175,8 @@ class KvoffOffloadingSpec(OffloadingSpec):
         }
 
     def __init__(self, config: Any) -> None:
+        check_offloading_worker_interface()
+        warn_if_untested("KvoffOffloadingSpec")
         super().__init__(config)
         self.kvoff_config = offloading_config(self.extra_config, spec_path=True)
         self.node_pool: Any = None

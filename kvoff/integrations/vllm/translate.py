@@ -29,15 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VLLM_SPEC_KEYS",
-    "VLLM_TESTED_VERSIONS",
     "cpu_spec",
     "kvoff_kv_cache_config",
     "offloading_config",
     "require_bytes",
 ]
-
-VLLM_TESTED_VERSIONS: tuple[str, ...] = ("0.32.0",)
-"""vLLM releases whose tests (``tests/integrations/test_vllm.py``) pass against this kvoff."""
 
 VLLM_SPEC_KEYS: frozenset[str] = frozenset(
     {"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
