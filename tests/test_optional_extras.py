@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,15 @@ from pathlib import Path
 import pytest
 
 from kvoff._build_metadata import BASE_DEPENDENCIES
-from kvoff._optional import EXTRAS, MissingExtraError, extra_imports, require
+from kvoff._optional import (
+    EXTRAS,
+    VLLM_TESTED_VERSIONS,
+    MissingExtraError,
+    extra_imports,
+    installed_version,
+    require,
+    vllm_release_tested,
+)
 
 REDIS_LINE = (
     "the Redis Cluster tier (remote_url, --remote-url) needs redis-py, which is not installed: "
@@ -347,6 +356,34 @@ def test_extras_match_pyproject() -> None:
     assert extras["redis"] == ["redis[hiredis]>=5"]
     assert extras["plot"] == ["matplotlib>=3.5"]
     assert any(r.startswith("vllm") for r in extras["vllm"])
+    # what `kvoff info` looks the packages up by: each extra's requirement names a distribution
+    for module, spec in EXTRAS.items():
+        required = extras[spec.extra] if spec.extra is not None else [spec.requirement]
+        names = {re.split(r"[\[<>=!~ ]", r, maxsplit=1)[0] for r in required}
+        assert names & set(spec.distributions), (module, names, spec.distributions)
+    # the extra installs a vLLM release the integration is tested with
+    (vllm_pin,) = extras["vllm"]
+    assert vllm_release_tested(vllm_pin.split("==", 1)[1]), vllm_pin
+    assert f"vllm=={VLLM_TESTED_VERSIONS[-1]}" in EXTRAS["vllm"].install
+
+
+def test_vllm_release_tested_ignores_a_local_label() -> None:
+    assert vllm_release_tested("0.32.0") and vllm_release_tested("0.32.0+cu130")
+    assert not vllm_release_tested("0.34.0") and not vllm_release_tested("0.32.0rc1")
+    assert not vllm_release_tested("0.32")
+
+
+def test_installed_version_reads_metadata_without_importing() -> None:
+    import importlib.metadata
+
+    for module, spec in EXTRAS.items():
+        found = installed_version(module)
+        if found is not None:
+            assert found[0] in spec.distributions
+            assert found[1] == importlib.metadata.version(found[0])
+    assert installed_version("blake3") == ("blake3", importlib.metadata.version("blake3"))
+    with pytest.raises(KeyError):
+        installed_version("numpy")
 
 
 def test_require_refuses_a_package_that_is_not_an_extra() -> None:

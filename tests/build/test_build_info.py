@@ -182,6 +182,73 @@ def test_build_info_reports_stale_metadata(monkeypatch: pytest.MonkeyPatch) -> N
     assert "0.0.9+cpu" in problem and "reinstall" in problem
 
 
+# ---- packages imported on demand -------------------------------------------------------------
+def test_build_info_lists_the_packages_imported_on_demand() -> None:
+    from kvoff._optional import EXTRAS
+
+    info = build_info()
+    assert list(info.optional_packages) == list(EXTRAS)
+    for module, installed in info.optional_packages.items():
+        found = None
+        for name in EXTRAS[module].distributions:
+            try:
+                found = f"{name} {importlib.metadata.version(name)}"
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        assert installed == found, module
+    # blake3 is a dependency of kvoff, so always there; the test extra brings redis-py
+    assert info.optional_packages["blake3"] == f"blake3 {importlib.metadata.version('blake3')}"
+    assert info.optional_packages["redis"] is not None
+    assert info.vllm_tested is (None if info.optional_packages["vllm"] is None else True)
+    d = json.loads(info.to_json())
+    assert d["optional_packages"] == info.optional_packages and "vllm_tested" in d
+
+
+def test_kvoff_info_names_an_untested_vllm_and_a_missing_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An untested vLLM is reported, not a mismatch of the install (exit status 0); a missing
+    package is shown with the command that installs it."""
+    from kvoff import _optional
+
+    def installed(module: str) -> tuple[str, str] | None:
+        return {"vllm": ("vllm", "0.34.0"), "blake3": ("blake3", "1.0.0")}.get(module)
+
+    monkeypatch.setattr(_optional, "installed_version", installed)
+    info = build_info()
+    assert info.vllm_tested is False and info.runtime_matches
+    assert info.optional_packages["vllm"] == "vllm 0.34.0"
+    text, status = info_report()
+    assert status == 0
+    assert (
+        "  vLLM               0.34.0 (vllm), NOT TESTED with kvoff (tested: 0.32.0; "
+        'docs/vllm.md, "Other vLLM releases")'
+    ) in text.splitlines()
+    assert '  redis-py           not installed: pip install "kvoff[redis]"' in text.splitlines()
+    assert "  blake3             1.0.0" in text.splitlines()
+
+    monkeypatch.setattr(_optional, "installed_version", lambda module: None)
+    info = build_info()
+    assert info.vllm_tested is None and info.optional_packages["vllm"] is None
+    assert "tested with kvoff" not in info.format()
+
+
+def test_build_info_imports_no_optional_package(tmp_path) -> None:
+    """The report reads package metadata: importing vLLM would take seconds and start its
+    platform detection in every `kvoff info`."""
+    code = (
+        "import sys, kvoff; info = kvoff.build_info(); "
+        "print(sorted(m for m in ('vllm', 'matplotlib', 'redis', 'prometheus_client') "
+        "if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 # ---- kvoff info ------------------------------------------------------------------------------
 def test_kvoff_info_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info"]) == 0

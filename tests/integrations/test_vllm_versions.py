@@ -65,3 +65,6 @@ def test_an_untested_vllm_is_warned_about_once_per_integration(
     assert len(caplog.records) == 2
     text = caplog.records[0].getMessage()
     assert "KvoffConnector is tested with vLLM 0.32.0, and this is vLLM 0.34.0" in text
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setattr(vllm, "__version__", "0.32.0+cu130")  # a platform build of 0.32.0
+    assert not versions.warn_if_untested("KvoffConnector")

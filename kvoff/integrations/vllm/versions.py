@@ -14,12 +14,11 @@ from __future__ import annotations
 import inspect
 import logging
 
+from kvoff._optional import VLLM_TESTED_VERSIONS, vllm_release_tested
+
 __all__ = ["VLLM_TESTED_VERSIONS", "check_offloading_worker_interface", "warn_if_untested"]
 
 logger = logging.getLogger(__name__)
-
-VLLM_TESTED_VERSIONS: tuple[str, ...] = ("0.32.0",)
-"""vLLM releases whose tests (``tests/integrations/test_vllm.py``) pass against this kvoff."""
 
 _warned: set[str] = set()  # the integrations warned about in this process
 
@@ -33,13 +32,15 @@ def vllm_version() -> str:
 
 def warn_if_untested(integration: str) -> bool:
     """Logs one warning per process and ``integration`` (``"KvoffConnector"``,
-    ``"KvoffOffloadingSpec"``) when the installed vLLM is not in :data:`VLLM_TESTED_VERSIONS`.
+    ``"KvoffOffloadingSpec"``) when the installed vLLM is not a release in
+    :data:`VLLM_TESTED_VERSIONS` (:func:`kvoff._optional.vllm_release_tested`: a local label
+    such as ``+cu130`` is a build of the same release).
 
     Returns:
         True when it warned now.
     """
     version = vllm_version()
-    if version in VLLM_TESTED_VERSIONS or integration in _warned:
+    if vllm_release_tested(version) or integration in _warned:
         return False
     _warned.add(integration)
     logger.warning(
