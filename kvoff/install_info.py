@@ -377,9 +377,7 @@ def _optional_packages() -> tuple[dict[str, str | None], bool | None]:
     """:attr:`BuildInfo.optional_packages` and :attr:`BuildInfo.vllm_tested`."""
     from kvoff._optional import EXTRAS, installed_version, vllm_release_tested
 
-    packages: dict[str, str | None] = {}
-    for module in EXTRAS:
-        found = installed_version(module)
-        packages[module] = None if found is None else f"{found[0]} {found[1]}"
-    vllm = installed_version("vllm")
+    found = {module: installed_version(module) for module in EXTRAS}
+    packages = {m: None if f is None else f"{f[0]} {f[1]}" for m, f in found.items()}
+    vllm = found["vllm"]
     return packages, (None if vllm is None else vllm_release_tested(vllm[1]))
